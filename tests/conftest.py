@@ -1,0 +1,39 @@
+"""Shared pytest fixtures: fresh random seeds (printed, so a failure can be replayed) and GPU gating."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip @pytest.mark.gpu tests when no GPU is present."""
+    if _has_gpu():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test; set UNSLOTH_JAX_TEST_SEED to replay one. Printed so failures show it."""
+    value = int(os.environ.get("UNSLOTH_JAX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"test seed = {value}  (replay with UNSLOTH_JAX_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    """numpy Generator seeded from the fresh per-test seed."""
+    return np.random.default_rng(seed)

@@ -1,0 +1,20 @@
+"""Small numeric helpers shared by tests."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| computed in float64 (NaN anywhere gives inf)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape mismatch: {out.shape} vs {ref.shape}")
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / denom) if denom > 0 else float(num)
+
+
+TOL = {"float32": 1e-5, "float32_tf32": 1e-3, "bfloat16": 2e-2, "float16": 5e-3}
