@@ -1,0 +1,55 @@
+"""Tiny random-init transformers checkpoints of every supported family, for parity tests (needs torch)."""
+from __future__ import annotations
+
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+FAMILIES = {
+    "llama": dict(tie_word_embeddings=False),
+    "llama3_scaled": dict(tie_word_embeddings=True, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=False),
+    "gemma": dict(head_dim=32, hidden_activation="gelu_pytorch_tanh"),
+    "gemma2": dict(head_dim=32, num_hidden_layers=4, sliding_window=8, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh"),
+}
+
+
+def model_type_of(family: str) -> str:
+    return family.split("_")[0].replace("llama3", "llama")
+
+
+def make_hf_model(family: str, seed: int = 0, dtype=torch.float32):
+    """A transformers causal LM of `family` with every parameter randomised (norms around 1, biases nonzero)."""
+    import transformers
+
+    model_type = model_type_of(family)
+    kwargs = dict(TINY) | FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                base = 0.0 if model_type.startswith("gemma") else 1.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    model.eval()
+    return model
+
+
+def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32):
+    model = make_hf_model(family, seed, dtype)
+    model.save_pretrained(str(path))
+    return model

@@ -1,0 +1,87 @@
+"""Tokenizing training texts, and choosing a max_seq_length from the data."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1024  # texts per tokenizer call
+
+
+def _encode(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """Token ids of each text with the tokenizer's own special tokens (its BOS); a BOS doubled because the
+    text already starts with the BOS string (chat templates such as llama-3.1 / gemma write it) is dropped."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    bos = getattr(tokenizer, "bos_token", None)
+    out: list[list[int]] = []
+    for start in range(0, len(texts), _CHUNK):
+        chunk = list(texts[start:start + _CHUNK])
+        ids_list = tokenizer(chunk, add_special_tokens=True)["input_ids"]
+        for text, ids in zip(chunk, ids_list):
+            ids = list(ids)
+            if (bos_id is not None and bos and len(ids) >= 2 and ids[0] == bos_id and ids[1] == bos_id
+                    and text.startswith(bos)):
+                ids = ids[1:]
+            out.append(ids)
+    return out
+
+
+def tokenize_texts(texts: Sequence[str], tokenizer: Any, max_seq_length: int, add_eos: bool = False) -> list[dict]:
+    """Tokenize training texts into examples ``{"input_ids": list[int], "labels": list[int]}``.
+
+    BOS is added the way the tokenizer adds it (``add_special_tokens=True``), but not twice when the text
+    already begins with the BOS string. ``add_eos=True`` appends ``tokenizer.eos_token_id`` unless the ids
+    already end with it. Sequences are then truncated to ``max_seq_length`` (the number truncated is logged).
+    ``labels`` is a copy of ``input_ids`` (the loss shifts them; mask with train_on_responses_only).
+    """
+    if max_seq_length <= 0:
+        raise ValueError(f"max_seq_length must be positive, got {max_seq_length}")
+    if isinstance(texts, str):
+        texts = [texts]
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if add_eos and eos_id is None:
+        raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
+    examples, truncated = [], 0
+    for ids in _encode(texts, tokenizer):
+        if add_eos and (not ids or ids[-1] != eos_id):
+            ids.append(eos_id)
+        if len(ids) > max_seq_length:
+            truncated += 1
+            ids = ids[:max_seq_length]
+        examples.append({"input_ids": ids, "labels": list(ids)})
+    if truncated:
+        logger.warning("tokenize_texts: %d of %d texts were longer than max_seq_length=%d and were truncated",
+                       truncated, len(examples), max_seq_length)
+    return examples
+
+
+def suggest_max_seq_length(examples_or_texts: Sequence[Any], tokenizer: Any = None, quantile: float = 0.99,
+                           multiple_of: int = 64, cap: int | None = None) -> int:
+    """A max_seq_length that covers ``quantile`` of the data, rounded up to a multiple of ``multiple_of``.
+
+    ``examples_or_texts``: tokenized examples (dicts with ``input_ids``), id sequences, or strings (then
+    ``tokenizer`` is required and BOS counts as :func:`tokenize_texts` adds it). The result is at least
+    ``multiple_of`` and at most ``cap`` (when given).
+    """
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    if multiple_of <= 0:
+        raise ValueError(f"multiple_of must be positive, got {multiple_of}")
+    items = list(examples_or_texts)
+    if not items:
+        raise ValueError("suggest_max_seq_length needs at least one example or text")
+    if isinstance(items[0], str):
+        if tokenizer is None:
+            raise ValueError("suggest_max_seq_length got texts: pass the tokenizer to measure them")
+        lengths = [len(ids) for ids in _encode(items, tokenizer)]
+    else:
+        lengths = [len(x["input_ids"]) if isinstance(x, dict) else len(x) for x in items]
+    q = float(np.quantile(np.asarray(lengths, dtype=np.float64), quantile, method="higher"))
+    value = max(multiple_of, int(math.ceil(q / multiple_of)) * multiple_of)
+    if cap is not None:
+        value = min(value, int(cap))
+    return int(value)

@@ -1,0 +1,138 @@
+"""Load a Hugging Face safetensors checkpoint into the stacked param dict, streaming tensor by tensor.
+
+Each tensor is read from the memory-mapped file, transformed (projection weights transposed to [in, out]),
+cast to the compute dtype and written into its slot on the default device. Stacked params are preallocated on
+the device and filled one layer at a time by a donating update, so host memory stays near one tensor.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from unsloth_jax.hf.mapping import TensorSpec, stacked_shape, tensor_specs
+from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
+
+log = logging.getLogger("unsloth_jax")
+
+Params = dict
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
+    """buffer[layer] = value, in place on devices that support donation (layer is traced: one compile per shape)."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+
+
+def set_path(tree: dict, path: tuple[str, ...], value) -> None:
+    """tree[path[0]][path[1]]... = value, creating dicts on the way."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def get_path(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _to_param_layout(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    return array.T if spec.kind == "kernel" else array
+
+
+# A weight transform hook: (spec, host array in param layout, dtype) -> the device value to store. The 4-bit
+# loader passes one that quantizes projection kernels; the default casts and puts on the device.
+Placer = Callable[[TensorSpec, np.ndarray, jnp.dtype], object]
+
+
+def default_placer(spec: TensorSpec, array: np.ndarray, dtype) -> jax.Array:
+    return jnp.asarray(array, dtype=dtype)
+
+
+def load_params(
+    model_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    dtype=jnp.bfloat16,
+    *,
+    placer: Placer | None = None,
+    progress: bool = True,
+) -> Params:
+    """Read every tensor of the checkpoint in `model_dir` into the param dict of `cfg` in `dtype`.
+
+    Raises MissingTensorError / UnexpectedTensorError / ShapeMismatchError naming the tensor and file.
+    A `placer` may return a non-array value (e.g. an NF4 weight) for kernels; stacked values of that kind are
+    collected per layer and stacked with `jax.tree.map(jnp.stack)` at the end.
+    """
+    placer = placer or default_placer
+    specs = tensor_specs(cfg)
+    files = checkpoint_files(model_dir)
+    params: Params = {}
+    pending: dict[tuple[str, ...], list] = {}  # stacked params of a non-array kind, per layer
+    seen: set[str] = set()
+    tied_head_in_file = False
+    unexpected: list[str] = []
+    n_total = 0
+    for path in files:
+        with SafetensorsFile(path) as f:
+            n_total += len(f.keys())
+    bar = tqdm(total=n_total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                bar.update(1)
+                spec = specs.get(name)
+                if spec is None:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        tied_head_in_file = True  # some writers keep the tied copy; it equals the embedding
+                        continue
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # older checkpoints store the RoPE table; it is derived from the config
+                    unexpected.append(f"{name} (in {path.name})")
+                    continue
+                if name in seen:
+                    raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
+                if tuple(f.shape(name)) != spec.hf_shape:
+                    raise ShapeMismatchError(
+                        f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                        f"{list(spec.hf_shape)}"
+                    )
+                host = _to_param_layout(f.get(name), spec)
+                value = placer(spec, host, dtype)
+                del host
+                seen.add(name)
+                if spec.layer is None:
+                    set_path(params, spec.path, value)
+                elif isinstance(value, jax.Array):
+                    try:
+                        buffer = get_path(params, spec.path)
+                    except KeyError:
+                        buffer = jnp.zeros(stacked_shape(spec, cfg.num_hidden_layers), value.dtype)
+                    set_path(params, spec.path, _set_layer(buffer, value, spec.layer))
+                else:
+                    slots = pending.setdefault(spec.path, [None] * cfg.num_hidden_layers)
+                    slots[spec.layer] = value
+    bar.close()
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+        raise UnexpectedTensorError(
+            f"{model_dir}: checkpoint has tensors that a {cfg.model_type} model with this config.json does not use: {shown}"
+        )
+    missing = [n for n in specs if n not in seen]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")
+    for path, slots in pending.items():
+        set_path(params, path, jax.tree.map(lambda *xs: jnp.stack(xs), *slots))
+    if tied_head_in_file:
+        log.debug("ignored lm_head.weight: embeddings are tied in config.json")
+    return params

@@ -1,0 +1,115 @@
+"""Name tables: Hugging Face tensor name <-> unsloth_jax param path, with the transform between them.
+
+Params are a plain nested dict. Decoder layers are stacked on a leading axis L (for lax.scan):
+
+    embed_tokens [V, D]              <- model.embed_tokens.weight
+    norm [D]                         <- model.norm.weight
+    lm_head [V, D]                   <- lm_head.weight            (only when embeddings are untied)
+    layers/<norm name> [L, D]        <- model.layers.{i}.<norm name>.weight
+    layers/q_norm, k_norm [L, hd]    <- model.layers.{i}.self_attn.{q,k}_norm.weight   (Qwen3)
+    layers/<proj>/kernel [L, in, out] <- model.layers.{i}.<self_attn|mlp>.<proj>.weight  (transposed: HF is [out, in])
+    layers/<proj>/bias [L, out]      <- model.layers.{i}.<...>.<proj>.bias
+
+The lm_head keeps HF's [V, D] layout so a tied embedding serves as the head with no transpose.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from unsloth_jax.config import ModelConfig
+
+ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+PROJ_MODULE = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJS}
+
+# Per-layer tensors of each family: (HF suffix after "model.layers.{i}.", param path under "layers", kind).
+# kind: "norm" (copied), "kernel" (transposed [out, in] -> [in, out]), "bias" (copied).
+_LLAMA = [
+    ("input_layernorm.weight", ("input_layernorm",), "norm"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm",), "norm"),
+    *[(f"{PROJ_MODULE[p]}.{p}.weight", (p, "kernel"), "kernel") for p in ATTN_PROJS + MLP_PROJS],
+]
+_QKV_BIAS = [(f"self_attn.{p}.bias", (p, "bias"), "bias") for p in ("q_proj", "k_proj", "v_proj")]
+_O_BIAS = [("self_attn.o_proj.bias", ("o_proj", "bias"), "bias")]
+_MLP_BIAS = [(f"mlp.{p}.bias", (p, "bias"), "bias") for p in MLP_PROJS]
+_QK_NORM = [("self_attn.q_norm.weight", ("q_norm",), "norm"), ("self_attn.k_norm.weight", ("k_norm",), "norm")]
+_SANDWICH = [
+    ("pre_feedforward_layernorm.weight", ("pre_feedforward_layernorm",), "norm"),
+    ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm",), "norm"),
+]
+
+FAMILY_LAYER_TENSORS = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA + _QKV_BIAS,
+    "qwen3": _LLAMA + _QK_NORM,
+    "gemma": _LLAMA,
+    "gemma2": _LLAMA + _SANDWICH,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Where one HF tensor goes. `layer` is None for unstacked params; `hf_shape` is the expected HF shape."""
+
+    hf_name: str
+    path: tuple[str, ...]
+    layer: int | None
+    kind: str  # "embed" | "norm" | "kernel" | "bias"
+    hf_shape: tuple[int, ...]
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.hf_shape)) if self.kind == "kernel" else self.hf_shape
+
+
+def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """HF [out, in] shape of each projection."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return {
+        "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+        "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
+    }
+
+
+def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
+    """The family's per-layer table, with optional biases switched on by the config."""
+    entries = list(FAMILY_LAYER_TENSORS[cfg.model_type])
+    if cfg.qkv_bias and cfg.model_type != "qwen2":
+        entries += _QKV_BIAS
+    if cfg.o_bias:
+        entries += _O_BIAS
+    if cfg.mlp_bias:
+        entries += _MLP_BIAS
+    return entries
+
+
+def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor the checkpoint of `cfg` must hold, keyed by HF name."""
+    shapes = _proj_shapes(cfg)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    specs = {
+        "model.embed_tokens.weight": TensorSpec("model.embed_tokens.weight", ("embed_tokens",), None, "embed", (cfg.vocab_size, d)),
+        "model.norm.weight": TensorSpec("model.norm.weight", ("norm",), None, "norm", (d,)),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head",), None, "embed", (cfg.vocab_size, d))
+    for i in range(cfg.num_hidden_layers):
+        for suffix, sub, kind in layer_entries(cfg):
+            name = f"model.layers.{i}.{suffix}"
+            if kind == "kernel":
+                shape = shapes[sub[0]]
+            elif kind == "bias":
+                shape = (shapes[sub[0]][0],)
+            elif sub[0] in ("q_norm", "k_norm"):
+                shape = (hd,)
+            else:
+                shape = (d,)
+            specs[name] = TensorSpec(name, ("layers",) + sub, i, kind, shape)
+    return specs
+
+
+def stacked_shape(spec: TensorSpec, num_layers: int) -> tuple[int, ...]:
+    """Shape of the param that holds `spec` (with the leading layer axis for stacked params)."""
+    return spec.param_shape if spec.layer is None else (num_layers,) + spec.param_shape

@@ -1,0 +1,244 @@
+"""Op dispatch: one function per op, choosing a Pallas kernel, cuDNN or the plain-XLA reference.
+
+The choice depends on the backend, the features a call asks for, and the measured table below (a kernel is
+dispatched only where the GPU benchmarks showed it faster than XLA's fusion of the same math). Users override
+it with `set_impl(op, "xla" | "pallas" | "cudnn" | "auto")` or the environment variable
+`UNSLOTH_JAX_IMPL="op=impl,op=impl"`. Each op logs its choice once.
+
+Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import reference as ref
+
+log = logging.getLogger("unsloth_jax")
+
+OPS = ("rms_norm", "rope", "glu", "linear", "attention", "cross_entropy")
+_overrides: dict[str, str] = {}
+_logged: set[tuple[str, str]] = set()
+
+
+def _env_overrides() -> dict[str, str]:
+    raw = os.environ.get("UNSLOTH_JAX_IMPL", "")
+    out = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        op, _, impl = item.partition("=")
+        out[op.strip()] = impl.strip()
+    return out
+
+
+def set_impl(op: str, impl: str) -> None:
+    """Force an implementation for `op` ("auto" restores the measured choice)."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    if impl not in ("auto", "xla", "pallas", "cudnn"):
+        raise ValueError(f"unknown implementation {impl!r}; use auto, xla, pallas or cudnn")
+    if impl == "auto":
+        _overrides.pop(op, None)
+    else:
+        _overrides[op] = impl
+
+
+def requested_impl(op: str) -> str:
+    """The user's override for `op` ("auto" when none)."""
+    return _overrides.get(op) or _env_overrides().get(op) or "auto"
+
+
+def _note(op: str, impl: str, why: str = "") -> None:
+    if (op, impl) not in _logged:
+        _logged.add((op, impl))
+        log.info("unsloth_jax: %s -> %s%s", op, impl, f" ({why})" if why else "")
+
+
+def chosen_impls() -> dict[str, str]:
+    """What each op used so far in this process (for the one-line summary)."""
+    out: dict[str, str] = {}
+    for op, impl in sorted(_logged):
+        out[op] = impl if op not in out else out[op] + "+" + impl
+    return out
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# ----------------------------------------------------------------------------------------------- norms
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + weight); statistics in f32, output in x.dtype."""
+    _note("rms_norm", "xla")
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ rope
+def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rotate q [B,S,Hq,D] and k [B,S,Hkv,D] by cos/sin [B,S,D] (HF rotate-half layout)."""
+    _note("rope", "xla")
+
+    def rot(x):
+        xf = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+        return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+    return rot(q), rot(k)
+
+
+# ------------------------------------------------------------------------------------------------- glu
+def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    """act(gate) * up for activation in {"silu", "gelu", "gelu_tanh"}; math in f32, output in gate.dtype."""
+    _note("glu", "xla")
+    g = gate.astype(jnp.float32)
+    if activation == "silu":
+        a = g * jax.nn.sigmoid(g)
+    elif activation == "gelu":
+        a = jax.nn.gelu(g, approximate=False)
+    elif activation == "gelu_tanh":
+        a = jax.nn.gelu(g, approximate=True)
+    else:
+        raise ValueError(f"unknown activation {activation!r}")
+    return (a * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- linear
+def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
+    """x [..., in] @ p["kernel"] [in, out] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b); output in x.dtype.
+
+    The frozen kernel is wrapped in stop_gradient, so even a caller differentiating w.r.t. all params gets
+    no gradient computation for it.
+    """
+    _note("linear", "xla")
+    w = jax.lax.stop_gradient(p["kernel"])
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if "lora_a" in p and lora_scale is not None:
+        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(x.dtype), preferred_element_type=jnp.float32)
+        y = y + lora_scale * jnp.einsum("...r,ro->...o", xa.astype(x.dtype), p["lora_b"].astype(x.dtype),
+                                        preferred_element_type=jnp.float32)
+    if "bias" in p:
+        y = y + p["bias"].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- attention
+NEG_INF = -1e30
+
+
+def attention_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    window: int | None,
+    kv_valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+) -> jax.Array:
+    """Boolean mask [B or 1, q_len, kv_len]: True where query i may attend key j.
+
+    Query i sits at absolute index q_offset + i (decoding with a cache); causal means j <= that index; a
+    window w keeps only keys with index > query index - w (HF's definition); kv_valid [B, kv_len] masks padding;
+    segment_ids [B, S] restricts attention to equal ids (packing).
+    """
+    qi = (jnp.arange(q_len) + q_offset)[:, None]
+    kj = jnp.arange(kv_len)[None, :]
+    mask = jnp.ones((q_len, kv_len), bool)
+    if causal:
+        mask = mask & (kj <= qi)
+    if window is not None:
+        mask = mask & (qi - kj < window)
+    mask = mask[None]
+    if kv_valid is not None:
+        mask = mask & kv_valid[:, None, :].astype(bool)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask
+
+
+def _attention_xla(q, k, v, mask, scale, softcap):
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, s, hkv, g, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, hq, d).astype(q.dtype)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
+    kv_valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+) -> jax.Array:
+    """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
+
+    Chooses cuDNN on GPU when the call needs only causal/window masking, else the XLA reference.
+    """
+    impl = requested_impl("attention")
+    simple = kv_valid is None and segment_ids is None and softcap is None and q.shape[1] == k.shape[1]
+    if impl in ("auto", "cudnn") and _on_gpu() and simple and isinstance(q_offset, int) and q_offset == 0:
+        _note("attention", "cudnn")
+        local = None if window is None else (window - 1, 0)
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn"
+        )
+    _note("attention", "xla")
+    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
+                          segment_ids=segment_ids, q_offset=q_offset)
+    return _attention_xla(q, k, v, mask, scale, softcap)
+
+
+# --------------------------------------------------------------------------------------- cross entropy
+def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
+                  ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
+    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T."""
+    _note("cross_entropy", "xla")
+    return chunked_cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk=chunk)
+
+
+def chunked_cross_entropy(hidden, lm_head, labels, *, softcap=None, ignore_index=-100, chunk=1024):
+    """XLA cross-entropy over chunks of `chunk` tokens; each chunk's [chunk, V] logits are recomputed in backward."""
+    t, d = hidden.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, chunk, d)
+    y = jnp.pad(labels, (0, pad), constant_values=ignore_index).reshape(n, chunk)
+
+    @jax.checkpoint
+    def one(h_c, y_c):
+        logits = jnp.einsum("td,vd->tv", h_c, lm_head.astype(h_c.dtype), preferred_element_type=jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        valid = y_c != ignore_index
+        tgt = jnp.take_along_axis(logits, jnp.where(valid, y_c, 0)[:, None], axis=-1)[:, 0]
+        return jnp.sum(jnp.where(valid, lse - tgt, 0.0)), jnp.sum(valid)
+
+    def body(carry, xs):
+        loss, count = one(*xs)
+        return (carry[0] + loss, carry[1] + count), None
+
+    (total, count), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), (h, y))
+    return total / jnp.maximum(count, 1).astype(jnp.float32)
+
+
+__all__ = ["OPS", "set_impl", "requested_impl", "chosen_impls", "rms_norm", "rope", "glu", "linear",
+           "attention", "attention_mask", "cross_entropy", "chunked_cross_entropy", "ref"]
