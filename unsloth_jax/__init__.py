@@ -7,3 +7,7 @@ from unsloth_jax.config import ModelConfig
 
 __version__ = "0.1.0"
 __all__ = ["FastLanguageModel", "Model", "ModelConfig", "is_bfloat16_supported", "__version__"]
+
+from unsloth_jax.train import SFTTrainer, TrainingArguments  # noqa: E402
+
+__all__ += ["SFTTrainer", "TrainingArguments"]

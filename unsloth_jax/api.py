@@ -17,6 +17,7 @@ from unsloth_jax.models import decoder
 
 log = logging.getLogger("unsloth_jax")
 
+_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16,
            "float32": jnp.float32, "fp32": jnp.float32}
 
@@ -92,6 +93,15 @@ class Model:
     def lora_scale(self) -> float | None:
         return None if self.lora is None else self.lora.scale
 
+    @property
+    def is_trainable(self):
+        """The rule (param path -> bool) that lora.split uses for this model."""
+        from unsloth_jax import lora
+
+        if self.lora is None:
+            return lora.is_lora_leaf
+        return lora.make_is_trainable(self.lora.modules_to_save or (), self.lora.bias, self.lora.target_modules)
+
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         """Logits [batch, seq, vocab] (float32) for input_ids [batch, seq]."""
         input_ids = jnp.asarray(input_ids, jnp.int32)
@@ -156,3 +166,44 @@ class FastLanguageModel:
                  cfg.num_hidden_layers, seconds, compute_dtype.name, " + NF4 4-bit" if load_in_4bit else "",
                  jax.devices()[0].platform, f", {mem:.2f} GiB in use" if mem is not None else "")
         return model, tokenizer
+
+    @staticmethod
+    def get_peft_model(model: Model, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
+                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
+                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
+                        max_seq_length: int | None = None, **kwargs) -> Model:
+        from unsloth_jax import lora
+        from unsloth_jax.train.step import resolve_remat
+
+        if kwargs:
+            raise TypeError(f"get_peft_model() got unexpected keyword argument(s): {', '.join(kwargs)}")
+        if loftq_config:
+            raise NotImplementedError("loftq_config is not supported")
+        if lora_dropout:
+            log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
+                        "(dropout 0 is what Unsloth recommends and what the fast path uses)", lora_dropout)
+        targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+        saved = tuple(modules_to_save) if modules_to_save else None
+        settings = LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout,
+                                bias=bias, use_rslora=use_rslora, modules_to_save=saved)
+        lora.make_is_trainable(saved or (), bias, targets)  # validates bias
+        lora_dtype = jnp.float32 if model.dtype == jnp.float32 else model.dtype
+        model.params = lora.add_lora(model.params, targets, r, jax.random.PRNGKey(random_state), dtype=lora_dtype)
+        model.lora = settings
+        model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
+        if max_seq_length:
+            model.max_seq_length = max_seq_length
+        trainable, frozen = lora.split(model.params, model.is_trainable)
+        n_train, n_all = lora.count(trainable), lora.count(model.params)
+        print(f"trainable params: {n_train:,d} || all params: {n_all:,d} || trainable%: {100 * n_train / n_all:.4f}")
+        return model
+
+    @staticmethod
+    def for_inference(model: Model) -> Model:
+        model.training = False
+        return model
+
+    @staticmethod
+    def for_training(model: Model, use_gradient_checkpointing=True) -> Model:
+        model.training = True
+        return model

@@ -1,0 +1,117 @@
+"""The jit-compiled LoRA train step.
+
+    step = make_train_step(cfg, optimizer, lora_scale=..., remat="full")
+    trainable, opt_state, metrics = step(trainable, frozen, opt_state, batch)
+
+`batch` holds int32 arrays [A, B, S] (A micro-batches for gradient accumulation; A may be 1): input_ids,
+labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
+attention_mask, and optionally segment_ids and positions (packing). Gradients are taken with respect to
+`trainable` only; `frozen` enters the loss as a constant. The loss over the accumulated micro-batches equals
+the loss of one big batch (each micro-batch's mean is weighted by its count of target tokens).
+
+A step whose loss or gradient is not finite leaves params and optimizer state untouched and reports
+`skipped=1`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from unsloth_jax import lora, ops
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.models import decoder
+
+log = logging.getLogger("unsloth_jax")
+
+GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
+                          "unsloth": "offload", "offload": "offload"}
+
+
+def host_offload_supported() -> bool:
+    """Pinned-host offload of remat residuals works on GPU backends (checked on the H200, jax 0.11.2)."""
+    return jax.default_backend() == "gpu"
+
+
+def resolve_remat(use_gradient_checkpointing) -> str:
+    """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
+    fallback (plain remat, one notice) where the backend has no pinned host memory."""
+    if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
+        raise ValueError(f"use_gradient_checkpointing must be False, True or 'unsloth', got {use_gradient_checkpointing!r}")
+    mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
+    if mode == "offload" and not host_offload_supported():
+        log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
+                    "per-layer rematerialisation on %s", jax.default_backend())
+        mode = "full"
+    return mode
+
+
+def loss_and_count(params: dict, cfg: ModelConfig, batch: dict, *, lora_scale: float | None, remat: str,
+                   loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """(mean next-token loss over target tokens, number of target tokens) for one micro-batch [B, S]."""
+    ids = batch["input_ids"]
+    b = decoder.make_batch(ids, batch.get("attention_mask"), batch.get("positions"), batch.get("segment_ids"))
+    h = decoder.hidden_states(params, cfg, ids, b, lora_scale=lora_scale, remat=remat)
+    targets = batch["labels"][:, 1:]
+    h = h[:, :-1].reshape(-1, h.shape[-1])
+    targets = targets.reshape(-1)
+    head = decoder.lm_head_weight(params)
+    loss = ops.cross_entropy(h, head, targets, softcap=cfg.final_softcap, chunk=loss_chunk)
+    return loss, jnp.sum(targets != -100)
+
+
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *, lora_scale: float | None,
+                    remat: str = "full", loss_chunk: int = 1024, donate: bool = True):
+    """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
+
+    metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
+    skipped (1 when the update was dropped for a non-finite loss or gradient).
+    """
+
+    def micro_loss(trainable, frozen, micro):
+        params = lora.merge(trainable, frozen)
+        loss, n = loss_and_count(params, cfg, micro, lora_scale=lora_scale, remat=remat, loss_chunk=loss_chunk)
+        return loss * n, n
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def step(trainable, frozen, opt_state, batch):
+        def accumulate(carry, micro):
+            g_sum, l_sum, n_sum = carry
+            (l, n), g = grad_fn(trainable, frozen, micro)
+            return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, n_sum + n), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (g_sum, l_sum, n_sum), _ = jax.lax.scan(accumulate, init, batch)
+        denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / denom, g_sum)
+        loss = l_sum / denom
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        updates, new_opt = optimizer.update(grads, opt_state, trainable)
+        new_params = optax.apply_updates(trainable, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep, new_params, trainable)
+        new_opt = jax.tree.map(keep, new_opt, opt_state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_sum, "skipped": (~finite).astype(jnp.int32)}
+        return new_params, new_opt, metrics
+
+    return jax.jit(step, donate_argnums=(0, 2) if donate else ())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "loss_chunk"))
+def eval_loss(trainable, frozen, batch, *, cfg: ModelConfig, lora_scale, loss_chunk: int = 1024):
+    """(sum of token losses, token count) over a batch [A, B, S] without gradients."""
+
+    def one(carry, micro):
+        loss, n = loss_and_count(lora.merge(trainable, frozen), cfg, micro, lora_scale=lora_scale, remat="none",
+                                 loss_chunk=loss_chunk)
+        return (carry[0] + loss * n, carry[1] + n), None
+
+    (total, n), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), batch)
+    return total, n
