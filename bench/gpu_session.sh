@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
+# Stages: tests kernels train15 train8b parity attention (default: tests kernels train15).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+PY=${PY:-python3}
+CK=/tmp/ckpt
+stages=${*:-tests kernels train15}
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
+log "stages: $stages"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/session.log"
+$PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
+for st in $stages; do
+  case $st in
+    tests)
+      log "pytest -m gpu"
+      timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt" ;;
+    kernels)
+      for b in kernels_elementwise kernels_matmul nf4; do
+        [ -f bench/$b.py ] || continue
+        log "bench $b"
+        timeout 150 $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl"
+      done ;;
+    attention)
+      log "bench attention"
+      timeout 240 $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
+    train15)
+      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -2
+      for r in unsloth true; do
+        log "train qwen2-1.5b remat=$r"
+        timeout 200 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl"
+      done ;;
+    train8b)
+      $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2
+      log "train llama3-8b"
+      timeout 240 $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat unsloth 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+    parity)
+      for m in llama3-8b gemma2-2b; do
+        $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2
+        log "parity $m"
+        timeout 200 $PY bench/gpu_parity.py $CK/$m 2>>"$OUT/parity_err.txt" | tail -1 | tee -a "$OUT/parity.jsonl"
+      done ;;
+  esac
+done
+log "done"
+tail -c 3000 "$OUT"/*err.txt 2>/dev/null | tail -40
