@@ -131,8 +131,9 @@ def test_loss_parity_with_peft(llama_dir, rng):
     state = opt.init(t)
     step = make_train_step(model.config, opt, lora_scale=model.lora_scale, remat="none", donate=False)
     ours, theirs = [], []
-    for _ in range(steps):
-        batch = _batch(rng)
+    batches = [_batch(rng) for _ in range(2)]  # cycled, so the loss must fall as the adapter fits them
+    for i in range(steps):
+        batch = batches[i % 2]
         t, state, m = step(t, f, state, batch)
         ours.append(float(m["loss"]))
         out = pm(input_ids=torch.tensor(batch["input_ids"][0], dtype=torch.long),
@@ -144,7 +145,7 @@ def test_loss_parity_with_peft(llama_dir, rng):
         opt_t.step()
     rel = np.abs(np.array(ours) - np.array(theirs)) / np.abs(np.array(theirs))
     assert rel.max() < 1e-4, list(zip(ours, theirs))
-    assert ours[-1] < ours[0]
+    assert ours[-2] + ours[-1] < ours[0] + ours[1]
 
 
 def test_gradient_accumulation_equals_big_batch(llama_dir, rng):

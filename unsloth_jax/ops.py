@@ -116,14 +116,13 @@ def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
     """
     _note("linear", "xla")
     w = jax.lax.stop_gradient(p["kernel"])
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))  # f32 accumulation, output in x.dtype
     if "lora_a" in p and lora_scale is not None:
-        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(x.dtype), preferred_element_type=jnp.float32)
-        y = y + lora_scale * jnp.einsum("...r,ro->...o", xa.astype(x.dtype), p["lora_b"].astype(x.dtype),
-                                        preferred_element_type=jnp.float32)
+        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(x.dtype))
+        y = y + (lora_scale * jnp.einsum("...r,ro->...o", xa, p["lora_b"].astype(x.dtype))).astype(x.dtype)
     if "bias" in p:
-        y = y + p["bias"].astype(jnp.float32)
-    return y.astype(x.dtype)
+        y = y + p["bias"].astype(x.dtype)
+    return y
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -187,18 +186,23 @@ def attention(
     kv_valid: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
+    kv_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
 
-    Chooses cuDNN on GPU when the call needs only causal/window masking, else the XLA reference.
+    kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
+    the length are padding. Chooses cuDNN on GPU when the call needs only causal/window masking and right
+    padding, else the XLA reference.
     """
     impl = requested_impl("attention")
-    simple = kv_valid is None and segment_ids is None and softcap is None and q.shape[1] == k.shape[1]
+    padding_ok = kv_valid is None or kv_lengths is not None
+    simple = padding_ok and segment_ids is None and softcap is None and q.shape[1] == k.shape[1]
     if impl in ("auto", "cudnn") and _on_gpu() and simple and isinstance(q_offset, int) and q_offset == 0:
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn"
+            q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn",
+            query_seq_lengths=kv_lengths, key_value_seq_lengths=kv_lengths,
         )
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,

@@ -32,6 +32,7 @@ class Batch(NamedTuple):
     positions: jax.Array
     kv_valid: jax.Array | None  # attention_mask (1 = real token); None when there is no padding
     segment_ids: jax.Array | None  # packing: attend only within equal ids
+    kv_lengths: jax.Array | None = None  # [B] real lengths when the padding is known to be on the right
 
 
 # ---------------------------------------------------------------------------------------------- rope
@@ -93,7 +94,7 @@ def attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin, batch: Ba
     new_cache = None
     if cache is None:
         out = ops.attention(q, k, v, scale=cfg.scale, causal=True, window=window, softcap=cfg.attn_softcap,
-                            kv_valid=batch.kv_valid, segment_ids=batch.segment_ids)
+                            kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths)
     else:
         ck, cv, valid, index = cache
         ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=1)
@@ -155,13 +156,18 @@ def lm_head_weight(params: dict) -> jax.Array:
     return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
 
 
-def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None) -> Batch:
+def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None, right_padded: bool = False) -> Batch:
+    """Side inputs of a forward pass. right_padded=True promises that every row's padding is at its end
+    (training batches), which lets attention use cuDNN's sequence-length masking."""
+    lengths = None
+    if right_padded and attention_mask is not None:
+        lengths = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     if positions is None:
         if attention_mask is not None:
             positions = positions_from_mask(attention_mask)
         else:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-    return Batch(positions=positions, kv_valid=attention_mask, segment_ids=segment_ids)
+    return Batch(positions=positions, kv_valid=attention_mask, segment_ids=segment_ids, kv_lengths=lengths)
 
 
 def hidden_states(params: dict, cfg: ModelConfig, input_ids: jax.Array, batch: Batch, *,

@@ -5,7 +5,7 @@
 
 `batch` holds int32 arrays [A, B, S] (A micro-batches for gradient accumulation; A may be 1): input_ids,
 labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
-attention_mask, and optionally segment_ids and positions (packing). Gradients are taken with respect to
+attention_mask (padding on the right), and optionally positions, and segment_ids for packed rows. Gradients are taken with respect to
 `trainable` only; `frozen` enters the loss as a constant. The loss over the accumulated micro-batches equals
 the loss of one big batch (each micro-batch's mean is weighted by its count of target tokens).
 
@@ -53,7 +53,9 @@ def loss_and_count(params: dict, cfg: ModelConfig, batch: dict, *, lora_scale: f
                    loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
     """(mean next-token loss over target tokens, number of target tokens) for one micro-batch [B, S]."""
     ids = batch["input_ids"]
-    b = decoder.make_batch(ids, batch.get("attention_mask"), batch.get("positions"), batch.get("segment_ids"))
+    segments = batch.get("segment_ids")
+    b = decoder.make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
+                           right_padded=segments is None)
     h = decoder.hidden_states(params, cfg, ids, b, lora_scale=lora_scale, remat=remat)
     targets = batch["labels"][:, 1:]
     h = h[:, :-1].reshape(-1, h.shape[-1])
@@ -88,7 +90,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (g_sum, l_sum, n_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g / denom, g_sum)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, trainable)
         loss = l_sum / denom
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

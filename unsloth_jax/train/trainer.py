@@ -136,7 +136,8 @@ class SFTTrainer:
             micro.append(loader.batch(g // len(loader), g % len(loader)))
         length = max(m["input_ids"].shape[1] for m in micro)
         micro = [_pad_to(m, length, self._pad_id()) for m in micro]
-        return {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+        keys = [k for k in micro[0] if self.packing or k != "segment_ids"]  # unpacked rows: right padding only
+        return {k: np.stack([m[k] for m in micro]) for k in keys}
 
     def _apply_precision_flags(self) -> None:
         want = jnp.bfloat16 if self.args.bf16 else jnp.float16 if self.args.fp16 else None
