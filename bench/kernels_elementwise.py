@@ -1,9 +1,10 @@
 """Benchmark RMSNorm, RoPE and SwiGLU/GEGLU Pallas kernels against their jitted plain-jnp twins.
 
     python bench/kernels_elementwise.py            # ANCHORS.md shapes, bf16 (about 1-2 minutes on an H200)
+    python bench/kernels_elementwise.py --full     # + [16384,4096] RMSNorm and erf-GEGLU
     python bench/kernels_elementwise.py --quick    # one shape per kernel (smoke run)
     python bench/kernels_elementwise.py --sweep    # sweep block configs, print the best per table key
-    python bench/kernels_elementwise.py --sweep --only glu      # sweep one kernel family
+    python bench/kernels_elementwise.py --sweep --only glu      # sweep one family (rms_norm, rope, glu)
     python bench/kernels_elementwise.py --tiny     # tiny shapes, runs anywhere (CPU interpret mode)
 
 One JSON line per measurement: name, shape, dtype, impl ("pallas" | "xla"), fwd_ms, fwdbwd_ms, grad_ms,
@@ -111,10 +112,12 @@ class Case:
     ct: Any
     bytes_fwd: int
     bytes_bwd: int
-    kernel: Callable  # kernel(cfg_or_None) -> f(*args)
+    kernel: Callable  # kernel(fwd_cfg=None, bwd_cfg=None) -> f(*args); None -> the module's table config
     reference: Callable  # f(*args)
     config: Any = None
-    sweep: Callable | None = None  # () -> list of (label, fwd-config-or-None, bwd-config-or-None, kind)
+    # () -> (fwd space, bwd space, refine | None); a space is a list of (phase, fwd cfg | None, bwd cfg | None),
+    # refine(best config of the last non-empty phase) -> more candidates for that phase.
+    sweep: Callable | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -173,7 +176,7 @@ def glu_case(kind, shape, dtype, label=""):
     g, u, dh = _rand(k[0], shape, dtype, 2.0), _rand(k[1], shape, dtype), _rand(k[2], shape, dtype)
     n = int(np.prod(shape))
     sz = jnp.dtype(dtype).itemsize
-    fcfg, bcfg = glu_mod.config(n, dtype, "fwd"), glu_mod.config(n, dtype, "bwd")
+    fcfg, bcfg = glu_mod.config(n, dtype, "fwd", kind), glu_mod.config(n, dtype, "bwd", kind)
     refs = {"silu": ref.swiglu, "gelu": ref.geglu, "gelu_tanh": lambda a, b_: ref.geglu(a, b_, True)}
     names = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh"}
 
@@ -185,20 +188,20 @@ def glu_case(kind, shape, dtype, label=""):
         args=(g, u), nconst=0, ct=dh, bytes_fwd=3 * n * sz, bytes_bwd=5 * n * sz,
         kernel=kernel, reference=refs[kind], config={"fwd": fcfg._asdict(), "bwd": bcfg._asdict()},
         sweep=lambda: _glu_sweep(n, fcfg, bcfg),
-        extra={"table_key": [glu_mod._shape_class(n), jnp.dtype(dtype).name]},
+        extra={"table_key": [kind, jnp.dtype(dtype).name]},
     )
 
 
 # ------------------------------------------------------------------------------------ sweep spaces
-def _tile_candidates(unit: int, max_rows: int):
-    """(rows, warps) with rows * unit in {2K, 4K, 8K, 16K} elements and ~8 or ~16 elements per thread."""
+def _tile_candidates(unit: int, max_rows: int, sizes=(2048, 4096, 8192, 16384), per_thread=(16, 8)):
+    """(rows, warps): rows * unit elements per tile in `sizes`, `per_thread` elements per thread."""
     out = []
-    for elems in (2048, 4096, 8192, 16384):
+    for elems in sizes:
         rows = elems // unit
         if rows < 1 or rows > max_rows:
             continue
-        for per_thread in (16, 8):
-            warps = max(2, min(16, elems // (32 * per_thread)))
+        for pt in per_thread:
+            warps = max(2, min(16, elems // (32 * pt)))
             if (rows, warps) not in out:
                 out.append((rows, warps))
     if not out:
@@ -208,29 +211,33 @@ def _tile_candidates(unit: int, max_rows: int):
 
 def _rms_sweep(rows, d, fcfg, bcfg):
     bd = next_pow2(d)
-    tiles = _tile_candidates(bd, min(64, next_pow2(rows)))
-    fwd = [("fwd", rms_mod.FwdConfig(r, w, 1), None) for r, w in tiles]
-    bwd = [("bwd", None, rms_mod.BwdConfig(r, 528, w, 2)) for r, w in tiles]
+    max_rows = min(64, next_pow2(rows))
+    fwd = [("fwd", fcfg, None)] + [("fwd", rms_mod.FwdConfig(r, w, 1), None)
+                                   for r, w in _tile_candidates(bd, max_rows) if (r, w) != fcfg[:2]]
+    bwd = [("bwd", None, bcfg)] + [("bwd", None, rms_mod.BwdConfig(r, 528, w, 2))
+                                   for r, w in _tile_candidates(bd, max_rows, (2048, 4096, 8192), per_thread=(8, 4))
+                                   if (r, w) != (bcfg.block_rows, bcfg.num_warps)]
     return fwd, bwd, lambda best_b: [
-        ("bwd", None, best_b._replace(max_programs=p, num_stages=st)) for p in (264, 528, 1056) for st in (1, 2, 3)
+        ("bwd", None, best_b._replace(max_programs=p, num_stages=st)) for p in (264, 528, 1056) for st in (1, 2)
         if (p, st) != (best_b.max_programs, best_b.num_stages)
     ]
 
 
 def _rope_sweep(tokens, hq, d, cfg):
     hb = min(8, hq & -hq)
-    tiles = _tile_candidates(hb * d, 64)
-    fwd = [("fwd", rope_mod.RopeConfig(t, 8, w, 1, True), None) for t, w in tiles]
+    # unit = one token of one head block, both halves; ~64 registers at 8 elements per thread per half.
+    tiles = _tile_candidates(hb * d, 64, (2048, 4096, 8192), per_thread=(16, 8))
+    fwd = [("fwd", cfg, None)] + [("fwd", rope_mod.RopeConfig(t, 8, w, 1, True), None) for t, w in tiles]
     return fwd, [], lambda best: [
-        ("fwd", best._replace(max_heads=h, block_tokens=max(1, best.block_tokens * min(8, hb) // h)), None)
+        ("fwd", best._replace(max_heads=h, block_tokens=max(1, best.block_tokens * hb // h)), None)
         for h in (2, 4) if h < hb
     ] + [("fwd", best._replace(unroll_heads=False), None)]
 
 
 def _glu_sweep(n, fcfg, bcfg):
-    cands = [(blk, w) for blk in (1024, 2048, 4096, 8192) for w in (4, 8)] + [(4096, 16), (8192, 16)]
-    fwd = [("fwd", glu_mod.GluConfig(b, w, 1), None) for b, w in cands]
-    bwd = [("bwd", None, glu_mod.GluConfig(b, w, 1)) for b, w in cands]
+    cands = [(2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
+    fwd = [("fwd", fcfg, None)] + [("fwd", glu_mod.GluConfig(b, w, 1), None) for b, w in cands if (b, w) != fcfg[:2]]
+    bwd = [("bwd", None, bcfg)] + [("bwd", None, glu_mod.GluConfig(b, w, 1)) for b, w in cands if (b, w) != bcfg[:2]]
     return fwd, bwd, None
 
 
@@ -298,7 +305,7 @@ def sweep(case: Case, runs: int):
                **{f"best_{k}": {"config": v[1]._asdict(), "ms": round(v[0], 4)} for k, v in best.items()}))
 
 
-def build_cases(quick: bool, tiny: bool, dtype, only: set[str] | None):
+def build_cases(quick: bool, tiny: bool, dtype, only: set[str] | None, full: bool = False, sweep: bool = False):
     if tiny:
         cases = [rms_case(37, 2304, dtype), rope_case(1, 17, 4, 2, 64, dtype), glu_case("silu", (7, 100), dtype)]
     else:
@@ -307,14 +314,14 @@ def build_cases(quick: bool, tiny: bool, dtype, only: set[str] | None):
             rms_case(4096, 4096, dtype, label="/llama3-8b"),
             rms_case(8192, 2304, dtype, offset=1.0, label="/gemma2-2b"),
             rms_case(8192 * 16, 128, dtype, label="/qk-norm-D128"),
-            rms_case(16384, 4096, dtype, label="/llama3-8b-16k-rows"),
+            *([rms_case(16384, 4096, dtype, label="/llama3-8b-16k-rows")] if full else []),
             rope_case(4, 2048, 12, 2, 128, dtype, label="/qwen2-1.5b"),
             rope_case(2, 2048, 32, 8, 128, dtype, label="/llama3-8b"),
             rope_case(4, 2048, 8, 4, 256, dtype, label="/gemma2-2b"),
             glu_case("silu", (8192, 8960), dtype, label="/qwen2-1.5b"),
             glu_case("silu", (4096, 14336), dtype, label="/llama3-8b"),
             glu_case("gelu_tanh", (8192, 9216), dtype, label="/gemma2-2b"),
-            glu_case("gelu", (8192, 9216), dtype, label="/gemma2-2b-erf"),
+            *([glu_case("gelu", (8192, 9216), dtype, label="/gemma2-2b-erf")] if full or sweep else []),
         ]
         if quick:
             keep = {"rms_norm/gemma2-2b", "rope/llama3-8b", "swiglu/qwen2-1.5b"}
@@ -330,12 +337,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one shape per kernel")
     ap.add_argument("--sweep", action="store_true", help="sweep block configs and print the best per table key")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU in interpret mode)")
+    ap.add_argument("--full", action="store_true", help="also [16384,4096] RMSNorm and erf-GEGLU")
     ap.add_argument("--only", default="", help="comma list of kernel families: rms_norm,rope,glu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--runs", type=int, default=25)
     a = ap.parse_args()
     only = {s.strip() for s in a.only.split(",") if s.strip()} or None
-    cases = build_cases(a.quick, a.tiny, jnp.dtype(a.dtype), only)
+    cases = build_cases(a.quick, a.tiny, jnp.dtype(a.dtype), only, a.full, a.sweep)
     if a.sweep:
         seen = set()
         for c in cases:

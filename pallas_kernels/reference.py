@@ -10,8 +10,208 @@ import jax.numpy as jnp
 
 # ---- rms_norm / rope / glu (owned by pallas_kernels/rms_norm.py, rope.py, glu.py) ----
 
+
+def rms_norm(x, weight, eps=1e-6, offset=0.0):
+    """x * rsqrt(mean(x^2, -1) + eps) * (offset + weight); float32 math, output in x.dtype."""
+    xf = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * rstd * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope(q, k, cos, sin):
+    """HF rotate-half RoPE: x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1).
+
+    q [B, S, Hq, D], k [B, S, Hkv, D], cos/sin [B, S, D]; float32 math, outputs in q/k dtype. cos/sin are
+    treated as constants (no gradient flows into them), exactly as in the kernel.
+    """
+    cos = jax.lax.stop_gradient(cos).astype(jnp.float32)[:, :, None, :]
+    sin = jax.lax.stop_gradient(sin).astype(jnp.float32)[:, :, None, :]
+
+    def rot(x):
+        xf = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+        return (xf * cos + rotated * sin).astype(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up; float32 math, output in gate.dtype."""
+    g = gate.astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def geglu(gate, up, approximate=False):
+    """gelu(gate) * up (erf form, or the tanh form when approximate=True); float32 math, output in gate.dtype."""
+    g = gate.astype(jnp.float32)
+    return (jax.nn.gelu(g, approximate=approximate) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 # ---- lora_linear / cross_entropy (owned by pallas_kernels/lora_linear.py, cross_entropy.py) ----
 
+
+def lora_linear(x, w, a, b, scale):
+    """x @ w + scale * (x @ a) @ b with f32 accumulation, output in x.dtype.
+
+    x [..., K], w [K, N] (frozen), a [K, r], b [r, N] (a, b may be f32 master weights: they are used in
+    x.dtype). `x @ a` is accumulated in f32 and cast to x.dtype before the second (rank-r) product, exactly
+    as the kernel does. Gradients flow to x, a and b as usual; in the train step w sits in the frozen tree,
+    so jax never forms its [K, N] gradient.
+    """
+    f32 = jnp.float32
+    dt = x.dtype
+    y = jnp.dot(x, w.astype(dt), preferred_element_type=f32)
+    xa = jnp.dot(x, a.astype(dt), preferred_element_type=f32)
+    y = y + scale * jnp.dot(xa.astype(dt), b.astype(dt), preferred_element_type=f32)
+    return y.astype(x.dtype)
+
+
+def _ce_logits(hidden, lm_head, softcap):
+    """f32 logits [T, V] = hidden [T, D] . lm_head [V, D] contracted on D (no transpose is materialised)."""
+    z = jax.lax.dot_general(hidden, lm_head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
+    return z
+
+
+def _ce_token_losses_sum(hidden, lm_head, labels, softcap, ignore_index):
+    """Sum over valid tokens of logsumexp(z) - z[label] (f32)."""
+    z = _ce_logits(hidden, lm_head, softcap)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    # Target logit by an iota compare (fuses into the reduction; no gather/scatter in the backward).
+    hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == labels[:, None]
+    tgt = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+    valid = labels != ignore_index
+    return jnp.sum(jnp.where(valid, lse - tgt, 0.0))
+
+
+def cross_entropy_naive(hidden, lm_head, labels, softcap=None, ignore_index=-100):
+    """Unchunked reference: materialises the full [T, V] f32 logits. For tests and as the memory baseline."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).astype(jnp.int32)
+    total = _ce_token_losses_sum(hidden, lm_head, labels, softcap, ignore_index)
+    n = jnp.sum(labels != ignore_index).astype(jnp.float32)
+    return total / jnp.maximum(n, 1.0)
+
+
+def cross_entropy(hidden, lm_head, labels, softcap=None, ignore_index=-100, chunk_size=1024):
+    """Mean token cross-entropy of softmax(hidden @ lm_head.T) against labels, never holding [T, V].
+
+    hidden [T, D] (leading dims are flattened); lm_head [V, D] in the embedding layout (a tied
+    [vocab, hidden] embedding is used as is: the product contracts D with dot_general, no transpose);
+    labels [T] int (already shifted). softcap c
+    applies c * tanh(z / c) to the logits (Gemma 2). Tokens whose label == ignore_index do not count; the
+    mean is over the counted tokens (0.0, with zero gradients, when none count).
+
+    Chunked over T (`chunk_size` tokens per chunk, lax.map) with jax.checkpoint per chunk, so the forward
+    and the backward each hold one [chunk, V] f32 logits block at a time.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).astype(jnp.int32)
+    T, D = hidden.shape
+    n = jnp.sum(labels != ignore_index).astype(jnp.float32)
+    chunk = int(min(chunk_size, T))
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+        labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
+
+    @jax.checkpoint
+    def chunk_sum(h_c, y_c):
+        return _ce_token_losses_sum(h_c, lm_head, y_c, softcap, ignore_index)
+
+    if n_chunks == 1:
+        total = chunk_sum(hidden, labels)
+    else:
+        sums = jax.lax.map(lambda hy: chunk_sum(*hy),
+                           (hidden.reshape(n_chunks, chunk, D), labels.reshape(n_chunks, chunk)))
+        total = jnp.sum(sums)
+    return total / jnp.maximum(n, 1.0)
+
 # ---- flash_attention (owned by pallas_kernels/flash_attention.py) ----
+def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):
+    """Boolean keep-mask broadcastable to [B, Hkv, G, S, S], or None when nothing is masked."""
+    qi = jnp.arange(seq_len)[:, None]
+    kj = jnp.arange(seq_len)[None, :]
+    keep = None
+    if causal:
+        keep = kj <= qi
+    if sliding_window is not None:
+        w = (qi - kj) < int(sliding_window)
+        keep = w if keep is None else keep & w
+    if keep is not None:
+        keep = keep[None, None, None]
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            q_ids, kv_ids = segment_ids
+        else:
+            q_ids = kv_ids = segment_ids
+        seg = (jnp.asarray(q_ids)[:, :, None] == jnp.asarray(kv_ids)[:, None, :])[:, None, None]
+        keep = seg if keep is None else keep & seg
+    return keep
+
+
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, softcap=None,
+                    sm_scale=None):
+    """Plain-jnp twin of `pallas_kernels.flash_attention.flash_attention` (float32 softmax, GQA by reshape).
+
+    q [B, S, Hq, D], k/v [B, S, Hkv, D]; query head h reads KV head h // (Hq // Hkv). Scores are
+    q.k * sm_scale, then softcap * tanh(scores / softcap), then masked (causal j <= i, window i - j < w,
+    equal segment ids; segment_ids may be a (q_ids, kv_ids) pair). Fully masked rows give zeros.
+    """
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = (1.0 / float(d) ** 0.5) if sm_scale is None else float(sm_scale)
+    qg = q.reshape(b, s, hkv, g, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    keep = _attention_keep_mask(s, causal, sliding_window, segment_ids)
+    if keep is not None:
+        scores = jnp.where(keep, scores, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    denom = jnp.sum(p, axis=-1)  # [b, hkv, g, q]
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    inv = 1.0 / jnp.where(denom > 0, denom, 1.0)
+    out = out * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
+    return out.reshape(b, s, hq, d).astype(q.dtype)
+
 
 # ---- nf4 (owned by pallas_kernels/nf4.py) ----
+
+
+def dequantize_nf4(q, dtype=None):
+    """Twin of `pallas_kernels.nf4.dequantize_nf4` (stacking axes allowed): NF4 value * block scale, rounded
+    once to `dtype` (default: the original dtype)."""
+    from pallas_kernels import nf4 as _nf4
+
+    out_dtype = jnp.dtype(dtype if dtype is not None else q.dtype)
+    lead = q.codes.shape[:-1]
+    b = q.codes.astype(jnp.int32)
+    codes = jnp.stack([(b >> 4) & 15, b & 15], axis=-1).reshape(*lead, -1)
+    vals = jnp.asarray(_nf4.NF4_CODE)[codes]
+    nb, bs = q.nblocks, q.blocksize
+    vals = jnp.pad(vals, [(0, 0)] * len(lead) + [(0, nb * bs - vals.shape[-1])]).reshape(*lead, nb, bs)
+    scale = _nf4._decoded_absmax_jnp(q)
+    out = (vals * scale[..., None]).reshape(*lead, nb * bs)[..., : q.numel]
+    return out.astype(out_dtype).reshape(*lead, *q.shape)
+
+
+def nf4_matmul(x, q):
+    """Twin of `pallas_kernels.nf4.nf4_matmul`: x @ dequantize(q, x.dtype).T, float32 accumulation."""
+    w = dequantize_nf4(q, x.dtype)
+    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def qlora_linear(x, q, a, b, scale):
+    """Twin of `pallas_kernels.nf4.qlora_linear`: nf4_matmul(x, q) + scale * (x @ a) @ b."""
+    base = nf4_matmul(x, q)
+    xa = jnp.dot(x, a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    lora = jnp.dot(xa, b.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (base.astype(jnp.float32) + scale * lora).astype(x.dtype)

@@ -15,7 +15,6 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import reference as ref
 
 log = logging.getLogger("unsloth_jax")
 
@@ -68,9 +67,38 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# Where a Pallas kernel beat XLA's fusion of the same math on the H200 (bench/results/, BENCHMARKS.md).
+# `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
+_BF16 = jnp.dtype(jnp.bfloat16)
+PALLAS_WINS = {
+    # 1.28x/1.31x fwd+bwd at D=1536/4096 (bf16); slower at D=2304 (0.73x) and D=128 (0.95x).
+    "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
+    "rope": lambda q: False,  # 0.87-0.93x of XLA fwd+bwd at all three model shapes
+    "glu": lambda gate: False,  # forward at par, fwd+bwd 0.76-0.82x of XLA
+    "linear": lambda x: False,  # not yet measured on the GPU
+    "cross_entropy": lambda h: False,  # not yet measured on the GPU
+    "attention": lambda q: False,  # used only where cuDNN cannot serve the call (see attention)
+}
+
+
+def use_pallas(op: str, probe) -> bool:
+    """Whether `op` runs its Pallas kernel for an input like `probe` (override > measured table)."""
+    impl = requested_impl(op)
+    if impl == "pallas":
+        return True
+    if impl in ("xla", "cudnn"):
+        return False
+    return _on_gpu() and bool(PALLAS_WINS[op](probe))
+
+
 # ----------------------------------------------------------------------------------------------- norms
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + weight); statistics in f32, output in x.dtype."""
+    if use_pallas("rms_norm", x):
+        from pallas_kernels.rms_norm import rms_norm as kernel
+
+        _note("rms_norm", "pallas")
+        return kernel(x, weight.astype(x.dtype) if weight.dtype != x.dtype else weight, eps, offset)
     _note("rms_norm", "xla")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -80,6 +108,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
 # ------------------------------------------------------------------------------------------------ rope
 def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rotate q [B,S,Hq,D] and k [B,S,Hkv,D] by cos/sin [B,S,D] (HF rotate-half layout)."""
+    if use_pallas("rope", q):
+        from pallas_kernels.rope import rope as kernel
+
+        _note("rope", "pallas")
+        return kernel(q, k, cos, sin)
     _note("rope", "xla")
 
     def rot(x):
@@ -94,6 +127,13 @@ def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[ja
 # ------------------------------------------------------------------------------------------------- glu
 def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     """act(gate) * up for activation in {"silu", "gelu", "gelu_tanh"}; math in f32, output in gate.dtype."""
+    if use_pallas("glu", gate):
+        from pallas_kernels.glu import geglu, swiglu
+
+        _note("glu", "pallas")
+        if activation == "silu":
+            return swiglu(gate, up)
+        return geglu(gate, up, approximate=activation == "gelu_tanh")
     _note("glu", "xla")
     g = gate.astype(jnp.float32)
     if activation == "silu":
@@ -114,6 +154,14 @@ def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
     The frozen kernel is wrapped in stop_gradient, so even a caller differentiating w.r.t. all params gets
     no gradient computation for it.
     """
+    dense = isinstance(p["kernel"], jax.Array) or hasattr(p["kernel"], "ndim")
+    if dense and "lora_a" in p and lora_scale is not None and use_pallas("linear", x):
+        from pallas_kernels.lora_linear import lora_linear
+
+        _note("linear", "pallas")
+        y = lora_linear(x, jax.lax.stop_gradient(p["kernel"]).astype(x.dtype), p["lora_a"], p["lora_b"],
+                        float(lora_scale))
+        return y + p["bias"].astype(x.dtype) if "bias" in p else y
     _note("linear", "xla")
     w = jax.lax.stop_gradient(p["kernel"])
     y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))  # f32 accumulation, output in x.dtype
@@ -204,6 +252,16 @@ def attention(
             q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn",
             query_seq_lengths=kv_lengths, key_value_seq_lengths=kv_lengths,
         )
+    if use_pallas("attention", q) and q.shape[1] == k.shape[1] and isinstance(q_offset, int) and q_offset == 0:
+        from pallas_kernels.flash_attention import flash_attention
+
+        _note("attention", "pallas")
+        segments = segment_ids
+        if kv_valid is not None:  # padding tokens get their own segment (id 0 never matches a real token's)
+            valid = kv_valid.astype(jnp.int32)
+            segments = valid if segments is None else jnp.where(valid > 0, segments + 1, 0)
+        return flash_attention(q, k, v, causal=causal, segment_ids=segments, sliding_window=window,
+                               softcap=softcap, sm_scale=scale)
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
@@ -214,6 +272,11 @@ def attention(
 def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
                   ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
     """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T."""
+    if use_pallas("cross_entropy", hidden):
+        from pallas_kernels.cross_entropy import cross_entropy as kernel
+
+        _note("cross_entropy", "pallas")
+        return kernel(hidden, lm_head.astype(hidden.dtype), labels, softcap=softcap, ignore_index=ignore_index)
     _note("cross_entropy", "xla")
     return chunked_cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk=chunk)
 
@@ -245,4 +308,4 @@ def chunked_cross_entropy(hidden, lm_head, labels, *, softcap=None, ignore_index
 
 
 __all__ = ["OPS", "set_impl", "requested_impl", "chosen_impls", "rms_norm", "rope", "glu", "linear",
-           "attention", "attention_mask", "cross_entropy", "chunked_cross_entropy", "ref"]
+           "attention", "attention_mask", "cross_entropy", "chunked_cross_entropy", "use_pallas", "PALLAS_WINS"]
