@@ -70,13 +70,19 @@ def _on_gpu() -> bool:
 # Where a Pallas kernel beat XLA's fusion of the same math on the H200 (bench/results/, BENCHMARKS.md).
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
+_LORA_WINS = {(1536, 1536), (1536, 256), (1536, 8960), (8960, 1536), (4096, 4096)}
 PALLAS_WINS = {
     # 1.28x/1.31x fwd+bwd at D=1536/4096 (bf16); slower at D=2304 (0.73x) and D=128 (0.95x).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
     "rope": lambda q: False,  # 0.87-0.93x of XLA fwd+bwd at all three model shapes
     "glu": lambda gate: False,  # forward at par, fwd+bwd 0.76-0.82x of XLA
-    "linear": lambda x: False,  # not yet measured on the GPU
-    "cross_entropy": lambda h: False,  # not yet measured on the GPU
+    # LoRA linear, bf16, r=16: fwd+bwd 1.04-1.28x XLA at every model shape, but the forward alone is 0.63-0.97x.
+    # Under remat a step runs forward twice, so fwd + fwd+bwd decides: a win at (K, N) below, a loss at the
+    # Llama-3-8B MLP shapes (4096x14336, 14336x4096).
+    "linear": lambda probe: probe[0].dtype == _BF16 and probe[1] in _LORA_WINS,
+    # Fused linear cross-entropy, bf16: fwd+bwd 1.58x (Qwen2-1.5B) and 1.25x (Llama-3-8B) the chunked XLA
+    # version, with a tenth of its temporary memory.
+    "cross_entropy": lambda h: h.dtype == _BF16,
     "attention": lambda q: False,  # used only where cuDNN cannot serve the call (see attention)
 }
 
@@ -155,7 +161,7 @@ def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
     no gradient computation for it.
     """
     dense = isinstance(p["kernel"], jax.Array) or hasattr(p["kernel"], "ndim")
-    if dense and "lora_a" in p and lora_scale is not None and use_pallas("linear", x):
+    if dense and "lora_a" in p and lora_scale is not None and use_pallas("linear", (x, p["kernel"].shape[-2:])):
         from pallas_kernels.lora_linear import lora_linear
 
         _note("linear", "pallas")
