@@ -14,22 +14,26 @@ $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch',
 for st in $stages; do
   case $st in
     tests)
-      log "pytest -m gpu"
-      timeout 300 $PY -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 | tail -40 | tee "$OUT/pytest_gpu.txt" ;;
+      log "pytest -m gpu ${GPU_TESTS:-tests}"
+      timeout ${TEST_TIMEOUT:-300} $PY -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
+        --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
+      grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.txt" | tail -8 ;;
     kernels)
-      for b in kernels_elementwise kernels_matmul nf4; do
+      for b in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do
         [ -f bench/$b.py ] || continue
         log "bench $b"
-        timeout 150 $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl"
+        timeout 170 $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c . 
       done ;;
     attention)
       log "bench attention"
       timeout 240 $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
     train15)
-      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -2
-      for r in unsloth true; do
-        log "train qwen2-1.5b remat=$r"
-        timeout 200 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl"
+      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
+      for v in "unsloth|" "true|" "true|rms_norm=xla" "false|"; do
+        r=${v%%|*}; impl=${v#*|}
+        log "train qwen2-1.5b remat=$r impl=${impl:-auto}"
+        UNSLOTH_JAX_IMPL=$impl timeout 200 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r \
+          2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
       done ;;
     train8b)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2

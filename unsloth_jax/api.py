@@ -112,6 +112,33 @@ class Model:
         return decoder.forward(self.params, self.config, input_ids, attention_mask, positions, segment_ids,
                                lora_scale=self.lora_scale)
 
+    # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+        from unsloth_jax.hf import export
+
+        export.save_adapter(self, save_directory, **kwargs)
+
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", **kwargs) -> None:
+        """Write the merged model (W + scale * A @ B) as a 16-bit HF checkpoint, or just the adapter ("lora")."""
+        from unsloth_jax.hf import export
+
+        export.save_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+                           **kwargs)
+
+    def save_pretrained_gguf(self, save_directory, tokenizer, quantization_method: str = "f16") -> str:
+        """Write a llama.cpp GGUF file of the merged model; returns its path."""
+        from unsloth_jax.hf import gguf_export
+
+        return gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=quantization_method)
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Sample or greedy-decode continuations with a KV cache (see unsloth_jax.generation.generate)."""
+        from unsloth_jax.generation import generate
+
+        return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+
     def __repr__(self) -> str:
         c = self.config
         lora = f", lora r={self.lora.r}" if self.lora else ""
@@ -144,6 +171,16 @@ class FastLanguageModel:
             if key not in ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling"):
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = Path(model_name)
+        from unsloth_jax.hf import peft_io
+
+        if model_dir.is_dir() and peft_io.is_adapter_dir(model_dir):
+            base = peft_io.base_model_path(model_dir)
+            model, tokenizer = FastLanguageModel.from_pretrained(
+                base, max_seq_length, dtype, load_in_4bit, load_tokenizer=False, progress=progress, **kwargs)
+            model = peft_io.load_adapter(model, model_dir)
+            tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
+                         else _load_tokenizer(Path(base))) if load_tokenizer else None
+            return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
@@ -187,8 +224,8 @@ class FastLanguageModel:
         settings = LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout,
                                 bias=bias, use_rslora=use_rslora, modules_to_save=saved)
         lora.make_is_trainable(saved or (), bias, targets)  # validates bias
-        lora_dtype = jnp.float32 if model.dtype == jnp.float32 else model.dtype
-        model.params = lora.add_lora(model.params, targets, r, jax.random.PRNGKey(random_state), dtype=lora_dtype)
+        # LoRA factors are float32 master weights (tiny); matmuls cast them to the compute dtype.
+        model.params = lora.add_lora(model.params, targets, r, jax.random.PRNGKey(random_state), dtype=jnp.float32)
         model.lora = settings
         model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
         if max_seq_length:
