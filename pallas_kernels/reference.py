@@ -203,15 +203,13 @@ def dequantize_nf4(q, dtype=None):
 
 
 def nf4_matmul(x, q):
-    """Twin of `pallas_kernels.nf4.nf4_matmul`: x @ dequantize(q, x.dtype).T, float32 accumulation."""
+    """Twin of `pallas_kernels.nf4.nf4_matmul`: x @ dequantize(q, x.dtype).T (XLA GEMM, result in x.dtype)."""
     w = dequantize_nf4(q, x.dtype)
-    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def qlora_linear(x, q, a, b, scale):
     """Twin of `pallas_kernels.nf4.qlora_linear`: nf4_matmul(x, q) + scale * (x @ a) @ b."""
     base = nf4_matmul(x, q)
-    xa = jnp.dot(x, a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    lora = jnp.dot(xa, b.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (base.astype(jnp.float32) + scale * lora).astype(x.dtype)
+    lora = jnp.dot(jnp.dot(x, a.astype(x.dtype)), b.astype(x.dtype))
+    return base + (scale * lora).astype(x.dtype)

@@ -23,10 +23,12 @@ Path = tuple[str, ...]
 
 def _in_out(kernel) -> tuple[int, int]:
     """(in, out) of a stacked projection kernel [L, in, out] or a 4-bit weight (which knows its HF shape)."""
-    if hasattr(kernel, "shape") and len(kernel.shape) == 3:
-        return int(kernel.shape[1]), int(kernel.shape[2])
-    out_f, in_f = kernel.hf_shape  # NF4 weights keep HF's [out, in]
-    return int(in_f), int(out_f)
+    from unsloth_jax.quant import is_nf4
+
+    if is_nf4(kernel):
+        out_f, in_f = kernel.shape  # NF4 weights keep HF's [out, in] (per layer)
+        return int(in_f), int(out_f)
+    return int(kernel.shape[1]), int(kernel.shape[2])
 
 
 def add_lora(params: dict, targets: tuple[str, ...], r: int, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -41,7 +43,7 @@ def add_lora(params: dict, targets: tuple[str, ...], r: int, key: jax.Array, dty
     keys = jax.random.split(key, len(targets))
     for name, k in zip(targets, keys):
         proj = dict(layers[name])
-        n_layers = jax.tree.leaves(proj["kernel"])[0].shape[0]
+        n_layers = params["layers"]["input_layernorm"].shape[0]
         fan_in, fan_out = _in_out(proj["kernel"])
         bound = 1.0 / np.sqrt(fan_in)
         proj["lora_a"] = jax.random.uniform(k, (n_layers, fan_in, r), jnp.float32, -bound, bound).astype(dtype)
@@ -109,9 +111,14 @@ def merge(trainable: dict, frozen: dict) -> dict:
 
 def count(tree: dict) -> int:
     """Number of scalar parameters (4-bit weights count their original elements)."""
+    from unsloth_jax.quant import is_nf4
+
     total = 0
     for _, leaf in _walk(tree):
-        total += int(leaf.num_elements) if hasattr(leaf, "num_elements") else int(np.prod(leaf.shape))
+        if is_nf4(leaf):  # original elements, times the stacked layers
+            total += leaf.numel * int(np.prod(leaf.codes.shape[:-1]))
+        else:
+            total += int(np.prod(leaf.shape))
     return total
 
 

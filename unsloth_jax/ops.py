@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 log = logging.getLogger("unsloth_jax")
 
-OPS = ("rms_norm", "rope", "glu", "linear", "attention", "cross_entropy")
+OPS = ("rms_norm", "rope", "glu", "linear", "nf4_matmul", "attention", "cross_entropy")
 _overrides: dict[str, str] = {}
 _logged: set[tuple[str, str]] = set()
 
@@ -84,6 +84,7 @@ PALLAS_WINS = {
     # version, with a tenth of its temporary memory.
     "cross_entropy": lambda h: h.dtype == _BF16,
     "attention": lambda q: False,  # used only where cuDNN cannot serve the call (see attention)
+    "nf4_matmul": lambda x: False,  # not yet measured on the GPU: the XLA twin (dequantize + matmul) serves
 }
 
 
@@ -160,8 +161,11 @@ def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
     The frozen kernel is wrapped in stop_gradient, so even a caller differentiating w.r.t. all params gets
     no gradient computation for it.
     """
-    dense = isinstance(p["kernel"], jax.Array) or hasattr(p["kernel"], "ndim")
-    if dense and "lora_a" in p and lora_scale is not None and use_pallas("linear", (x, p["kernel"].shape[-2:])):
+    from unsloth_jax.quant import is_nf4
+
+    if is_nf4(p["kernel"]):
+        return _linear_nf4(x, p, lora_scale)
+    if "lora_a" in p and lora_scale is not None and use_pallas("linear", (x, p["kernel"].shape[-2:])):
         from pallas_kernels.lora_linear import lora_linear
 
         _note("linear", "pallas")
@@ -177,6 +181,25 @@ def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
     if "bias" in p:
         y = y + p["bias"].astype(x.dtype)
     return y
+
+
+def _linear_nf4(x: jax.Array, p: dict, lora_scale: float | None) -> jax.Array:
+    """QLoRA linear: frozen NF4 base (HF [out, in]) + optional LoRA, dX never keeps a dequantized weight."""
+    q = p["kernel"]
+    lora = "lora_a" in p and lora_scale is not None
+    if use_pallas("nf4_matmul", x):
+        from pallas_kernels import nf4 as impl
+
+        _note("nf4_matmul", "pallas")
+    else:
+        from pallas_kernels import reference as impl
+
+        _note("nf4_matmul", "xla")
+    if lora:
+        y = impl.qlora_linear(x, q, p["lora_a"].astype(x.dtype), p["lora_b"].astype(x.dtype), float(lora_scale))
+    else:
+        y = impl.nf4_matmul(x, q)
+    return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 
 # ------------------------------------------------------------------------------------------- attention
