@@ -22,11 +22,11 @@ for st in $stages; do
       for b in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do
         [ -f bench/$b.py ] || continue
         log "bench $b"
-        timeout 170 $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c . 
+        timeout ${KERNEL_TIMEOUT:-170} $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c . 
       done ;;
     attention)
       log "bench attention"
-      timeout 240 $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
+      timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
     train15)
       $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
       for v in "unsloth|" "true|" "true|rms_norm=xla" "false|"; do
@@ -35,6 +35,17 @@ for st in $stages; do
         UNSLOTH_JAX_IMPL=$impl timeout 200 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r \
           2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
       done ;;
+    final)
+      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
+      for v in ${FINAL_VARIANTS:-"true|" "true|linear=xla,cross_entropy=xla" "unsloth|"}; do
+        r=${v%%|*}; impl=${v#*|}
+        log "train qwen2-1.5b remat=$r impl=${impl:-auto}"
+        UNSLOTH_JAX_IMPL=$impl timeout 150 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r \
+          2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
+      done
+      log "qlora qwen2-1.5b"
+      timeout 150 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat true --load-in-4bit \
+        2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
     train8b)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2
       log "train llama3-8b"
