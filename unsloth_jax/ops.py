@@ -70,21 +70,25 @@ def _on_gpu() -> bool:
 # Where a Pallas kernel beat XLA's fusion of the same math on the H200 (bench/results/, BENCHMARKS.md).
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
-_LORA_WINS = {(1536, 1536), (1536, 256), (1536, 8960), (8960, 1536), (4096, 4096)}
 PALLAS_WINS = {
     # 1.28x/1.31x fwd+bwd at D=1536/4096 (bf16); slower at D=2304 (0.73x) and D=128 (0.95x).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
     "rope": lambda q: False,  # 0.87-0.93x of XLA fwd+bwd at all three model shapes
     "glu": lambda gate: False,  # forward at par, fwd+bwd 0.76-0.82x of XLA
-    # LoRA linear, bf16, r=16: fwd+bwd 1.04-1.28x XLA at every model shape, but the forward alone is 0.63-0.97x.
-    # Under remat a step runs forward twice, so fwd + fwd+bwd decides: a win at (K, N) below, a loss at the
-    # Llama-3-8B MLP shapes (4096x14336, 14336x4096).
-    "linear": lambda probe: probe[0].dtype == _BF16 and probe[1] in _LORA_WINS,
+    # LoRA linear, bf16, r=16: standalone fwd+bwd 1.04-1.28x XLA, forward alone 0.63-0.97x. In the model it
+    # lost: the Qwen2-1.5B step took 218 ms with it (and the CE kernel) on, 189 ms with both off, and 187 ms
+    # in a run with the CE kernel on and this one off. Off until that is understood.
+    "linear": lambda probe: False,
     # Fused linear cross-entropy, bf16: fwd+bwd 1.58x (Qwen2-1.5B) and 1.25x (Llama-3-8B) the chunked XLA
-    # version, with a tenth of its temporary memory.
+    # version with a tenth of its temporary memory; in the model it cut peak memory (5.46 -> 5.08 GiB at
+    # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
     "cross_entropy": lambda h: h.dtype == _BF16,
-    "attention": lambda q: False,  # used only where cuDNN cannot serve the call (see attention)
-    "nf4_matmul": lambda x: False,  # not yet measured on the GPU: the XLA twin (dequantize + matmul) serves
+    # Flash attention serves only calls cuDNN cannot (softcap, packing segments): 3.2x XLA fwd+bwd on the
+    # Gemma 2 softcap+window case (B=2, S=8192, D=256); 0.78x cuDNN where cuDNN applies, so cuDNN keeps those.
+    "attention": lambda q: q.dtype == _BF16 and q.shape[-1] in (64, 128, 256),
+    # NF4 dequantize+matmul: 1.04-1.09x the XLA twin fwd+bwd at M=4096 standalone; not yet measured inside
+    # the QLoRA step (which ran at 187 ms on the XLA twin), so the twin stays the default.
+    "nf4_matmul": lambda x: False,
 }
 
 
