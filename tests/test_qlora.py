@@ -57,3 +57,24 @@ def test_qlora_train_step(tmp_path, rng):
         losses.append(float(m["loss"]))
     assert losses[-1] < losses[0]
     assert int(m["skipped"]) == 0
+
+
+def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
+    """A bnb-4bit checkpoint written by transformers (bitsandbytes on the CPU) loads without re-quantizing
+    and gives transformers' logits for it."""
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    save_hf_model("llama", tmp_path / "dense", seed=23)
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    hf4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=cfg,
+                                                            device_map="cpu", dtype=torch.float32)
+    hf4.save_pretrained(str(tmp_path / "bnb"))
+    model, _ = FastLanguageModel.from_pretrained(tmp_path / "bnb", dtype="float32", load_tokenizer=False,
+                                                 progress=False)
+    assert isinstance(model.params["layers"]["down_proj"]["kernel"], NF4Weight)
+    ids = rng.integers(0, 256, size=(2, 16))
+    with torch.no_grad():
+        ref = hf4(torch.tensor(ids)).logits.float().numpy()
+    assert rel_err(np.asarray(model(ids)), ref) < 1e-4

@@ -146,6 +146,25 @@ class Model:
                 f"vocab={c.vocab_size}, dtype={self.dtype.name}{lora})")
 
 
+def _bnb_4bit_checkpoint(model_dir: Path) -> bool:
+    """True when config.json says the weights were saved pre-quantized by bitsandbytes in NF4."""
+    import json
+
+    qc = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != "bitsandbytes":
+        if qc:
+            raise ConfigError(f"{model_dir}/config.json: quantization method {qc.get('quant_method')!r} is not "
+                              "supported (only bitsandbytes NF4 4-bit checkpoints are)")
+        return False
+    if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
+        raise ConfigError(f"{model_dir}/config.json: bitsandbytes 8-bit checkpoints are not supported; "
+                          "use the 16-bit model with load_in_4bit=True, or a 4-bit NF4 checkpoint")
+    if qc.get("bnb_4bit_quant_type", "nf4") != "nf4":
+        raise ConfigError(f"{model_dir}/config.json: bnb_4bit_quant_type {qc.get('bnb_4bit_quant_type')!r} is not "
+                          "supported (only nf4)")
+    return True
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -189,11 +208,13 @@ class FastLanguageModel:
         compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
         placer = None
-        if load_in_4bit:
+        prequantized = _bnb_4bit_checkpoint(model_dir)
+        if load_in_4bit and not prequantized:
             from unsloth_jax.quant import nf4_placer
 
             placer = nf4_placer
-        params = load_params(model_dir, cfg, compute_dtype, placer=placer, progress=progress)
+        load_in_4bit = load_in_4bit or prequantized
+        params = load_params(model_dir, cfg, compute_dtype, placer=placer, progress=progress, bnb_4bit=prequantized)
         jax.block_until_ready(params)
         seconds = time.perf_counter() - start
         model = Model(cfg, params, compute_dtype, str(model_dir), max_seq_length)

@@ -59,6 +59,30 @@ def default_placer(spec: TensorSpec, array: np.ndarray, dtype) -> jax.Array:
     return jnp.asarray(array, dtype=dtype)
 
 
+BNB_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4")
+
+
+def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
+    """An NF4Weight from a pre-quantized bitsandbytes tensor group (`name` + its quant-state tensors)."""
+    from pallas_kernels.nf4 import nf4_from_bnb_tensors
+
+    group = {}
+    for key in (name,) + tuple(name + s for s in BNB_SUFFIXES):
+        if key in where:
+            group[key] = np.array(handles[where[key]].get(key))
+    if len(group) == 1:
+        raise MissingTensorError(f"{where[name]}: '{name}' is a 4-bit weight but its quant state "
+                                 f"(absmax, quant_map, quant_state...) is missing")
+    try:
+        q = nf4_from_bnb_tensors(group)
+    except (KeyError, ValueError) as e:
+        raise ShapeMismatchError(f"{where[name]}: cannot read the bitsandbytes 4-bit weight '{name}': {e}") from None
+    if tuple(q.shape) != spec.hf_shape:
+        raise ShapeMismatchError(f"{where[name]}: 4-bit tensor '{name}' has shape {list(q.shape)}, but config.json "
+                                 f"implies {list(spec.hf_shape)}")
+    return q
+
+
 def load_params(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -66,12 +90,15 @@ def load_params(
     *,
     placer: Placer | None = None,
     progress: bool = True,
+    bnb_4bit: bool = False,
 ) -> Params:
     """Read every tensor of the checkpoint in `model_dir` into the param dict of `cfg` in `dtype`.
 
     Raises MissingTensorError / UnexpectedTensorError / ShapeMismatchError naming the tensor and file.
     A `placer` may return a non-array value (e.g. an NF4 weight) for kernels; stacked values of that kind are
-    collected per layer and stacked with `jax.tree.map(jnp.stack)` at the end.
+    collected per layer and stacked with `jax.tree.map(jnp.stack)` at the end. `bnb_4bit=True` reads a
+    checkpoint pre-quantized by bitsandbytes (NF4, as transformers saves it): projection weights come with
+    their quant-state tensors and load as NF4 weights without re-quantizing.
     """
     placer = placer or default_placer
     specs = tensor_specs(cfg)
@@ -81,16 +108,16 @@ def load_params(
     seen: set[str] = set()
     tied_head_in_file = False
     unexpected: list[str] = []
-    n_total = 0
-    for path in files:
-        with SafetensorsFile(path) as f:
-            n_total += len(f.keys())
-    bar = tqdm(total=n_total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
-    for path in files:
-        with SafetensorsFile(path) as f:
+    handles = {path: SafetensorsFile(path) for path in files}
+    where = {name: path for path, f in handles.items() for name in f.keys()}
+    bar = tqdm(total=len(where), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
+    try:
+        for path, f in handles.items():
             for name in f.keys():
                 bar.update(1)
                 spec = specs.get(name)
+                if bnb_4bit and spec is None and name.endswith(BNB_SUFFIXES):
+                    continue  # read together with its weight
                 if spec is None:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         tied_head_in_file = True  # some writers keep the tied copy; it equals the embedding
@@ -101,14 +128,17 @@ def load_params(
                     continue
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
-                if tuple(f.shape(name)) != spec.hf_shape:
-                    raise ShapeMismatchError(
-                        f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
-                        f"{list(spec.hf_shape)}"
-                    )
-                host = _to_param_layout(f.get(name), spec)
-                value = placer(spec, host, dtype)
-                del host
+                if bnb_4bit and spec.kind == "kernel":
+                    value = _bnb_weight(name, spec, handles, where)
+                else:
+                    if tuple(f.shape(name)) != spec.hf_shape:
+                        raise ShapeMismatchError(
+                            f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                            f"{list(spec.hf_shape)}"
+                        )
+                    host = _to_param_layout(f.get(name), spec)
+                    value = placer(spec, host, dtype)
+                    del host
                 seen.add(name)
                 if spec.layer is None:
                     set_path(params, spec.path, value)
@@ -121,7 +151,10 @@ def load_params(
                 else:
                     slots = pending.setdefault(spec.path, [None] * cfg.num_hidden_layers)
                     slots[spec.layer] = value
-    bar.close()
+    finally:
+        bar.close()
+        for f in handles.values():
+            f.close()
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
         raise UnexpectedTensorError(

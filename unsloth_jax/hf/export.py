@@ -1,0 +1,463 @@
+"""Export to the Hugging Face world: PEFT adapters and merged 16-bit checkpoints.
+
+    save_adapter(model, "lora_model")                  # adapter_config.json + adapter_model.safetensors
+    save_merged(model, "merged", tokenizer)            # W + scale * A @ B, sharded HF safetensors + config.json
+
+Everything is written into a temporary directory next to `out_dir` that replaces `out_dir` only once complete,
+so an interrupted export never leaves a directory that looks finished. When `out_dir` already exists, files
+that the new export does not produce and that are not stale export artifacts (weights, index, configs it
+rewrites) are carried over, so a tokenizer or a README saved there earlier survives.
+
+The merged export streams: tensors are planned first (names, shapes, dtypes -> shards), then each is computed
+(one layer of one projection: dequantize if 4-bit, fold the LoRA pair in float32, cast, transpose to HF's
+[out, in]) and written straight into its shard, so host memory holds one tensor at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
+from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
+
+log = logging.getLogger("unsloth_jax")
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+PEFT_SCHEMA_VERSION = "0.21.2"  # the PEFT release whose adapter_config.json fields we write
+SAVE_METHODS = ("merged_16bit", "lora")
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
+# Files an export owns: a stale copy in the previous out_dir is dropped rather than carried over.
+_ADAPTER_ARTIFACTS = re.compile(r"^(adapter_config\.json|adapter_model\.(safetensors|bin))$")
+_MERGED_ARTIFACTS = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|"
+                               r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model.*\.bin(\.index\.json)?)$")
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _dense_kernel(x):
+    """A dense projection kernel in [..., in, out]: arrays pass through; a 4-bit `NF4Weight` (HF [out, in]
+    layout) is dequantized (in its original dtype, exactly as bitsandbytes does) and transposed. The one place
+    that knows about 4-bit weights."""
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return x
+    try:
+        from pallas_kernels.nf4 import dequantize_nf4
+    except ImportError as e:  # pragma: no cover - the kernels package ships with unsloth_jax
+        raise TypeError(f"cannot export a weight of type {type(x).__name__}: pallas_kernels.nf4 unavailable ({e})")
+    dense = dequantize_nf4(x)
+    return jnp.swapaxes(dense, -1, -2)
+
+
+def _layer(x, i: int):
+    """Layer i of a stacked param (array or stacked 4-bit weight)."""
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return x[i]
+    return jax.tree.map(lambda a: a[i], x)
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or a size string as transformers accepts them: "5GB" (10^9), "500MB", "10KB", "2GiB",
+    "100MiB", "1KiB", a trailing lower-case "b" meaning bits ("8Gb"), or plain digits."""
+    if isinstance(size, bool):
+        raise ValueError(f"max_shard_size must be an int or a string like '5GB', got {size!r}")
+    if isinstance(size, (int, np.integer)):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return int(size)
+    if not isinstance(size, str):
+        raise ValueError(f"max_shard_size must be an int or a string like '5GB', got {size!r}")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?[Bb]|[Bb])?\s*", size)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r} is not a size; use e.g. 5GB, 500MB, 2GiB or an int of bytes")
+    number, unit = float(m.group(1)), m.group(2) or "B"
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    bscale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    if unit in ("B", "b"):
+        value = number / (8 if unit == "b" else 1)
+    elif unit[1] == "i":
+        value = number * bscale[unit[0].upper()]
+    else:
+        value = number * scale[unit[0].upper()] / (8 if unit.endswith("b") else 1)
+    if value < 1:
+        raise ValueError(f"max_shard_size {size!r} is below one byte")
+    return int(value)
+
+
+def _resolve_out_dtype(model, dtype) -> np.dtype:
+    """The dtype merged weights are written in: `dtype` if given, else the model's compute dtype (bf16 / fp16
+    stay, float32 stays float32)."""
+    if dtype is None:
+        dt = jnp.dtype(model.dtype)
+    else:
+        from unsloth_jax.api import resolve_dtype
+
+        dt = resolve_dtype(dtype)
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ConfigError(f"cannot export in dtype {dt}; use bfloat16, float16 or float32")
+    return np.dtype(ml_dtypes.bfloat16) if dt == jnp.dtype(jnp.bfloat16) else np.dtype(dt.name)
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    return {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}[np.dtype(dt).name]
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir, stale: re.Pattern | None = None) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to `out_dir`; on success it becomes `out_dir`. On any exception
+    (KeyboardInterrupt included) the temporary directory is removed and `out_dir` is left as it was.
+
+    An existing `out_dir` is swapped out (renamed aside, the new one renamed in), then its entries that the new
+    directory lacks and that do not match `stale` are moved over, and the old directory is deleted."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    parent = out_dir.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    try:
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
+            os.rmdir(old)
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None and old.exists() and not out_dir.exists():
+            os.rename(old, out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        for entry in os.listdir(old):
+            if (out_dir / entry).exists() or entry.startswith(".") or (stale is not None and stale.fullmatch(entry)):
+                continue
+            os.rename(old / entry, out_dir / entry)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# ------------------------------------------------------------------------------------- safetensors stream
+class _Entry:
+    """One tensor to write: its name, shape, dtype and a function producing it (called once, at write time)."""
+
+    __slots__ = ("name", "shape", "dtype", "make")
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype, make: Callable[[], np.ndarray]):
+        self.name, self.shape, self.dtype, self.make = name, tuple(int(s) for s in shape), np.dtype(dtype), make
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def write_safetensors_stream(path: Path, entries: list[_Entry], metadata: dict | None = None) -> None:
+    """Write one safetensors file whose header is known up front, computing and writing one tensor at a time."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for e in entries:
+        if e.dtype not in _ST_NAMES:
+            raise TypeError(f"tensor '{e.name}': dtype {e.dtype} cannot be stored in safetensors")
+        header[e.name] = {"dtype": _ST_NAMES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        for e in entries:
+            arr = np.ascontiguousarray(e.make())
+            if arr.shape != e.shape or arr.dtype != e.dtype:
+                raise AssertionError(f"export bug: '{e.name}' produced {arr.dtype}{list(arr.shape)}, planned "
+                                     f"{e.dtype}{list(e.shape)}")
+            out.write(memoryview(arr.reshape(-1).view(np.uint8)))
+            del arr
+
+
+def plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+    """Split in order, as huggingface_hub does: a new shard when the next tensor would push the current one over
+    the limit; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[_Entry]] = []
+    current: list[_Entry] = []
+    size = 0
+    for e in entries:
+        if e.nbytes > max_shard_size:
+            shards.append([e])
+            continue
+        if current and size + e.nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+# ------------------------------------------------------------------------------------------- adapter
+def _adapter_config(model, base_model_name_or_path) -> dict:
+    lo = model.lora
+    alpha = lo.lora_alpha
+    if isinstance(alpha, float) and alpha.is_integer():
+        alpha = int(alpha)
+    return {
+        "alora_invocation_tokens": None,
+        "alpha_pattern": {},
+        "arrow_config": None,
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": lo.bias,
+        "corda_config": None,
+        "ensure_weight_tying": False,
+        "eva_config": None,
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "kasa_config": None,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": alpha,
+        "lora_bias": False,
+        "lora_dropout": float(lo.lora_dropout),
+        "lora_ga_config": None,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": list(lo.modules_to_save) if lo.modules_to_save else None,
+        "monteclora_config": None,
+        "peft_type": "LORA",
+        "peft_version": PEFT_SCHEMA_VERSION,
+        "qalora_group_size": 16,
+        "r": int(lo.r),
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": list(lo.target_modules),
+        "target_parameters": None,
+        "task_type": "CAUSAL_LM",
+        "trainable_token_indices": None,
+        "use_bdlora": None,
+        "use_dora": False,
+        "use_qalora": False,
+        "use_rslora": bool(lo.use_rslora),
+        "velora_config": None,
+    }
+
+
+def _adapter_entries(model) -> list[_Entry]:
+    from unsloth_jax.hf.peft_io import SAVED_MODULE_KEYS
+
+    lo = model.lora
+    layers = model.params["layers"]
+    n = model.config.num_hidden_layers
+    entries: list[_Entry] = []
+    f32 = np.dtype(np.float32)
+    for proj in lo.target_modules:
+        sub = layers.get(proj, {})
+        if "lora_a" not in sub:
+            raise ConfigError(f"model.lora targets {proj} but params['layers']['{proj}'] has no lora_a/lora_b")
+        a, b = sub["lora_a"], sub["lora_b"]
+        prefix = f"base_model.model.model.layers.{{i}}.{PROJ_MODULE[proj]}.{proj}"
+        for i in range(n):
+            p = prefix.format(i=i)
+            entries.append(_Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
+                                  lambda a=a, i=i: np.asarray(a[i], np.float32).T))
+            entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
+                                  lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+    if lo.bias in ("all", "lora_only"):
+        for proj, sub in layers.items():
+            if not isinstance(sub, dict) or "bias" not in sub:
+                continue
+            targeted = proj in lo.target_modules
+            if lo.bias == "lora_only" and not targeted:
+                continue
+            bias = sub["bias"]
+            leaf = "base_layer.bias" if targeted else "bias"
+            for i in range(n):
+                entries.append(_Entry(f"base_model.model.model.layers.{i}.{PROJ_MODULE[proj]}.{proj}.{leaf}",
+                                      bias.shape[1:], _np_dtype(bias.dtype), lambda x=bias, i=i: np.asarray(x[i])))
+    for mod in lo.modules_to_save or ():
+        if mod not in SAVED_MODULE_KEYS:
+            raise ConfigError(f"modules_to_save entry {mod!r} cannot be exported (supported: "
+                              f"{', '.join(SAVED_MODULE_KEYS)})")
+        value = model.params.get(mod)
+        if value is None:
+            log.warning("unsloth_jax: modules_to_save names %s, but embeddings are tied (no separate %s); "
+                        "not saved", mod, mod)
+            continue
+        entries.append(_Entry(SAVED_MODULE_KEYS[mod], value.shape, _np_dtype(value.dtype),
+                              lambda v=value: np.asarray(v)))
+    return entries
+
+
+def _np_dtype(dt) -> np.dtype:
+    dt = np.dtype(dt)
+    return np.dtype(ml_dtypes.bfloat16) if dt == np.dtype(ml_dtypes.bfloat16) else dt
+
+
+def _write_adapter(model, directory: Path, base_model_name_or_path) -> None:
+    if model.lora is None:
+        raise ConfigError("the model has no LoRA adapter to save; call FastLanguageModel.get_peft_model first "
+                          "(or save the whole model with save_pretrained_merged)")
+    if base_model_name_or_path is None:
+        base_model_name_or_path = str(model.model_dir) if model.model_dir is not None else None
+    write_safetensors_stream(directory / ADAPTER_WEIGHTS, _adapter_entries(model), {"format": "pt"})
+    _write_json(directory / ADAPTER_CONFIG, _adapter_config(model, base_model_name_or_path))
+
+
+def save_adapter(model, out_dir, *, base_model_name_or_path=None) -> None:
+    """Write a PEFT LoRA adapter directory that `peft.PeftModel.from_pretrained(hf_model, out_dir)` loads:
+    adapter_config.json and adapter_model.safetensors (LoRA factors in float32 under PEFT's key names, plus
+    modules_to_save copies and trained biases where configured)."""
+    with atomic_directory(out_dir, _ADAPTER_ARTIFACTS) as tmp:
+        _write_adapter(model, tmp, base_model_name_or_path)
+    log.info("unsloth_jax: saved LoRA adapter to %s", out_dir)
+
+
+# -------------------------------------------------------------------------------------------- merged
+def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
+    """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head)."""
+    cfg = model.config
+    params = model.params
+    scale = model.lora.scale if model.lora is not None else None
+    specs = tensor_specs(cfg)
+    entries: list[_Entry] = []
+
+    def get(path):
+        node = params
+        for k in path:
+            node = node[k]
+        return node
+
+    for name, spec in specs.items():
+        if spec.kind == "kernel":
+            sub = get(spec.path[:-1])
+
+            def make(sub=sub, i=spec.layer):
+                w = np.asarray(_dense_kernel(_layer(sub["kernel"], i)), np.float32)
+                if scale is not None and "lora_a" in sub:
+                    a = np.asarray(sub["lora_a"][i], np.float32)
+                    b = np.asarray(sub["lora_b"][i], np.float32)
+                    w = w + np.float32(scale) * (a @ b)
+                return np.ascontiguousarray(w.T).astype(out_dtype)
+        else:
+            leaf = get(spec.path)
+
+            def make(leaf=leaf, i=spec.layer):
+                x = leaf if i is None else leaf[i]
+                return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
+        entries.append(_Entry(name, spec.hf_shape, out_dtype, make))
+    return entries
+
+
+def _merged_config(model, out_dtype: np.dtype) -> dict:
+    if model.model_dir is None or not (Path(model.model_dir) / "config.json").is_file():
+        raise CheckpointNotFoundError(
+            f"cannot write config.json for the merged model: the source directory {model.model_dir!r} has no "
+            "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
+    raw = json.loads((Path(model.model_dir) / "config.json").read_text())
+    raw.pop("quantization_config", None)  # the merged weights are dense
+    name = _dtype_name(out_dtype)
+    raw["dtype"] = name
+    if "torch_dtype" in raw:
+        raw["torch_dtype"] = name
+    return raw
+
+
+def _write_merged(model, directory: Path, tokenizer, max_shard_size, dtype) -> None:
+    out_dtype = _resolve_out_dtype(model, dtype)
+    limit = parse_size(max_shard_size)
+    config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
+    entries = merged_entries(model, out_dtype)
+    shards = plan_shards(entries, limit)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        write_safetensors_stream(directory / "model.safetensors", shards[0], meta)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors_stream(directory / fname, shard, meta)
+            weight_map.update({e.name: fname for e in shard})
+        n_params = sum(int(np.prod(e.shape, dtype=np.int64)) for e in entries)
+        _write_json(directory / INDEX_NAME, {
+            "metadata": {"total_parameters": n_params, "total_size": sum(e.nbytes for e in entries)},
+            "weight_map": weight_map})
+    _write_json(directory / "config.json", config)
+    src = Path(model.model_dir)
+    if (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
+    _write_tokenizer(model, directory, tokenizer)
+
+
+def _write_tokenizer(model, directory: Path, tokenizer) -> None:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+        return
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    copied = []
+    if src is not None and src.is_dir():
+        for fname in _TOKENIZER_FILES:
+            if (src / fname).is_file():
+                shutil.copyfile(src / fname, directory / fname)
+                copied.append(fname)
+    if copied:
+        log.info("unsloth_jax: no tokenizer given; copied %s from %s", ", ".join(copied), src)
+    else:
+        log.warning("unsloth_jax: no tokenizer given and none found in %s; the export has no tokenizer files", src)
+
+
+def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16bit", max_shard_size="5GB",
+                dtype=None) -> None:
+    """Write the merged model as a Hugging Face checkpoint (save_method="merged_16bit"), or only the adapter and
+    tokenizer (save_method="lora").
+
+    merged_16bit: every projection becomes W + scale * A @ B, computed in float32 (a 4-bit base is dequantized
+    first) and cast to `dtype` (default: the model's dtype: bfloat16 / float16, float32 stays float32). Shards
+    above `max_shard_size` (int bytes or "5GB", "500MB", "2GiB") with model.safetensors.index.json; config.json
+    from the source directory with the dtype updated; generation_config.json and tokenizer files."""
+    if save_method not in SAVE_METHODS:
+        if save_method in ("merged_4bit", "merged_4bit_forced"):
+            raise ConfigError(f"save_method={save_method!r}: re-quantizing a merged model to 4-bit loses accuracy "
+                              "and is not supported; use save_method='merged_16bit' (or save_pretrained_gguf for "
+                              "a quantized llama.cpp file)")
+        raise ConfigError(f"save_method={save_method!r} is not supported; use one of {', '.join(SAVE_METHODS)}")
+    if save_method == "lora":
+        with atomic_directory(out_dir, _ADAPTER_ARTIFACTS) as tmp:
+            _write_adapter(model, tmp, None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+        log.info("unsloth_jax: saved LoRA adapter to %s", out_dir)
+        return
+    stale = _MERGED_ARTIFACTS if tokenizer is None else re.compile(
+        _MERGED_ARTIFACTS.pattern + "|" + "|".join(re.escape(f) for f in _TOKENIZER_FILES))
+    with atomic_directory(out_dir, stale) as tmp:
+        _write_merged(model, tmp, tokenizer, max_shard_size, dtype)
+    log.info("unsloth_jax: saved merged %s model to %s", _dtype_name(_resolve_out_dtype(model, dtype)), out_dir)
