@@ -27,6 +27,9 @@ from unsloth_jax.models import decoder
 
 log = logging.getLogger("unsloth_jax")
 
+# optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
+_global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
+
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
                           "unsloth": "offload", "offload": "offload"}
 
@@ -92,7 +95,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, trainable)
         loss = l_sum / denom
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
         updates, new_opt = optimizer.update(grads, opt_state, trainable)
