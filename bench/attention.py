@@ -1,0 +1,320 @@
+"""Flash attention benchmark: Pallas kernel vs cuDNN vs XLA (the jitted reference), one JSON line each.
+
+    python bench/attention.py            # D=128 and 256, S=2048/4096/8192, causal, GQA 4:1 and 1:1, + Gemma 2
+    python bench/attention.py --quick    # two shapes, for a smoke run
+    python bench/attention.py --sweep    # time each kernel over block sizes / warps / stages, print the best
+
+FLOPs: a causal forward counts half of 4*B*Hq*S*S*D (a sliding window w < S counts the pairs inside the
+band, S*S/2 - (S-w)^2/2, instead of S*S/2); forward+backward counts 3.5x the forward (the backward's five
+matmuls are 2.5x the forward's two), the convention under which ANCHORS.md's cuDNN figures are quoted.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import flash_attention as fa  # noqa: E402
+from pallas_kernels import reference  # noqa: E402
+from pallas_kernels._common import resolve_interpret  # noqa: E402
+
+FWDBWD_FACTOR = 3.5
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+def _time(fn, *args, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time in ms of fn(*args) (already compiled), after warm-up."""
+    jax.block_until_ready(fn(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_bytes(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def _fwd_flops(b, s, hq, d, causal, window):
+    if not causal:
+        pairs = s * s
+    elif window is not None and window < s:
+        pairs = s * s / 2 - (s - window) ** 2 / 2
+    else:
+        pairs = s * s / 2
+    return 4.0 * b * hq * d * pairs
+
+
+def _inputs(b, s, hq, hkv, d, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(keys[3], (b, s, hq, d), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def _make(impl, causal, window, softcap):
+    if impl == "pallas":
+        def f(q, k, v):
+            return fa.flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap)
+    elif impl == "xla":
+        def f(q, k, v):
+            return reference.flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap)
+    elif impl == "cudnn":
+        if softcap is not None:
+            return None
+        local = None if window is None else (window - 1, 0)
+
+        def f(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=local,
+                                                implementation="cudnn")
+    else:
+        raise ValueError(impl)
+    return f
+
+
+def _measure(name, impl, b, s, hq, hkv, d, dtype, causal=True, window=None, softcap=None, iters=20):
+    f = _make(impl, causal, window, softcap)
+    if f is None:
+        return None
+    q, k, v, do = _inputs(b, s, hq, hkv, d, dtype)
+
+    def fwdbwd(q_, k_, v_, do_):
+        out, vjp = jax.vjp(f, q_, k_, v_)
+        return vjp(do_)
+
+    rec = dict(name=name, shape=dict(B=b, S=s, Hq=hq, Hkv=hkv, D=d), dtype=jnp.dtype(dtype).name, impl=impl,
+               causal=causal, window=window, softcap=softcap, jax_version=jax.__version__, device=_device())
+    try:
+        fwd_c = jax.jit(f).lower(q, k, v).compile()
+        bwd_c = jax.jit(fwdbwd).lower(q, k, v, do).compile()
+        out = fwd_c(q, k, v)
+        rec["fwd_ms"] = _time(fwd_c, q, k, v, iters=iters)
+        rec["fwdbwd_ms"] = _time(bwd_c, q, k, v, do, iters=iters)
+        flops = _fwd_flops(b, s, hq, d, causal, window)
+        rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
+        rec["fwdbwd_tflops"] = FWDBWD_FACTOR * flops / rec["fwdbwd_ms"] / 1e9
+        rec["peak_bytes"] = _peak_bytes(bwd_c)
+        rec["_out"] = out
+    except Exception as e:  # noqa: BLE001 - report and continue with the other measurements
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _emit(recs):
+    by = {r["impl"]: r for r in recs if r is not None}
+    p = by.get("pallas")
+    for impl in ("cudnn", "xla"):
+        r = by.get(impl)
+        if p is None or r is None or "error" in p or "error" in r:
+            continue
+        p[f"fwd_speedup_vs_{impl}"] = r["fwd_ms"] / p["fwd_ms"]
+        p[f"fwdbwd_speedup_vs_{impl}"] = r["fwdbwd_ms"] / p["fwdbwd_ms"]
+        p[f"out_rel_err_vs_{impl}"] = _rel(p["_out"], r["_out"])
+    for r in by.values():
+        r.pop("_out", None)
+        print(json.dumps(r), flush=True)
+
+
+def run_default(quick: bool, seqs=None, tokens: int = 16384):
+    """tokens = B * S per shape; `seqs` overrides the sequence lengths (e.g. tiny ones for a CPU check)."""
+    dt = jnp.bfloat16
+    cases = []
+    if seqs:
+        for s in seqs:
+            cases.append(("mha_causal", 128, s, 16, 4, None, None))
+            cases.append(("gemma2_softcap_window", 256, s, 8, 4, max(1, s // 2), 50.0))
+    elif quick:
+        cases.append(("mha_causal", 128, 2048, 16, 4, None, None))
+        cases.append(("gemma2_softcap_window", 256, 8192, 8, 4, 4096, 50.0))
+    else:
+        for d, hq in ((128, 16), (256, 8)):
+            for s in (2048, 4096, 8192):
+                for g in (4, 1):
+                    cases.append(("mha_causal", d, s, hq, hq // g, None, None))
+        for s in (4096, 8192):
+            cases.append(("gemma2_softcap_window", 256, s, 8, 4, 4096, 50.0))
+    for name, d, s, hq, hkv, window, softcap in cases:
+        b = max(1, tokens // s)
+        recs = []
+        for impl in ("pallas", "cudnn", "xla"):
+            iters = 10 if (impl == "xla" and s >= 8192) else 20
+            recs.append(_measure(name, impl, b, s, hq, hkv, d, dt, causal=True, window=window,
+                                 softcap=softcap, iters=iters))
+        _emit(recs)
+
+
+# ------------------------------------------------------------------------------------------ sweep
+def _kernel_inputs(st, b, s, hq, hkv, d, dtype):
+    """Inputs of the three kernels (the forward's lse and delta computed once with the table's config)."""
+    q, k, v, do = _inputs(b, s, hq, hkv, d, dtype)
+    o, lse = jax.jit(lambda *a: fa._fwd_call(*a, None, None, st))(q, k, v)
+    delta = fa._delta(o, do)
+    return {"fwd": (q, k, v), "dkdv": (q, k, v, do, lse, delta), "dq": (q, k, v, do, lse, delta)}
+
+
+def _kernel_fn(kernel, st):
+    """A jitted single-kernel callable, to time one kernel at a time."""
+    if kernel == "fwd":
+        return jax.jit(lambda q_, k_, v_: fa._fwd_call(q_, k_, v_, None, None, st))
+    call = fa._dkdv_call if kernel == "dkdv" else fa._dq_call
+    return jax.jit(lambda q_, k_, v_, do_, l_, d_: call(q_, k_, v_, do_, l_, d_, None, None, st))
+
+
+# Matmul work of each kernel in units of the forward's (2 matmuls): dK/dV recomputes S and dP and does
+# dV and dK (4), dQ recomputes S and dP and does dQ (3).
+_WORK = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5}
+
+
+# Candidates per (head_dim, kernel): (block_q, block_k, num_warps, num_stages). Picked around the table's
+# entries among tiles that compile for sm_90a without (or with few) register spills.
+_CANDIDATES = {
+    64: {
+        "fwd": [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 4, 2),
+                 (128, 128, 8, 2), (32, 64, 4, 3)],
+        "dq": [(128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2),
+               (128, 64, 8, 3)],
+    },
+    128: {
+        "fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
+                (64, 64, 4, 2), (64, 128, 8, 2), (128, 128, 8, 3)],
+        "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2),
+                 (64, 64, 8, 2), (32, 64, 4, 2)],
+        "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2),
+               (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 2)],
+    },
+    256: {
+        "fwd": [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 3), (128, 32, 8, 2),
+                (128, 64, 8, 2), (64, 32, 4, 2)],
+        "dkdv": [(64, 32, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 64, 8, 2), (64, 64, 8, 2),
+                 (32, 32, 4, 2), (16, 32, 4, 2)],
+        "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 16, 4, 2),
+               (32, 32, 4, 2), (64, 32, 8, 3)],
+    },
+}
+
+
+def _candidates(kernel, d):
+    for c in _CANDIDATES[min(_CANDIDATES, key=lambda x: abs(x - d))][kernel]:
+        yield fa.KernelBlocks(*c)
+
+
+def _split_sweep(d, kb, dt, s):
+    """dK/dV time vs how many programs share a KV group, at a small-grid GQA shape (Qwen2-1.5B-like)."""
+    b, hq, hkv = 4, 12, 2
+    auto = fa.dkdv_head_split(hq // hkv, b, hkv, -(-s // kb.block_k))
+    for split in (1, 2, 3, 6):
+        cfg = dataclasses.replace(fa.get_config(s, dt, d), dkdv=kb, dkdv_split=split)
+        st = fa._Static(seq_len=s, groups=hq // hkv, causal=True, window=None, softcap=None, scale=d ** -0.5,
+                        has_segments=False, interpret=resolve_interpret(None), config=cfg)
+        rec = dict(name="sweep_dkdv_split", D=d, shape=dict(B=b, S=s, Hq=hq, Hkv=hkv), config=dataclasses.astuple(kb),
+                   dkdv_split=split, auto_split=auto, jax_version=jax.__version__, device=_device())
+        try:
+            inputs = _kernel_inputs(st, b, s, hq, hkv, d, dt)["dkdv"]
+            rec["ms"] = _time(_kernel_fn("dkdv", st), *inputs, iters=20, warmup=2)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(json.dumps(rec), flush=True)
+
+
+def run_sweep(dims, seq, softcap_case: bool):
+    dt = jnp.bfloat16
+    best_all = {}
+    for d in dims:
+        hq = 16 if d <= 128 else 8
+        hkv = hq // 4
+        b = max(1, 16384 // seq)
+        base = fa.get_config(seq, dt, d)
+        window = 4096 if (softcap_case and seq > 4096) else None
+        softcap = 50.0 if softcap_case else None
+        tanh_opts = (False, True) if softcap_case else (False,)
+        flops = _fwd_flops(b, seq, hq, d, True, window)
+
+        def static(cfg):
+            return fa._Static(seq_len=seq, groups=hq // hkv, causal=True, window=window, softcap=softcap,
+                              scale=d ** -0.5, has_segments=False, interpret=resolve_interpret(None),
+                              config=cfg)
+
+        inputs = _kernel_inputs(static(base), b, seq, hq, hkv, d, dt)
+        for kernel in ("fwd", "dkdv", "dq"):
+            results = []
+            for fast in tanh_opts:
+                for kb in _candidates(kernel, d):
+                    cfg = dataclasses.replace(base, **{kernel: kb}, fast_tanh=fast)
+                    rec = dict(name="sweep", kernel=kernel, D=d, S=seq, softcap=softcap, window=window,
+                               fast_tanh=fast, config=dataclasses.astuple(kb), jax_version=jax.__version__,
+                               device=_device())
+                    try:
+                        ms = _time(_kernel_fn(kernel, static(cfg)), *inputs[kernel], iters=20, warmup=2)
+                        rec.update(ms=ms, tflops=_WORK[kernel] * flops / ms / 1e9)
+                        results.append((ms, kb, fast))
+                    except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(json.dumps(rec), flush=True)
+            if results:
+                ms, kb, fast = min(results, key=lambda r: r[0])
+                best_all[(d, kernel)] = (kb, fast)
+                if kernel == "dkdv" and not softcap_case:
+                    _split_sweep(d, kb, dt, min(seq, 2048))
+                print(json.dumps(dict(name="sweep_best", kernel=kernel, D=d, S=seq, softcap=softcap,
+                                      fast_tanh=fast, config=dataclasses.astuple(kb), ms=ms,
+                                      jax_version=jax.__version__, device=_device())), flush=True)
+    for d in dims:
+        parts = [best_all.get((d, kn)) for kn in ("fwd", "dkdv", "dq")]
+        if all(parts):
+            print(json.dumps(dict(name="sweep_table_entry", key=[fa.shape_class(seq), "bfloat16", d],
+                                  fwd=dataclasses.astuple(parts[0][0]), dkdv=dataclasses.astuple(parts[1][0]),
+                                  dq=dataclasses.astuple(parts[2][0]),
+                                  fast_tanh=any(p[1] for p in parts))), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two shapes only (smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="time each kernel over candidate configs")
+    ap.add_argument("--dims", default="128,256", help="head dims for --sweep (comma separated)")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length for --sweep")
+    ap.add_argument("--softcap", action="store_true", help="--sweep the Gemma 2 softcap(+window) case")
+    ap.add_argument("--seqs", default="", help="override the default run's sequence lengths (comma separated)")
+    ap.add_argument("--tokens", type=int, default=16384, help="B * S of each default-run shape")
+    args = ap.parse_args()
+    if args.sweep:
+        run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap)
+    else:
+        run_default(args.quick, [int(x) for x in args.seqs.split(",") if x], args.tokens)
+
+
+if __name__ == "__main__":
+    main()

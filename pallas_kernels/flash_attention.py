@@ -1,0 +1,653 @@
+"""Flash attention (forward and backward) as Pallas kernels for the Triton lowering.
+
+`flash_attention(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret)`:
+q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query head h
+reads KV head h // (Hq // Hkv), HF's repeat_kv order, without repeating K/V in memory).
+
+Kernels (three `pl.pallas_call`s, no atomics):
+- forward, grid (q blocks, B, Hq): online softmax in base 2 (log2(e) folded into the score scale); writes the
+  output and the float32 log-sum-exp (base 2) that the backward reuses.
+- dK/dV, grid (KV blocks, B, Hkv): one program owns one KV block of one KV head and loops over the query heads
+  of its group and over the query blocks that can see it, so the group sum needs no atomics. When that grid is
+  too small to fill the GPU (few KV heads, short sequences), each group is split over several programs that
+  write partial dK/dV, summed by one XLA reduction (`dkdv_head_split`).
+- dQ, grid (q blocks, B, Hq): one program owns one query block and loops over the KV blocks it can see.
+delta = rowsum(dO * O) is one fused XLA reduction between the two.
+
+Every loop over blocks is split in three ranges: blocks on the lower edge of the sliding window (masked),
+blocks fully inside (no position mask at all; only the segment mask when segment ids are given), and blocks on
+the causal diagonal or the ragged end of the sequence (masked). Blocks outside (causal upper triangle, behind
+the window) are never visited. Ragged sequence ends are handled with masked loads of power-of-two blocks.
+
+Masked scores are -inf; the running max starts at a finite -1e30, so fully masked rows never produce NaN:
+they get output 0, log-sum-exp +inf (so recomputed probabilities are exactly 0) and zero gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+
+LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # initial running max: finite, so exp2(m_old - m_new) never sees (-inf) - (-inf)
+
+
+# ------------------------------------------------------------------------------------------ block-size table
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+    """Tile sizes and launch parameters of one kernel (block_q x block_k tiles)."""
+
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Launch configuration of the three kernels.
+
+    fast_tanh: softcap through tanh.approx (GPU only, 16-bit inputs). dkdv_split: query heads of a KV group
+    split over this many dK/dV programs (partials summed by XLA); 0 picks it from the grid size.
+    """
+
+    fwd: KernelBlocks
+    dkdv: KernelBlocks
+    dq: KernelBlocks
+    fast_tanh: bool = False
+    dkdv_split: int = 0
+
+
+def _cfg(fwd, dkdv, dq, fast_tanh=False) -> FlashConfig:
+    return FlashConfig(KernelBlocks(*fwd), KernelBlocks(*dkdv), KernelBlocks(*dq), fast_tanh)
+
+
+# Keyed by (shape class, dtype, head_dim). Shape class: "short" (S <= 1024) or "long".
+# Entries are (block_q, block_k, num_warps, num_stages) for fwd, dK/dV and dQ.
+# Initial guesses for an H100/H200 (sm_90): tiles whose wgmma M dimension (block_q for fwd/dQ, block_k for
+# dK/dV) fills the warpgroups, chosen among those that Triton compiles for sm_90a without register spills
+# (checked offline with ptxas); `python bench/attention.py --sweep` times the alternatives on the GPU.
+_TABLE: dict[tuple[str, str, int], FlashConfig] = {}
+for _cls in ("short", "long"):
+    for _dt in ("bfloat16", "float16"):
+        _TABLE[(_cls, _dt, 64)] = _cfg((128, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2))
+        _TABLE[(_cls, _dt, 128)] = _cfg((128, 64, 8, 3), (32, 128, 8, 2), (128, 64, 8, 2))
+        _TABLE[(_cls, _dt, 256)] = _cfg((64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 2))
+    _TABLE[(_cls, "float32", 64)] = _cfg((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+    _TABLE[(_cls, "float32", 128)] = _cfg((64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2))
+    _TABLE[(_cls, "float32", 256)] = _cfg((32, 32, 8, 1), (16, 32, 8, 1), (32, 16, 8, 1))
+
+
+def shape_class(seq_len: int) -> str:
+    return "short" if seq_len <= 1024 else "long"
+
+
+def get_config(seq_len: int, dtype, head_dim: int) -> FlashConfig:
+    """Table lookup; unknown (dtype, head_dim) pairs fall back to the nearest entry of the same dtype family."""
+    name = jnp.dtype(dtype).name
+    if name not in ("bfloat16", "float16", "float32"):
+        name = "float32"
+    d = min((64, 128, 256), key=lambda x: (abs(x - head_dim), x))
+    return _TABLE[(shape_class(seq_len), name, d)]
+
+
+def _clamp_blocks(kb: KernelBlocks, seq_len: int) -> KernelBlocks:
+    """Blocks never larger than the (power-of-two padded) sequence."""
+    cap = max(16, next_pow2(seq_len))
+    return dataclasses.replace(kb, block_q=min(kb.block_q, cap), block_k=min(kb.block_k, cap))
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one call (hashable: it is a nondiff argument of the custom_vjp)."""
+
+    seq_len: int
+    groups: int  # Hq // Hkv
+    causal: bool
+    window: int | None
+    softcap: float | None
+    scale: float
+    has_segments: bool
+    interpret: bool
+    config: FlashConfig
+
+
+def _tanh_fn(st: _Static):
+    if st.config.fast_tanh and not st.interpret:
+        return plgpu.approx_tanh
+    return jnp.tanh
+
+
+def _scores(s, st: _Static):
+    """Raw q.k (f32) -> (scores in log2 units, tanh value or None). Softcap: cap * tanh(s * scale / cap)."""
+    if st.softcap is None:
+        return s * (st.scale * LOG2E), None
+    t = _tanh_fn(st)(s * (st.scale / st.softcap))
+    return t * (st.softcap * LOG2E), t
+
+
+def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool, check_k: bool):
+    """Boolean keep-mask from broadcastable query/key positions; None when nothing is masked."""
+    m = None
+
+    def _and(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    if positions:
+        if check_q:
+            m = _and(m, qpos < st.seq_len)
+        if check_k:
+            m = _and(m, kpos < st.seq_len)
+        if st.causal:
+            m = _and(m, qpos >= kpos)
+        if st.window is not None:
+            m = _and(m, (qpos - kpos) < st.window)
+    if qseg is not None:
+        m = _and(m, qseg == kseg)
+    return m
+
+
+def _idiv(a, b: int):
+    """Floor division of a non-negative traced int by a positive Python int."""
+    return lax.div(a, jnp.int32(b))
+
+
+def _icdiv(a, b: int):
+    return lax.div(a + jnp.int32(b - 1), jnp.int32(b))
+
+
+def _split_ranges(lo, full_lo, full_hi, hi):
+    """[lo, b) masked, [b, c) unmasked, [c, hi) masked, with lo <= b <= c <= hi."""
+    b = jnp.minimum(jnp.maximum(full_lo, lo), hi)
+    c = jnp.minimum(jnp.maximum(full_hi, b), hi)
+    return b, c
+
+
+def _kv_ranges_for_q_block(q_lo, st: _Static, bq: int, bk: int):
+    """KV block ranges seen by query rows [q_lo, q_lo + bq) (forward and dQ kernels)."""
+    S = st.seq_len
+    q_hi = jnp.minimum(q_lo + bq, S)  # valid rows end
+    nk = cdiv(S, bk)
+    zero = jnp.int32(0)
+    if st.window is not None:
+        lo = _idiv(jnp.maximum(q_lo - (st.window - 1), zero), bk)
+        full_lo = _icdiv(jnp.maximum(q_hi - st.window, zero), bk)
+    else:
+        lo = zero
+        full_lo = zero
+    if st.causal:
+        hi = _icdiv(q_hi, bk)
+        full_hi = _idiv(q_lo + 1, bk)
+    else:
+        hi = jnp.int32(nk)
+        full_hi = jnp.int32(S // bk)
+    b, c = _split_ranges(lo, full_lo, full_hi, hi)
+    return lo, b, c, hi
+
+
+def _q_ranges_for_kv_block(k_lo, st: _Static, bq: int, bk: int):
+    """Query block ranges that see keys [k_lo, k_lo + bk) (dK/dV kernel)."""
+    S = st.seq_len
+    k_hi = jnp.minimum(k_lo + bk, S)
+    nq = cdiv(S, bq)
+    zero = jnp.int32(0)
+    if st.causal:
+        lo = _idiv(k_lo, bq)
+        full_lo = _icdiv(k_hi - 1, bq)
+    else:
+        lo = zero
+        full_lo = zero
+    if st.window is not None:
+        hi = _icdiv(jnp.minimum(k_hi - 1 + st.window, S), bq)
+        full_hi = jnp.minimum(_idiv(k_lo + st.window, bq), jnp.int32(S // bq))
+    else:
+        hi = jnp.int32(nq)
+        full_hi = jnp.int32(S // bq)
+    if S % bk:  # the last KV block is ragged: every query block it meets needs the bounds mask
+        full_hi = jnp.where(k_lo + bk > S, zero, full_hi)
+    b, c = _split_ranges(lo, full_lo, full_hi, hi)
+    return lo, b, c, hi
+
+
+def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, other=0):
+    """Load rows [start, start+size) of a [S, D] / [S] ref, or of head `head` of a [S, G, D] / [G, S] ref.
+
+    Rows past the end are masked (read as `other`) when `masked`. One indexer per load (Triton lowering).
+    """
+    rows = pl.ds(start, size)
+    ndim = len(ref.shape)
+    if head is None:
+        idx = (rows,) + (slice(None),) * (ndim - 1)
+        vector = ndim == 1
+    elif ndim == 3:  # [S, G, D]
+        idx = (rows, head, slice(None))
+        vector = False
+    else:  # [G, S]
+        idx = (head, rows)
+        vector = True
+    view = ref.at[idx]
+    if not masked:
+        return plgpu.load(view)
+    ok = (start + jnp.arange(size)) < seq_len
+    if not vector:
+        ok = ok[:, None]
+    return plgpu.load(view, mask=ok, other=other)
+
+
+# ------------------------------------------------------------------------------------------ forward kernel
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: _Static, bq: int, bk: int):
+    S = st.seq_len
+    nq = cdiv(S, bq)
+    qi = (nq - 1) - pl.program_id(0)  # heaviest (causal) blocks first
+    q_lo = qi * bq
+    qpos = q_lo + jnp.arange(bq)
+    ragged_q = S % bq != 0
+    q = _load_rows(q_ref, q_lo, bq, S, ragged_q)
+    qseg = None
+    if qseg_ref is not None:
+        qseg = _load_rows(qseg_ref, q_lo, bq, S, ragged_q)[:, None]
+
+    def body(kj, carry, masked: bool):
+        acc, m_i, l_i = carry
+        k_lo = kj * bk
+        kpos = k_lo + jnp.arange(bk)
+        k = _load_rows(k_ref, k_lo, bk, S, masked)
+        v = _load_rows(v_ref, k_lo, bk, S, masked)
+        s, _ = _scores(plgpu.dot(q, k, trans_b=True), st)
+        kseg = None
+        if kseg_ref is not None:
+            kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
+        keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False,
+                     check_k=True)
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, l_new
+
+    d = q.shape[-1]
+    carry = (
+        jnp.zeros((bq, d), jnp.float32),
+        jnp.full((bq,), _M_INIT, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    lo, b, c, hi = _kv_ranges_for_q_block(q_lo, st, bq, bk)
+    carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
+    acc, m_i, l_i = carry
+    has = l_i > 0.0
+    o = acc / jnp.where(has, l_i, 1.0)[:, None]
+    lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), jnp.inf)
+    row_ok = qpos < S
+    plgpu.store(o_ref.at[pl.ds(q_lo, bq)], o.astype(o_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[pl.ds(q_lo, bq)], lse, mask=row_ok)
+
+
+def _fwd_call(q, k, v, qseg, kseg, st: _Static):
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = st.groups
+    kb = _clamp_blocks(st.config.fwd, S)
+    bq, bk = kb.block_q, kb.block_k
+    nq = cdiv(S, bq)
+    grid = (nq, B, Hq)
+
+    def kv_map(i, b, h):
+        return (b, 0, lax.div(h, G) if G > 1 else h, 0)
+
+    in_specs = [
+        pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, S, None, D), kv_map),
+        pl.BlockSpec((None, S, None, D), kv_map),
+        None if qseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+        None if kseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0)),
+        pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
+    ]
+    del Hkv
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st, bq=bq, bk=bk),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
+        interpret=st.interpret,
+        name="flash_attention_fwd",
+    )(q, k, v, qseg, kseg)
+
+
+# ------------------------------------------------------------------------------------------ dK/dV kernel
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref, *,
+                 st: _Static, bq: int, bk: int, groups: int):
+    # q_ref/do_ref: [S, G, D] (the `groups` query heads this program sums over); lse_ref/delta_ref: [G, S];
+    # k/v: [S, D].
+    S = st.seq_len
+    G = groups
+    kj = pl.program_id(0)
+    k_lo = kj * bk
+    kpos = k_lo + jnp.arange(bk)
+    ragged_k = S % bk != 0
+    k = _load_rows(k_ref, k_lo, bk, S, ragged_k)
+    v = _load_rows(v_ref, k_lo, bk, S, ragged_k)
+    kseg = None
+    if kseg_ref is not None:
+        kseg = _load_rows(kseg_ref, k_lo, bk, S, ragged_k)[:, None]
+    lo, b, c, hi = _q_ranges_for_kv_block(k_lo, st, bq, bk)
+
+    def head_loop(g, carry):
+        def body(qi, carry, masked: bool):
+            dk, dv = carry
+            q_lo = qi * bq
+            qpos = q_lo + jnp.arange(bq)
+            q = _load_rows(q_ref, q_lo, bq, S, masked, head=g)
+            do = _load_rows(do_ref, q_lo, bq, S, masked, head=g)
+            lse = _load_rows(lse_ref, q_lo, bq, S, masked, head=g)
+            delta = _load_rows(delta_ref, q_lo, bq, S, masked, head=g)
+            s_t, t_t = _scores(plgpu.dot(k, q, trans_b=True), st)  # [bk, bq]: keys x queries
+            qseg = None
+            if qseg_ref is not None:
+                qseg = _load_rows(qseg_ref, q_lo, bq, S, masked)[None, :]
+            keep = _mask(qpos[None, :], kpos[:, None], qseg, kseg, st, positions=masked, check_q=True,
+                         check_k=False)
+            if keep is not None:
+                s_t = jnp.where(keep, s_t, -jnp.inf)
+            p_t = jnp.exp2(s_t - lse[None, :])
+            dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
+            dp_t = plgpu.dot(v, do, trans_b=True)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if t_t is not None:
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
+            return dk, dv
+
+        carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
+        return carry
+
+    d = k.shape[-1]
+    carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
+    if G == 1:
+        carry = head_loop(jnp.int32(0), carry)
+    else:
+        carry = lax.fori_loop(0, G, head_loop, carry)
+    dk, dv = carry
+    dk = dk * st.scale
+    row_ok = (kpos < S)[:, None]
+    plgpu.store(dk_ref.at[pl.ds(k_lo, bk)], dk.astype(dk_ref.dtype), mask=row_ok)
+    plgpu.store(dv_ref.at[pl.ds(k_lo, bk)], dv.astype(dv_ref.dtype), mask=row_ok)
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 0) or 132)
+    except Exception:  # noqa: BLE001 - no device info: assume an H100/H200-sized GPU
+        pass
+    return 132
+
+
+def dkdv_head_split(groups: int, batch: int, kv_heads: int, kv_blocks: int, requested: int = 0) -> int:
+    """How many programs share one KV block's query-head group in the dK/dV kernel.
+
+    With few KV heads (GQA) and short sequences, one program per (KV block, KV head) leaves SMs idle and the
+    causal imbalance (the first KV block sees every query block) sets the time; splitting the group over
+    n programs (partial dK/dV summed afterwards by XLA) restores parallelism. `requested` > 0 forces n.
+    """
+    if requested:
+        if groups % requested:
+            raise ValueError(f"dkdv_split {requested} must divide the group size {groups}")
+        return requested
+    target = 3 * _num_sms()
+    for n in range(1, groups + 1):
+        if groups % n == 0 and kv_blocks * batch * kv_heads * n >= target:
+            return n
+    return groups
+
+
+def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    kb = _clamp_blocks(st.config.dkdv, S)
+    bq, bk = kb.block_q, kb.block_k
+    nk = cdiv(S, bk)
+    split = dkdv_head_split(st.groups, B, Hkv, nk, st.config.dkdv_split)
+    gc = st.groups // split  # query heads per program
+    grid = (nk, B, Hkv * split)  # axis 2: "virtual" KV head h = kv_head * split + chunk
+
+    def kv_map(j, b, h):
+        return (b, 0, lax.div(h, split) if split > 1 else h, 0)
+
+    group_spec = pl.BlockSpec((None, S, gc, D), lambda j, b, h: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, S, None, D), kv_map)
+    out_spec = pl.BlockSpec((None, S, None, D), lambda j, b, h: (b, 0, h, 0))
+    stat_spec = pl.BlockSpec((None, gc, S), lambda j, b, h: (b, h, 0))
+    seg_spec = pl.BlockSpec((None, S), lambda j, b, h: (b, 0))
+    in_specs = [
+        group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
+        None if qseg is None else seg_spec,
+        None if kseg is None else seg_spec,
+    ]
+    out_shape = jax.ShapeDtypeStruct((B, S, Hkv * split, D), k.dtype)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, st=st, bq=bq, bk=bk, groups=gc),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[out_spec, out_spec],
+        out_shape=[out_shape, out_shape],
+        compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
+        interpret=st.interpret,
+        name="flash_attention_dkdv",
+    )(q, k, v, do, lse, delta, qseg, kseg)
+    if split > 1:  # sum the partial gradients of each KV head's query-head chunks
+        def fold(x):
+            return x.reshape(B, S, Hkv, split, D).sum(axis=3, dtype=jnp.float32).astype(k.dtype)
+
+        dk, dv = fold(dk), fold(dv)
+    return dk, dv
+
+
+# ------------------------------------------------------------------------------------------ dQ kernel
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref, *,
+               st: _Static, bq: int, bk: int):
+    S = st.seq_len
+    nq = cdiv(S, bq)
+    qi = (nq - 1) - pl.program_id(0)
+    q_lo = qi * bq
+    qpos = q_lo + jnp.arange(bq)
+    ragged_q = S % bq != 0
+    q = _load_rows(q_ref, q_lo, bq, S, ragged_q)
+    do = _load_rows(do_ref, q_lo, bq, S, ragged_q)
+    lse = _load_rows(lse_ref, q_lo, bq, S, ragged_q)
+    delta = _load_rows(delta_ref, q_lo, bq, S, ragged_q)
+    qseg = None
+    if qseg_ref is not None:
+        qseg = _load_rows(qseg_ref, q_lo, bq, S, ragged_q)[:, None]
+
+    def body(kj, dq, masked: bool):
+        k_lo = kj * bk
+        kpos = k_lo + jnp.arange(bk)
+        k = _load_rows(k_ref, k_lo, bk, S, masked)
+        v = _load_rows(v_ref, k_lo, bk, S, masked)
+        s, t = _scores(plgpu.dot(q, k, trans_b=True), st)
+        kseg = None
+        if kseg_ref is not None:
+            kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
+        keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False,
+                     check_k=True)
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])
+        dp = plgpu.dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+    d = q.shape[-1]
+    dq = jnp.zeros((bq, d), jnp.float32)
+    lo, b, c, hi = _kv_ranges_for_q_block(q_lo, st, bq, bk)
+    dq = lax.fori_loop(lo, b, functools.partial(body, masked=True), dq)
+    dq = lax.fori_loop(b, c, functools.partial(body, masked=False), dq)
+    dq = lax.fori_loop(c, hi, functools.partial(body, masked=True), dq)
+    dq = dq * st.scale
+    plgpu.store(dq_ref.at[pl.ds(q_lo, bq)], dq.astype(dq_ref.dtype), mask=(qpos < S)[:, None])
+
+
+def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
+    B, S, Hq, D = q.shape
+    G = st.groups
+    kb = _clamp_blocks(st.config.dq, S)
+    bq, bk = kb.block_q, kb.block_k
+    grid = (cdiv(S, bq), B, Hq)
+
+    def kv_map(i, b, h):
+        return (b, 0, lax.div(h, G) if G > 1 else h, 0)
+
+    q_spec = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, S, None, D), kv_map)
+    stat_spec = pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))
+    seg_spec = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
+    in_specs = [
+        q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
+        None if qseg is None else seg_spec,
+        None if kseg is None else seg_spec,
+    ]
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, st=st, bq=bq, bk=bk),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
+        interpret=st.interpret,
+        name="flash_attention_dq",
+    )(q, k, v, do, lse, delta, qseg, kseg)
+
+
+# ------------------------------------------------------------------------------------------ custom_vjp
+def _delta(o, do):
+    """rowsum(dO * O) in float32, laid out [B, Hq, S] like the log-sum-exp (one fused XLA reduction)."""
+    d = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    return jnp.transpose(d, (0, 2, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, qseg, kseg, st: _Static):
+    return _fwd_call(q, k, v, qseg, kseg, st)[0]
+
+
+def _flash_fwd(q, k, v, qseg, kseg, st: _Static):
+    o, lse = _fwd_call(q, k, v, qseg, kseg, st)
+    return o, (q, k, v, qseg, kseg, o, lse)
+
+
+def _flash_bwd(st: _Static, res, do):
+    q, k, v, qseg, kseg, o, lse = res
+    do = do.astype(q.dtype)
+    delta = _delta(o, do)
+    dk, dv = _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st)
+    dq = _dq_call(q, k, v, do, lse, delta, qseg, kseg, st)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ------------------------------------------------------------------------------------------ public API
+def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret, config):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"expected q, k, v of rank 4 [B, S, H, D], got {q.shape}, {k.shape}, {v.shape}")
+    B, S, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
+        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q {q.shape}; got {k.shape}, {v.shape}")
+    Hkv = k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {D} is not supported (a power of two, 16..256)")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    window = None
+    if sliding_window is not None:
+        window = int(sliding_window)
+        if window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if causal and window >= S:  # the window covers the whole causal past: no-op
+            window = None
+    qseg = kseg = None
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            qseg, kseg = segment_ids
+        else:
+            qseg = kseg = segment_ids
+        qseg = jnp.asarray(qseg).astype(jnp.int32)
+        kseg = jnp.asarray(kseg).astype(jnp.int32)
+        if qseg.shape != (B, S) or kseg.shape != (B, S):
+            raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {qseg.shape}, {kseg.shape}")
+    scale = float(1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    cap = None if softcap is None else float(softcap)
+    if config is None:
+        config = get_config(S, q.dtype, D)
+    if config.fast_tanh and jnp.dtype(q.dtype) == jnp.float32:
+        config = dataclasses.replace(config, fast_tanh=False)
+    st = _Static(
+        seq_len=S, groups=Hq // Hkv, causal=bool(causal), window=window, softcap=cap, scale=scale,
+        has_segments=qseg is not None, interpret=resolve_interpret(interpret), config=config,
+    )
+    return qseg, kseg, st
+
+
+def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, softcap=None,
+                    sm_scale=None, interpret=None):
+    """Fused attention: softmax(mask(softcap(q k^T * sm_scale))) v with GQA, differentiable in q, k, v.
+
+    Args:
+      q: [B, S, Hq, D]; k, v: [B, S, Hkv, D], Hq a multiple of Hkv; one floating dtype; D a power of two
+        (64, 128, 256 are tuned). Query head h reads KV head h // (Hq // Hkv).
+      causal: query i attends key j only if j <= i.
+      segment_ids: [B, S] int ids; tokens attend only to keys with an equal id (packing, right padding).
+        A pair (q_ids, kv_ids) masks queries and keys with separate ids: a query whose id no key has is
+        fully masked and gets a zero output and zero gradients.
+      sliding_window: int w >= 1: query i attends key j only if i - j < w (HF Mistral / Gemma 2).
+      softcap: float c: scores become c * tanh(scores / c) before masking (Gemma 2).
+      sm_scale: score scale, default 1/sqrt(D).
+      interpret: None -> Pallas interpret mode unless running on a GPU.
+    Returns:
+      [B, S, Hq, D] in q.dtype.
+    """
+    return flash_attention_with_config(
+        q, k, v, None, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
+        softcap=softcap, sm_scale=sm_scale, interpret=interpret)
+
+
+def flash_attention_with_config(q, k, v, config: FlashConfig | None, *, causal=True, segment_ids=None,
+                                sliding_window=None, softcap=None, sm_scale=None, interpret=None):
+    """`flash_attention` with an explicit launch configuration (None: the table's); for tests and sweeps."""
+    qseg, kseg, st = _prepare(q, k, v, causal=causal, segment_ids=segment_ids,
+                              sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
+                              interpret=interpret, config=config)
+    return _flash(q, k, v, qseg, kseg, st)
+
+
+__all__ = ["flash_attention", "flash_attention_with_config", "FlashConfig", "KernelBlocks", "get_config",
+           "shape_class", "dkdv_head_split"]
