@@ -49,10 +49,8 @@ def _lit(s: str) -> str:
 
 
 def _preamble(mapping: dict) -> str:
-    """Jinja that defines normalised ``roles`` / ``contents`` helpers used by every template.
-
-    Sets ``norm`` (list of {"role", "content"} with roles user/assistant/system/tool) from ``messages``.
-    """
+    """Jinja that sets ``ns.norm``: ``messages`` as {"role", "content"} dicts with roles user / assistant /
+    system / tool, whichever spelling (mapping, role/content, from/value) each turn uses."""
     m = {**_DEFAULT_MAPPING, **(mapping or {})}
     role_map = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "model": "assistant", "system": "system", "tool": "tool"}
@@ -60,18 +58,22 @@ def _preamble(mapping: dict) -> str:
     role_map[m["assistant"]] = "assistant"
     role_map[m["system"]] = "system"
     role_map_lit = "{" + ", ".join(f"{_lit(k)}: {_lit(v)}" for k, v in sorted(role_map.items())) + "}"
-    rk, ck = _lit(m["role"]), _lit(m["content"])
+
+    def pick(var: str, keys: list[str]) -> str:
+        keys = list(dict.fromkeys(keys))  # the mapped key first, then the two standard spellings
+        out = ""
+        for i, k in enumerate(keys[:-1]):
+            out += ("{%- if " if i == 0 else "{%- elif ") + _lit(k) + " in message %}"
+            out += "{%- set " + var + " = message[" + _lit(k) + "] %}"
+        return out + "{%- else %}{%- set " + var + " = message[" + _lit(keys[-1]) + "] %}{%- endif %}"
+
     return (
         "{%- set role_map = " + role_map_lit + " %}"
         "{%- set ns = namespace(norm=[]) %}"
         "{%- for message in messages %}"
-        "{%- if " + rk + " in message %}{%- set r = message[" + rk + "] %}"
-        "{%- elif 'role' in message %}{%- set r = message['role'] %}"
-        "{%- else %}{%- set r = message['from'] %}{%- endif %}"
-        "{%- if " + ck + " in message %}{%- set c = message[" + ck + "] %}"
-        "{%- elif 'content' in message %}{%- set c = message['content'] %}"
-        "{%- else %}{%- set c = message['value'] %}{%- endif %}"
-        "{%- set ns.norm = ns.norm + [{'role': role_map.get(r, r), 'content': (c if c is not none else '')}] %}"
+        + pick("r", [m["role"], "role", "from"])
+        + pick("c", [m["content"], "content", "value"])
+        + "{%- set ns.norm = ns.norm + [{'role': role_map.get(r, r), 'content': (c if c is not none else '')}] %}"
         "{%- endfor %}"
     )
 
@@ -119,7 +121,7 @@ def _gemma(mapping: dict) -> str:
     # Gemma has no system role: a leading system message is prepended to the first user turn (as Gemma 3 does).
     return _preamble(mapping) + (
         "{%- if ns.norm | length > 0 and ns.norm[0]['role'] == 'system' %}"
-        "{%- set first_prefix = ns.norm[0]['content'] | trim + '\\n\\n' %}{%- set turns = ns.norm[1:] %}"
+        "{%- set first_prefix = ns.norm[0]['content'] + '\\n\\n' %}{%- set turns = ns.norm[1:] %}"
         "{%- else %}{%- set first_prefix = '' %}{%- set turns = ns.norm %}{%- endif %}"
         "{{- bos_token }}"
         "{%- for m in turns %}"

@@ -85,3 +85,12 @@ def suggest_max_seq_length(examples_or_texts: Sequence[Any], tokenizer: Any = No
     if cap is not None:
         value = min(value, int(cap))
     return int(value)
+
+
+def build_examples(records: Sequence[dict], tokenizer: Any, max_seq_length: int, dataset_text_field: str = "text",
+                   formatting_func: Any = None, add_eos: bool = False) -> list[dict]:
+    """:func:`prepare_texts` then :func:`tokenize_texts`: records -> ``{"input_ids", "labels"}`` examples."""
+    from unsloth_jax.data.formats import prepare_texts
+
+    texts = prepare_texts(records, tokenizer, dataset_text_field=dataset_text_field, formatting_func=formatting_func)
+    return tokenize_texts(texts, tokenizer, max_seq_length, add_eos=add_eos)
