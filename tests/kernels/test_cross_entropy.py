@@ -13,22 +13,11 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels.cross_entropy import CEConfig, cross_entropy
-from tests.helpers import TOL, rel_err
+from tests.helpers import TOL, fast_jit, rel_err
 
 IGNORE = -100
 
 
-def fast_jit(fn):
-    """jax.jit that, on the CPU, compiles with XLA backend optimisations off (interpret-mode kernels compile
-    ~3x faster; same math). Tests here are compile-bound."""
-    jitted = jax.jit(fn)
-    if jax.default_backend() != "cpu":
-        return jitted
-
-    def call(*args):
-        compiled = jitted.trace(*args).lower().compile(compiler_options={"xla_backend_optimization_level": 0})
-        return compiled(*args)
-    return call
 
 
 def _small_cfg(t, v, **kw):

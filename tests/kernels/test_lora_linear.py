@@ -12,19 +12,8 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels.lora_linear import LoraConfig, lora_linear
-from tests.helpers import TOL, rel_err
+from tests.helpers import TOL, fast_jit, rel_err
 
-def fast_jit(fn):
-    """jax.jit that, on the CPU, compiles with XLA backend optimisations off: the interpret-mode kernels
-    compile ~3x faster and run the same math (the tests are compile-bound, not run-bound)."""
-    jitted = jax.jit(fn)
-    if jax.default_backend() != "cpu":
-        return jitted
-
-    def call(*args):
-        compiled = jitted.trace(*args).lower().compile(compiler_options={"xla_backend_optimization_level": 0})
-        return compiled(*args)
-    return call
 
 
 SMALL = dict(bm=32, bn=32, bk=16, group_m=2, dx_bm=32, dx_bk=32, dx_bn=16, sk_bm=16, sk_bk=32,
