@@ -231,9 +231,9 @@ def _candidates(kernel, d):
         yield fa.KernelBlocks(*c)
 
 
-def _split_sweep(d, kb, dt, s):
+def _split_sweep(d, kb, dt, s, b):
     """dK/dV time vs how many programs share a KV group, at a small-grid GQA shape (Qwen2-1.5B-like)."""
-    b, hq, hkv = 4, 12, 2
+    hq, hkv = 12, 2
     auto = fa.dkdv_head_split(hq // hkv, b, hkv, -(-s // kb.block_k))
     for split in (1, 2, 3, 6):
         cfg = dataclasses.replace(fa.get_config(s, dt, d), dkdv=kb, dkdv_split=split)
@@ -249,13 +249,13 @@ def _split_sweep(d, kb, dt, s):
         print(json.dumps(rec), flush=True)
 
 
-def run_sweep(dims, seq, softcap_case: bool):
+def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384):
     dt = jnp.bfloat16
     best_all = {}
     for d in dims:
         hq = 16 if d <= 128 else 8
         hkv = hq // 4
-        b = max(1, 16384 // seq)
+        b = max(1, tokens // seq)
         base = fa.get_config(seq, dt, d)
         window = 4096 if (softcap_case and seq > 4096) else None
         softcap = 50.0 if softcap_case else None
@@ -287,7 +287,7 @@ def run_sweep(dims, seq, softcap_case: bool):
                 ms, kb, fast = min(results, key=lambda r: r[0])
                 best_all[(d, kernel)] = (kb, fast)
                 if kernel == "dkdv" and not softcap_case:
-                    _split_sweep(d, kb, dt, min(seq, 2048))
+                    _split_sweep(d, kb, dt, min(seq, 2048), max(1, tokens // (2 * min(seq, 2048))))
                 print(json.dumps(dict(name="sweep_best", kernel=kernel, D=d, S=seq, softcap=softcap,
                                       fast_tanh=fast, config=dataclasses.astuple(kb), ms=ms,
                                       jax_version=jax.__version__, device=_device())), flush=True)
@@ -311,7 +311,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384, help="B * S of each default-run shape")
     args = ap.parse_args()
     if args.sweep:
-        run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap)
+        run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap, args.tokens)
     else:
         run_default(args.quick, [int(x) for x in args.seqs.split(",") if x], args.tokens)
 

@@ -12,12 +12,14 @@ Kernels (three `pl.pallas_call`s, no atomics):
   too small to fill the GPU (few KV heads, short sequences), each group is split over several programs that
   write partial dK/dV, summed by one XLA reduction (`dkdv_head_split`).
 - dQ, grid (q blocks, B, Hq): one program owns one query block and loops over the KV blocks it can see.
-delta = rowsum(dO * O) is one fused XLA reduction between the two.
+delta = rowsum(dO * O) is one fused XLA reduction ahead of the two backward kernels.
 
 Every loop over blocks is split in three ranges: blocks on the lower edge of the sliding window (masked),
 blocks fully inside (no position mask at all; only the segment mask when segment ids are given), and blocks on
 the causal diagonal or the ragged end of the sequence (masked). Blocks outside (causal upper triangle, behind
-the window) are never visited. Ragged sequence ends are handled with masked loads of power-of-two blocks.
+the window) are never visited, nor are blocks whose segment-id range cannot meet the current block's (a
+per-block min/max summary computed by XLA, so packed sequences skip the cross-document blocks). Ragged
+sequence ends are handled with masked loads of power-of-two blocks.
 
 Masked scores are -inf; the running max starts at a finite -1e30, so fully masked rows never produce NaN:
 they get output 0, log-sum-exp +inf (so recomputed probabilities are exactly 0) and zero gradients.
@@ -216,6 +218,41 @@ def _q_ranges_for_kv_block(k_lo, st: _Static, bq: int, bk: int):
     return lo, b, c, hi
 
 
+def _segment_block_ranges(row_ids, col_ids, seq_len: int, b_rows: int, b_cols: int):
+    """int32 [B, 2, n_row_blocks]: [first, last + 1) column block that may hold a matching segment id.
+
+    From per-block min/max ids (valid for any ids, exact-ish for sorted packing ids): a column block whose id
+    range misses the row block's range cannot match and is skipped. Rows with no match get an empty range.
+    """
+    def blocks(ids, size):
+        n = cdiv(seq_len, size)
+        ids = jnp.pad(ids, ((0, 0), (0, n * size - seq_len)), mode="edge").reshape(ids.shape[0], n, size)
+        return ids.min(axis=-1), ids.max(axis=-1)
+
+    rmin, rmax = blocks(row_ids, b_rows)
+    cmin, cmax = blocks(col_ids, b_cols)
+    hit = (rmin[:, :, None] <= cmax[:, None, :]) & (cmin[:, None, :] <= rmax[:, :, None])  # [B, nr, nc]
+    n_cols = hit.shape[-1]
+    first = jnp.argmax(hit, axis=-1)
+    last = n_cols - jnp.argmax(hit[..., ::-1], axis=-1)
+    anyhit = hit.any(axis=-1)
+    lo = jnp.where(anyhit, first, 0)
+    hi = jnp.where(anyhit, last, 0)
+    return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
+
+
+def _clamp_to_segments(ranges, rng_ref, block):
+    """Intersect (lo, b, c, hi) with the segment range of row block `block` (no-op without segments)."""
+    lo, b, c, hi = ranges
+    if rng_ref is None:
+        return lo, b, c, hi
+    lo = jnp.maximum(lo, plgpu.load(rng_ref.at[jnp.int32(0), block]))
+    hi = jnp.maximum(jnp.minimum(hi, plgpu.load(rng_ref.at[jnp.int32(1), block])), lo)
+    b = jnp.minimum(jnp.maximum(b, lo), hi)
+    c = jnp.minimum(jnp.maximum(c, b), hi)
+    return lo, b, c, hi
+
+
 def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, other=0):
     """Load rows [start, start+size) of a [S, D] / [S] ref, or of head `head` of a [S, G, D] / [G, S] ref.
 
@@ -242,7 +279,8 @@ def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, 
 
 
 # ------------------------------------------------------------------------------------------ forward kernel
-def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: _Static, bq: int, bk: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref, *, st: _Static, bq: int,
+                bk: int):
     S = st.seq_len
     nq = cdiv(S, bq)
     qi = (nq - 1) - pl.program_id(0)  # heaviest (causal) blocks first
@@ -281,7 +319,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: 
         jnp.full((bq,), _M_INIT, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    lo, b, c, hi = _kv_ranges_for_q_block(q_lo, st, bq, bk)
+    lo, b, c, hi = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
     carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
     carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
@@ -296,7 +334,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: 
 
 def _fwd_call(q, k, v, qseg, kseg, st: _Static):
     B, S, Hq, D = q.shape
-    Hkv = k.shape[2]
     G = st.groups
     kb = _clamp_blocks(st.config.fwd, S)
     bq, bk = kb.block_q, kb.block_k
@@ -312,7 +349,9 @@ def _fwd_call(q, k, v, qseg, kseg, st: _Static):
         pl.BlockSpec((None, S, None, D), kv_map),
         None if qseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
         None if kseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+        None if qseg is None else pl.BlockSpec((None, 2, nq), lambda i, b, h: (b, 0, 0)),
     ]
+    rng = None if qseg is None else _segment_block_ranges(qseg, kseg, S, bq, bk)
     out_specs = [
         pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0)),
         pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0)),
@@ -321,7 +360,6 @@ def _fwd_call(q, k, v, qseg, kseg, st: _Static):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
     ]
-    del Hkv
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, bq=bq, bk=bk),
         grid=grid,
@@ -331,12 +369,12 @@ def _fwd_call(q, k, v, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, qseg, kseg)
+    )(q, k, v, qseg, kseg, rng)
 
 
 # ------------------------------------------------------------------------------------------ dK/dV kernel
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref, *,
-                 st: _Static, bq: int, bk: int, groups: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, dk_ref, dv_ref,
+                 *, st: _Static, bq: int, bk: int, groups: int):
     # q_ref/do_ref: [S, G, D] (the `groups` query heads this program sums over); lse_ref/delta_ref: [G, S];
     # k/v: [S, D].
     S = st.seq_len
@@ -350,7 +388,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
     kseg = None
     if kseg_ref is not None:
         kseg = _load_rows(kseg_ref, k_lo, bk, S, ragged_k)[:, None]
-    lo, b, c, hi = _q_ranges_for_kv_block(k_lo, st, bq, bk)
+    lo, b, c, hi = _clamp_to_segments(_q_ranges_for_kv_block(k_lo, st, bq, bk), rng_ref, kj)
 
     def head_loop(g, carry):
         def body(qi, carry, masked: bool):
@@ -446,7 +484,9 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
         None if qseg is None else seg_spec,
         None if kseg is None else seg_spec,
+        None if qseg is None else pl.BlockSpec((None, 2, nk), lambda j, b, h: (b, 0, 0)),
     ]
+    rng = None if qseg is None else _segment_block_ranges(kseg, qseg, S, bk, bq)
     out_shape = jax.ShapeDtypeStruct((B, S, Hkv * split, D), k.dtype)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, bq=bq, bk=bk, groups=gc),
@@ -457,7 +497,7 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_dkdv",
-    )(q, k, v, do, lse, delta, qseg, kseg)
+    )(q, k, v, do, lse, delta, qseg, kseg, rng)
     if split > 1:  # sum the partial gradients of each KV head's query-head chunks
         def fold(x):
             return x.reshape(B, S, Hkv, split, D).sum(axis=3, dtype=jnp.float32).astype(k.dtype)
@@ -467,7 +507,7 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
 
 
 # ------------------------------------------------------------------------------------------ dQ kernel
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, dq_ref, *,
                st: _Static, bq: int, bk: int):
     S = st.seq_len
     nq = cdiv(S, bq)
@@ -505,7 +545,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
 
     d = q.shape[-1]
     dq = jnp.zeros((bq, d), jnp.float32)
-    lo, b, c, hi = _kv_ranges_for_q_block(q_lo, st, bq, bk)
+    lo, b, c, hi = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
     dq = lax.fori_loop(lo, b, functools.partial(body, masked=True), dq)
     dq = lax.fori_loop(b, c, functools.partial(body, masked=False), dq)
     dq = lax.fori_loop(c, hi, functools.partial(body, masked=True), dq)
@@ -531,7 +571,9 @@ def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
         None if qseg is None else seg_spec,
         None if kseg is None else seg_spec,
+        None if qseg is None else pl.BlockSpec((None, 2, cdiv(S, bq)), lambda i, b, h: (b, 0, 0)),
     ]
+    rng = None if qseg is None else _segment_block_ranges(qseg, kseg, S, bq, bk)
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st, bq=bq, bk=bk),
         grid=grid,
@@ -541,7 +583,7 @@ def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, qseg, kseg)
+    )(q, k, v, do, lse, delta, qseg, kseg, rng)
 
 
 # ------------------------------------------------------------------------------------------ custom_vjp
@@ -592,7 +634,7 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
         window = int(sliding_window)
         if window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        if causal and window >= S:  # the window covers the whole causal past: no-op
+        if window >= S:  # i - j < S always holds: the window masks nothing
             window = None
     qseg = kseg = None
     if segment_ids is not None:
@@ -606,6 +648,8 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
             raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {qseg.shape}, {kseg.shape}")
     scale = float(1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     cap = None if softcap is None else float(softcap)
+    if cap is not None and not cap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     if config is None:
         config = get_config(S, q.dtype, D)
     if config.fast_tanh and jnp.dtype(q.dtype) == jnp.float32:
@@ -628,7 +672,8 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       segment_ids: [B, S] int ids; tokens attend only to keys with an equal id (packing, right padding).
         A pair (q_ids, kv_ids) masks queries and keys with separate ids: a query whose id no key has is
         fully masked and gets a zero output and zero gradients.
-      sliding_window: int w >= 1: query i attends key j only if i - j < w (HF Mistral / Gemma 2).
+      sliding_window: int w >= 1: query i attends key j only if i - j < w (HF Mistral / Gemma 2; with
+        causal=False keys after the query stay visible, as in `unsloth_jax.ops.attention_mask`).
       softcap: float c: scores become c * tanh(scores / c) before masking (Gemma 2).
       sm_scale: score scale, default 1/sqrt(D).
       interpret: None -> Pallas interpret mode unless running on a GPU.

@@ -21,7 +21,7 @@ from pallas_kernels.flash_attention import (
     flash_attention_with_config,
     get_config,
 )
-from tests.helpers import TOL, rel_err
+from tests.helpers import TOL, fast_jit, rel_err
 
 # Small blocks: several blocks per sequence, asymmetric tiles in both orientations. dK/dV programs: A sums a
 # whole query-head group in one program, B lets the grid size decide (tiny grids: one head per program), C
@@ -40,7 +40,10 @@ def _inputs(rng, b, s, hq, hkv, d, dtype):
 
 
 def _segments(rng, b, s, n):
-    """Sorted packing ids with a few segments per row, plus a trailing pad run with its own id."""
+    """Sorted packing ids with n segments per row plus a trailing pad run with its own id; n < 0: ids drawn
+    at random from -n values (unsorted, so block skipping by id ranges must stay conservative)."""
+    if n < 0:
+        return jnp.asarray(rng.integers(0, -n, size=(b, s)), jnp.int32)
     cuts = np.sort(rng.integers(1, s, size=(b, n - 1)), axis=1)
     ids = np.zeros((b, s), np.int32)
     for i in range(b):
@@ -50,14 +53,9 @@ def _segments(rng, b, s, n):
     return jnp.asarray(ids)
 
 
-# CPU (interpret mode) compile time dominates these tests; XLA's cheaper backend passes halve it.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def _jit_run(fn, *args):
-    """fn(*args) through jit; compiled with cheap backend passes on the CPU."""
-    opts = _FAST_COMPILE if jax.default_backend() == "cpu" else None
-    return jax.jit(fn).lower(*args).compile(compiler_options=opts)(*args)
+    """fn(*args) through jit (on the CPU compiled with cheap backend passes: these tests are compile-bound)."""
+    return fast_jit(fn)(*args)
 
 
 def _value_and_grads(fn, q, k, v, do):
@@ -118,6 +116,8 @@ CASES = [
     ("segments-causal-bf16-d64-g4", 2, 200, 4, 1, 64, "bfloat16", SMALL_B, dict(causal=True), 4),
     ("segments-all-f32-d128-g2", 1, 200, 4, 2, 128, "float32", SMALL_A,
      dict(causal=True, softcap=5.0, sliding_window=50), 3),
+    ("segments-random-bf16-d128-g1", 1, 80, 2, 2, 128, "bfloat16", SMALL_B,
+     dict(causal=True, sliding_window=30), -3),
     ("window-noncausal-f32-d64-g1", 1, 80, 2, 2, 64, "float32", SMALL_B,
      dict(causal=False, sliding_window=20), 0),
     ("table-bf16-d128-g4", 1, 200, 8, 2, 128, "bfloat16", None, dict(causal=True), 0),
