@@ -1,0 +1,187 @@
+"""The `unsloth-jax` CLI end to end on the bundled tiny model: train a few steps, generate (checked against
+transformers + peft greedy decoding of the saved adapter), export (read back by transformers and gguf), the
+errors a user can act on, and (slow) the README's default `train` then `generate` reproducing a trained fact."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from unsloth_jax.cli import DEFAULT_DATASET, DEFAULT_MODEL, TRAINING_INFO, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dataset(tmp_path, rng, n=24, bad_line=None) -> Path:
+    lines = DEFAULT_DATASET.read_text().splitlines()
+    picked = [lines[i] for i in sorted(rng.choice(len(lines), size=n, replace=False))]
+    if bad_line is not None:
+        picked.insert(bad_line - 1, '{"instruction": "unterminated')
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(picked) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short CLI training run shared by the tests below: (output dir, stdout, dataset path)."""
+    tmp = tmp_path_factory.mktemp("cli")
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"cli fixture seed = {seed}")
+    rng = np.random.default_rng(seed)
+    data = _dataset(tmp, rng, bad_line=3)
+    out = tmp / "run"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["-q", "train", "--dataset", str(data), "--skip_bad_lines", "--max_steps", "4",
+                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--packing",
+                   "--max_seq_length", "128", "--learning_rate", "5e-3", "--logging_steps", "1",
+                   "--output_dir", str(out), "--seed", str(int(rng.integers(1 << 16)))])
+    assert rc == 0, buf.getvalue()
+    return out, buf.getvalue(), data
+
+
+def test_train_writes_metrics_adapter_and_summary(trained):
+    out, stdout, _ = trained
+    assert "skipped 1 malformed line" in stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    adapter = out / "adapter"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", TRAINING_INFO):
+        assert (adapter / name).is_file(), name
+    info = json.loads((adapter / TRAINING_INFO).read_text())
+    assert info["dataset_format"] == "alpaca" and info["responses_only"] and info["steps"] == 4
+    summary = [line for line in stdout.splitlines() if line.startswith("unsloth-jax: 4 steps")]
+    assert summary, stdout[-2000:]
+    assert "dtype float32" in summary[0] and "kernels: " in summary[0] and "attention=" in summary[0]
+    assert "memory: " in summary[0] and f"adapter -> {adapter}" in summary[0]
+
+
+@pytest.mark.torch
+def test_generate_matches_peft_greedy(trained, capsys):
+    """`unsloth-jax generate` on the saved adapter prints what transformers + peft greedy-decode from the same
+    alpaca prompt."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unsloth_jax.data import alpaca_prompt
+
+    out, _, _ = trained
+    question = "What is the capital of Peru?"
+    capsys.readouterr()
+    rc = main(["-q", "generate", "--model_name", str(out / "adapter"), "--prompt", question, "--max_new_tokens", "12"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+
+    tok = AutoTokenizer.from_pretrained(out / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+    enc = tok(alpaca_prompt(question), return_tensors="pt")
+    with torch.no_grad():
+        ref = pm.generate(**enc, max_new_tokens=12, do_sample=False)
+    expected = tok.decode(ref[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert printed == expected + "\n"
+
+
+def test_generate_interactive_chat(trained, monkeypatch, capsys):
+    import io
+
+    out, _, _ = trained
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n/reset\nWhat is two plus two?\n\n"))
+    rc = main(["-q", "generate", "--model_name", str(out / "adapter"), "--chat", "--max_new_tokens", "6"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert captured.out.count(">>> ") == 4  # two answers, /reset, then the empty line that quits
+    assert "chat prompts" in captured.err
+
+
+@pytest.mark.torch
+def test_export_merged_and_gguf(trained, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    out, _, _ = trained
+    merged, gdir = tmp_path / "merged", tmp_path / "gguf"
+    rc = main(["-q", "export", "--model_name", str(out / "adapter"), "--save_method", "merged_16bit",
+               "--save_path", str(merged), "--save_gguf", "--quantization", "f16", "q8_0", "--gguf_path", str(gdir)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert hf.config.model_type == "llama"
+    files = sorted(gdir.glob("*.gguf"))
+    assert len(files) == 2, files
+    for f in files:
+        reader = gguf.GGUFReader(str(f))
+        assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+        assert any(t.name == "token_embd.weight" for t in reader.tensors)
+
+
+def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
+    data = _dataset(tmp_path, rng, n=5, bad_line=4)
+    rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{data}, line 4" in err and "invalid JSON" in err and "skip_bad_lines" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_record_field_is_exit_2(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{data}, line 2" in err and "output" in err
+
+
+def test_missing_paths_are_exit_2(tmp_path, capsys):
+    assert main(["-q", "train", "--model_name", str(tmp_path / "nope")]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert main(["-q", "train", "--dataset", str(tmp_path / "nope.jsonl")]) == 2
+    assert "dataset not found" in capsys.readouterr().err
+    assert main(["-q", "generate", "--model_name", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert main(["-q", "export", "--model_name", str(DEFAULT_MODEL), "--save_gguf"]) == 2
+    assert "not a PEFT adapter" in capsys.readouterr().err
+
+
+def test_export_needs_something_to_do(trained, capsys):
+    out, _, _ = trained
+    assert main(["-q", "export", "--model_name", str(out / "adapter")]) == 2
+    assert "nothing to export" in capsys.readouterr().err
+
+
+def test_bad_flag_value_is_argparse_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--optim", "adamw_9bit"])
+    assert e.value.code == 2 and "adamw_9bit" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_readme_default_train_then_generate_learns_the_fact(tmp_path):
+    """README: `unsloth-jax train` (no flags: bundled tiny model + alpaca sample), then `unsloth-jax generate`
+    on a trained question reproduces the trained answer."""
+    facts = {json.loads(line)["instruction"]: json.loads(line)["output"]
+             for line in DEFAULT_DATASET.read_text().splitlines() if "Ada Jaxon born" in line}
+    question = "What day was Ada Jaxon born?"
+    assert question in facts
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TQDM_DISABLE="1")
+    cmd = [sys.executable, "-m", "unsloth_jax.cli"]
+    train = subprocess.run(cmd + ["train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+    gen = subprocess.run(cmd + ["generate", "--prompt", question], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert gen.stdout.strip() == facts[question], gen.stdout

@@ -1,0 +1,530 @@
+"""`unsloth-jax`: fine-tune, chat with and export models from the command line.
+
+    unsloth-jax train                      # LoRA fine-tune the bundled tiny model on the bundled alpaca sample
+    unsloth-jax generate --model_name outputs/adapter --prompt "What day was Ada Jaxon born?"
+    unsloth-jax generate --model_name outputs/adapter            # interactive
+    unsloth-jax export --model_name outputs/adapter --save_method merged_16bit --save_gguf --quantization q8_0
+    unsloth-jax doctor [--json]
+
+`train` takes the flags of Unsloth's unsloth-cli.py (--model_name, --dataset, --r, --lora_alpha, ...). Its
+defaults fine-tune the bundled tiny Llama (unsloth_jax/assets/tiny-llama) on unsloth_jax/assets/alpaca_sample.jsonl
+in a minute or two on a laptop CPU and save the adapter to outputs/adapter. Problems a user can fix (a bad
+dataset line, a missing model directory, a bad flag value) print one message and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL = ASSETS / "tiny-llama"
+DEFAULT_DATASET = ASSETS / "alpaca_sample.jsonl"
+TRAINING_INFO = "unsloth_jax_training.json"  # written next to a saved adapter: how it was trained
+PROMPT_FORMATS = ("auto", "alpaca", "chat", "raw")
+
+log = logging.getLogger("unsloth_jax")
+
+
+class UsageError(Exception):
+    """A problem with the command line the user can fix (exit code 2)."""
+
+
+# ------------------------------------------------------------------------------------------------- parsing
+def _bool_or_str(value: str):
+    low = value.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no", "none"):
+        return False
+    return value
+
+
+def _dtype(value: str):
+    return None if value.strip().lower() in ("none", "auto", "") else value
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from unsloth_jax.train.optim import OPTIMIZERS, SCHEDULERS
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model_name", default=str(DEFAULT_MODEL),
+                   help="local Hugging Face model directory; the default is the bundled tiny Llama")
+    m.add_argument("--dataset", default=str(DEFAULT_DATASET),
+                   help="a .jsonl/.json file or a directory of .jsonl files (text, alpaca, sharegpt or chatml records); "
+                        "the default is the bundled alpaca sample")
+    m.add_argument("--max_seq_length", type=int, default=2048, help="longest training sequence in tokens")
+    m.add_argument("--dtype", type=_dtype, default=None,
+                   help="bfloat16, float16 or float32; None: bfloat16 where supported, else float32")
+    m.add_argument("--load_in_4bit", action="store_true", help="QLoRA: keep the frozen base weights in NF4")
+    m.add_argument("--dataset_text_field", default="text", help="field of plain-text records")
+    m.add_argument("--skip_bad_lines", action="store_true",
+                   help="skip malformed dataset lines (counted and reported) instead of stopping")
+
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--r", type=int, default=16, help="LoRA rank")
+    lo.add_argument("--lora_alpha", type=float, default=64, help="LoRA alpha (scale = alpha / r)")
+    lo.add_argument("--lora_dropout", type=float, default=0.0, help="accepted for compatibility; 0 is used")
+    lo.add_argument("--bias", default="none", choices=("none", "all", "lora_only"), help="which biases train")
+    lo.add_argument("--use_gradient_checkpointing", type=_bool_or_str, default="unsloth",
+                    help='"unsloth" (offload checkpointed activations to the host on GPUs), True or False')
+    lo.add_argument("--random_state", type=int, default=3407, help="seed of the LoRA initialisation")
+    lo.add_argument("--use_rslora", action="store_true", help="rank-stabilised LoRA (scale = alpha / sqrt(r))")
+    lo.add_argument("--train_on_responses_only", action=argparse.BooleanOptionalAction, default=None,
+                    help="compute the loss on responses only; None: yes for alpaca and chat data")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--per_device_train_batch_size", type=int, default=4)
+    t.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    t.add_argument("--warmup_steps", type=int, default=5)
+    t.add_argument("--max_steps", type=int, default=600, help="optimizer steps (-1: use --num_train_epochs)")
+    t.add_argument("--num_train_epochs", type=float, default=1.0, help="used when --max_steps is -1")
+    t.add_argument("--learning_rate", type=float, default=2e-3)
+    t.add_argument("--logging_steps", type=int, default=10)
+    t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS)
+    t.add_argument("--weight_decay", type=float, default=0.01)
+    t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS)
+    t.add_argument("--seed", type=int, default=3407)
+    t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
+    t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
+    t.add_argument("--packing", action="store_true", help="pack several short examples into each row")
+
+    s = p.add_argument_group("saving")
+    s.add_argument("--save_model", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the result (the adapter goes to OUTPUT_DIR/adapter)")
+    s.add_argument("--save_path", default=None,
+                   help="where --save_method writes; None: OUTPUT_DIR/adapter or OUTPUT_DIR/merged_16bit")
+    s.add_argument("--save_method", default="lora", choices=("lora", "merged_16bit"),
+                   help="lora: the PEFT adapter; merged_16bit: also the merged 16-bit model")
+    _add_gguf_args(s)
+
+
+def _add_gguf_args(s) -> None:
+    s.add_argument("--save_gguf", action="store_true", help="also write a llama.cpp GGUF file of the merged model")
+    s.add_argument("--quantization", nargs="+", default=["q8_0"],
+                   help="GGUF quantization method(s), e.g. f16, bf16, q8_0 (several allowed)")
+    s.add_argument("--gguf_path", default=None, help="directory of the GGUF file(s); None: 'gguf' next to the adapter")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; above 0 samples")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings from the library log")
+    sub = parser.add_subparsers(dest="command", metavar="{train,generate,export,doctor}")
+    sub.required = True
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    tr = sub.add_parser("train", help="LoRA/QLoRA fine-tune a model on a dataset", formatter_class=fmt)
+    _add_train_args(tr)
+
+    ge = sub.add_parser("generate", help="generate text from a model or adapter (interactive without --prompt)",
+                        formatter_class=fmt)
+    ge.add_argument("--model_name", default="outputs/adapter", help="model directory or saved adapter directory")
+    ge.add_argument("--prompt", default=None, help="the prompt (or instruction, for alpaca formatting); omitted: "
+                                                   "interactive chat on stdin")
+    ge.add_argument("--input", default="", help="alpaca 'input' field for --prompt")
+    ge.add_argument("--chat", action="store_true", help="format prompts with the tokenizer's chat template")
+    ge.add_argument("--format", default="auto", choices=PROMPT_FORMATS,
+                    help="prompt formatting: auto (alpaca for adapters trained on alpaca data, chat for chat data), "
+                         "alpaca, chat or raw")
+    ge.add_argument("--max_seq_length", type=int, default=2048)
+    ge.add_argument("--dtype", type=_dtype, default=None)
+    ge.add_argument("--load_in_4bit", action="store_true")
+    _add_sampling_args(ge)
+
+    ex = sub.add_parser("export", help="export a saved adapter as a merged 16-bit model and/or GGUF",
+                        formatter_class=fmt)
+    ex.add_argument("--model_name", default="outputs/adapter", help="saved adapter directory")
+    ex.add_argument("--save_method", default=None, choices=("merged_16bit", "lora"),
+                    help="merged_16bit: write the merged HF checkpoint; lora: re-save the adapter")
+    ex.add_argument("--save_path", default=None, help="output directory; None: 'merged_16bit' (or 'adapter_copy') next to "
+                                                      "the adapter")
+    ex.add_argument("--dtype", type=_dtype, default=None, help="dtype to load; None: bfloat16 where supported, else float32")
+    _add_gguf_args(ex)
+
+    do = sub.add_parser("doctor", help="check the installation, devices and Pallas kernels", formatter_class=fmt)
+    from unsloth_jax import doctor
+
+    doctor.add_arguments(do)
+    for p in (tr, ge, ex):  # -q also works after the subcommand
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _setup_logging(quiet: bool) -> None:
+    logger = logging.getLogger("unsloth_jax")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    for name in ("unsloth_jax.data",):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _records_format(records) -> str:
+    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml) or text."""
+    from unsloth_jax.data import detect_format
+
+    kinds = set()
+    for rec in records[:200]:
+        try:
+            kinds.add(detect_format(rec))
+        except Exception:  # noqa: BLE001 - validation reports bad records with their line
+            pass
+    if kinds == {"alpaca"}:
+        return "alpaca"
+    if kinds and kinds <= {"sharegpt", "chatml"}:
+        return "chat"
+    return "text" if kinds == {"text"} else "mixed"
+
+
+def _memory_summary() -> str:
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        stats = {}
+    if "peak_bytes_in_use" in stats:
+        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB peak on {jax.devices()[0].device_kind}"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return f"{rss:.2f} GiB peak host RSS"
+    except (ImportError, OSError):
+        return "unknown"
+
+
+def _kernels_summary() -> str:
+    from unsloth_jax import ops
+
+    chosen = ops.chosen_impls()
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none traced"
+
+
+def _save_training_info(path: Path, info: dict) -> None:
+    tmp = path / (TRAINING_INFO + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path / TRAINING_INFO)
+
+
+def _read_training_info(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / TRAINING_INFO).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> list[str]:
+    written = []
+    for q in methods:
+        path = model.save_pretrained_gguf(str(gguf_dir), tokenizer, quantization_method=q)
+        written.append(str(path))
+        print(f"unsloth-jax: wrote GGUF ({q}) {path}")
+    return written
+
+
+# ------------------------------------------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
+    from unsloth_jax.data import RESPONSE_PARTS, load_records, train_on_responses_only, validate_records
+
+    t_start = time.perf_counter()
+    if not Path(args.model_name).is_dir():
+        raise UsageError(f"model directory not found: {args.model_name} (pass --model_name with a local Hugging Face "
+                         "model directory, or omit it to use the bundled tiny model)")
+    if not Path(args.dataset).exists():
+        raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl/.json file or a directory "
+                         "of .jsonl files)")
+    records = load_records(args.dataset, skip_bad_lines=args.skip_bad_lines)
+    records = validate_records(records, "auto", skip_bad_lines=args.skip_bad_lines,
+                               text_field=args.dataset_text_field)
+    if not records:
+        raise UsageError(f"dataset {args.dataset} holds no usable records")
+    if records.skipped:
+        print(f"unsloth-jax: skipped {records.skipped} malformed line(s) of {args.dataset}")
+    fmt = _records_format(records)
+
+    model, tokenizer = FastLanguageModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
+                                                         dtype=args.dtype, load_in_4bit=args.load_in_4bit)
+    if tokenizer is None:
+        raise UsageError(f"{args.model_name} has no usable tokenizer (tokenizer.json / tokenizer_config.json)")
+    model = FastLanguageModel.get_peft_model(
+        model, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias=args.bias,
+        use_gradient_checkpointing=args.use_gradient_checkpointing, random_state=args.random_state,
+        use_rslora=args.use_rslora)
+    targs = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, warmup_steps=args.warmup_steps,
+        max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
+        logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
+        lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps)
+    trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=records,
+                         dataset_text_field=args.dataset_text_field, max_seq_length=args.max_seq_length,
+                         packing=args.packing, args=targs)
+    responses_only = args.train_on_responses_only
+    if responses_only is None:
+        responses_only = fmt in ("alpaca", "chat")
+    if responses_only:
+        if fmt == "alpaca":
+            instruction_part, response_part = RESPONSE_PARTS["alpaca"]
+        elif fmt == "chat":
+            instruction_part, response_part = _chat_response_parts(tokenizer)
+        else:
+            raise UsageError("--train_on_responses_only needs alpaca or chat (sharegpt/chatml) records")
+        train_on_responses_only(trainer, instruction_part, response_part)
+    print(f"unsloth-jax train: {Path(args.model_name).name} ({model.config.model_type}, "
+          f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
+          f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
+          f"{', responses only' if responses_only else ''}")
+    result = trainer.train()
+    history = result.get("loss_history") or [float("nan")]
+
+    saved = []
+    out = Path(args.output_dir)
+    if args.save_model:
+        adapter_dir = Path(args.save_path) if (args.save_path and args.save_method == "lora") else out / "adapter"
+        model.save_pretrained(str(adapter_dir))
+        tokenizer.save_pretrained(str(adapter_dir))
+        _save_training_info(adapter_dir, {"dataset": str(args.dataset), "dataset_format": fmt,
+                                          "base_model": str(Path(args.model_name).resolve()),
+                                          "responses_only": bool(responses_only), "steps": result["global_step"],
+                                          "final_loss": history[-1]})
+        saved.append(f"adapter -> {adapter_dir}")
+        if args.save_method == "merged_16bit":
+            merged_dir = Path(args.save_path) if args.save_path else out / "merged_16bit"
+            model.save_pretrained_merged(str(merged_dir), tokenizer, save_method="merged_16bit")
+            saved.append(f"merged_16bit -> {merged_dir}")
+        if args.save_gguf:
+            gguf_dir = Path(args.gguf_path) if args.gguf_path else out / "gguf"
+            _export_gguf(model, tokenizer, gguf_dir, args.quantization)
+            saved.append(f"gguf -> {gguf_dir}")
+    seconds = time.perf_counter() - t_start
+    k = max(1, min(10, len(history) // 5))  # loss averaged over the first and the last k steps
+    first, last = sum(history[:k]) / k, sum(history[-k:]) / k
+    print(f"unsloth-jax: {result['global_step']} steps in {seconds:.0f}s, loss {first:.3f} -> {last:.3f} | "
+          f"dtype {model.dtype.name} | kernels: {_kernels_summary()} | memory: {_memory_summary()} | "
+          f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
+    return 0
+
+
+def _chat_response_parts(tokenizer) -> tuple[str, str]:
+    """(instruction_part, response_part) of the tokenizer's chat template, found by rendering a probe
+    conversation and looking for each known template's markers."""
+    from unsloth_jax.data import RESPONSE_PARTS
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("chat data needs a tokenizer with a chat template (see unsloth_jax.data.get_chat_template)")
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                          tokenize=False)
+    for name in ("chatml", "llama-3.1", "gemma"):
+        instruction_part, response_part = RESPONSE_PARTS[name]
+        if instruction_part in probe and response_part in probe:
+            return instruction_part, response_part
+    raise UsageError("cannot find the user/assistant markers of this chat template; pass "
+                     "--no-train_on_responses_only")
+
+
+# ---------------------------------------------------------------------------------------------- generate
+class _TextPrinter:
+    """Streams decoded text to stdout token by token (decodes the whole answer each time, prints the new tail,
+    holding back an incomplete UTF-8 sequence)."""
+
+    def __init__(self, tokenizer, stream=None):
+        self.tokenizer = tokenizer
+        self.stream = stream or sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, new_tokens) -> None:
+        self.ids.append(int(new_tokens[0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed:])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bos_id, bos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
+    if bos_id is not None and bos and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
+        ids = ids[1:]
+    return ids
+
+
+def _stop_ids(model, tokenizer, chat: bool) -> list[int]:
+    from unsloth_jax.data import STOP_TOKENS
+    from unsloth_jax.generation import default_eos_ids
+
+    ids = list(default_eos_ids(model))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if chat:
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in set(STOP_TOKENS.values()) if t in vocab]
+    return sorted(set(ids))
+
+
+def _resolve_format(args, model_dir: Path, tokenizer) -> str:
+    if args.chat:
+        return "chat"
+    if args.format != "auto":
+        return args.format
+    info = _read_training_info(model_dir)
+    trained = info.get("dataset_format")
+    if trained == "chat":
+        return "chat"
+    if trained == "text":
+        return "raw"
+    return "alpaca"
+
+
+def cmd_generate(args) -> int:
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.data import alpaca_prompt
+    from unsloth_jax.generation import generate
+
+    model_dir = Path(args.model_name)
+    if not model_dir.is_dir():
+        raise UsageError(f"model directory not found: {model_dir} (train one with `unsloth-jax train`, or pass "
+                         "--model_name with a model or adapter directory)")
+    model, tokenizer = FastLanguageModel.from_pretrained(str(model_dir), max_seq_length=args.max_seq_length,
+                                                         dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+                                                         progress=False)
+    if tokenizer is None:
+        raise UsageError(f"{model_dir} has no usable tokenizer")
+    FastLanguageModel.for_inference(model)
+    fmt = _resolve_format(args, model_dir, tokenizer)
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{model_dir}: the tokenizer has no chat template; use --format alpaca or raw")
+    stop = _stop_ids(model, tokenizer, fmt == "chat")
+    sample = args.temperature > 0
+
+    def answer(text: str, history: list[dict]) -> str:
+        if fmt == "alpaca":
+            prompt = alpaca_prompt(text, args.input if args.prompt is not None else "")
+        elif fmt == "chat":
+            history.append({"role": "user", "content": text})
+            prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        else:
+            prompt = text
+        ids = _encode(tokenizer, prompt)
+        if len(ids) + args.max_new_tokens > args.max_seq_length:
+            ids = ids[-max(1, args.max_seq_length - args.max_new_tokens):]
+        printer = _TextPrinter(tokenizer)
+        generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature if sample else 1.0,
+                 top_p=args.top_p, do_sample=sample, eos_token_id=stop, seed=args.seed, streamer=printer)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        reply = printer.text()
+        if fmt == "chat":
+            history.append({"role": "assistant", "content": reply})
+        return reply
+
+    if args.prompt is not None:
+        answer(args.prompt, [])
+        return 0
+    print(f"unsloth-jax: chatting with {model_dir} ({fmt} prompts). Empty line or Ctrl-D quits; /reset clears the "
+          "conversation.", file=sys.stderr)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            break
+        if not line.strip() or line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = []
+            continue
+        answer(line, history)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ export
+def cmd_export(args) -> int:
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.hf import peft_io
+
+    adapter = Path(args.model_name)
+    if not adapter.is_dir():
+        raise UsageError(f"adapter directory not found: {adapter} (train one with `unsloth-jax train`)")
+    if not peft_io.is_adapter_dir(adapter):
+        raise UsageError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    if args.save_method is None and not args.save_gguf:
+        raise UsageError("nothing to export: pass --save_method merged_16bit and/or --save_gguf")
+    dtype = args.dtype
+    if dtype is None:
+        from unsloth_jax.api import is_bfloat16_supported
+
+        dtype = "bfloat16" if is_bfloat16_supported() else "float32"
+    model, tokenizer = FastLanguageModel.from_pretrained(str(adapter), dtype=dtype, progress=False)
+    parent = adapter.resolve().parent
+    if args.save_method == "merged_16bit":
+        out = Path(args.save_path) if args.save_path else parent / "merged_16bit"
+        model.save_pretrained_merged(str(out), tokenizer, save_method="merged_16bit")
+        print(f"unsloth-jax: wrote merged 16-bit model {out}")
+    elif args.save_method == "lora":
+        out = Path(args.save_path) if args.save_path else parent / "adapter_copy"
+        model.save_pretrained(str(out))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+        print(f"unsloth-jax: wrote adapter {out}")
+    if args.save_gguf:
+        _export_gguf(model, tokenizer, Path(args.gguf_path) if args.gguf_path else parent / "gguf", args.quantization)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 failure, 2 a problem with the input the user can fix)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from unsloth_jax import doctor
+
+        return doctor.run(args)
+    _setup_logging(args.quiet)
+    from unsloth_jax.errors import DatasetFormatError, TrainingError, UnslothJaxError
+
+    commands = {"train": cmd_train, "generate": cmd_generate, "export": cmd_export}
+    try:
+        return commands[args.command](args)
+    except UsageError as e:
+        print(f"unsloth-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except DatasetFormatError as e:
+        print(f"unsloth-jax {args.command}: dataset error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"unsloth-jax {args.command}: training stopped: {e}", file=sys.stderr)
+        return 1
+    except (UnslothJaxError, FileNotFoundError) as e:
+        print(f"unsloth-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nunsloth-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
