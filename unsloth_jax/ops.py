@@ -15,6 +15,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import reference as ref
+
 
 log = logging.getLogger("unsloth_jax")
 
@@ -113,9 +115,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
         _note("rms_norm", "pallas")
         return kernel(x, weight.astype(x.dtype) if weight.dtype != x.dtype else weight, eps, offset)
     _note("rms_norm", "xla")
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    return ref.rms_norm(x, weight, eps, offset)
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -313,34 +313,8 @@ def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, s
         _note("cross_entropy", "pallas")
         return kernel(hidden, lm_head.astype(hidden.dtype), labels, softcap=softcap, ignore_index=ignore_index)
     _note("cross_entropy", "xla")
-    return chunked_cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk=chunk)
-
-
-def chunked_cross_entropy(hidden, lm_head, labels, *, softcap=None, ignore_index=-100, chunk=1024):
-    """XLA cross-entropy over chunks of `chunk` tokens; each chunk's [chunk, V] logits are recomputed in backward."""
-    t, d = hidden.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, chunk, d)
-    y = jnp.pad(labels, (0, pad), constant_values=ignore_index).reshape(n, chunk)
-
-    @jax.checkpoint
-    def one(h_c, y_c):
-        logits = jnp.einsum("td,vd->tv", h_c, lm_head.astype(h_c.dtype), preferred_element_type=jnp.float32)
-        if softcap is not None:
-            logits = softcap * jnp.tanh(logits / softcap)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        valid = y_c != ignore_index
-        tgt = jnp.take_along_axis(logits, jnp.where(valid, y_c, 0)[:, None], axis=-1)[:, 0]
-        return jnp.sum(jnp.where(valid, lse - tgt, 0.0)), jnp.sum(valid)
-
-    def body(carry, xs):
-        loss, count = one(*xs)
-        return (carry[0] + loss, carry[1] + count), None
-
-    (total, count), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), (h, y))
-    return total / jnp.maximum(count, 1).astype(jnp.float32)
+    return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
 
 
 __all__ = ["OPS", "set_impl", "requested_impl", "chosen_impls", "rms_norm", "rope", "glu", "linear",
-           "attention", "attention_mask", "cross_entropy", "chunked_cross_entropy", "use_pallas", "PALLAS_WINS"]
+           "attention", "attention_mask", "cross_entropy", "use_pallas", "PALLAS_WINS"]
