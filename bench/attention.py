@@ -14,9 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.timing import device_ms, peak_bytes  # noqa: E402
 from pallas_kernels import flash_attention as fa  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
@@ -34,28 +33,6 @@ FWDBWD_FACTOR = 3.5
 def _device() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
-
-
-def _time(fn, *args, iters: int = 20, warmup: int = 3) -> float:
-    """Median wall time in ms of fn(*args) (already compiled), after warm-up."""
-    jax.block_until_ready(fn(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _peak_bytes(compiled) -> int | None:
-    try:
-        m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - m.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
 
 
 def _fwd_flops(b, s, hq, d, causal, window):
@@ -110,15 +87,13 @@ def _measure(name, impl, b, s, hq, hkv, d, dtype, causal=True, window=None, soft
     rec = dict(name=name, shape=dict(B=b, S=s, Hq=hq, Hkv=hkv, D=d), dtype=jnp.dtype(dtype).name, impl=impl,
                causal=causal, window=window, softcap=softcap, jax_version=jax.__version__, device=_device())
     try:
-        fwd_c = jax.jit(f).lower(q, k, v).compile()
-        bwd_c = jax.jit(fwdbwd).lower(q, k, v, do).compile()
-        out = fwd_c(q, k, v)
-        rec["fwd_ms"] = _time(fwd_c, q, k, v, iters=iters)
-        rec["fwdbwd_ms"] = _time(bwd_c, q, k, v, do, iters=iters)
+        out = jax.jit(f)(q, k, v)
+        rec["fwd_ms"] = device_ms(f, q, k, v, runs=iters)
+        rec["fwdbwd_ms"] = device_ms(fwdbwd, q, k, v, do, runs=iters)
         flops = _fwd_flops(b, s, hq, d, causal, window)
         rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
         rec["fwdbwd_tflops"] = FWDBWD_FACTOR * flops / rec["fwdbwd_ms"] / 1e9
-        rec["peak_bytes"] = _peak_bytes(bwd_c)
+        rec["peak_bytes"] = peak_bytes(fwdbwd, q, k, v, do)
         rec["_out"] = out
     except Exception as e:  # noqa: BLE001 - report and continue with the other measurements
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -243,7 +218,7 @@ def _split_sweep(d, kb, dt, s, b):
                    dkdv_split=split, auto_split=auto, jax_version=jax.__version__, device=_device())
         try:
             inputs = _kernel_inputs(st, b, s, hq, hkv, d, dt)["dkdv"]
-            rec["ms"] = _time(_kernel_fn("dkdv", st), *inputs, iters=20, warmup=2)
+            rec["ms"] = device_ms(_kernel_fn("dkdv", st), *inputs)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(json.dumps(rec), flush=True)
@@ -277,7 +252,7 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384):
                                fast_tanh=fast, config=dataclasses.astuple(kb), jax_version=jax.__version__,
                                device=_device())
                     try:
-                        ms = _time(_kernel_fn(kernel, static(cfg)), *inputs[kernel], iters=20, warmup=2)
+                        ms = device_ms(_kernel_fn(kernel, static(cfg)), *inputs[kernel])
                         rec.update(ms=ms, tflops=_WORK[kernel] * flops / ms / 1e9)
                         results.append((ms, kb, fast))
                     except Exception as e:  # noqa: BLE001 - out of shared memory etc.

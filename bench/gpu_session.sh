@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 train8b parity attention (default: tests kernels train15).
+# Stages: tests kernels train15 final train8b parity attention (default: tests kernels train15).
+# Env: GPU_TESTS, TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU; compiling is the
+# slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS, ATTN_TIMEOUT, FINAL_VARIANTS.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -16,13 +18,16 @@ for st in $stages; do
     tests)
       log "pytest -m gpu ${GPU_TESTS:-tests}"
       timeout ${TEST_TIMEOUT:-300} $PY -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
-        --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
+        -n ${PYTEST_WORKERS:-4} --timeout ${PER_TEST_TIMEOUT:-150} --tb=short --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
       grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.txt" | tail -8 ;;
     kernels)
-      for b in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do
+      # KERNEL_BENCHES: "name[:flag+flag][@seconds] ..." e.g. "nf4:--sweep=dequant@80 kernels_elementwise"
+      for spec in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do
+        t=${KERNEL_TIMEOUT:-170}; [[ $spec == *@* ]] && { t=${spec##*@}; spec=${spec%@*}; }
+        b=${spec%%:*}; flags=""; [[ $spec == *:* ]] && flags=${spec#*:}; flags=${flags//+/ }
         [ -f bench/$b.py ] || continue
-        log "bench $b"
-        timeout ${KERNEL_TIMEOUT:-170} $PY bench/$b.py ${KERNEL_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c . 
+        log "bench $b $flags (limit ${t}s)"
+        timeout $t $PY bench/$b.py $flags 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c .
       done ;;
     attention)
       log "bench attention"
@@ -36,20 +41,21 @@ for st in $stages; do
           2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
       done ;;
     final)
+      # FINAL_VARIANTS: "remat|impl overrides|extra train_bench flags" (flags joined with +), one run each.
       $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
-      for v in ${FINAL_VARIANTS:-"true|" "true|linear=xla,cross_entropy=xla" "unsloth|"}; do
-        r=${v%%|*}; impl=${v#*|}
-        log "train qwen2-1.5b remat=$r impl=${impl:-auto}"
-        UNSLOTH_JAX_IMPL=$impl timeout 150 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r \
-          2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
-      done
-      log "qlora qwen2-1.5b"
-      timeout 150 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat true --load-in-4bit \
-        2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+      for v in ${FINAL_VARIANTS:-"true||" "true|linear=xla,cross_entropy=xla|" "true||--load-in-4bit"}; do
+        r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
+        log "train qwen2-1.5b remat=$r impl=${impl:-auto} $flags"
+        UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 \
+          --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
+          | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
+      done ;;
     train8b)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2
       log "train llama3-8b"
-      timeout 240 $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat unsloth 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+      # TRAIN8B_FLAGS: extra train_bench flags joined with + (e.g. --load-in-4bit)
+      timeout ${TRAIN8B_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat unsloth \
+        ${TRAIN8B_FLAGS:+${TRAIN8B_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2

@@ -7,17 +7,19 @@
     python bench/kernels_elementwise.py --sweep --only glu      # sweep one family (rms_norm, rope, glu)
     python bench/kernels_elementwise.py --tiny     # tiny shapes, runs anywhere (CPU interpret mode)
 
-One JSON line per measurement: name, shape, dtype, impl ("pallas" | "xla"), fwd_ms, fwdbwd_ms, grad_ms,
-gbps (forward), gbps_fwdbwd, pct_of_ceiling, peak_bytes, config, jax_version, device.
-- fwd_ms: the op alone. fwdbwd_ms: one jit returning the output and the input gradients (the training
-  pattern). grad_ms: one jit returning only the gradients (XLA may drop/fuse the unused forward).
+One JSON line per measurement: name, shape, dtype, impl ("pallas" | "xla"), fwd_ms, fwdbwd_ms, bwd_ms, gbps (forward), gbps_fwdbwd, gbps_bwd, pct_of_ceiling, peak_bytes, config, jax_version, device.
+- fwd_ms: the op alone. fwdbwd_ms: one jit returning the output and the input gradients. bwd_ms: the backward alone, on
+  residuals saved by a forward outside the timed program - the case inside a model, where the forward and
+  backward of one op are separated by other layers and cannot be fused into one pass. In fwdbwd_ms XLA may
+  fuse its forward and backward into one pass over the inputs, which no model step lets it do.
 - Bytes are logical: each input read once, each output written once (identical for both impls; the
   kernel's extra float32 rstd for RMSNorm is not counted). Forward: inputs + output. Backward: the saved
   inputs + the output cotangent read, the input gradients written.
 - pct_of_ceiling: gbps_fwdbwd over the ~3000 GB/s elementwise read+write ceiling measured on the H200.
+  The summary line adds copy_gbps_same_bytes: a plain `a * 2` pass moving the forward's bytes, timed the
+  same way (what any kernel of that size reaches), and the Pallas forward / backward as % of it.
 - peak_bytes: arguments + outputs + temporaries of the compiled fwd+bwd program (XLA memory analysis).
-Timing: compile, warm up, then the median of >= 20 runs; each run issues k back-to-back calls (k chosen so
-a run lasts >= ~2 ms) and blocks on the last result with jax.block_until_ready.
+Timing: bench/timing.py (K calls on K distinct input copies inside one jitted program, median / K).
 """
 from __future__ import annotations
 
@@ -28,8 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -42,42 +42,16 @@ from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels import rms_norm as rms_mod  # noqa: E402
 from pallas_kernels import rope as rope_mod  # noqa: E402
 from pallas_kernels._common import next_pow2  # noqa: E402
+from bench.timing import device_ms, peak_bytes  # noqa: E402
 
 CEILING_GBPS = 3000.0  # ANCHORS.md: elementwise read+write on the H200 through JAX
 DEVICE = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
 
 
 # ------------------------------------------------------------------------------------------- timing
-def _block(x):
-    return jax.block_until_ready(x)
-
-
 def time_compiled(fn: Callable, args: tuple, runs: int = 25) -> tuple[float, int | None]:
-    """Median ms per call of jit(fn)(*args), and the compiled program's peak bytes estimate."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    peak = None
-    try:
-        m = compiled.memory_analysis()
-        peak = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - getattr(m, "alias_size_in_bytes", 0))
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        pass
-    out = _block(compiled(*args))  # warm-up
-    del out
-    t0 = time.perf_counter()
-    for _ in range(3):
-        out = compiled(*args)
-    _block(out)
-    per_call = (time.perf_counter() - t0) / 3
-    k = int(max(1, min(50, 2e-3 / max(per_call, 1e-7))))
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(k):
-            out = compiled(*args)
-        _block(out)
-        samples.append((time.perf_counter() - t0) / k)
-    return statistics.median(samples) * 1e3, peak
+    """(median ms of one fn(*args) inside a jitted program, peak bytes of the single-call program)."""
+    return device_ms(fn, *args, runs=runs), peak_bytes(fn, *args)
 
 
 def _fwd(f, nconst):
@@ -91,6 +65,14 @@ def _fwdbwd(f, nconst):
         out, vjp = jax.vjp(lambda *d: f(*consts, *d), *diff)
         return out, vjp(ct)
     return run
+
+
+def _bwd_only(f, nconst, args, ct):
+    """(g, (vjp closure, ct)): g(vjp, ct) runs only the backward, on residuals saved by a forward run
+    outside the timed program (inside a model the forward and backward are far apart and cannot fuse)."""
+    consts, diff = args[:nconst], args[nconst:]
+    _, vjp = jax.vjp(lambda *d: f(*consts, *d), *diff)
+    return (lambda v, c: v(c)), (vjp, ct)
 
 
 def _grad(f, nconst):
@@ -254,19 +236,27 @@ def measure(case: Case, runs: int):
         args = case.args
         fwd_ms, _ = time_compiled(_fwd(f, case.nconst), args, runs)
         fb_ms, peak = time_compiled(_fwdbwd(f, case.nconst), args + (case.ct,), runs)
-        g_ms, _ = time_compiled(_grad(f, case.nconst), args + (case.ct,), runs)
+        bwd_fn, bwd_args = _bwd_only(f, case.nconst, args, case.ct)
+        b_ms, _ = time_compiled(bwd_fn, bwd_args, runs)
         gbps = case.bytes_fwd / (fwd_ms * 1e-3) / 1e9
         gbps_fb = (case.bytes_fwd + case.bytes_bwd) / (fb_ms * 1e-3) / 1e9
-        rec = dict(base, impl=impl, fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(fb_ms, 4), grad_ms=round(g_ms, 4),
-                   gbps=round(gbps, 1), gbps_fwdbwd=round(gbps_fb, 1),
+        rec = dict(base, impl=impl, fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(fb_ms, 4), bwd_ms=round(b_ms, 4), gbps=round(gbps, 1), gbps_fwdbwd=round(gbps_fb, 1),
+                   gbps_bwd=round(case.bytes_bwd / (b_ms * 1e-3) / 1e9, 1),
                    pct_of_ceiling=round(100 * gbps_fb / CEILING_GBPS, 1), peak_bytes=peak,
                    config=case.config if impl == "pallas" else None)
         results[impl] = rec
         _emit(rec)
+    # A plain elementwise pass (read n, write n) moving the forward's bytes, timed the same way: the bandwidth
+    # a kernel of this size can reach at all (small tensors do not reach the large-copy ceiling).
+    item = jnp.dtype(case.dtype).itemsize
+    z = _rand(jax.random.PRNGKey(7), (max(1, case.bytes_fwd // (2 * item)),), jnp.dtype(case.dtype))
+    copy_gbps = case.bytes_fwd / (time_compiled(lambda a: a * 2, (z,), runs)[0] * 1e-3) / 1e9
     x, p = results["xla"], results["pallas"]
-    _emit(dict(base, impl="summary", speedup_fwd=round(x["fwd_ms"] / p["fwd_ms"], 3),
+    _emit(dict(base, impl="summary", copy_gbps_same_bytes=round(copy_gbps, 1),
+               pallas_fwd_pct_of_copy=round(100 * p["gbps"] / copy_gbps, 1),
+               pallas_bwd_pct_of_copy=round(100 * p["gbps_bwd"] / copy_gbps, 1), speedup_fwd=round(x["fwd_ms"] / p["fwd_ms"], 3),
                speedup_fwdbwd=round(x["fwdbwd_ms"] / p["fwdbwd_ms"], 3),
-               speedup_grad=round(x["grad_ms"] / p["grad_ms"], 3), pallas_pct_of_ceiling=p["pct_of_ceiling"]))
+               speedup_bwd=round(x["bwd_ms"] / p["bwd_ms"], 3), pallas_pct_of_ceiling=p["pct_of_ceiling"]))
 
 
 def sweep(case: Case, runs: int):

@@ -28,13 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.timing import device_ms, temp_bytes  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels import cross_entropy as ce_mod  # noqa: E402
 from pallas_kernels import lora_linear as lora_mod  # noqa: E402
@@ -69,14 +68,8 @@ def emit(**kw):
 
 
 def median_ms(fn, *args, iters=20):
-    jax.block_until_ready(fn(*args))   # compile + first run
-    jax.block_until_ready(fn(*args))   # warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """Median ms of one fn(*args) inside a jitted program (bench/timing.py)."""
+    return device_ms(fn, *args, runs=iters)
 
 
 def _tf(flops, ms):
@@ -217,18 +210,6 @@ def _ce_jits(impl, softcap, config=None):
     return fwd, fwdbwd, fwdbwd_head
 
 
-def _compile(jitted, *args):
-    """AOT-compile once; the executable is both timed and asked for its memory_analysis (no second compile)."""
-    return jitted.trace(*args).lower().compile()
-
-
-def _temp_bytes(compiled):
-    try:
-        return int(compiled.memory_analysis().temp_size_in_bytes)
-    except Exception:  # memory_analysis is best-effort
-        return None
-
-
 def bench_ce(shapes, dtype, iters, impls=("xla", "pallas", "xla_naive"), with_head=True):
     for name, t, d, v, cap in shapes:
         h, w, y = _ce_inputs(t, d, v, dtype)
@@ -238,13 +219,11 @@ def bench_ce(shapes, dtype, iters, impls=("xla", "pallas", "xla_naive"), with_he
             out = dict(name=f"cross_entropy.{name}", shape=[t, d, v], softcap=cap, dtype=jnp.dtype(dtype).name,
                        impl=impl)
             try:
-                out["fwd_ms"] = round(median_ms(_compile(fwd, h, w, y), h, w, y, iters=iters), 4)
-                c_bwd = _compile(fwdbwd, h, w, y)
-                out["fwdbwd_ms"] = round(median_ms(c_bwd, h, w, y, iters=iters), 4)
-                out["temp_bytes"] = _temp_bytes(c_bwd)
-                del c_bwd
+                out["fwd_ms"] = round(median_ms(fwd, h, w, y, iters=iters), 4)
+                out["fwdbwd_ms"] = round(median_ms(fwdbwd, h, w, y, iters=iters), 4)
+                out["temp_bytes"] = temp_bytes(fwdbwd, h, w, y)
                 if with_head:
-                    out["fwdbwd_head_ms"] = round(median_ms(_compile(fwdbwd_head, h, w, y), h, w, y, iters=iters), 4)
+                    out["fwdbwd_head_ms"] = round(median_ms(fwdbwd_head, h, w, y, iters=iters), 4)
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"[:500]
                 emit(**out)

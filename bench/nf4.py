@@ -8,10 +8,7 @@
 One JSON line per measurement: name, shape, dtype, impl ("pallas" | "xla"), fwd_ms, fwdbwd_ms, gbps or tflops,
 peak_bytes (XLA's temp allocation of the single-call executable), jax_version, device, plus extras.
 
-Timing: each measured function runs R times inside one jitted fori_loop (R picked so one execution takes
-about 2 ms; a scalar from the previous iteration feeds the next one's inputs - the NF4 offset, or x for the
-dense baseline - so nothing is hoisted), after a warm-up; the reported time is the median over 20 executions
-divided by R. "fwd" is y = f(x); "fwdbwd" is y plus dx for a random cotangent. Shapes "AxB" are in x out
+Timing: bench/timing.py (K calls on K distinct input copies inside one jitted program, median / K). "fwd" is y = f(x); "fwdbwd" is y plus dx for a random cotangent. Shapes "AxB" are in x out
 features: the weight is [B, A] (HF layout).
 """
 from __future__ import annotations
@@ -21,17 +18,16 @@ import itertools
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from pallas_kernels import nf4  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
+from bench.timing import device_ms, temp_bytes  # noqa: E402
 
 # (label, in_features, out_features)
 LAYERS = [
@@ -56,46 +52,6 @@ def emit(**rec):
     print(json.dumps(rec), flush=True)
 
 
-def _perturb_q(q: nf4.NF4Weight, s) -> nf4.NF4Weight:
-    """q with its offset + 0 * s: a data dependency on the loop carry (numerically a no-op)."""
-    return nf4.NF4Weight(q.codes, q.absmax, q.nested_absmax, q.offset + jnp.float32(0) * s,
-                         shape=q.shape, dtype=q.dtype, blocksize=q.blocksize)
-
-
-def _first(c):
-    return jax.tree.leaves(c)[0].reshape(-1)[0].astype(jnp.float32)
-
-
-def time_ms(fn, *args, reps=10, runs=20):
-    """Median ms of `fn(s, *args)` (s: a float32 scalar the result must depend on, numerically unused).
-
-    One jitted fori_loop runs fn `reps` times (static trip count), the loop carry being fn's full output (so
-    it is materialized every iteration) and s the carry's first element (so no iteration can be hoisted)."""
-    out_shape = jax.eval_shape(lambda *a: fn(jnp.float32(0), *a), *args)
-    init = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), out_shape)
-    f = jax.jit(lambda *a: jax.lax.fori_loop(0, reps, lambda i, c: fn(_first(c), *a), init))
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t0) * 1e3 / reps)
-    return float(np.median(times))
-
-
-def _reps(m: int) -> int:
-    return 20 if m <= 64 else (5 if m <= 1024 else 2)
-
-
-def temp_bytes(fn, *args):
-    try:
-        ma = jax.jit(fn).lower(*args).compile().memory_analysis()
-        return int(ma.temp_size_in_bytes) if ma is not None else None
-    except Exception:  # memory analysis is best effort
-        return None
-
-
 def make_weight(key, n_out, n_in):
     w = (jax.random.normal(key, (n_out, n_in), jnp.float32) * 0.02).astype(jnp.bfloat16)
     return w, nf4.quantize_nf4(w)
@@ -117,9 +73,7 @@ def bench_dequant(layers, dtype="bfloat16"):
         nbytes = dequant_bytes(q, jnp.dtype(dtype).itemsize)
         for impl, fn in (("pallas", lambda q: nf4.dequantize_nf4(q, dtype)),
                          ("xla", lambda q: ref.dequantize_nf4(q, dtype))):
-            def step(s, q, fn=fn):
-                return fn(_perturb_q(q, s))
-            ms = time_ms(step, q, reps=10)
+            ms = device_ms(fn, q)
             gbps = nbytes / ms / 1e6
             emit(name="nf4_dequantize", layer=label, shape=[n_out, n_in], dtype=dtype, impl=impl, fwd_ms=ms,
                  fwdbwd_ms=None, gbps=gbps, pct_of_3tbps=100 * gbps / HBM_CEILING_GBPS,
@@ -141,19 +95,11 @@ def _impls():
     }
 
 
-def _steps(fn, dense):
-    def fwd(s, x, q, w, g):
-        if dense:
-            x = x + (jnp.float32(0) * s).astype(x.dtype)
-        else:
-            q = _perturb_q(q, s)
+def _steps(fn):
+    def fwd(x, q, w, g):
         return fn(x, q, w)
 
-    def fwdbwd(s, x, q, w, g):
-        if dense:
-            x = x + (jnp.float32(0) * s).astype(x.dtype)
-        else:
-            q = _perturb_q(q, s)
+    def fwdbwd(x, q, w, g):
         y, vjp = jax.vjp(lambda x_: fn(x_, q, w), x)
         return y, vjp(g)[0]
 
@@ -173,10 +119,10 @@ def bench_matmul(layers, ms_list, impls, with_bwd=True, dtype="bfloat16"):
             flops = 2.0 * m * n_in * n_out
             for name in impls:
                 kind, fn = table[name]
-                fwd, fwdbwd = _steps(fn, dense=(name == "bf16_dense"))
-                t_f = time_ms(fwd, x, q, w, g, reps=_reps(m))
+                fwd, fwdbwd = _steps(fn)
+                t_f = device_ms(fwd, x, q, w, g)
                 # M = 1 is decoding (no backward); the backward is timed from M = 16 up.
-                t_fb = time_ms(fwdbwd, x, q, w, g, reps=_reps(m)) if with_bwd and m > 1 else None
+                t_fb = device_ms(fwdbwd, x, q, w, g) if with_bwd and m > 1 else None
                 results[(label, m, name)] = t_f
                 emit(name=f"nf4_matmul/{name}", layer=label, shape=[m, n_in, n_out], dtype=dtype, impl=kind,
                      fwd_ms=t_f, fwdbwd_ms=t_fb, tflops=flops / t_f / 1e9,
@@ -218,13 +164,13 @@ def sweep_dequant():
         _, q = make_weight(key, n_out, n_in)
         nbytes = dequant_bytes(q, 2)
         cls = "large" if q.numel >= (1 << 22) else "small"
-        for bb, nw, lut in itertools.product([512, 1024, 2048, 4096, 8192], [2, 4, 8], ["select", "gather"]):
+        for bb, nw, lut in itertools.product([1024, 2048, 4096, 8192], [4, 8], ["select", "gather"]):
             cfg = dict(block_bytes=bb, num_warps=nw, num_stages=1, lut=lut)
 
-            def step(s, q, cfg=cfg):
-                return nf4._dequant_flat_call(_perturb_q(q, s), "bfloat16", cfg, INTERPRET)
+            def step(q, cfg=cfg):
+                return nf4._dequant_flat_call(q, "bfloat16", cfg, INTERPRET)
             try:
-                ms = time_ms(step, q, reps=10, runs=10)
+                ms = device_ms(step, q, runs=10)
             except Exception as e:  # a config that does not compile is just skipped
                 emit(name="sweep/dequant", layer=label, config=cfg, error=str(e)[:200], fwd_ms=None,
                      fwdbwd_ms=None, dtype="bfloat16", impl="pallas")
@@ -251,9 +197,9 @@ def sweep_matmul():
                               jnp.float32).astype(jnp.bfloat16)
 
         def run(cfg):
-            def step(s, a, q, cfg=cfg):
-                return nf4._fused_call(a, _perturb_q(q, s), direction, cfg, INTERPRET)
-            return time_ms(step, a, q, reps=20, runs=10)
+            def step(a, q, cfg=cfg):
+                return nf4._fused_call(a, q, direction, cfg, INTERPRET)
+            return device_ms(step, a, q, runs=10)
 
         base = dict(nf4._matmul_config(m, "bfloat16", direction))
         results = []
@@ -289,14 +235,19 @@ def _try_cfg(run, cfg, name, m, label):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two shapes, M = 1 and 4096 (smoke run)")
-    ap.add_argument("--sweep", action="store_true", help="sweep block sizes and print the best configs")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "dequant", "matmul"],
+                    help="sweep block sizes (all, or only the dequant / fused matmul kernels); print the best")
+    ap.add_argument("--m", default=None, help="comma list of M for the matmul table (default 1,16,4096,8192 "
+                    "plus the fused-threshold M values)")
     ap.add_argument("--only", default=None, help="only layers whose label contains this (e.g. llama3-8b)")
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         print("# warning: no GPU; kernels run in interpret mode and timings are meaningless", file=sys.stderr)
     if args.sweep:
-        sweep_dequant()
-        sweep_matmul()
+        if args.sweep in ("all", "dequant"):
+            sweep_dequant()
+        if args.sweep in ("all", "matmul"):
+            sweep_matmul()
         return
     if args.quick:
         layers = [LAYERS[0], LAYERS[5]]
@@ -305,7 +256,12 @@ def main():
         report_threshold(res, layers, [1, 4096])
         return
     layers = [lay for lay in LAYERS if args.only is None or args.only in lay[0]]
-    bench_dequant(layers)
+    bench_dequant(LAYERS)  # cheap: every layer shape
+    if args.m:
+        ms = [int(m) for m in args.m.split(",")]
+        res = bench_matmul(layers, ms, ["fused", "dequant+dot", "reference", "bf16_dense"])
+        report_threshold(res, layers, ms)
+        return
     res = bench_matmul(layers, M_MAIN, ["fused", "dequant+dot", "reference", "bf16_dense"])
     res.update(bench_matmul(layers, M_THRESHOLD, ["fused", "dequant+dot"], with_bwd=False))
     report_threshold(res, layers, M_MAIN + M_THRESHOLD)

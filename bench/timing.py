@@ -1,0 +1,76 @@
+"""One timing method for every benchmark in bench/.
+
+`device_ms(fn, *args)` is the median time of one call of `fn(*args)` as the GPU sees it inside a program:
+K calls of fn on K distinct copies of the arguments are traced into ONE jitted program, and its wall time
+(after compile and warm-up, `jax.block_until_ready`) is divided by K. This
+
+- takes Python dispatch and the per-executable launch cost out of short kernels (tens of microseconds,
+  where a host loop over jitted calls measures the host, not the kernel);
+- rotates among K buffers, so an input that fits in the H200's 60 MB L2 is not served from the cache on
+  the second call (K copies together are at least `min_bytes` when memory allows);
+- leaves the launch gaps between kernels inside one program in, as they are inside a train step.
+
+K is chosen so one execution takes about `target_ms`. XLA may fuse the K independent copies of a cheap
+reference into fewer kernels; that is allowed (it is what XLA would do in a model too) and favours XLA.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _nbytes(tree) -> int:
+    return sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(tree))
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, tree)
+
+
+def _wall_ms(f: Callable, args, runs: int) -> float:
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def device_ms(fn: Callable, *args: Any, runs: int = 20, target_ms: float = 2.0, max_copies: int = 16,
+              min_bytes: int = 256 << 20, max_bytes: int = 16 << 30) -> float:
+    """Median milliseconds of one `fn(*args)` call inside a jitted program (see the module docstring)."""
+    single = jax.jit(fn)
+    jax.block_until_ready(single(*args))  # compile
+    t1 = _wall_ms(single, args, 3)
+    size = max(1, _nbytes(args))
+    k = max(math.ceil(target_ms / max(t1, 1e-3)), math.ceil(min_bytes / size))
+    k = int(max(1, min(k, max_copies, max(1, max_bytes // size))))
+    sets = [args] + [_copy(args) for _ in range(k - 1)]
+    multi = jax.jit(lambda sets_: [fn(*s) for s in sets_])
+    jax.block_until_ready(multi(sets))  # compile
+    jax.block_until_ready(multi(sets))  # warm-up
+    return _wall_ms(multi, (sets,), runs) / k
+
+
+def peak_bytes(fn: Callable, *args: Any) -> int | None:
+    """Arguments + outputs + temporaries of the compiled single-call program (XLA's memory analysis)."""
+    try:
+        m = jax.jit(fn).lower(*args).compile().memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - getattr(m, "alias_size_in_bytes", 0))
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def temp_bytes(fn: Callable, *args: Any) -> int | None:
+    """Temporary bytes of the compiled single-call program (XLA's memory analysis)."""
+    try:
+        m = jax.jit(fn).lower(*args).compile().memory_analysis()
+        return None if m is None else int(m.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001
+        return None
