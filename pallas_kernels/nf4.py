@@ -300,37 +300,14 @@ def stack_nf4(weights) -> NF4Weight:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _dd_add(ah, al, bh, bl):
-    """Double-float32 addition (TwoSum of the high parts, low parts folded in, renormalized)."""
-    s = ah + bh
-    v = s - ah
-    err = (ah - (s - v)) + (bh - v)
-    err = err + (al + bl)
-    h = s + err
-    return h, err - (h - s)
-
-
-def _dd_scan(hi: jax.Array, lo: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sequential double-float32 sum over the leading axis of (hi, lo) [R, W] -> [W]."""
-    def step(carry, row):
-        return _dd_add(carry[0], carry[1], row[0], row[1]), None
-
-    zero = jnp.zeros(hi.shape[1:], jnp.float32)
-    (h, l), _ = jax.lax.scan(step, (zero, zero), (hi, lo))
-    return h, l
-
-
-def _accurate_sum_f32(x: jax.Array) -> jax.Array:
-    """float32 sum of a 1-D float32 array, correctly rounded in practice: double-float32 accumulation
-    (about 48 significant bits) in three short scans, rounded once at the end."""
-    n = x.shape[0]
-    width = 512
-    rows = max(cdiv(n, width), 1)
-    hi = jnp.pad(x.astype(jnp.float32), (0, rows * width - n)).reshape(rows, width)
-    h, l = _dd_scan(hi, jnp.zeros_like(hi))           # [512]
-    h, l = _dd_scan(h.reshape(16, 32), l.reshape(16, 32))  # [32]
-    h, l = _dd_scan(h.reshape(32, 1), l.reshape(32, 1))    # [1]
-    return (h + l)[0]
+def _mean_offset_host(absmax: jax.Array) -> np.ndarray:
+    """float32 mean of the block absmax, computed on the host: the float32-rounded exact sum (math.fsum),
+    then one IEEE float32 division, like torch.mean up to its summation order. On the host so the result is
+    the same bits whatever device quantizes: XLA on the H200 gave a mean 1 ulp away from XLA on the CPU for
+    the same inputs (2026-11-29), which moved every nested scale by 1 ulp."""
+    a = np.asarray(jax.device_get(absmax), np.float64).reshape(-1)
+    total = np.float32(math.fsum(a.tolist()))
+    return np.asarray(total / np.float32(a.size), np.float32)
 
 
 def _exact_div(a: jax.Array, b) -> jax.Array:
@@ -368,8 +345,9 @@ def _double_quant(absmax: jax.Array, offset: jax.Array) -> tuple[jax.Array, jax.
     return _quant_codes_8bit(absmax.astype(jnp.float32) - offset.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("blocksize", "double_quant"))
-def _quantize_impl(w, blocksize: int, double_quant: bool):
+@functools.partial(jax.jit, static_argnames=("blocksize",))
+def _quantize_blocks(w, blocksize: int):
+    """(packed codes uint8 [ceil(n/2)], float32 absmax [nblocks]) of `w`."""
     n = w.size
     nblocks = cdiv(n, blocksize)
     rem = n % blocksize
@@ -394,11 +372,10 @@ def _quantize_impl(w, blocksize: int, double_quant: bool):
     npairs = (n + 1) // 2
     code = code[: 2 * npairs].reshape(npairs, 2)
     packed = (code[:, 0] << 4) | code[:, 1]
-    if not double_quant:
-        return packed, absmax, None, None
-    offset = _exact_div(_accurate_sum_f32(absmax), nblocks)  # float32 sum / n, like torch.mean
-    qabs, nested = _double_quant(absmax, offset)
-    return packed, qabs, nested, offset
+    return packed, absmax
+
+
+_double_quant_jit = jax.jit(_double_quant)
 
 
 def quantize_nf4(w, blocksize: int = 64, double_quant: bool = True) -> NF4Weight:
@@ -411,7 +388,11 @@ def quantize_nf4(w, blocksize: int = 64, double_quant: bool = True) -> NF4Weight
         raise ValueError(f"invalid blocksize {blocksize}")
     w = jnp.asarray(w)
     dtype = _dtype_name(w.dtype)
-    codes, absmax, nested, offset = _quantize_impl(w, blocksize, bool(double_quant))
+    codes, absmax = _quantize_blocks(w, blocksize)
+    nested = offset = None
+    if double_quant:
+        offset = jnp.asarray(_mean_offset_host(absmax))
+        absmax, nested = _double_quant_jit(absmax, offset)
     return NF4Weight(codes, absmax, nested, offset, shape=w.shape, dtype=dtype, blocksize=blocksize)
 
 
@@ -432,12 +413,15 @@ def _decoded_absmax_jnp(q: NF4Weight) -> jax.Array:
 #: dequantize: key (shape class, output dtype name) -> config. block_bytes packed bytes per program
 #: (2x as many elements); lut: "select" (4-level select tree) or "gather" (table load).
 _DEQUANT_CONFIGS: dict[tuple[str, str], dict[str, Any]] = {
-    ("large", "bfloat16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="select"),
-    ("large", "float16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="select"),
-    ("large", "float32"): dict(block_bytes=1024, num_warps=4, num_stages=1, lut="select"),
-    ("small", "bfloat16"): dict(block_bytes=512, num_warps=4, num_stages=1, lut="select"),
-    ("small", "float16"): dict(block_bytes=512, num_warps=4, num_stages=1, lut="select"),
-    ("small", "float32"): dict(block_bytes=512, num_warps=4, num_stages=1, lut="select"),
+    # H200 sweep 2026-11-29 (bench/nf4.py --sweep=dequant, llama3-8b gate_up [14336, 4096]): the table load
+    # ("gather") beat the select tree at every block size (1.6-2.2 vs 1.1-1.4 TB/s); 4096 bytes / 8 warps best.
+    ("large", "bfloat16"): dict(block_bytes=4096, num_warps=8, num_stages=1, lut="gather"),
+    ("large", "float16"): dict(block_bytes=4096, num_warps=8, num_stages=1, lut="gather"),
+    ("large", "float32"): dict(block_bytes=2048, num_warps=8, num_stages=1, lut="gather"),
+    # Below 4M elements a call is dominated by its fixed cost; 2048 bytes / 4 warps was as good as any.
+    ("small", "bfloat16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="gather"),
+    ("small", "float16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="gather"),
+    ("small", "float32"): dict(block_bytes=1024, num_warps=4, num_stages=1, lut="gather"),
 }
 
 #: fused matmul: key (M class, compute dtype name, "fwd" | "bwd") -> config. For "fwd" (x @ W^T) block_n
@@ -457,8 +441,11 @@ _MATMUL_DEFAULT = dict(block_m=16, block_n=64, block_k=128, target_programs=264,
                        lut="select")
 
 #: Largest M = prod(x.shape[:-1]) for which nf4_matmul uses the fused kernel (per compute dtype); above it
-#: the weight is dequantized by the Pallas kernel and multiplied by XLA. Measured by bench/nf4.py.
-_FUSED_MAX_M: dict[str, int] = {"bfloat16": 64, "float16": 64, "float32": 16}
+#: the weight is dequantized by the Pallas kernel and multiplied by XLA. H200, 2026-11-29 (bench/nf4.py
+#: --m=1,16,64): once dequantization used the table load, dequantize+matmul beat the fused kernel at every
+#: M tried (1, 16, 64; Qwen2-1.5B and Llama-3-8B gate_up), e.g. M=16 on 4096->14336: 0.131 vs 0.171 ms.
+#: So the fused kernel is never chosen automatically; impl="fused" still selects it.
+_FUSED_MAX_M: dict[str, int] = {"bfloat16": 0, "float16": 0, "float32": 0}
 
 
 def _dequant_config(numel: int, dtype_name: str) -> dict[str, Any]:

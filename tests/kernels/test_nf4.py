@@ -178,8 +178,11 @@ def test_nf4_matmul(rng, M, N, K, dtype, double, impl, lut, monkeypatch):
 
 def test_dispatch_threshold(rng):
     q = _rand_nf4(rng, (64, 128))
-    assert nf4._choose_impl(1, q, "bfloat16", None) == "fused"
-    assert nf4._choose_impl(nf4._FUSED_MAX_M["bfloat16"] + 1, q, "bfloat16", None) == "dequant"
+    limit = nf4._FUSED_MAX_M["bfloat16"]  # 0 on the measured table: the fused kernel is never auto-chosen
+    if limit > 0:
+        assert nf4._choose_impl(1, q, "bfloat16", None) == "fused"
+    assert nf4._choose_impl(limit + 1, q, "bfloat16", None) == "dequant"
+    assert nf4._choose_impl(1, q, "bfloat16", "fused") == "fused"
     q_odd = _rand_nf4(rng, (64, 100))
     assert nf4._choose_impl(1, q_odd, "bfloat16", None) == "dequant"
     with pytest.raises(ValueError):
@@ -294,8 +297,12 @@ def test_gpu_quantize_matches_cpu_backend(rng, shape):
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         q_cpu = nf4.quantize_nf4(jax.device_put(w, cpu))
-    for got, want in zip(jax.tree.leaves(q_gpu), jax.tree.leaves(q_cpu)):
-        assert np.array_equal(np.asarray(got), np.asarray(want))
+    names = ("codes", "absmax", "nested_absmax", "offset")
+    for name, got, want in zip(names, jax.tree.leaves(q_gpu), jax.tree.leaves(q_cpu)):
+        got, want = np.asarray(got), np.asarray(want)
+        bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+        assert bad.size == 0, (f"{name}: {bad.size} of {got.size} differ, first at {bad[:5]}: "
+                               f"gpu {got.reshape(-1)[bad[:5]]} cpu {want.reshape(-1)[bad[:5]]}")
 
 
 @pytest.mark.gpu
