@@ -271,7 +271,7 @@ def test_gpu_fp32_d128_window(rng):
 @pytest.mark.gpu
 def test_gpu_noncausal_fully_masked_rows(rng):
     b, s, hq, hkv, d = 2, 1536, 8, 8, 128
-    q_ids = np.asarray(_segments(rng, b, s, 3))
+    q_ids = np.array(_segments(rng, b, s, 3))  # a writable copy
     kv_ids = q_ids.copy()
     dead = rng.choice(s, size=100, replace=False)
     q_ids[:, dead] = -7  # no key has this id: these rows are fully masked
