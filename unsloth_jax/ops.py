@@ -75,24 +75,28 @@ _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
     # 1.28x/1.31x fwd+bwd at D=1536/4096 (bf16); slower at D=2304 (0.73x) and D=128 (0.95x).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
-    "rope": lambda q: False,  # 0.87-0.93x of XLA fwd+bwd at all three model shapes
-    "glu": lambda gate: False,  # forward at par, fwd+bwd 0.76-0.82x of XLA
+    # RoPE: forward 0.88-1.30x, backward alone 1.25-1.44x XLA; in the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie:
+    # XLA fuses the rotation into the projection epilogue). Off: a kernel must beat XLA in the step.
+    "rope": lambda q: False,
+    # GLU: forward at par, backward alone 2.1-2.4x XLA's; but the Qwen2-1.5B step got slower with it on
+    # (187.6 vs 178.8 ms): XLA fuses the activation into the neighbouring matmuls' prologue/epilogue. Off.
+    "glu": lambda gate: False,
     # LoRA linear, bf16, r=16: standalone fwd+bwd 1.04-1.28x XLA, forward alone 0.63-0.97x. In the model it
-    # lost: the Qwen2-1.5B step took 218 ms with it (and the CE kernel) on, 189 ms with both off, and 187 ms
-    # in a run with the CE kernel on and this one off. Off until that is understood.
+    # loses: Qwen2-1.5B step 218.8 ms with only this kernel switched on vs 178.8 ms without (isolated A/B,
+    # H200 2026-11-29). Off.
     "linear": lambda probe: False,
     # Fused linear cross-entropy, bf16: fwd+bwd 1.58x (Qwen2-1.5B) and 1.25x (Llama-3-8B) the chunked XLA
     # version with a tenth of its temporary memory; in the model it cut peak memory (5.46 -> 5.08 GiB at
     # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
     "cross_entropy": lambda h: h.dtype == _BF16,
-    # Flash attention would serve only calls cuDNN cannot (softcap, packing segments). An earlier working copy
-    # measured 3.2x XLA fwd+bwd on the Gemma 2 softcap+window case and 0.78x cuDNN elsewhere, and passed its
-    # GPU tests; the committed kernel changed after that run (dK/dV split, segment block skipping) and has not
-    # been compiled on a GPU yet, so it is not dispatched until it passes there.
-    "attention": lambda q: False,
-    # NF4 dequantize+matmul: 1.04-1.09x the XLA twin fwd+bwd at M=4096 standalone; not yet measured inside
-    # the QLoRA step (which ran at 187 ms on the XLA twin), so the twin stays the default.
-    "nf4_matmul": lambda x: False,
+    # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
+    # is tried first, see attention()). GPU tests passed 2026-11-29 on the committed kernel; an earlier copy
+    # measured 3.2x XLA fwd+bwd on the Gemma 2 softcap+window case (bench/attention.py).
+    "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
+    # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
+    # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,
+    # 2026-11-29, bench/gpu_session.sh final), peak 3.08 vs 3.11 GiB.
+    "nf4_matmul": lambda x: x.dtype == _BF16,
 }
 
 
