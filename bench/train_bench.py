@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--load-in-4bit", action="store_true")
     ap.add_argument("--optim", default="adamw_torch")
+    ap.add_argument("--memory-analysis", action="store_true",
+                    help="also compile the step once more and report XLA's device/host buffer sizes for it")
     a = ap.parse_args()
     remat = {"unsloth": "unsloth", "true": True, "false": False}[a.remat]
     t0 = time.time()
@@ -49,6 +51,8 @@ def main() -> None:
     trainer._pad_id = lambda: 0
     step_times = []
     real_step = None
+    arg_specs = None  # shapes/shardings of the first step's arguments (they are donated, so keep specs)
+    stats0 = jax.devices()[0].memory_stats() or {}
 
     # time each step exactly: wrap the compiled step with a device sync
     import unsloth_jax.train.trainer as tr
@@ -60,6 +64,9 @@ def main() -> None:
         real_step = orig(*args_, **kw)
 
         def timed(*xs):
+            nonlocal arg_specs
+            if arg_specs is None:
+                arg_specs = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding), xs)
             t = time.perf_counter()
             outs = real_step(*xs)
             jax.block_until_ready(outs)
@@ -78,9 +85,18 @@ def main() -> None:
             "seq": a.seq, "remat": a.remat, "load_in_4bit": a.load_in_4bit, "optim": a.optim,
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
             "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 3), "load_s": round(load_s, 1),
+            # peak before the first step (loading, LoRA init): if it equals peak_gib, the step is not the peak
+            "peak_gib_before_train": round(stats0.get("peak_bytes_in_use", 0) / 2**30, 3),
+            "gib_in_use_before_train": round(stats0.get("bytes_in_use", 0) / 2**30, 3),
             "final_loss": result["final_loss"], "steps_timed": len(times),
             "step_ms_all": [round(t * 1e3, 1) for t in step_times],
             "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    if a.memory_analysis and real_step is not None and arg_specs is not None:
+        ma = real_step.lower(*arg_specs).compile().memory_analysis()
+        line["step_program_gib"] = {k: round(getattr(ma, k) / 2**30, 3) for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "host_argument_size_in_bytes", "host_output_size_in_bytes", "host_temp_size_in_bytes")
+            if getattr(ma, k, None) is not None}
     print(json.dumps(line), flush=True)
 
 
