@@ -39,6 +39,12 @@ def host_offload_supported() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def commit_to_devices(tree):
+    """The same arrays, committed to the sharding they already have (jit outputs of a step with host
+    offload come back committed; giving it committed inputs from the start keeps one compilation)."""
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)
+
+
 def resolve_remat(use_gradient_checkpointing) -> str:
     """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
     fallback (plain remat, one notice) where the backend has no pinned host memory."""

@@ -24,7 +24,7 @@ from unsloth_jax import lora
 from unsloth_jax.data import DataLoader, prepare_texts, tokenize_texts
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
-from unsloth_jax.train.step import eval_loss, make_train_step
+from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
 
 log = logging.getLogger("unsloth_jax")
 
@@ -220,6 +220,10 @@ class SFTTrainer:
                 print(f"Resuming from {path} at step {start}")
         step_fn = make_train_step(model.config, optimizer, lora_scale=model.lora_scale,
                                   remat=model.gradient_checkpointing)
+        # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
+        # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
+        # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
+        trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         metrics_path = Path(args.output_dir) / "metrics.jsonl"
         n_train = lora.count(trainable)
