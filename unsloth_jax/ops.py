@@ -73,7 +73,9 @@ def _on_gpu() -> bool:
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
-    # 1.28x/1.31x fwd+bwd at D=1536/4096 (bf16); slower at D=2304 (0.73x) and D=128 (0.95x).
+    # RMSNorm, bf16 (second-session timing): forward 1.24x/1.38x and backward alone 1.46x/2.08x XLA at
+    # D=1536/4096; at D=2304 forward 1.05x, backward 1.46x (not measured in a Gemma step, so not enabled);
+    # D=128 (q/k norm) forward 0.93x. In the Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
     # RoPE: forward 0.88-1.30x, backward alone 1.25-1.44x XLA; in the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie:
     # XLA fuses the rotation into the projection epilogue). Off: a kernel must beat XLA in the step.
@@ -90,12 +92,12 @@ PALLAS_WINS = {
     # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
     "cross_entropy": lambda h: h.dtype == _BF16,
     # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
-    # is tried first, see attention()). GPU tests passed 2026-11-29 on the committed kernel; an earlier copy
-    # measured 3.2x XLA fwd+bwd on the Gemma 2 softcap+window case (bench/attention.py).
+    # is tried first, see attention()). GPU tests 7/7 on the H200; fwd+bwd 1.4-7.2x XLA, Gemma 2 softcap+window
+    # 2.2x (S=4096) / 3.0x (S=8192) XLA (bench/attention.py, 2026-11-29). Not timed inside a Gemma 2 step.
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
     # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,
-    # 2026-11-29, bench/gpu_session.sh final), peak 3.08 vs 3.11 GiB.
+    # 2026-11-29, bench/gpu_session.sh final), peak 3.08 vs 3.11 GiB; Llama-3-8B QLoRA 390.5 vs 410.5 ms.
     "nf4_matmul": lambda x: x.dtype == _BF16,
 }
 
