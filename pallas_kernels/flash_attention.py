@@ -279,6 +279,31 @@ def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, 
 
 
 # ------------------------------------------------------------------------------------------ forward kernel
+def _loop_ranges(ranges, body, carry):
+    """Run body(i, carry, masked) over [lo, b) masked, [b, c) unmasked, [c, hi) masked (see _split_ranges)."""
+    lo, b, c, hi = ranges
+    carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
+
+
+def _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, k_lo, bk: int, st: _Static, masked: bool):
+    """(k, v, s, t) for query rows `q` against keys [k_lo, k_lo + bk): s the masked base-2 scores [bq, bk]
+    (-inf where a key may not be attended), t the softcap tanh (None without softcap). Forward and dQ."""
+    S = st.seq_len
+    kpos = k_lo + jnp.arange(bk)
+    k = _load_rows(k_ref, k_lo, bk, S, masked)
+    v = _load_rows(v_ref, k_lo, bk, S, masked)
+    s, t = _scores(plgpu.dot(q, k, trans_b=True), st)
+    kseg = None
+    if kseg_ref is not None:
+        kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
+    keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False, check_k=True)
+    if keep is not None:
+        s = jnp.where(keep, s, -jnp.inf)
+    return k, v, s, t
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref, *, st: _Static, bq: int,
                 bk: int):
     S = st.seq_len
@@ -294,18 +319,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
 
     def body(kj, carry, masked: bool):
         acc, m_i, l_i = carry
-        k_lo = kj * bk
-        kpos = k_lo + jnp.arange(bk)
-        k = _load_rows(k_ref, k_lo, bk, S, masked)
-        v = _load_rows(v_ref, k_lo, bk, S, masked)
-        s, _ = _scores(plgpu.dot(q, k, trans_b=True), st)
-        kseg = None
-        if kseg_ref is not None:
-            kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
-        keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False,
-                     check_k=True)
-        if keep is not None:
-            s = jnp.where(keep, s, -jnp.inf)
+        _, v, s, _ = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -319,11 +333,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
         jnp.full((bq,), _M_INIT, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    lo, b, c, hi = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
-    carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
-    acc, m_i, l_i = carry
+    ranges = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
+    acc, m_i, l_i = _loop_ranges(ranges, body, carry)
     has = l_i > 0.0
     o = acc / jnp.where(has, l_i, 1.0)[:, None]
     lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), jnp.inf)
@@ -388,7 +399,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
     kseg = None
     if kseg_ref is not None:
         kseg = _load_rows(kseg_ref, k_lo, bk, S, ragged_k)[:, None]
-    lo, b, c, hi = _clamp_to_segments(_q_ranges_for_kv_block(k_lo, st, bq, bk), rng_ref, kj)
+    ranges = _clamp_to_segments(_q_ranges_for_kv_block(k_lo, st, bq, bk), rng_ref, kj)
 
     def head_loop(g, carry):
         def body(qi, carry, masked: bool):
@@ -416,10 +427,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
             dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
             return dk, dv
 
-        carry = lax.fori_loop(lo, b, functools.partial(body, masked=True), carry)
-        carry = lax.fori_loop(b, c, functools.partial(body, masked=False), carry)
-        carry = lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
-        return carry
+        return _loop_ranges(ranges, body, carry)
 
     d = k.shape[-1]
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32))
@@ -524,18 +532,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
         qseg = _load_rows(qseg_ref, q_lo, bq, S, ragged_q)[:, None]
 
     def body(kj, dq, masked: bool):
-        k_lo = kj * bk
-        kpos = k_lo + jnp.arange(bk)
-        k = _load_rows(k_ref, k_lo, bk, S, masked)
-        v = _load_rows(v_ref, k_lo, bk, S, masked)
-        s, t = _scores(plgpu.dot(q, k, trans_b=True), st)
-        kseg = None
-        if kseg_ref is not None:
-            kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
-        keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False,
-                     check_k=True)
-        if keep is not None:
-            s = jnp.where(keep, s, -jnp.inf)
+        k, v, s, t = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
         p = jnp.exp2(s - lse[:, None])
         dp = plgpu.dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
@@ -545,11 +542,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
 
     d = q.shape[-1]
     dq = jnp.zeros((bq, d), jnp.float32)
-    lo, b, c, hi = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
-    dq = lax.fori_loop(lo, b, functools.partial(body, masked=True), dq)
-    dq = lax.fori_loop(b, c, functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(c, hi, functools.partial(body, masked=True), dq)
-    dq = dq * st.scale
+    ranges = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
+    dq = _loop_ranges(ranges, body, dq) * st.scale
     plgpu.store(dq_ref.at[pl.ds(q_lo, bq)], dq.astype(dq_ref.dtype), mask=(qpos < S)[:, None])
 
 

@@ -602,6 +602,13 @@ def _load(view, mask, other, shape):
     return plgpu.load(view, mask=jnp.broadcast_to(mask, shape), other=other)
 
 
+def _store(view, value, mask):
+    if mask is None:
+        plgpu.store(view, value)
+    else:
+        plgpu.store(view, value, mask=jnp.broadcast_to(mask, value.shape))
+
+
 def _w_tile(refs, n0, k0, *, N, K, blocksize, block_n, block_k, nblocks2, double, lut, w_dtype, mask_n, mask_k):
     """Dequantized weight tile W[n0:n0+block_n, k0:k0+block_k] ([block_n, block_k], zero outside W).
     mask_n / mask_k: whether rows / columns of this tile can fall outside W (static)."""
@@ -663,12 +670,7 @@ def _fwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_n), jnp.float32))
     ncol = (n0 + jnp.arange(block_n) < N)[None, :] if mask_n else None
-    omask = _all(mrow, ncol)
-    view = o_ref.at[s, pl.ds(m0, block_m), pl.ds(n0, block_n)]
-    if omask is None:
-        plgpu.store(view, acc)
-    else:
-        plgpu.store(view, acc, mask=jnp.broadcast_to(omask, acc.shape))
+    _store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, _all(mrow, ncol))
 
 
 def _bwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nblocks2, double, lut,
@@ -689,12 +691,7 @@ def _bwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_k), jnp.float32))
     kcol = (k0 + jnp.arange(block_k) < K)[None, :] if mask_k else None
-    omask = _all(mrow, kcol)
-    view = o_ref.at[s, pl.ds(m0, block_m), pl.ds(k0, block_k)]
-    if omask is None:
-        plgpu.store(view, acc)
-    else:
-        plgpu.store(view, acc, mask=jnp.broadcast_to(omask, acc.shape))
+    _store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(k0, block_k)], acc, _all(mrow, kcol))
 
 
 def _fused_supported(q: NF4Weight) -> bool:
