@@ -24,7 +24,7 @@ warnings.filterwarnings(
 def resolve_interpret(interpret: bool | None) -> bool:
     """None -> True unless the default backend is a GPU. An explicit bool is returned unchanged."""
     if interpret is None:
-        return jax.default_backend() != "gpu"
+        return not on_gpu()
     return bool(interpret)
 
 

@@ -69,22 +69,6 @@ class ModelConfig:
                 return p
         return n
 
-    @property
-    def num_params(self) -> int:
-        """Parameter count of the base model (as transformers counts it: tied weights once)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        hq, hkv = self.num_attention_heads, self.num_key_value_heads
-        attn = d * hq * hd * 2 + d * hkv * hd * 2
-        if self.qkv_bias:
-            attn += hq * hd + 2 * hkv * hd
-        if self.o_bias:
-            attn += d
-        mlp = 3 * d * f + (2 * f + d if self.mlp_bias else 0)
-        norms = d * (4 if self.sandwich_norms else 2) + (2 * hd if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return per_layer * self.num_hidden_layers + embed + d
-
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         return _parse(raw, source)

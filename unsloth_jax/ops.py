@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference as ref
+from pallas_kernels._common import on_gpu
 
 
 log = logging.getLogger("unsloth_jax")
@@ -65,10 +66,6 @@ def chosen_impls() -> dict[str, str]:
     return out
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 # Where a Pallas kernel beat XLA's fusion of the same math on the H200 (bench/results/, BENCHMARKS.md).
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
@@ -109,7 +106,7 @@ def use_pallas(op: str, probe) -> bool:
         return True
     if impl in ("xla", "cudnn"):
         return False
-    return _on_gpu() and bool(PALLAS_WINS[op](probe))
+    return on_gpu() and bool(PALLAS_WINS[op](probe))
 
 
 # ----------------------------------------------------------------------------------------------- norms
@@ -286,7 +283,7 @@ def attention(
     impl = requested_impl("attention")
     padding_ok = kv_valid is None or kv_lengths is not None
     simple = padding_ok and segment_ids is None and softcap is None and q.shape[1] == k.shape[1]
-    if impl in ("auto", "cudnn") and _on_gpu() and simple and isinstance(q_offset, int) and q_offset == 0:
+    if impl in ("auto", "cudnn") and on_gpu() and simple and isinstance(q_offset, int) and q_offset == 0:
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(

@@ -26,8 +26,9 @@ def is_nf4(x) -> bool:
 
 
 def dense_kernel(kernel, dtype=None):
-    """A projection kernel as a dense [..., in, out] array: dequantizes an NF4 weight (HF [out, in]) and
-    transposes it; returns dense arrays unchanged."""
+    """A projection kernel as a dense [..., in, out] array: dequantizes an NF4 weight (HF [out, in]; in its
+    original dtype by default, exactly as bitsandbytes does) and transposes it; returns dense arrays unchanged.
+    The one place (besides ops) that turns a 4-bit weight into a dense one: export uses it."""
     if is_nf4(kernel):
         w = dequantize_nf4(kernel, dtype)
         return jnp.swapaxes(w, -1, -2)

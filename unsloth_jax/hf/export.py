@@ -33,6 +33,7 @@ import numpy as np
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
+from unsloth_jax.quant import dense_kernel
 
 log = logging.getLogger("unsloth_jax")
 
@@ -51,20 +52,6 @@ _MERGED_ARTIFACTS = re.compile(r"^(config\.json|generation_config\.json|model\.s
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _dense_kernel(x):
-    """A dense projection kernel in [..., in, out]: arrays pass through; a 4-bit `NF4Weight` (HF [out, in]
-    layout) is dequantized (in its original dtype, exactly as bitsandbytes does) and transposed. The one place
-    that knows about 4-bit weights."""
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return x
-    try:
-        from pallas_kernels.nf4 import dequantize_nf4
-    except ImportError as e:  # pragma: no cover - the kernels package ships with unsloth_jax
-        raise TypeError(f"cannot export a weight of type {type(x).__name__}: pallas_kernels.nf4 unavailable ({e})")
-    dense = dequantize_nf4(x)
-    return jnp.swapaxes(dense, -1, -2)
-
-
 def _layer(x, i: int):
     """Layer i of a stacked param (array or stacked 4-bit weight)."""
     if isinstance(x, (np.ndarray, jax.Array)):
@@ -361,7 +348,7 @@ def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
             sub = get(spec.path[:-1])
 
             def make(sub=sub, i=spec.layer):
-                w = np.asarray(_dense_kernel(_layer(sub["kernel"], i)), np.float32)
+                w = np.asarray(dense_kernel(_layer(sub["kernel"], i)), np.float32)
                 if scale is not None and "lora_a" in sub:
                     a = np.asarray(sub["lora_a"][i], np.float32)
                     b = np.asarray(sub["lora_b"][i], np.float32)

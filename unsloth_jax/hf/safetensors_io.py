@@ -142,14 +142,6 @@ def checkpoint_files(model_dir: str | os.PathLike, prefix: str = "model") -> lis
     )
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray, Path]]:
-    """Yield (name, array, file) for every tensor of the files, one at a time (the array is a fresh copy)."""
-    for path in files:
-        with SafetensorsFile(path) as f:
-            for name in f.keys():
-                yield name, np.array(f.get(name)), path
-
-
 def _atomic_write(path: Path, chunks: Iterator[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

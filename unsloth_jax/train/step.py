@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pallas_kernels._common import on_gpu
 from unsloth_jax import lora, ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import decoder
@@ -36,7 +37,7 @@ GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "fu
 
 def host_offload_supported() -> bool:
     """Pinned-host offload of remat residuals works on GPU backends (checked on the H200, jax 0.11.2)."""
-    return jax.default_backend() == "gpu"
+    return on_gpu()
 
 
 def commit_to_devices(tree):
@@ -80,6 +81,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
     skipped (1 when the update was dropped for a non-finite loss or gradient).
+    Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
+    committed arrays, and uncommitted first inputs would make the second call compile the step again.
     """
 
     def micro_loss(trainable, frozen, micro):
