@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 final train8b parity attention (default: tests kernels train15).
-# Env: GPU_TESTS, TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU; compiling is the
-# slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS, ATTN_TIMEOUT, FINAL_VARIANTS.
+# Stages: tests kernels train15 (alias final) train8b parity attention (default: tests kernels train15).
+# Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
+# compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
+# ATTN_TIMEOUT, TRAIN15_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -32,18 +33,12 @@ for st in $stages; do
     attention)
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
-    train15)
+    train15|final)
+      # TRAIN15_VARIANTS (FINAL_VARIANTS is the old name): "remat|impl overrides|extra train_bench flags"
+      # (flags joined with +), one run each; the default is the per-kernel A/B of BENCHMARKS.md.
       $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
-      for v in "unsloth|" "true|" "true|rms_norm=xla" "false|"; do
-        r=${v%%|*}; impl=${v#*|}
-        log "train qwen2-1.5b remat=$r impl=${impl:-auto}"
-        UNSLOTH_JAX_IMPL=$impl timeout 200 $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 --seq 2048 --remat $r \
-          2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
-      done ;;
-    final)
-      # FINAL_VARIANTS: "remat|impl overrides|extra train_bench flags" (flags joined with +), one run each.
-      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
-      for v in ${FINAL_VARIANTS:-"true||" "true|linear=xla,cross_entropy=xla|" "true||--load-in-4bit"}; do
+      for v in ${TRAIN15_VARIANTS:-${FINAL_VARIANTS:-"true||" "true|glu=pallas|" "true|linear=pallas|" \
+          "true|rope=pallas|" "unsloth||" "true||--load-in-4bit" "true|nf4_matmul=xla|--load-in-4bit"}}; do
         r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
         log "train qwen2-1.5b remat=$r impl=${impl:-auto} $flags"
         UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 \

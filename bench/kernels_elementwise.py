@@ -48,12 +48,7 @@ CEILING_GBPS = 3000.0  # ANCHORS.md: elementwise read+write on the H200 through 
 DEVICE = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
 
 
-# ------------------------------------------------------------------------------------------- timing
-def time_compiled(fn: Callable, args: tuple, runs: int = 25) -> tuple[float, int | None]:
-    """(median ms of one fn(*args) inside a jitted program, peak bytes of the single-call program)."""
-    return device_ms(fn, *args, runs=runs), peak_bytes(fn, *args)
-
-
+# --------------------------------------------------------------------------------- timed functions
 def _fwd(f, nconst):
     return lambda *a: f(*a)
 
@@ -234,10 +229,11 @@ def measure(case: Case, runs: int):
     results = {}
     for impl, f in (("xla", case.reference), ("pallas", case.kernel())):
         args = case.args
-        fwd_ms, _ = time_compiled(_fwd(f, case.nconst), args, runs)
-        fb_ms, peak = time_compiled(_fwdbwd(f, case.nconst), args + (case.ct,), runs)
+        fwd_ms = device_ms(_fwd(f, case.nconst), *args, runs=runs)
+        fb_ms = device_ms(_fwdbwd(f, case.nconst), *args, case.ct, runs=runs)
+        peak = peak_bytes(_fwdbwd(f, case.nconst), *args, case.ct)
         bwd_fn, bwd_args = _bwd_only(f, case.nconst, args, case.ct)
-        b_ms, _ = time_compiled(bwd_fn, bwd_args, runs)
+        b_ms = device_ms(bwd_fn, *bwd_args, runs=runs)
         gbps = case.bytes_fwd / (fwd_ms * 1e-3) / 1e9
         gbps_fb = (case.bytes_fwd + case.bytes_bwd) / (fb_ms * 1e-3) / 1e9
         rec = dict(base, impl=impl, fwd_ms=round(fwd_ms, 4), fwdbwd_ms=round(fb_ms, 4), bwd_ms=round(b_ms, 4), gbps=round(gbps, 1), gbps_fwdbwd=round(gbps_fb, 1),
@@ -250,7 +246,7 @@ def measure(case: Case, runs: int):
     # a kernel of this size can reach at all (small tensors do not reach the large-copy ceiling).
     item = jnp.dtype(case.dtype).itemsize
     z = _rand(jax.random.PRNGKey(7), (max(1, case.bytes_fwd // (2 * item)),), jnp.dtype(case.dtype))
-    copy_gbps = case.bytes_fwd / (time_compiled(lambda a: a * 2, (z,), runs)[0] * 1e-3) / 1e9
+    copy_gbps = case.bytes_fwd / (device_ms(lambda a: a * 2, z, runs=runs) * 1e-3) / 1e9
     x, p = results["xla"], results["pallas"]
     _emit(dict(base, impl="summary", copy_gbps_same_bytes=round(copy_gbps, 1),
                pallas_fwd_pct_of_copy=round(100 * p["gbps"] / copy_gbps, 1),
@@ -268,10 +264,10 @@ def sweep(case: Case, runs: int):
         f = case.kernel(fcfg, bcfg)
         try:
             if label == "fwd":
-                ms, _ = time_compiled(_fwd(f, case.nconst), case.args, runs)
+                ms = device_ms(_fwd(f, case.nconst), *case.args, runs=runs)
                 gbps = case.bytes_fwd / (ms * 1e-3) / 1e9
             else:  # the gradient program: fwd (fixed table config) + the bwd config under test
-                ms, _ = time_compiled(_grad(f, case.nconst), case.args + (case.ct,), runs)
+                ms = device_ms(_grad(f, case.nconst), *case.args, case.ct, runs=runs)
                 gbps = None
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported and skipped
             _emit(dict(base, phase=label, config=(fcfg or bcfg)._asdict(), error=repr(e)[:300]))

@@ -57,20 +57,24 @@ def device_ms(fn: Callable, *args: Any, runs: int = 20, target_ms: float = 2.0, 
     return _wall_ms(multi, (sets,), runs) / k
 
 
-def peak_bytes(fn: Callable, *args: Any) -> int | None:
-    """Arguments + outputs + temporaries of the compiled single-call program (XLA's memory analysis)."""
+def _memory_analysis(fn: Callable, args) -> Any:
+    """XLA's memory analysis of the compiled single-call program, or None where the backend has none."""
     try:
-        m = jax.jit(fn).lower(*args).compile().memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                   - getattr(m, "alias_size_in_bytes", 0))
+        return jax.jit(fn).lower(*args).compile().memory_analysis()
     except Exception:  # noqa: BLE001 - not every backend reports it
         return None
 
 
+def peak_bytes(fn: Callable, *args: Any) -> int | None:
+    """Arguments + outputs + temporaries of the compiled single-call program (XLA's memory analysis)."""
+    m = _memory_analysis(fn, args)
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - getattr(m, "alias_size_in_bytes", 0))
+
+
 def temp_bytes(fn: Callable, *args: Any) -> int | None:
     """Temporary bytes of the compiled single-call program (XLA's memory analysis)."""
-    try:
-        m = jax.jit(fn).lower(*args).compile().memory_analysis()
-        return None if m is None else int(m.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001
-        return None
+    m = _memory_analysis(fn, args)
+    return None if m is None else int(m.temp_size_in_bytes)
