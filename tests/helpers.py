@@ -33,4 +33,19 @@ def fast_jit(fn):
     return call
 
 
+def lower_for_cuda(fn, *args) -> str:
+    """HLO text of jit(fn) lowered for CUDA from this (CPU) machine: checks the Triton lowering (power-of-two
+    blocks, primitive support) without a GPU. Skips the calling test where this jax cannot lower for cuda
+    without a real or abstract GPU (jax >= 0.11)."""
+    import jax
+    import pytest
+
+    try:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except (RuntimeError, NotImplementedError) as e:
+        if any(w in str(e) for w in ("GPU", "platform", "cuda")):
+            pytest.skip(f"cannot lower for cuda without a GPU on jax {jax.__version__}: {e}")
+        raise
+
+
 TOL = {"float32": 1e-5, "float32_tf32": 1e-3, "bfloat16": 2e-2, "float16": 5e-3}
