@@ -121,11 +121,14 @@ def _emit(recs):
         print(json.dumps(r), flush=True)
 
 
-def run_default(quick: bool, seqs=None, tokens: int = 16384):
+def run_default(quick: bool, seqs=None, tokens: int = 16384, softcap_only: bool = False):
     """tokens = B * S per shape; `seqs` overrides the sequence lengths (e.g. tiny ones for a CPU check)."""
     dt = jnp.bfloat16
     cases = []
-    if seqs:
+    if softcap_only:
+        for s in (4096, 8192):
+            cases.append(("gemma2_softcap_window", 256, s, 8, 4, 4096, 50.0))
+    elif seqs:
         for s in seqs:
             cases.append(("mha_causal", 128, s, 16, 4, None, None))
             cases.append(("gemma2_softcap_window", 256, s, 8, 4, max(1, s // 2), 50.0))
@@ -184,19 +187,35 @@ _CANDIDATES = {
     },
     128: {
         "fwd": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
-                (64, 64, 4, 2), (64, 128, 8, 2), (128, 128, 8, 3)],
+                (64, 64, 4, 2), (64, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4)],
         "dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2),
-                 (64, 64, 8, 2), (32, 64, 4, 2)],
+                 (64, 64, 8, 2), (32, 64, 4, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
         "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2),
-               (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 2)],
+               (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 4, 3)],
     },
     256: {
         "fwd": [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 3), (128, 32, 8, 2),
-                (128, 64, 8, 2), (64, 32, 4, 2)],
+                (128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 3)],
         "dkdv": [(64, 32, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 64, 8, 2), (64, 64, 8, 2),
-                 (32, 32, 4, 2), (16, 32, 4, 2)],
+                 (32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 3), (32, 128, 8, 2)],
         "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 16, 4, 2),
-               (32, 32, 4, 2), (64, 32, 8, 3)],
+               (32, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2)],
+    },
+}
+
+
+# Beyond the edge of the first sweep's winners (third session): deeper pipelines and larger tiles.
+_EXTRA_CANDIDATES = {
+    128: {
+        "fwd": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 64, 8, 5)],
+        "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 5), (128, 128, 8, 2), (128, 128, 8, 3),
+                 (64, 128, 4, 3)],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3), (128, 32, 8, 4)],
+    },
+    256: {
+        "fwd": [(128, 64, 8, 2), (128, 32, 8, 4), (128, 64, 4, 2), (64, 64, 4, 3)],
+        "dkdv": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+        "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 2), (64, 128, 8, 2)],
     },
 }
 
@@ -206,11 +225,10 @@ def _candidates(kernel, d):
         yield fa.KernelBlocks(*c)
 
 
-def _split_sweep(d, kb, dt, s, b):
-    """dK/dV time vs how many programs share a KV group, at a small-grid GQA shape (Qwen2-1.5B-like)."""
-    hq, hkv = 12, 2
+def _split_sweep(d, kb, dt, s, b, hq=12, hkv=2):
+    """dK/dV time vs how many programs share a KV group (default: a small-grid GQA shape, Qwen2-1.5B-like)."""
     auto = fa.dkdv_head_split(hq // hkv, b, hkv, -(-s // kb.block_k))
-    for split in (1, 2, 3, 6):
+    for split in [n for n in range(1, hq // hkv + 1) if (hq // hkv) % n == 0]:
         cfg = dataclasses.replace(fa.get_config(s, dt, d), dkdv=kb, dkdv_split=split)
         st = fa._Static(seq_len=s, groups=hq // hkv, causal=True, window=None, softcap=None, scale=d ** -0.5,
                         has_segments=False, interpret=resolve_interpret(None), config=cfg)
@@ -224,7 +242,7 @@ def _split_sweep(d, kb, dt, s, b):
         print(json.dumps(rec), flush=True)
 
 
-def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384):
+def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd", "dkdv", "dq")):
     dt = jnp.bfloat16
     best_all = {}
     for d in dims:
@@ -243,7 +261,7 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384):
                               config=cfg)
 
         inputs = _kernel_inputs(static(base), b, seq, hq, hkv, d, dt)
-        for kernel in ("fwd", "dkdv", "dq"):
+        for kernel in kernels:
             results = []
             for fast in tanh_opts:
                 for kb in _candidates(kernel, d):
@@ -263,6 +281,7 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384):
                 best_all[(d, kernel)] = (kb, fast)
                 if kernel == "dkdv" and not softcap_case:
                     _split_sweep(d, kb, dt, min(seq, 2048), max(1, tokens // (2 * min(seq, 2048))))
+                    _split_sweep(d, kb, dt, seq, b, hq, hkv)  # the sweep's own shape
                 print(json.dumps(dict(name="sweep_best", kernel=kernel, D=d, S=seq, softcap=softcap,
                                       fast_tanh=fast, config=dataclasses.astuple(kb), ms=ms,
                                       jax_version=jax.__version__, device=_device())), flush=True)
@@ -282,13 +301,20 @@ def main():
     ap.add_argument("--dims", default="128,256", help="head dims for --sweep (comma separated)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length for --sweep")
     ap.add_argument("--softcap", action="store_true", help="--sweep the Gemma 2 softcap(+window) case")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq", help="kernels to --sweep (comma separated)")
+    ap.add_argument("--extra", action="store_true", help="--sweep only the extra (edge) candidates")
     ap.add_argument("--seqs", default="", help="override the default run's sequence lengths (comma separated)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S of each default-run shape")
+    ap.add_argument("--softcap-only", action="store_true", help="only the Gemma 2 softcap+window rows")
     args = ap.parse_args()
     if args.sweep:
-        run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap, args.tokens)
+        if args.extra:
+            _CANDIDATES.clear()
+            _CANDIDATES.update(_EXTRA_CANDIDATES)
+        run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap, args.tokens,
+                  tuple(args.kernels.split(",")))
     else:
-        run_default(args.quick, [int(x) for x in args.seqs.split(",") if x], args.tokens)
+        run_default(args.quick, [int(x) for x in args.seqs.split(",") if x], args.tokens, args.softcap_only)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) train8b parity attention (default: tests kernels train15).
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention (default: tests kernels train15).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
-# ATTN_TIMEOUT, TRAIN15_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT.
+# ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -42,6 +42,16 @@ for st in $stages; do
         r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
         log "train qwen2-1.5b remat=$r impl=${impl:-auto} $flags"
         UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 \
+          --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
+          | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
+      done ;;
+    traingemma2)
+      # Gemma-2-2B 4x2048 (attention softcap: the flash kernel's case); GEMMA2_VARIANTS as TRAIN15_VARIANTS.
+      $PY bench/make_checkpoint.py gemma2-2b $CK/gemma2-2b 2>&1 | tail -1
+      for v in ${GEMMA2_VARIANTS:-"true||" "true|attention=xla|"}; do
+        r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
+        log "train gemma2-2b remat=$r impl=${impl:-auto} $flags"
+        UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/gemma2-2b --batch 4 \
           --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
           | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
       done ;;

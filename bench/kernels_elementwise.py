@@ -1,7 +1,7 @@
 """Benchmark RMSNorm, RoPE and SwiGLU/GEGLU Pallas kernels against their jitted plain-jnp twins.
 
     python bench/kernels_elementwise.py            # ANCHORS.md shapes, bf16 (about 1-2 minutes on an H200)
-    python bench/kernels_elementwise.py --full     # + [16384,4096] RMSNorm and erf-GEGLU
+    python bench/kernels_elementwise.py --full     # + [16384,4096] RMSNorm, 8x2048 Llama-3-8B RoPE, erf-GEGLU
     python bench/kernels_elementwise.py --quick    # one shape per kernel (smoke run)
     python bench/kernels_elementwise.py --sweep    # sweep block configs, print the best per table key
     python bench/kernels_elementwise.py --sweep --only glu      # sweep one family (rms_norm, rope, glu)
@@ -304,6 +304,7 @@ def build_cases(quick: bool, tiny: bool, dtype, only: set[str] | None, full: boo
             rope_case(4, 2048, 12, 2, 128, dtype, label="/qwen2-1.5b"),
             rope_case(2, 2048, 32, 8, 128, dtype, label="/llama3-8b"),
             rope_case(4, 2048, 8, 4, 256, dtype, label="/gemma2-2b"),
+            *([rope_case(8, 2048, 32, 8, 128, dtype, label="/llama3-8b-b8")] if full else []),
             glu_case("silu", (8192, 8960), dtype, label="/qwen2-1.5b"),
             glu_case("silu", (4096, 14336), dtype, label="/llama3-8b"),
             glu_case("gelu_tanh", (8192, 9216), dtype, label="/gemma2-2b"),
@@ -323,7 +324,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one shape per kernel")
     ap.add_argument("--sweep", action="store_true", help="sweep block configs and print the best per table key")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs on CPU in interpret mode)")
-    ap.add_argument("--full", action="store_true", help="also [16384,4096] RMSNorm and erf-GEGLU")
+    ap.add_argument("--full", action="store_true", help="also [16384,4096] RMSNorm, RoPE at batch 8 and erf-GEGLU")
     ap.add_argument("--only", default="", help="comma list of kernel families: rms_norm,rope,glu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--runs", type=int, default=25)

@@ -10,8 +10,11 @@ K calls of fn on K distinct copies of the arguments are traced into ONE jitted p
   the second call (K copies together are at least `min_bytes` when memory allows);
 - leaves the launch gaps between kernels inside one program in, as they are inside a train step.
 
-K is chosen so one execution takes about `target_ms`. XLA may fuse the K independent copies of a cheap
-reference into fewer kernels; that is allowed (it is what XLA would do in a model too) and favours XLA.
+K is chosen so one execution takes about `target_ms` (5 ms, up to 64 copies, so the host's dispatch of the
+program is a small share of a 30 us kernel's time). XLA would fuse the K independent copies of a cheap
+reference into one kernel (horizontal fusion) unless kept apart; each call's arguments are therefore tied to
+the previous call's output by an optimization barrier (no runtime cost), so every copy is timed as it would
+run alone.
 """
 from __future__ import annotations
 
@@ -41,7 +44,20 @@ def _wall_ms(f: Callable, args, runs: int) -> float:
     return statistics.median(samples)
 
 
-def device_ms(fn: Callable, *args: Any, runs: int = 20, target_ms: float = 2.0, max_copies: int = 16,
+def _chained_calls(fn: Callable, sets_):
+    """fn on each argument set in turn; set i+1 is tied to call i's output by an optimization barrier, so XLA
+    cannot merge the K independent copies of a cheap function into one kernel (horizontal fusion), which
+    would time K calls as one and favour XLA over a Pallas custom call, which it never merges."""
+    outs, prev = [], None
+    for s in sets_:
+        if prev is not None:
+            s, _ = jax.lax.optimization_barrier((s, prev))
+        prev = fn(*s)
+        outs.append(prev)
+    return outs
+
+
+def device_ms(fn: Callable, *args: Any, runs: int = 20, target_ms: float = 5.0, max_copies: int = 64,
               min_bytes: int = 256 << 20, max_bytes: int = 16 << 30) -> float:
     """Median milliseconds of one `fn(*args)` call inside a jitted program (see the module docstring)."""
     single = jax.jit(fn)
@@ -51,7 +67,7 @@ def device_ms(fn: Callable, *args: Any, runs: int = 20, target_ms: float = 2.0, 
     k = max(math.ceil(target_ms / max(t1, 1e-3)), math.ceil(min_bytes / size))
     k = int(max(1, min(k, max_copies, max(1, max_bytes // size))))
     sets = [args] + [_copy(args) for _ in range(k - 1)]
-    multi = jax.jit(lambda sets_: [fn(*s) for s in sets_])
+    multi = jax.jit(lambda sets_: _chained_calls(fn, sets_))
     jax.block_until_ready(multi(sets))  # compile
     jax.block_until_ready(multi(sets))  # warm-up
     return _wall_ms(multi, (sets,), runs) / k

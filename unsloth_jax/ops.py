@@ -70,12 +70,14 @@ def chosen_impls() -> dict[str, str]:
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
-    # RMSNorm, bf16 (second-session timing): forward 1.24x/1.38x and backward alone 1.46x/2.08x XLA at
-    # D=1536/4096; at D=2304 forward 1.05x, backward 1.46x (not measured in a Gemma step, so not enabled);
-    # D=128 (q/k norm) forward 0.93x. In the Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
+    # RMSNorm, bf16: backward alone 1.5-2.3x XLA's at every shape in every run (three device calls, third
+    # session); forwards tie (0.84-1.54x across runs at D=1536/4096, within the run-to-run spread). D=2304
+    # (Gemma 2) and D=128 (q/k norm) forwards 0.92-1.37x: not measured in a model step, so not enabled. In the
+    # Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
-    # RoPE: forward 0.88-1.30x, backward alone 1.25-1.44x XLA; in the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie:
-    # XLA fuses the rotation into the projection epilogue). Off: a kernel must beat XLA in the step.
+    # RoPE: forward 0.72-1.24x (not reliably at XLA's speed at model shapes), backward alone 1.17-1.44x XLA; in
+    # the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie: XLA fuses the rotation into the projection epilogue). Off: a
+    # kernel must beat XLA in the step.
     "rope": lambda q: False,
     # GLU: forward at par, backward alone 2.1-2.4x XLA's; but the Qwen2-1.5B step got slower with it on
     # (187.6 vs 178.8 ms): XLA fuses the activation into the neighbouring matmuls' prologue/epilogue. Off.
@@ -89,8 +91,10 @@ PALLAS_WINS = {
     # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
     "cross_entropy": lambda h: h.dtype == _BF16,
     # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
-    # is tried first, see attention()). GPU tests 7/7 on the H200; fwd+bwd 1.4-7.2x XLA, Gemma 2 softcap+window
-    # 2.2x (S=4096) / 3.0x (S=8192) XLA (bench/attention.py, 2026-11-29). Not timed inside a Gemma 2 step.
+    # is tried first, see attention()). GPU tests 9/9 on the H200 with the swept table; fwd+bwd 2.4-9.4x XLA and
+    # 0.64-0.79x cuDNN; Gemma 2 softcap+window 3.5x (S=4096) / 5.0x (S=8192) XLA; Gemma-2-2B 4x2048 LoRA step
+    # 324 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB (third session; those timings ran a slightly faster
+    # untested variant of the table, see pallas_kernels/flash_attention.py).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
     # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,

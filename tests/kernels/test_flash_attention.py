@@ -244,6 +244,14 @@ def test_gpu_d64_ragged_segments(rng, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_gpu_table_config_ragged_segments_qwen2_heads(rng, d):
+    # The swept 16-bit table tiles (up to 128x128) on a ragged length with packing, Qwen2-1.5B's 12:2 heads
+    # (the automatic dK/dV split divides each group of 6 query heads).
+    _gpu_case(rng, b=2, s=1000, hq=12, hkv=2, d=d, dtype="bfloat16", causal=True, nseg=2)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_d128_window(rng):
     # fp32 dots run as tf32 on the GPU (the lowering's default precision), hence the tf32 tolerance.
     q, k, v, do = _inputs(rng, 1, 2048, 8, 2, 128, jnp.float32)
