@@ -249,3 +249,38 @@ def test_offload_step_compiles_once(llama_dir, tmp_path, rng, monkeypatch):
     if not hasattr(fn, "_cache_size"):
         pytest.skip("this jax has no jit cache introspection")
     assert fn._cache_size() == 1
+
+
+def test_tokens_per_second_when_each_step_blocks(llama_dir, tmp_path, rng, monkeypatch):
+    """Metrics are read one step late; when every step call blocks until done (a timing wrapper, a synchronous
+    backend) the last logged window used to be ~0 s long and report a huge tokens/s. Every window must now span
+    at least one step's wall time."""
+    import time as time_mod
+
+    import unsloth_jax.train.trainer as trainer_mod
+
+    step_s = 0.2
+    real_make = trainer_mod.make_train_step
+
+    def slow(*a, **kw):
+        fn = real_make(*a, **kw)
+
+        def blocking(*xs):
+            out = jax.block_until_ready(fn(*xs))
+            time_mod.sleep(step_s)
+            return out
+
+        return blocking
+
+    monkeypatch.setattr(trainer_mod, "make_train_step", slow)
+    model = _peft_model(llama_dir, r=4)
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=1e-3, save_steps=0, logging_steps=1)
+    trainer = SFTTrainer(model=model, train_dataset=_dataset(rng), args=args, max_seq_length=32)
+    trainer._pad_id = lambda: 0
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    max_tokens_per_step = 2 * 32
+    for r in lines:
+        assert 0 < r["tokens_per_second"] <= max_tokens_per_step / step_s, r

@@ -234,10 +234,15 @@ class SFTTrainer:
         t0 = time.perf_counter()
         window_tokens, window_t0 = 0, time.perf_counter()
         bad_in_row = skipped = 0
-        pending = None  # (step, metrics) read one step late so the host never stalls the device
+        # (step, metrics, stamp) read one step late so the host never stalls the device. `stamp` is the wall
+        # time when that step's call returned: one step period after the previous stamp both when steps run
+        # ahead asynchronously and when each call blocks, so tokens / (stamp - previous stamp) is the rate
+        # either way (a timestamp taken when the late metrics are read would make the last window ~0 s long
+        # whenever the step was already finished).
+        pending = None
         last = {}
 
-        def finish(step_idx, m):
+        def finish(step_idx, m, stamp):
             nonlocal bad_in_row, skipped, window_tokens, window_t0, last
             m = jax.device_get(m)
             loss, tokens = float(m["loss"]), int(m["tokens"])
@@ -255,7 +260,7 @@ class SFTTrainer:
             window_tokens += tokens
             done = step_idx + 1
             if done % args.logging_steps == 0 or done == total or (args.logging_first_step and done == 1):
-                now = time.perf_counter()
+                now = stamp
                 record = {"step": done, "loss": loss, "learning_rate": float(schedule(step_idx)),
                           "grad_norm": float(m["grad_norm"]), "tokens_per_second": window_tokens / max(now - window_t0, 1e-9),
                           "epoch": done * args.gradient_accumulation_steps / len(loader)}
@@ -277,9 +282,10 @@ class SFTTrainer:
             for step in range(start, total):
                 batch = jax.device_put(self._step_batch(loader, step))
                 trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
+                stamp = time.perf_counter()
                 if pending is not None:
                     finish(*pending)
-                pending = (step, metrics)
+                pending = (step, metrics, stamp)
                 bar.update(1)
                 if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
                     finish(*pending)
