@@ -78,8 +78,8 @@ def _cfg(fwd, dkdv, dq, fast_tanh=False) -> FlashConfig:
 # 2.27 -> 1.38 ms (64x128 tiles, 3 stages, and the group split of `dkdv_head_split`), dQ 1.15 -> 0.92 ms, fwd 0.88 -> 0.77 ms; at D=256 fwd 1.43 -> 0.78,
 # dK/dV 3.30 -> 2.31, dQ 2.76 -> 1.19 ms. One step past these ran out of shared memory. These exact entries
 # passed every GPU test (tests/kernels/test_flash_attention.py, 9/9).
-# Measured faster but NOT in the table, because their GPU tests did not finish inside two device calls (slow
-# Triton compiles or a hang, undiagnosed): dK/dV (64, 128, 8, 4) 1.29 ms and dQ (128, 64, 8, 4) 0.91 ms at D=128,
+# Measured faster but NOT in the table, because their GPU tests did not finish inside two device calls (cause
+# undiagnosed; offline Triton compiles of both take 3-9 s): dK/dV (64, 128, 8, 4) 1.29 ms and dQ (128, 64, 8, 4) 0.91 ms at D=128,
 # dQ (64, 32, 4, 3) at D=256 (1.18 ms; 2.07 vs 2.56 ms in the softcap case), and fast_tanh=True (softcap through
 # tanh.approx.f32: Gemma 2 case at D=256, S=8192 fwd 1.34 -> 1.08 ms, dQ 2.07 -> 1.76 ms).
 # D=64 and float32 entries are unswept guesses (tiles that compile for sm_90a without spills).
