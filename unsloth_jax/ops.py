@@ -70,7 +70,7 @@ def chosen_impls() -> dict[str, str]:
 # `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
-    # RMSNorm, bf16: backward alone 1.5-2.3x XLA's at every shape in every run (three device calls, third
+    # RMSNorm, bf16: backward alone 1.44-2.29x XLA's at every shape in every run (three device calls, third
     # session); forwards tie (0.84-1.54x across runs at D=1536/4096, within the run-to-run spread). D=2304
     # (Gemma 2) and D=128 (q/k norm) forwards 0.92-1.37x: not measured in a model step, so not enabled. In the
     # Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
@@ -91,10 +91,10 @@ PALLAS_WINS = {
     # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
     "cross_entropy": lambda h: h.dtype == _BF16,
     # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
-    # is tried first, see attention()). GPU tests 9/9 on the H200 with the swept table; fwd+bwd 2.4-9.4x XLA and
-    # 0.64-0.79x cuDNN; Gemma 2 softcap+window 3.5x (S=4096) / 5.0x (S=8192) XLA; Gemma-2-2B 4x2048 LoRA step
-    # 324 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB (third session; those timings ran a slightly faster
-    # untested variant of the table, see pallas_kernels/flash_attention.py).
+    # is tried first, see attention()). GPU tests 9/9 on the H200 with the swept table. Timed (third session)
+    # with a slightly faster variant of that table (see pallas_kernels/flash_attention.py): fwd+bwd 2.4-9.4x XLA
+    # and 0.64-0.79x cuDNN; Gemma 2 softcap+window 3.5x (S=4096) / 5.0x (S=8192) XLA; Gemma-2-2B 4x2048 LoRA
+    # step 324 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB.
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
     # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,
