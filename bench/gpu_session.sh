@@ -11,6 +11,19 @@ PY=${PY:-python3}
 CK=/tmp/ckpt
 stages=${*:-tests kernels train15}
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
+# train_variants MODEL VARIANT...: one train_bench run (batch 4 x 2048) per "remat|impl overrides|extra flags"
+# (flags joined with +) on the checkpoint of MODEL, one JSON line each in train.jsonl.
+train_variants() {
+  local model=$1; shift
+  $PY bench/make_checkpoint.py $model $CK/$model 2>&1 | tail -1
+  for v in "$@"; do
+    local r=${v%%|*} rest=${v#*|}; local impl=${rest%%|*} flags=${rest#*|}; flags=${flags//+/ }
+    log "train $model remat=$r impl=${impl:-auto} $flags"
+    UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/$model --batch 4 \
+      --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
+      | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
+  done
+}
 log "stages: $stages"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/session.log"
 $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
@@ -34,27 +47,12 @@ for st in $stages; do
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
     train15|final)
-      # TRAIN15_VARIANTS (FINAL_VARIANTS is the old name): "remat|impl overrides|extra train_bench flags"
-      # (flags joined with +), one run each; the default is the per-kernel A/B of BENCHMARKS.md.
-      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
-      for v in ${TRAIN15_VARIANTS:-${FINAL_VARIANTS:-"true||" "true|glu=pallas|" "true|linear=pallas|" \
-          "true|rope=pallas|" "unsloth||" "true||--load-in-4bit" "true|nf4_matmul=xla|--load-in-4bit"}}; do
-        r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
-        log "train qwen2-1.5b remat=$r impl=${impl:-auto} $flags"
-        UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/qwen2-1.5b --batch 4 \
-          --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
-          | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
-      done ;;
+      # TRAIN15_VARIANTS (FINAL_VARIANTS is the old name); the default is the per-kernel A/B of BENCHMARKS.md.
+      train_variants qwen2-1.5b ${TRAIN15_VARIANTS:-${FINAL_VARIANTS:-"true||" "true|glu=pallas|" \
+        "true|linear=pallas|" "true|rope=pallas|" "unsloth||" "true||--load-in-4bit" "true|nf4_matmul=xla|--load-in-4bit"}} ;;
     traingemma2)
-      # Gemma-2-2B 4x2048 (attention softcap: the flash kernel's case); GEMMA2_VARIANTS as TRAIN15_VARIANTS.
-      $PY bench/make_checkpoint.py gemma2-2b $CK/gemma2-2b 2>&1 | tail -1
-      for v in ${GEMMA2_VARIANTS:-"true||" "true|attention=xla|"}; do
-        r=${v%%|*}; rest=${v#*|}; impl=${rest%%|*}; flags=${rest#*|}; flags=${flags//+/ }
-        log "train gemma2-2b remat=$r impl=${impl:-auto} $flags"
-        UNSLOTH_JAX_IMPL=$impl timeout ${TRAIN_TIMEOUT:-150} $PY bench/train_bench.py $CK/gemma2-2b --batch 4 \
-          --seq 2048 --remat $r $flags 2>>"$OUT/train_err.txt" | tail -1 \
-          | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" | tee -a "$OUT/train.jsonl"
-      done ;;
+      # Gemma-2-2B (attention softcap: the flash kernel's case); default: flash vs XLA attention.
+      train_variants gemma2-2b ${GEMMA2_VARIANTS:-"true||" "true|attention=xla|"} ;;
     train8b)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2
       log "train llama3-8b"
