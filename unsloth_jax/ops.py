@@ -75,14 +75,15 @@ PALLAS_WINS = {
     # (Gemma 2) and D=128 (q/k norm) forwards 0.92-1.37x: not measured in a model step, so not enabled. In the
     # Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
-    # RoPE: forward 0.72-1.24x (not reliably at XLA's speed at model shapes), backward alone 1.17-1.44x XLA; in
-    # the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie: XLA fuses the rotation into the projection epilogue). Off: a
-    # kernel must beat XLA in the step.
+    # RoPE: forward 0.72-1.30x (not reliably at XLA's speed at model shapes), backward alone 1.17-1.44x XLA
+    # (second and third sessions); in the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie: XLA fuses the rotation into
+    # the projection epilogue). Off: a kernel must beat XLA in the step.
     "rope": lambda q: False,
-    # GLU: forward at par, backward alone 2.1-2.4x XLA's; but the Qwen2-1.5B step got slower with it on
-    # (187.6 vs 178.8 ms): XLA fuses the activation into the neighbouring matmuls' prologue/epilogue. Off.
+    # GLU: forward at par, backward alone 1.99-2.60x XLA's (second and third sessions); but the Qwen2-1.5B step
+    # got slower with it on (187.6 vs 178.8 ms): XLA fuses the activation into the neighbouring matmuls'
+    # prologue/epilogue. Off.
     "glu": lambda gate: False,
-    # LoRA linear, bf16, r=16: standalone fwd+bwd 1.04-1.28x XLA, forward alone 0.63-0.97x. In the model it
+    # LoRA linear, bf16, r=16: standalone fwd+bwd 1.03-1.28x XLA, forward alone 0.63-1.03x. In the model it
     # loses: Qwen2-1.5B step 218.8 ms with only this kernel switched on vs 178.8 ms without (isolated A/B,
     # H200 2026-11-29). Off.
     "linear": lambda probe: False,
