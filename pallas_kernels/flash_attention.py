@@ -353,30 +353,39 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
     plgpu.store(lse_ref.at[pl.ds(q_lo, bq)], lse, mask=row_ok)
 
 
+# Every kernel's grid is (row blocks, B, heads); axis 1 is the batch, axis 2 a (possibly virtual) head.
+def _head_spec(S: int, D: int):
+    """BlockSpec of one head's [S, D] rows of a [B, S, H, D] array, head = grid axis 2."""
+    return pl.BlockSpec((None, S, None, D), lambda r, b, h: (b, 0, h, 0))
+
+
+def _kv_spec(S: int, D: int, per_kv: int):
+    """BlockSpec of K or V [B, S, Hkv, D] when grid axis 2 runs over `per_kv` programs per KV head."""
+    def index(r, b, h):
+        return (b, 0, lax.div(h, per_kv) if per_kv > 1 else h, 0)
+
+    return pl.BlockSpec((None, S, None, D), index)
+
+
+def _segment_operands(qseg, kseg, S: int, *, rows_are_queries: bool, b_rows: int, b_cols: int):
+    """(BlockSpecs of q ids, kv ids and per-row-block ranges, the ranges array); all None without segments."""
+    if qseg is None:
+        return [None, None, None], None
+    row_ids, col_ids = (qseg, kseg) if rows_are_queries else (kseg, qseg)
+    rng = _segment_block_ranges(row_ids, col_ids, S, b_rows, b_cols)
+    ids_spec = pl.BlockSpec((None, S), lambda r, b, h: (b, 0))
+    return [ids_spec, ids_spec, pl.BlockSpec((None, 2, rng.shape[-1]), lambda r, b, h: (b, 0, 0))], rng
+
+
 def _fwd_call(q, k, v, qseg, kseg, st: _Static):
     B, S, Hq, D = q.shape
     G = st.groups
     kb = _clamp_blocks(st.config.fwd, S)
     bq, bk = kb.block_q, kb.block_k
-    nq = cdiv(S, bq)
-    grid = (nq, B, Hq)
-
-    def kv_map(i, b, h):
-        return (b, 0, lax.div(h, G) if G > 1 else h, 0)
-
-    in_specs = [
-        pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, S, None, D), kv_map),
-        pl.BlockSpec((None, S, None, D), kv_map),
-        None if qseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
-        None if kseg is None else pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
-        None if qseg is None else pl.BlockSpec((None, 2, nq), lambda i, b, h: (b, 0, 0)),
-    ]
-    rng = None if qseg is None else _segment_block_ranges(qseg, kseg, S, bq, bk)
-    out_specs = [
-        pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0)),
-        pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0)),
-    ]
+    grid = (cdiv(S, bq), B, Hq)
+    seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
+    in_specs = [_head_spec(S, D), _kv_spec(S, D, G), _kv_spec(S, D, G), *seg_specs]
+    out_specs = [_head_spec(S, D), pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))]
     out_shape = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((B, Hq, S), jnp.float32),
@@ -493,27 +502,17 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
     gc = st.groups // split  # query heads per program
     grid = (nk, B, Hkv * split)  # axis 2: "virtual" KV head h = kv_head * split + chunk
 
-    def kv_map(j, b, h):
-        return (b, 0, lax.div(h, split) if split > 1 else h, 0)
-
     group_spec = pl.BlockSpec((None, S, gc, D), lambda j, b, h: (b, 0, h, 0))
-    kv_spec = pl.BlockSpec((None, S, None, D), kv_map)
-    out_spec = pl.BlockSpec((None, S, None, D), lambda j, b, h: (b, 0, h, 0))
+    kv_spec = _kv_spec(S, D, split)
     stat_spec = pl.BlockSpec((None, gc, S), lambda j, b, h: (b, h, 0))
-    seg_spec = pl.BlockSpec((None, S), lambda j, b, h: (b, 0))
-    in_specs = [
-        group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
-        None if qseg is None else seg_spec,
-        None if kseg is None else seg_spec,
-        None if qseg is None else pl.BlockSpec((None, 2, nk), lambda j, b, h: (b, 0, 0)),
-    ]
-    rng = None if qseg is None else _segment_block_ranges(kseg, qseg, S, bk, bq)
+    seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=False, b_rows=bk, b_cols=bq)
+    in_specs = [group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec, *seg_specs]
     out_shape = jax.ShapeDtypeStruct((B, S, Hkv * split, D), k.dtype)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, bq=bq, bk=bk, groups=gc),
         grid=grid,
         in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
+        out_specs=[_head_spec(S, D), _head_spec(S, D)],
         out_shape=[out_shape, out_shape],
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
@@ -566,21 +565,11 @@ def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
     kb = _clamp_blocks(st.config.dq, S)
     bq, bk = kb.block_q, kb.block_k
     grid = (cdiv(S, bq), B, Hq)
-
-    def kv_map(i, b, h):
-        return (b, 0, lax.div(h, G) if G > 1 else h, 0)
-
-    q_spec = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, h, 0))
-    kv_spec = pl.BlockSpec((None, S, None, D), kv_map)
+    q_spec = _head_spec(S, D)
+    kv_spec = _kv_spec(S, D, G)
     stat_spec = pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))
-    seg_spec = pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    in_specs = [
-        q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec,
-        None if qseg is None else seg_spec,
-        None if kseg is None else seg_spec,
-        None if qseg is None else pl.BlockSpec((None, 2, cdiv(S, bq)), lambda i, b, h: (b, 0, 0)),
-    ]
-    rng = None if qseg is None else _segment_block_ranges(qseg, kseg, S, bq, bk)
+    seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *seg_specs]
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st, bq=bq, bk=bk),
         grid=grid,
