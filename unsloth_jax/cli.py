@@ -229,13 +229,10 @@ def _read_training_info(model_dir: Path) -> dict:
         return {}
 
 
-def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> list[str]:
-    written = []
+def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
     for q in methods:
         path = model.save_pretrained_gguf(str(gguf_dir), tokenizer, quantization_method=q)
-        written.append(str(path))
         print(f"unsloth-jax: wrote GGUF ({q}) {path}")
-    return written
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -363,14 +360,6 @@ class _TextPrinter:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    bos_id, bos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
-    if bos_id is not None and bos and len(ids) >= 2 and ids[0] == ids[1] == bos_id and text.startswith(bos):
-        ids = ids[1:]
-    return ids
-
-
 def _stop_ids(model, tokenizer, chat: bool) -> list[int]:
     from unsloth_jax.data import STOP_TOKENS
     from unsloth_jax.generation import default_eos_ids
@@ -384,7 +373,7 @@ def _stop_ids(model, tokenizer, chat: bool) -> list[int]:
     return sorted(set(ids))
 
 
-def _resolve_format(args, model_dir: Path, tokenizer) -> str:
+def _resolve_format(args, model_dir: Path) -> str:
     if args.chat:
         return "chat"
     if args.format != "auto":
@@ -401,6 +390,7 @@ def _resolve_format(args, model_dir: Path, tokenizer) -> str:
 def cmd_generate(args) -> int:
     from unsloth_jax import FastLanguageModel
     from unsloth_jax.data import alpaca_prompt
+    from unsloth_jax.data.tokenize import encode_texts
     from unsloth_jax.generation import generate
 
     model_dir = Path(args.model_name)
@@ -413,7 +403,7 @@ def cmd_generate(args) -> int:
     if tokenizer is None:
         raise UsageError(f"{model_dir} has no usable tokenizer")
     FastLanguageModel.for_inference(model)
-    fmt = _resolve_format(args, model_dir, tokenizer)
+    fmt = _resolve_format(args, model_dir)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{model_dir}: the tokenizer has no chat template; use --format alpaca or raw")
     stop = _stop_ids(model, tokenizer, fmt == "chat")
@@ -427,7 +417,7 @@ def cmd_generate(args) -> int:
             prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         else:
             prompt = text
-        ids = _encode(tokenizer, prompt)
+        ids = encode_texts([prompt], tokenizer)[0]
         if len(ids) + args.max_new_tokens > args.max_seq_length:
             ids = ids[-max(1, args.max_seq_length - args.max_new_tokens):]
         printer = _TextPrinter(tokenizer)
@@ -472,12 +462,7 @@ def cmd_export(args) -> int:
         raise UsageError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
     if args.save_method is None and not args.save_gguf:
         raise UsageError("nothing to export: pass --save_method merged_16bit and/or --save_gguf")
-    dtype = args.dtype
-    if dtype is None:
-        from unsloth_jax.api import is_bfloat16_supported
-
-        dtype = "bfloat16" if is_bfloat16_supported() else "float32"
-    model, tokenizer = FastLanguageModel.from_pretrained(str(adapter), dtype=dtype, progress=False)
+    model, tokenizer = FastLanguageModel.from_pretrained(str(adapter), dtype=args.dtype, progress=False)
     parent = adapter.resolve().parent
     if args.save_method == "merged_16bit":
         out = Path(args.save_path) if args.save_path else parent / "merged_16bit"

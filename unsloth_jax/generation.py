@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import decoder
 
@@ -37,29 +36,20 @@ def bucket(n: int, minimum: int = _MIN_BUCKET) -> int:
 
 
 # ------------------------------------------------------------------------------------------ model pieces
-def _final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
-    return ops.rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.norm_offset)
-
-
 def _layers(params: dict, cfg: ModelConfig, x, positions, cache_k, cache_v, valid, index, lora_scale):
     """Run every layer over x [B, S, D] with the cache; writes this chunk's keys/values at slot `index`.
 
     cache_k/cache_v: [L, B, T, Hkv, hd]; valid: [B, T] (1 where a slot holds a real token, this chunk included).
     Returns (x, cache_k, cache_v).
     """
-    n_layers = cfg.num_hidden_layers
-    period = cfg.layer_period
-    groups = n_layers // period
-    windows = (cfg.layer_windows or (None,) * n_layers)[:period]
     cos, sin = decoder.rope_tables(cfg, positions)
     batch = decoder.Batch(positions=positions, kv_valid=None, segment_ids=None)
-    regroup = lambda a: a.reshape((groups, period) + a.shape[1:])  # noqa: E731
-    grouped = jax.tree.map(regroup, params["layers"])
+    (grouped, ck_grouped, cv_grouped), windows = decoder.layer_groups(cfg, (params["layers"], cache_k, cache_v))
 
     def body(h, xs):
         p_group, k_group, v_group = xs
         new_k, new_v = [], []
-        for j in range(period):
+        for j in range(len(windows)):
             p = jax.tree.map(lambda a: a[j], p_group)
             h, (k_j, v_j) = decoder.decoder_layer(cfg, p, h, cos, sin, batch, windows[j], lora_scale,
                                                   cache=(k_group[j], v_group[j], valid, index))
@@ -67,8 +57,8 @@ def _layers(params: dict, cfg: ModelConfig, x, positions, cache_k, cache_v, vali
             new_v.append(v_j)
         return h, (jnp.stack(new_k), jnp.stack(new_v))
 
-    x, (ck, cv) = jax.lax.scan(body, x, (grouped, regroup(cache_k), regroup(cache_v)))
-    shape = (n_layers,) + ck.shape[2:]
+    x, (ck, cv) = jax.lax.scan(body, x, (grouped, ck_grouped, cv_grouped))
+    shape = cache_k.shape
     return x, ck.reshape(shape), cv.reshape(shape)
 
 
@@ -93,6 +83,17 @@ def _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample: b
     return tok, done
 
 
+def _next_tokens(params, cfg, x, positions, cache, index, done, key, temperature, top_p, eos_ids, pad_id,
+                 lora_scale, do_sample: bool):
+    """Embedded chunk x [B, S, D] through every layer (cache written at slot `index`), then the next token of
+    each row from the last position -> (tokens [B], done [B], cache)."""
+    ck, cv, valid = cache
+    x, ck, cv = _layers(params, cfg, x, positions, ck, cv, valid, index, lora_scale)
+    logits = decoder.logits_from_hidden(cfg, params, decoder.final_norm(cfg, params, x[:, -1]))
+    tok, done = _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample)
+    return tok, done, (ck, cv, valid)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "cache_len", "do_sample"))
 def _prefill(params, input_ids, attention_mask, key, temperature, top_p, eos_ids, pad_id, *, cfg: ModelConfig,
              lora_scale, cache_len: int, do_sample: bool):
@@ -105,11 +106,8 @@ def _prefill(params, input_ids, attention_mask, key, temperature, top_p, eos_ids
     valid = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(attention_mask)
     positions = decoder.positions_from_mask(attention_mask)
     x = decoder.embed(cfg, params, input_ids, dtype)
-    x, ck, cv = _layers(params, cfg, x, positions, ck, cv, valid, 0, lora_scale)
-    logits = decoder.logits_from_hidden(cfg, params, _final_norm(cfg, params, x[:, -1]))
-    done = jnp.zeros((b,), bool)
-    tok, done = _choose(logits, jax.random.fold_in(key, 0), temperature, top_p, done, eos_ids, pad_id, do_sample)
-    return tok, done, (ck, cv, valid)
+    return _next_tokens(params, cfg, x, positions, (ck, cv, valid), 0, jnp.zeros((b,), bool),
+                        jax.random.fold_in(key, 0), temperature, top_p, eos_ids, pad_id, lora_scale, do_sample)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "do_sample"), donate_argnames=("cache",))
@@ -121,11 +119,8 @@ def _decode_step(params, cache, tokens, positions, index, done, key, temperature
     valid = jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((b, 1), valid.dtype), index, axis=1)
     dtype = params["embed_tokens"].dtype
     x = decoder.embed(cfg, params, tokens[:, None], dtype)
-    x, ck, cv = _layers(params, cfg, x, positions[:, None], ck, cv, valid, index, lora_scale)
-    logits = decoder.logits_from_hidden(cfg, params, _final_norm(cfg, params, x[:, 0]))
-    tok, done = _choose(logits, jax.random.fold_in(key, index), temperature, top_p, done, eos_ids, pad_id,
-                        do_sample)
-    return tok, done, (ck, cv, valid)
+    return _next_tokens(params, cfg, x, positions[:, None], (ck, cv, valid), index, done,
+                        jax.random.fold_in(key, index), temperature, top_p, eos_ids, pad_id, lora_scale, do_sample)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -144,7 +139,11 @@ def _generation_config(model) -> dict:
 def default_eos_ids(model) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's eos_token_id when the model directory has one, else
     config.json's."""
-    raw = _generation_config(model).get("eos_token_id", model.config.eos_token_id)
+    return _id_tuple(_generation_config(model).get("eos_token_id", model.config.eos_token_id))
+
+
+def _id_tuple(raw) -> tuple[int, ...]:
+    """None, an int or a list of ints -> a tuple of ints."""
     if raw is None:
         return ()
     return tuple(int(t) for t in raw) if isinstance(raw, (list, tuple)) else (int(raw),)
@@ -209,7 +208,7 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     if eos_token_id is None:
         eos = default_eos_ids(model)
     else:
-        eos = tuple(int(t) for t in eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
+        eos = _id_tuple(eos_token_id)
     if pad_token_id is None:
         pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
     eos_arr = jnp.asarray(eos or (-1,), jnp.int32)

@@ -7,11 +7,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from unsloth_jax.data.packing import bucket_lengths, first_fit_decreasing, pick_bucket
+from unsloth_jax.data.response_only import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-BATCH_KEYS = ("input_ids", "labels", "attention_mask", "segment_ids", "positions")
 
 
 class DataLoader:

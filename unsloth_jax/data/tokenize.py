@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 _CHUNK = 1024  # texts per tokenizer call
 
 
-def _encode(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
+def encode_texts(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
     """Token ids of each text with the tokenizer's own special tokens (its BOS); a BOS doubled because the
     text already starts with the BOS string (chat templates such as llama-3.1 / gemma write it) is dropped."""
     bos_id = getattr(tokenizer, "bos_token_id", None)
@@ -46,7 +46,7 @@ def tokenize_texts(texts: Sequence[str], tokenizer: Any, max_seq_length: int, ad
     if add_eos and eos_id is None:
         raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
     examples, truncated = [], 0
-    for ids in _encode(texts, tokenizer):
+    for ids in encode_texts(texts, tokenizer):
         if add_eos and (not ids or ids[-1] != eos_id):
             ids.append(eos_id)
         if len(ids) > max_seq_length:
@@ -77,7 +77,7 @@ def suggest_max_seq_length(examples_or_texts: Sequence[Any], tokenizer: Any = No
     if isinstance(items[0], str):
         if tokenizer is None:
             raise ValueError("suggest_max_seq_length got texts: pass the tokenizer to measure them")
-        lengths = [len(ids) for ids in _encode(items, tokenizer)]
+        lengths = [len(ids) for ids in encode_texts(items, tokenizer)]
     else:
         lengths = [len(x["input_ids"]) if isinstance(x, dict) else len(x) for x in items]
     q = float(np.quantile(np.asarray(lengths, dtype=np.float64), quantile, method="higher"))

@@ -170,27 +170,38 @@ def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None,
     return Batch(positions=positions, kv_valid=attention_mask, segment_ids=segment_ids, kv_lengths=lengths)
 
 
+def layer_groups(cfg: ModelConfig, tree):
+    """Stacked layer arrays [L, ...] regrouped [L / period, period, ...] for a scan over groups of `period`
+    layers (each layer of a group has a static attention window), and those windows (length period)."""
+    period = cfg.layer_period
+    windows = (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:period]
+    groups = cfg.num_hidden_layers // period
+    return jax.tree.map(lambda a: a.reshape((groups, period) + a.shape[1:]), tree), windows
+
+
+def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
+    """The model's last RMSNorm over [..., D]."""
+    return _norm(cfg, x, params["norm"])
+
+
 def hidden_states(params: dict, cfg: ModelConfig, input_ids: jax.Array, batch: Batch, *,
                   lora_scale: float | None = None, remat: str = "none", dtype=None) -> jax.Array:
     """Final-normed hidden states [B, S, D] for input_ids [B, S]."""
     dtype = dtype or params["embed_tokens"].dtype
     x = embed(cfg, params, input_ids, dtype)
     cos, sin = rope_tables(cfg, batch.positions)
-    period = cfg.layer_period
-    windows = (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:period]
-    groups = cfg.num_hidden_layers // period
-    grouped = jax.tree.map(lambda a: a.reshape((groups, period) + a.shape[1:]), params["layers"])
+    grouped, windows = layer_groups(cfg, params["layers"])
 
     def group_body(x, p_group):
         x = checkpoint_name(x, "layer_input")
-        for j in range(period):
+        for j in range(len(windows)):
             p = jax.tree.map(lambda a: a[j], p_group)
             x, _ = decoder_layer(cfg, p, x, cos, sin, batch, windows[j], lora_scale)
         return x
 
     body = _remat(group_body, remat)
     x, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, grouped)
-    return _norm(cfg, x, params["norm"])
+    return final_norm(cfg, params, x)
 
 
 def logits_from_hidden(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from unsloth_jax import lora
-from unsloth_jax.data import DataLoader, prepare_texts, tokenize_texts
+from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
 from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
@@ -112,8 +112,7 @@ class SFTTrainer:
             return [{"input_ids": list(r["input_ids"]), "labels": list(r.get("labels", r["input_ids"]))} for r in records]
         if self.tokenizer is None:
             raise TrainingError("a tokenizer is needed to tokenize a text dataset")
-        texts = prepare_texts(records, self.tokenizer, text_field, formatting_func)
-        return tokenize_texts(texts, self.tokenizer, self.max_seq_length)
+        return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
