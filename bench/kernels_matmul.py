@@ -67,11 +67,6 @@ def emit(**kw):
     print(json.dumps(kw), flush=True)
 
 
-def median_ms(fn, *args, iters=20):
-    """Median ms of one fn(*args) inside a jitted program (bench/timing.py)."""
-    return device_ms(fn, *args, runs=iters)
-
-
 def _tf(flops, ms):
     return None if ms is None else round(flops / (ms * 1e-3) / 1e12, 2)
 
@@ -118,8 +113,8 @@ def bench_lora(shapes, r, dtype, iters):
         for impl in ("xla", "pallas"):
             fwd, fwdbwd = _lora_fns(impl, 2.0)
             try:
-                t_fwd = median_ms(fwd, x, w, a, b, iters=iters)
-                t_all = median_ms(fwdbwd, x, w, a, b, dy, iters=iters)
+                t_fwd = device_ms(fwd, x, w, a, b, runs=iters)
+                t_all = device_ms(fwdbwd, x, w, a, b, dy, runs=iters)
             except Exception as e:  # report and keep going (a failing kernel must not hide the others)
                 emit(name=f"lora_linear.{name}", shape=[m, k, n, r], dtype=jnp.dtype(dtype).name, impl=impl,
                      error=f"{type(e).__name__}: {e}"[:500])
@@ -158,8 +153,8 @@ def sweep_lora(shapes, r, dtype, iters):
         def run(cfg, what):
             fwd, fwdbwd = _lora_fns("pallas", 2.0, config=cfg)
             try:
-                t = (median_ms(fwd, x, w, a, b, iters=iters) if what == "fwd"
-                     else median_ms(fwdbwd, x, w, a, b, dy, iters=iters))
+                t = (device_ms(fwd, x, w, a, b, runs=iters) if what == "fwd"
+                     else device_ms(fwdbwd, x, w, a, b, dy, runs=iters))
             except Exception as e:
                 emit(name=f"lora_linear_sweep.{name}", shape=[m, k, n, r], dtype=jnp.dtype(dtype).name,
                      impl="pallas", config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {e}"[:300])
@@ -175,13 +170,13 @@ def sweep_lora(shapes, r, dtype, iters):
             cands = [dataclasses.replace(best, **c) for c in group]
             best = cands[min(((run(c, "fwdbwd"), i) for i, c in enumerate(cands)))[1]]
         fwd, fwdbwd = _lora_fns("pallas", 2.0, config=best)
-        t_fwd, t_all = median_ms(fwd, x, w, a, b, iters=iters), median_ms(fwdbwd, x, w, a, b, dy, iters=iters)
+        t_fwd, t_all = device_ms(fwd, x, w, a, b, runs=iters), device_ms(fwdbwd, x, w, a, b, dy, runs=iters)
         xf, xb = _lora_fns("xla", 2.0)
         emit(name=f"lora_linear_best.{name}", shape=[m, k, n, r], dtype=jnp.dtype(dtype).name, impl="pallas",
              key=[lora_mod.shape_class(m, k, n), jnp.dtype(dtype).name, r], config=dataclasses.asdict(best),
              fwd_ms=round(t_fwd, 4), fwdbwd_ms=round(t_all, 4),
-             xla_fwd_ms=round(median_ms(xf, x, w, a, b, iters=iters), 4),
-             xla_fwdbwd_ms=round(median_ms(xb, x, w, a, b, dy, iters=iters), 4))
+             xla_fwd_ms=round(device_ms(xf, x, w, a, b, runs=iters), 4),
+             xla_fwdbwd_ms=round(device_ms(xb, x, w, a, b, dy, runs=iters), 4))
 
 
 # ------------------------------------------------------------------------------------------ cross-entropy
@@ -219,11 +214,11 @@ def bench_ce(shapes, dtype, iters, impls=("xla", "pallas", "xla_naive"), with_he
             out = dict(name=f"cross_entropy.{name}", shape=[t, d, v], softcap=cap, dtype=jnp.dtype(dtype).name,
                        impl=impl)
             try:
-                out["fwd_ms"] = round(median_ms(fwd, h, w, y, iters=iters), 4)
-                out["fwdbwd_ms"] = round(median_ms(fwdbwd, h, w, y, iters=iters), 4)
+                out["fwd_ms"] = round(device_ms(fwd, h, w, y, runs=iters), 4)
+                out["fwdbwd_ms"] = round(device_ms(fwdbwd, h, w, y, runs=iters), 4)
                 out["temp_bytes"] = temp_bytes(fwdbwd, h, w, y)
                 if with_head:
-                    out["fwdbwd_head_ms"] = round(median_ms(fwdbwd_head, h, w, y, iters=iters), 4)
+                    out["fwdbwd_head_ms"] = round(device_ms(fwdbwd_head, h, w, y, runs=iters), 4)
             except Exception as e:
                 out["error"] = f"{type(e).__name__}: {e}"[:500]
                 emit(**out)
@@ -297,7 +292,7 @@ def sweep_ce(shapes, dtype, iters):
         def run(cfg, what):
             fwd, fwdbwd, _ = _ce_jits("pallas", cap, cfg)
             try:
-                ms = median_ms(fwd if what == "fwd" else fwdbwd, h, w, y, iters=iters)
+                ms = device_ms(fwd if what == "fwd" else fwdbwd, h, w, y, runs=iters)
             except Exception as e:
                 emit(name=f"cross_entropy_sweep.{name}", shape=[t, d, v], dtype=jnp.dtype(dtype).name,
                      impl="pallas", config=dataclasses.asdict(cfg), error=f"{type(e).__name__}: {e}"[:300])
@@ -314,10 +309,10 @@ def sweep_ce(shapes, dtype, iters):
         xf, xb, _ = _ce_jits("xla", cap)
         emit(name=f"cross_entropy_best.{name}", shape=[t, d, v], dtype=jnp.dtype(dtype).name, impl="pallas",
              key=["large" if t >= 1024 else "small", jnp.dtype(dtype).name, d], config=dataclasses.asdict(best),
-             fwd_ms=round(median_ms(fwd, h, w, y, iters=iters), 4),
-             fwdbwd_ms=round(median_ms(fwdbwd, h, w, y, iters=iters), 4),
-             xla_fwd_ms=round(median_ms(xf, h, w, y, iters=iters), 4),
-             xla_fwdbwd_ms=round(median_ms(xb, h, w, y, iters=iters), 4))
+             fwd_ms=round(device_ms(fwd, h, w, y, runs=iters), 4),
+             fwdbwd_ms=round(device_ms(fwdbwd, h, w, y, runs=iters), 4),
+             xla_fwd_ms=round(device_ms(xf, h, w, y, runs=iters), 4),
+             xla_fwdbwd_ms=round(device_ms(xb, h, w, y, runs=iters), 4))
 
 
 def main():

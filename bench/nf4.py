@@ -127,7 +127,7 @@ def bench_matmul(layers, ms_list, impls, with_bwd=True, dtype="bfloat16"):
                 emit(name=f"nf4_matmul/{name}", layer=label, shape=[m, n_in, n_out], dtype=dtype, impl=kind,
                      fwd_ms=t_f, fwdbwd_ms=t_fb, tflops=flops / t_f / 1e9,
                      tflops_fwdbwd=(2 * flops / t_fb / 1e9) if t_fb else None,
-                     peak_bytes=(temp_bytes(lambda x, q, w: fn(x, q, w), x, q, w)
+                     peak_bytes=(temp_bytes(fwd, x, q, w, g)  # the program device_ms compiled
                                  if m == max(ms_list) and m >= 4096 and name != "bf16_dense" else None),
                      auto_path=nf4._choose_impl(m, q, dtype, None))
     return results
@@ -257,14 +257,12 @@ def main():
         return
     layers = [lay for lay in LAYERS if args.only is None or args.only in lay[0]]
     bench_dequant(LAYERS)  # cheap: every layer shape
-    if args.m:
-        ms = [int(m) for m in args.m.split(",")]
-        res = bench_matmul(layers, ms, ["fused", "dequant+dot", "reference", "bf16_dense"])
-        report_threshold(res, layers, ms)
-        return
-    res = bench_matmul(layers, M_MAIN, ["fused", "dequant+dot", "reference", "bf16_dense"])
-    res.update(bench_matmul(layers, M_THRESHOLD, ["fused", "dequant+dot"], with_bwd=False))
-    report_threshold(res, layers, M_MAIN + M_THRESHOLD)
+    # --m: just those M; else the main M values plus forward-only threshold points
+    ms, extra = ([int(m) for m in args.m.split(",")], []) if args.m else (M_MAIN, M_THRESHOLD)
+    res = bench_matmul(layers, ms, ["fused", "dequant+dot", "reference", "bf16_dense"])
+    if extra:
+        res.update(bench_matmul(layers, extra, ["fused", "dequant+dot"], with_bwd=False))
+    report_threshold(res, layers, ms + extra)
 
 
 if __name__ == "__main__":
