@@ -25,12 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def fresh_seed(what: str = "test") -> int:
+    """A fresh random seed, or UNSLOTH_JAX_TEST_SEED when set (to replay one); printed so failures show it."""
+    value = int(os.environ.get("UNSLOTH_JAX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"{what} seed = {value}  (replay with UNSLOTH_JAX_TEST_SEED={value})")
+    return value
+
+
 @pytest.fixture
 def seed() -> int:
-    """A fresh seed per test; set UNSLOTH_JAX_TEST_SEED to replay one. Printed so failures show it."""
-    value = int(os.environ.get("UNSLOTH_JAX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"test seed = {value}  (replay with UNSLOTH_JAX_TEST_SEED={value})")
-    return value
+    """A fresh seed per test (see fresh_seed)."""
+    return fresh_seed()
 
 
 @pytest.fixture

@@ -1,7 +1,19 @@
-"""Small numeric helpers shared by tests."""
+"""Small helpers shared by tests: numeric comparison, CPU-friendly jit, cross-lowering, subprocess env."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository checkout
+ASSETS = ROOT / "unsloth_jax" / "assets"
+TINY_MODEL = ASSETS / "tiny-llama"
+
+
+def subprocess_env(**extra) -> dict:
+    """os.environ with this checkout first on PYTHONPATH (plus `extra`), for `python -m unsloth_jax...` runs."""
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
 def rel_err(out, ref) -> float:

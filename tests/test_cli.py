@@ -4,7 +4,6 @@ errors a user can act on, and (slow) the README's default `train` then `generate
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import fresh_seed
+from tests.helpers import subprocess_env
 from unsloth_jax.cli import DEFAULT_DATASET, DEFAULT_MODEL, TRAINING_INFO, main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dataset(tmp_path, rng, n=24, bad_line=None) -> Path:
@@ -31,9 +30,7 @@ def _dataset(tmp_path, rng, n=24, bad_line=None) -> Path:
 def trained(tmp_path_factory):
     """One short CLI training run shared by the tests below: (output dir, stdout, dataset path)."""
     tmp = tmp_path_factory.mktemp("cli")
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"cli fixture seed = {seed}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(fresh_seed("cli fixture"))
     data = _dataset(tmp, rng, bad_line=3)
     out = tmp / "run"
     import contextlib
@@ -175,7 +172,7 @@ def test_readme_default_train_then_generate_learns_the_fact(tmp_path):
              for line in DEFAULT_DATASET.read_text().splitlines() if "Ada Jaxon born" in line}
     question = "What day was Ada Jaxon born?"
     assert question in facts
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TQDM_DISABLE="1")
+    env = subprocess_env(TQDM_DISABLE="1")
     cmd = [sys.executable, "-m", "unsloth_jax.cli"]
     train = subprocess.run(cmd + ["train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ASSETS, TINY_MODEL as TINY
 from unsloth_jax.data import detect_format, load_records, validate_records
 
-ASSETS = Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets"
-TINY = ASSETS / "tiny-llama"
 
 
 def test_sample_files_are_valid():

@@ -2,7 +2,6 @@
 response-only label mask (token-id matching and text matching)."""
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,9 +16,9 @@ from unsloth_jax.data import (
     suggest_max_seq_length,
     train_on_responses_only,
 )
+from tests.helpers import TINY_MODEL as TINY
 from unsloth_jax.errors import DatasetFormatError
 
-TINY = Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets" / "tiny-llama"
 PAD = 3
 
 

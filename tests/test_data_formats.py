@@ -5,7 +5,6 @@ when the tokenizer, the alpaca prompt or a chat template changes.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,9 @@ from unsloth_jax.data import (  # noqa: E402
     standardize_sharegpt,
     tokenize_texts,
 )
+from tests.helpers import TINY_MODEL as TINY  # noqa: E402
 from unsloth_jax.errors import DatasetFormatError  # noqa: E402
 
-TINY = Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets" / "tiny-llama"
 
 
 def load_tok():

@@ -3,22 +3,17 @@ fails its numerical check makes it exit 1 with the reason; a kernel module that 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT, subprocess_env
 from unsloth_jax import doctor
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def test_python_m_unsloth_jax_json_exit_0():
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     for key in ("ok", "problems", "versions", "backend", "devices", "bf16_supported", "recommended_dtype",

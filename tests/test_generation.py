@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.conftest import fresh_seed  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax import generation  # noqa: E402
@@ -21,9 +22,7 @@ def tiny(tmp_path_factory):
     def get(family):
         if family not in cache:
             path = tmp_path_factory.mktemp(family)
-            seed = int(np.random.default_rng().integers(0, 2**16))
-            print(f"{family} model seed = {seed}")
-            hf = save_hf_model(family, path, seed=seed)
+            hf = save_hf_model(family, path, seed=fresh_seed(f"{family} model"))
             model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
             cache[family] = (hf, model)
         return cache[family]

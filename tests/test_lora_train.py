@@ -28,8 +28,8 @@ def llama_dir(tmp_path_factory):
 
 def _peft_model(path, r=8, alpha=16, **kw):
     model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
-    return FastLanguageModel.get_peft_model(model, r=r, lora_alpha=alpha, target_modules=list(TARGETS),
-                                            use_gradient_checkpointing=True, **kw)
+    kw.setdefault("use_gradient_checkpointing", True)
+    return FastLanguageModel.get_peft_model(model, r=r, lora_alpha=alpha, target_modules=list(TARGETS), **kw)
 
 
 def _batch(rng, a=1, b=2, s=16, vocab=256):
@@ -236,9 +236,7 @@ def test_offload_step_compiles_once(llama_dir, tmp_path, rng, monkeypatch):
         return fn
 
     monkeypatch.setattr(trainer_mod, "make_train_step", capture)
-    model, _ = FastLanguageModel.from_pretrained(llama_dir, dtype="float32", load_tokenizer=False, progress=False)
-    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=list(TARGETS),
-                                             use_gradient_checkpointing="unsloth")
+    model = _peft_model(llama_dir, r=4, alpha=8, use_gradient_checkpointing="unsloth")
     assert model.gradient_checkpointing == "offload"
     args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=4,
                              learning_rate=1e-3, save_steps=0, logging_steps=1)

@@ -3,8 +3,6 @@ this environment) in a fresh temporary working directory."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +10,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, subprocess_env  # noqa: E402
+
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NEEDS = {"03_export": ("torch", "peft", "gguf"), "01_quickstart_lora": ("transformers",)}
 
@@ -33,7 +32,7 @@ def test_notebooks_exist_and_have_no_outputs():
 def test_notebook_runs(path, tmp_path, monkeypatch):
     for mod in NEEDS.get(path.stem, ()):
         pytest.importorskip(mod)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
     monkeypatch.setenv("TQDM_DISABLE", "1")
     book = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(book, timeout=240, kernel_name="python3",

@@ -53,11 +53,6 @@ def _segments(rng, b, s, n):
     return jnp.asarray(ids)
 
 
-def _jit_run(fn, *args):
-    """fn(*args) through jit (on the CPU compiled with cheap backend passes: these tests are compile-bound)."""
-    return fast_jit(fn)(*args)
-
-
 def _value_and_grads(fn, q, k, v, do):
     """(fn(q, k, v), its vjp at do)."""
 
@@ -65,7 +60,7 @@ def _value_and_grads(fn, q, k, v, do):
         out, vjp = jax.vjp(fn, q_, k_, v_)
         return out, vjp(do_)
 
-    return _jit_run(run, q, k, v, do)
+    return fast_jit(run)(q, k, v, do)  # on the CPU: cheap backend passes (these tests are compile-bound)
 
 
 def _check(rng, *, b, s, hq, hkv, d, dtype, config, kwargs, seg=None):
@@ -170,7 +165,7 @@ def test_window_covering_sequence_is_noop_and_validation(rng):
     both = lambda q_, k_, v_: (  # noqa: E731
         flash_attention_with_config(q_, k_, v_, SMALL_A, causal=True),
         flash_attention_with_config(q_, k_, v_, SMALL_A, causal=True, sliding_window=s + 5))
-    plain, windowed = _jit_run(both, q, k, v)
+    plain, windowed = fast_jit(both)(q, k, v)
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(windowed))
     with pytest.raises(ValueError):
         flash_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))  # 2 % 3 != 0
