@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -242,7 +243,10 @@ def _split_sweep(d, kb, dt, s, b, hq=12, hkv=2):
         print(json.dumps(rec), flush=True)
 
 
-def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd", "dkdv", "dq")):
+def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd", "dkdv", "dq"),
+              table_only: bool = False, exp2_ab: bool = False):
+    """Time each kernel alone over candidate blocks (table_only: the table's own blocks), and over the math
+    options: fast_tanh off/on in the softcap case, fast_exp2 off/on with exp2_ab."""
     dt = jnp.bfloat16
     best_all = {}
     for d in dims:
@@ -252,7 +256,8 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
         base = fa.get_config(seq, dt, d)
         window = 4096 if (softcap_case and seq > 4096) else None
         softcap = 50.0 if softcap_case else None
-        tanh_opts = (False, True) if softcap_case else (False,)
+        tanh_opts = (False, True) if softcap_case else (base.fast_tanh,)
+        exp2_opts = (False, True) if exp2_ab else (base.fast_exp2,)
         flops = _fwd_flops(b, seq, hq, d, True, window)
 
         def static(cfg):
@@ -263,27 +268,28 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
         inputs = _kernel_inputs(static(base), b, seq, hq, hkv, d, dt)
         for kernel in kernels:
             results = []
-            for fast in tanh_opts:
-                for kb in _candidates(kernel, d):
-                    cfg = dataclasses.replace(base, **{kernel: kb}, fast_tanh=fast)
+            blocks = [getattr(base, kernel)] if table_only else list(_candidates(kernel, d))
+            for fast, fast_exp2 in itertools.product(tanh_opts, exp2_opts):
+                for kb in blocks:
+                    cfg = dataclasses.replace(base, **{kernel: kb}, fast_tanh=fast, fast_exp2=fast_exp2)
                     rec = dict(name="sweep", kernel=kernel, D=d, S=seq, softcap=softcap, window=window,
-                               fast_tanh=fast, config=dataclasses.astuple(kb), jax_version=jax.__version__,
-                               device=_device())
+                               fast_tanh=fast, fast_exp2=fast_exp2, config=dataclasses.astuple(kb),
+                               jax_version=jax.__version__, device=_device())
                     try:
                         ms = device_ms(_kernel_fn(kernel, static(cfg)), *inputs[kernel])
                         rec.update(ms=ms, tflops=_WORK[kernel] * flops / ms / 1e9)
-                        results.append((ms, kb, fast))
+                        results.append((ms, kb, fast, fast_exp2))
                     except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                         rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     print(json.dumps(rec), flush=True)
             if results:
-                ms, kb, fast = min(results, key=lambda r: r[0])
+                ms, kb, fast, fast_exp2 = min(results, key=lambda r: r[0])
                 best_all[(d, kernel)] = (kb, fast)
-                if kernel == "dkdv" and not softcap_case:
+                if kernel == "dkdv" and not softcap_case and not table_only:
                     _split_sweep(d, kb, dt, min(seq, 2048), max(1, tokens // (2 * min(seq, 2048))))
                     _split_sweep(d, kb, dt, seq, b, hq, hkv)  # the sweep's own shape
                 print(json.dumps(dict(name="sweep_best", kernel=kernel, D=d, S=seq, softcap=softcap,
-                                      fast_tanh=fast, config=dataclasses.astuple(kb), ms=ms,
+                                      fast_tanh=fast, fast_exp2=fast_exp2, config=dataclasses.astuple(kb), ms=ms,
                                       jax_version=jax.__version__, device=_device())), flush=True)
     for d in dims:
         parts = [best_all.get((d, kn)) for kn in ("fwd", "dkdv", "dq")]
@@ -303,6 +309,8 @@ def main():
     ap.add_argument("--softcap", action="store_true", help="--sweep the Gemma 2 softcap(+window) case")
     ap.add_argument("--kernels", default="fwd,dkdv,dq", help="kernels to --sweep (comma separated)")
     ap.add_argument("--extra", action="store_true", help="--sweep only the extra (edge) candidates")
+    ap.add_argument("--table-only", action="store_true", help="--sweep only the table's own blocks")
+    ap.add_argument("--exp2", action="store_true", help="--sweep fast_exp2 off and on")
     ap.add_argument("--seqs", default="", help="override the default run's sequence lengths (comma separated)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S of each default-run shape")
     ap.add_argument("--softcap-only", action="store_true", help="only the Gemma 2 softcap+window rows")
@@ -312,7 +320,7 @@ def main():
             _CANDIDATES.clear()
             _CANDIDATES.update(_EXTRA_CANDIDATES)
         run_sweep([int(x) for x in args.dims.split(",")], args.seq, args.softcap, args.tokens,
-                  tuple(args.kernels.split(",")))
+                  tuple(args.kernels.split(",")), args.table_only, args.exp2)
     else:
         run_default(args.quick, [int(x) for x in args.seqs.split(",") if x], args.tokens, args.softcap_only)
 

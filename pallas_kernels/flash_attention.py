@@ -55,8 +55,9 @@ class KernelBlocks:
 class FlashConfig:
     """Launch configuration of the three kernels.
 
-    fast_tanh: softcap through tanh.approx (GPU only, 16-bit inputs). dkdv_split: query heads of a KV group
-    split over this many dK/dV programs (partials summed by XLA); 0 picks it from the grid size.
+    fast_tanh: softcap through tanh.approx (GPU only, 16-bit inputs). fast_exp2: softmax exponentials through
+    ex2.approx.ftz (GPU only; results below 2**-126 flush to zero). dkdv_split: query heads of a KV group split
+    over this many dK/dV programs (partials summed by XLA); 0 picks it from the grid size.
     """
 
     fwd: KernelBlocks
@@ -64,10 +65,12 @@ class FlashConfig:
     dq: KernelBlocks
     fast_tanh: bool = False
     dkdv_split: int = 0
+    fast_exp2: bool = False
 
 
-def _cfg(fwd, dkdv, dq, fast_tanh=False) -> FlashConfig:
-    return FlashConfig(KernelBlocks(*fwd), KernelBlocks(*dkdv), KernelBlocks(*dq), fast_tanh)
+def _cfg(fwd, dkdv, dq, fast_math=False) -> FlashConfig:
+    return FlashConfig(KernelBlocks(*fwd), KernelBlocks(*dkdv), KernelBlocks(*dq), fast_tanh=fast_math,
+                       fast_exp2=fast_math)
 
 
 # Keyed by (shape class, dtype, head_dim). Shape class: "short" (S <= 1024) or "long".
@@ -78,14 +81,17 @@ def _cfg(fwd, dkdv, dq, fast_tanh=False) -> FlashConfig:
 # won: at D=128 dK/dV 2.27 -> 1.29 ms (64x128 tiles, 4 stages, and the group split of `dkdv_head_split`), dQ
 # 1.15 -> 0.91 ms, fwd 0.88 -> 0.77 ms; at D=256 fwd 1.43 -> 0.78, dK/dV 3.30 -> 2.31, dQ 2.76 -> 1.18 ms.
 # One step past these ran out of shared memory. fast_tanh (softcap through tanh.approx.f32): Gemma 2 case at
-# D=256, S=8192, fwd 1.34 -> 1.08 ms, dQ 2.07 -> 1.76 ms. Per-kernel times vary up to ~10% between device calls.
+# D=256, S=8192, fwd 1.34 -> 1.08 ms, dQ 2.07 -> 1.76 ms. fast_exp2 (fourth session, `--sweep --table-only
+# --exp2`, two runs; bench/results/2026-11-29d_flash_exp2_*.jsonl): D=256 fwd 0.77-0.81 -> 0.69-0.72 ms, Gemma 2
+# case fwd 1.08 -> 1.00, dQ 1.78 -> 1.70 ms; D=128 and the D=256 backward within -5%..+2% (noise).
+# Per-kernel times vary up to ~10% between device calls.
 # D=64 and float32 entries are unswept guesses (tiles that compile for sm_90a).
 _TABLE: dict[tuple[str, str, int], FlashConfig] = {}
 for _cls in ("short", "long"):
     for _dt in ("bfloat16", "float16"):
         _TABLE[(_cls, _dt, 64)] = _cfg((128, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2))
-        _TABLE[(_cls, _dt, 128)] = _cfg((128, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4), fast_tanh=True)
-        _TABLE[(_cls, _dt, 256)] = _cfg((128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), fast_tanh=True)
+        _TABLE[(_cls, _dt, 128)] = _cfg((128, 128, 8, 3), (64, 128, 8, 4), (128, 64, 8, 4), fast_math=True)
+        _TABLE[(_cls, _dt, 256)] = _cfg((128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), fast_math=True)
     _TABLE[(_cls, "float32", 64)] = _cfg((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
     _TABLE[(_cls, "float32", 128)] = _cfg((64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2))
     _TABLE[(_cls, "float32", 256)] = _cfg((32, 32, 8, 1), (16, 32, 8, 1), (32, 16, 8, 1))
@@ -130,6 +136,16 @@ def _tanh_fn(st: _Static):
     if st.config.fast_tanh and not st.interpret:
         return plgpu.approx_tanh
     return jnp.tanh
+
+
+def _exp2(x, st: _Static):
+    """2**x of float32 scores; fast_exp2 (GPU): one ex2.approx.ftz.f32 instead of the lowering's libdevice exp2f
+    (measured faster at D=256, see the table)."""
+    if st.config.fast_exp2 and not st.interpret:
+        [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+        return y
+    return jnp.exp2(x)
 
 
 def _scores(s, st: _Static):
@@ -326,8 +342,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
         acc, m_i, l_i = carry
         _, v, s, _ = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
+        alpha = _exp2(m_i - m_new, st)
+        p = _exp2(s - m_new[:, None], st)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, l_new
@@ -432,7 +448,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
                          check_k=False)
             if keep is not None:
                 s_t = jnp.where(keep, s_t, -jnp.inf)
-            p_t = jnp.exp2(s_t - lse[None, :])
+            p_t = _exp2(s_t - lse[None, :], st)
             dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
             dp_t = plgpu.dot(v, do, trans_b=True)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -540,7 +556,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
 
     def body(kj, dq, masked: bool):
         k, v, s, t = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
-        p = jnp.exp2(s - lse[:, None])
+        p = _exp2(s - lse[:, None], st)
         dp = plgpu.dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
         if t is not None:

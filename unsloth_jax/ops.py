@@ -93,8 +93,8 @@ PALLAS_WINS = {
     "cross_entropy": lambda h: h.dtype == _BF16,
     # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
     # is tried first, see attention()). GPU tests 9/9 on the H200 with the swept table (fourth session, 2026-11-29):
-    # fwd+bwd 2.5-9.2x XLA and 0.62-0.79x cuDNN; Gemma 2 softcap+window 3.6x (S=4096) / 4.9x (S=8192) XLA;
-    # Gemma-2-2B 4x2048 LoRA step 325 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB.
+    # fwd+bwd 2.4-9.3x XLA and 0.60-0.78x cuDNN; Gemma 2 softcap+window 3.6x (S=4096) / 5.1x (S=8192) XLA;
+    # Gemma-2-2B 4x2048 LoRA step 320 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB.
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
     # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,

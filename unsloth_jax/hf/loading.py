@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import TensorSpec, stacked_shape, tensor_specs
+from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 
 log = logging.getLogger("unsloth_jax")
@@ -31,6 +31,16 @@ Params = dict
 def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
     """buffer[layer] = value, in place on devices that support donation (layer is traced: one compile per shape)."""
     return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+
+
+def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int):
+    """The layer-stacked param at spec.path with layer spec.layer set to `value` (an array or a pytree of arrays,
+    e.g. an NF4 weight); the stack is allocated (zeros) at the first layer seen and updated in place after."""
+    try:
+        stack = get_path(params, spec.path)
+    except KeyError:
+        stack = jax.tree.map(lambda x: jnp.zeros((num_layers, *x.shape), x.dtype), value)
+    return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.layer), stack, value)
 
 
 def set_path(tree: dict, path: tuple[str, ...], value) -> None:
@@ -95,16 +105,15 @@ def load_params(
     """Read every tensor of the checkpoint in `model_dir` into the param dict of `cfg` in `dtype`.
 
     Raises MissingTensorError / UnexpectedTensorError / ShapeMismatchError naming the tensor and file.
-    A `placer` may return a non-array value (e.g. an NF4 weight) for kernels; stacked values of that kind are
-    collected per layer and stacked with `jax.tree.map(jnp.stack)` at the end. `bnb_4bit=True` reads a
-    checkpoint pre-quantized by bitsandbytes (NF4, as transformers saves it): projection weights come with
-    their quant-state tensors and load as NF4 weights without re-quantizing.
+    A `placer` may return a pytree of arrays (e.g. an NF4 weight) for kernels; like plain arrays, each layer is
+    written into its slot of a preallocated stack, so loading never holds a layer-stacked param twice.
+    `bnb_4bit=True` reads a checkpoint pre-quantized by bitsandbytes (NF4, as transformers saves it): projection
+    weights come with their quant-state tensors and load as NF4 weights without re-quantizing.
     """
     placer = placer or default_placer
     specs = tensor_specs(cfg)
     files = checkpoint_files(model_dir)
     params: Params = {}
-    pending: dict[tuple[str, ...], list] = {}  # stacked params of a non-array kind, per layer
     seen: set[str] = set()
     tied_head_in_file = False
     unexpected: list[str] = []
@@ -142,15 +151,8 @@ def load_params(
                 seen.add(name)
                 if spec.layer is None:
                     set_path(params, spec.path, value)
-                elif isinstance(value, jax.Array):
-                    try:
-                        buffer = get_path(params, spec.path)
-                    except KeyError:
-                        buffer = jnp.zeros(stacked_shape(spec, cfg.num_hidden_layers), value.dtype)
-                    set_path(params, spec.path, _set_layer(buffer, value, spec.layer))
                 else:
-                    slots = pending.setdefault(spec.path, [None] * cfg.num_hidden_layers)
-                    slots[spec.layer] = value
+                    set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers))
     finally:
         bar.close()
         for f in handles.values():
@@ -164,8 +166,6 @@ def load_params(
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")
-    for path, slots in pending.items():
-        set_path(params, path, jax.tree.map(lambda *xs: jnp.stack(xs), *slots))
     if tied_head_in_file:
         log.debug("ignored lm_head.weight: embeddings are tied in config.json")
     return params

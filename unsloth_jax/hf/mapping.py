@@ -108,8 +108,3 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
                 shape = (d,)
             specs[name] = TensorSpec(name, ("layers",) + sub, i, kind, shape)
     return specs
-
-
-def stacked_shape(spec: TensorSpec, num_layers: int) -> tuple[int, ...]:
-    """Shape of the param that holds `spec` (with the leading layer axis for stacked params)."""
-    return spec.param_shape if spec.layer is None else (num_layers,) + spec.param_shape
