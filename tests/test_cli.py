@@ -182,3 +182,12 @@ def test_readme_default_train_then_generate_learns_the_fact(tmp_path):
                          text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.strip() == facts[question], gen.stdout
+
+
+def test_records_format_honours_dataset_text_field():
+    from unsloth_jax.cli import _records_format
+
+    custom = [{"content": "a plain document"}, {"content": "another one"}]
+    assert _records_format(custom, "content") == "text"
+    assert _records_format(custom) == "mixed"  # no "text" field: nothing detected
+    assert _records_format([{"instruction": "q", "output": "a"}], "content") == "alpaca"

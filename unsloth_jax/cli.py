@@ -174,14 +174,14 @@ def _setup_logging(quiet: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _records_format(records) -> str:
-    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml) or text."""
+def _records_format(records, text_field: str = "text") -> str:
+    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml) or text (records with `text_field`)."""
     from unsloth_jax.data import detect_format
 
     kinds = set()
     for rec in records[:200]:
         try:
-            kinds.add(detect_format(rec))
+            kinds.add(detect_format(rec, text_field))
         except Exception:  # noqa: BLE001 - validation reports bad records with their line
             pass
     if kinds == {"alpaca"}:
@@ -254,7 +254,7 @@ def cmd_train(args) -> int:
         raise UsageError(f"dataset {args.dataset} holds no usable records")
     if records.skipped:
         print(f"unsloth-jax: skipped {records.skipped} malformed line(s) of {args.dataset}")
-    fmt = _records_format(records)
+    fmt = _records_format(records, args.dataset_text_field)
 
     model, tokenizer = FastLanguageModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
                                                          dtype=args.dtype, load_in_4bit=args.load_in_4bit)
