@@ -278,26 +278,28 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
                     try:
                         ms = device_ms(_kernel_fn(kernel, static(cfg)), *inputs[kernel])
                         rec.update(ms=ms, tflops=_WORK[kernel] * flops / ms / 1e9)
-                        results.append((ms, kb, fast, fast_exp2))
+                        results.append((ms, cfg))
                     except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                         rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     print(json.dumps(rec), flush=True)
             if results:
-                ms, kb, fast, fast_exp2 = min(results, key=lambda r: r[0])
-                best_all[(d, kernel)] = (kb, fast)
+                ms, best = min(results, key=lambda r: r[0])
+                kb = getattr(best, kernel)
+                best_all[(d, kernel)] = best
                 if kernel == "dkdv" and not softcap_case and not table_only:
                     _split_sweep(d, kb, dt, min(seq, 2048), max(1, tokens // (2 * min(seq, 2048))))
                     _split_sweep(d, kb, dt, seq, b, hq, hkv)  # the sweep's own shape
                 print(json.dumps(dict(name="sweep_best", kernel=kernel, D=d, S=seq, softcap=softcap,
-                                      fast_tanh=fast, fast_exp2=fast_exp2, config=dataclasses.astuple(kb), ms=ms,
-                                      jax_version=jax.__version__, device=_device())), flush=True)
+                                      fast_tanh=best.fast_tanh, fast_exp2=best.fast_exp2,
+                                      config=dataclasses.astuple(kb), ms=ms, jax_version=jax.__version__,
+                                      device=_device())), flush=True)
     for d in dims:
-        parts = [best_all.get((d, kn)) for kn in ("fwd", "dkdv", "dq")]
-        if all(parts):
+        parts = {kn: best_all.get((d, kn)) for kn in ("fwd", "dkdv", "dq")}
+        if all(parts.values()):
             print(json.dumps(dict(name="sweep_table_entry", key=[fa.shape_class(seq), "bfloat16", d],
-                                  fwd=dataclasses.astuple(parts[0][0]), dkdv=dataclasses.astuple(parts[1][0]),
-                                  dq=dataclasses.astuple(parts[2][0]),
-                                  fast_tanh=any(p[1] for p in parts))), flush=True)
+                                  **{kn: dataclasses.astuple(getattr(c, kn)) for kn, c in parts.items()},
+                                  fast_tanh=any(c.fast_tanh for c in parts.values()),
+                                  fast_exp2=any(c.fast_exp2 for c in parts.values()))), flush=True)
 
 
 def main():
