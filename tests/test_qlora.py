@@ -88,3 +88,33 @@ def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
     with torch.no_grad():
         ref = hf4(torch.tensor(ids)).logits.float().numpy()
     assert rel_err(np.asarray(model(ids)), ref) < 1e-4
+
+
+def test_bnb_checkpoint_mixing_quant_settings_names_the_tensor(tmp_path):
+    """A bnb-4bit checkpoint whose layers differ in quantization settings (layer 1's q_proj without double
+    quantization) fails with an error naming that tensor and its file, not a pytree mismatch."""
+    pytest.importorskip("bitsandbytes")
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from unsloth_jax.errors import ShapeMismatchError
+
+    save_hf_model("llama", tmp_path / "dense", seed=24)
+    for double_quant in (True, False):
+        cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                              bnb_4bit_use_double_quant=double_quant,
+                                              bnb_4bit_compute_dtype=torch.float32)
+        hf4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=cfg,
+                                                                device_map="cpu", dtype=torch.float32)
+        hf4.save_pretrained(str(tmp_path / f"bnb_{double_quant}"))
+    mixed = load_file(str(tmp_path / "bnb_True" / "model.safetensors"))
+    single = load_file(str(tmp_path / "bnb_False" / "model.safetensors"))
+    prefix = "model.layers.1.self_attn.q_proj.weight"
+    for key in [k for k in mixed if k.startswith(prefix)]:
+        del mixed[key]
+    mixed.update({k: v for k, v in single.items() if k.startswith(prefix)})
+    save_file(mixed, str(tmp_path / "bnb_True" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ShapeMismatchError, match=r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.q_proj"
+                                                 r"\.weight': layer 1 loads as"):
+        FastLanguageModel.from_pretrained(tmp_path / "bnb_True", dtype="float32", load_tokenizer=False,
+                                          progress=False)

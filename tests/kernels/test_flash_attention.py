@@ -222,11 +222,11 @@ def test_gpu_d256_gqa4_softcap_window(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_d128_gqa4_softcap_window_fast_tanh(rng):
+def test_gpu_d128_gqa4_softcap_window_fast_math(rng):
     base = get_config(2048, jnp.bfloat16, 128)
-    # fast_tanh (a 16-bit table default, stated here in case the table changes) and dkdv_split=1: one dK/dV
-    # program loops over all 4 query heads of its group (the auto choice splits here).
-    cfg = FlashConfig(base.fwd, base.dkdv, base.dq, fast_tanh=True, dkdv_split=1)
+    # fast_tanh and fast_exp2 (16-bit table defaults, stated here in case the table changes) and dkdv_split=1:
+    # one dK/dV program loops over all 4 query heads of its group (the auto choice splits here).
+    cfg = FlashConfig(base.fwd, base.dkdv, base.dq, fast_tanh=True, fast_exp2=True, dkdv_split=1)
     _gpu_case(rng, b=1, s=2048, hq=16, hkv=4, d=128, dtype="bfloat16", config=cfg, causal=True,
               softcap=50.0, sliding_window=700)
 

@@ -33,13 +33,35 @@ def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
 
 
-def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int):
+def _describe(tree, leading: int = 0) -> str:
+    """A short description of one layer's value (skipping `leading` stacking axes), for error messages."""
+    from pallas_kernels.nf4 import NF4Weight
+
+    if isinstance(tree, NF4Weight):
+        double = "on" if tree.nested_absmax is not None else "off"
+        return f"an NF4 weight (shape {list(tree.shape)}, blocksize {tree.blocksize}, double quantization {double})"
+    return " + ".join(f"{x.dtype}{list(x.shape[leading:])}" for x in jax.tree.leaves(tree))
+
+
+def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int, where: str):
     """The layer-stacked param at spec.path with layer spec.layer set to `value` (an array or a pytree of arrays,
-    e.g. an NF4 weight); the stack is allocated (zeros) at the first layer seen and updated in place after."""
+    e.g. an NF4 weight); the stack is allocated (zeros) at the first layer seen and updated in place after.
+
+    Raises ShapeMismatchError naming `where` (the tensor and file) when `value` does not have the structure,
+    shapes and dtypes of the layers already stored (e.g. a 4-bit checkpoint whose layers differ in blocksize or
+    double quantization)."""
     try:
         stack = get_path(params, spec.path)
     except KeyError:
         stack = jax.tree.map(lambda x: jnp.zeros((num_layers, *x.shape), x.dtype), value)
+    stack_leaves, stack_def = jax.tree.flatten(stack)
+    leaves, treedef = jax.tree.flatten(value)
+    if treedef != stack_def or any(b.shape[1:] != x.shape or b.dtype != x.dtype
+                                   for b, x in zip(stack_leaves, leaves)):
+        raise ShapeMismatchError(
+            f"{where}: layer {spec.layer} loads as {_describe(value)}, but the layers before it as "
+            f"{_describe(stack, leading=1)}; every layer of one projection must share shape, dtype and quantization "
+            "settings")
     return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.layer), stack, value)
 
 
@@ -152,7 +174,8 @@ def load_params(
                 if spec.layer is None:
                     set_path(params, spec.path, value)
                 else:
-                    set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers))
+                    set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers,
+                                                            f"{path}: tensor '{name}'"))
     finally:
         bar.close()
         for f in handles.values():
