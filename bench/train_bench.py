@@ -33,6 +33,10 @@ def main() -> None:
     ap.add_argument("--optim", default="adamw_torch")
     ap.add_argument("--memory-analysis", action="store_true",
                     help="also compile the step once more and report XLA's device/host buffer sizes for it")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="trace the last --profile-steps steps with jax.profiler into DIR (left out of the timing) "
+                         "and add bench/trace_summary.py's per-step GPU time breakdown to the JSON line")
+    ap.add_argument("--profile-steps", type=int, default=2)
     a = ap.parse_args()
     remat = {"unsloth": "unsloth", "true": True, "false": False}[a.remat]
     t0 = time.time()
@@ -53,6 +57,9 @@ def main() -> None:
     real_step = None
     arg_specs = None  # shapes/shardings of the first step's arguments (they are donated, so keep specs)
     stats0 = jax.devices()[0].memory_stats() or {}
+    profile_from = a.steps - a.profile_steps if a.profile else a.steps  # profiled steps are not timed
+    if a.profile and profile_from <= a.warmup:
+        ap.error("--profile needs --steps > --warmup + --profile-steps")
 
     # time each step exactly: wrap the compiled step with a device sync
     import unsloth_jax.train.trainer as tr
@@ -67,10 +74,14 @@ def main() -> None:
             nonlocal arg_specs
             if arg_specs is None:
                 arg_specs = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding), xs)
+            if a.profile and len(step_times) == profile_from:
+                jax.profiler.start_trace(a.profile)
             t = time.perf_counter()
             outs = real_step(*xs)
             jax.block_until_ready(outs)
             step_times.append(time.perf_counter() - t)
+            if a.profile and len(step_times) == a.steps:
+                jax.profiler.stop_trace()
             return outs
 
         return timed
@@ -78,7 +89,7 @@ def main() -> None:
     tr.make_train_step = timed_make
     result = trainer.train()
     tr.make_train_step = orig
-    times = step_times[a.warmup:]
+    times = step_times[a.warmup:profile_from]
     ms = float(np.median(times)) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
     line = {"name": "train_step", "model_dir": os.path.basename(a.model_dir.rstrip("/")), "batch": a.batch,
@@ -90,13 +101,18 @@ def main() -> None:
             "gib_in_use_before_train": round(stats0.get("bytes_in_use", 0) / 2**30, 3),
             "final_loss": result["final_loss"], "steps_timed": len(times),
             "step_ms_all": [round(t * 1e3, 1) for t in step_times],
-            "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if a.memory_analysis and real_step is not None and arg_specs is not None:
         ma = real_step.lower(*arg_specs).compile().memory_analysis()
         line["step_program_gib"] = {k: round(getattr(ma, k) / 2**30, 3) for k in (
             "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
             "host_argument_size_in_bytes", "host_output_size_in_bytes", "host_temp_size_in_bytes")
             if getattr(ma, k, None) is not None}
+    if a.profile:
+        from bench.trace_summary import newest_trace, summarize
+
+        line["profile"] = summarize(newest_trace(a.profile), steps=a.profile_steps)
     print(json.dumps(line), flush=True)
 
 

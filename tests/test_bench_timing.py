@@ -40,3 +40,37 @@ def test_memory_analysis_helpers_return_ints_or_none():
         assert v is None or (isinstance(v, int) and v >= 0)
     if peak is not None:
         assert peak >= x.nbytes  # at least the argument
+
+
+def test_trace_summary_sums_gpu_kernels_per_step(tmp_path):
+    """bench/trace_summary.py counts only the GPU processes' kernel events, by name and category, per step."""
+    import gzip
+    import json
+
+    from bench.trace_summary import newest_trace, summarize
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8(MemcpyD2H)"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5000, "name": "PjitFunction(step)"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 0, "dur": 300, "name": "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT",
+         "args": {"hlo_op": "dot.3"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 400, "dur": 100, "name": "_dkdv_kernel"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 600, "dur": 60, "name": "_fwd_kernel"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 700, "dur": 40, "name": "loop_multiply_fusion_2"},
+        {"ph": "X", "pid": 2, "tid": 8, "ts": 100, "dur": 200, "name": "MemcpyD2H"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 900, "dur": 300, "name": "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT"},
+    ]
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as fp:
+        json.dump({"traceEvents": events}, fp)
+    s = summarize(newest_trace(tmp_path), steps=2)
+    assert s["gpu_processes"] == ["/device:GPU:0"] and s["kernel_events"] == 6
+    assert s["busy_ms_per_step"] == 0.5 and s["span_ms_per_step"] == 0.6
+    assert s["ms_per_step_by_stream"] == {"Stream #7(Compute)": 0.4, "Stream #8(MemcpyD2H)": 0.1}
+    assert s["ms_per_step_by_category"] == {"matmul": 0.3, "copy": 0.1, "attention_pallas": 0.08, "xla_fusion": 0.02}
+    top = s["top_kernels"][0]
+    assert top["calls_per_step"] == 1 and top["ms_per_step"] == 0.3 and top["hlo_op"] == "dot.3"
