@@ -191,3 +191,16 @@ def test_records_format_honours_dataset_text_field():
     assert _records_format(custom, "content") == "text"
     assert _records_format(custom) == "mixed"  # no "text" field: nothing detected
     assert _records_format([{"instruction": "q", "output": "a"}], "content") == "alpaca"
+
+
+def test_cli_help_starts_without_importing_jax():
+    """`unsloth-jax --help` and the package's lazy exports: importing the CLI module does not import jax (so
+    `doctor` can report a broken jax install), and `from unsloth_jax import FastLanguageModel` still works."""
+    code = ("import sys, unsloth_jax.cli; assert 'jax' not in sys.modules, 'jax imported'; "
+            "from unsloth_jax import FastLanguageModel, SFTTrainer; assert 'jax' in sys.modules; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    helped = subprocess.run([sys.executable, "-m", "unsloth_jax.cli", "--help"], env=subprocess_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "train" in helped.stdout, helped.stderr[-2000:]

@@ -74,3 +74,18 @@ def test_cli_doctor_subcommand(argv, capsys):
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["kernels"] == {}
+
+
+def test_broken_dependency_is_a_named_problem(tmp_path):
+    """An installed but broken dependency (here a fake optax that raises on import) is reported as a problem
+    naming the module that fails to import, with exit 1, instead of a traceback before the report."""
+    fake = tmp_path / "optax"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('optax is broken for this test')\n")
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(tmp_path) + ":" + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json", "--kernels", "rms_norm"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert any("unsloth_jax.train does not import: ImportError: optax is broken" in p for p in report["problems"])

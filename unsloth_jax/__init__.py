@@ -1,13 +1,35 @@
 """unsloth_jax: fast LoRA/QLoRA fine-tuning of Llama, Mistral, Qwen and Gemma models in JAX.
 
 Start with `FastLanguageModel.from_pretrained(dir)`; see README.md and docs/ARCHITECTURE.md.
+
+The public names below are imported on first use (PEP 562), so `import unsloth_jax.cli` (the `unsloth-jax`
+command's `--help` and `doctor`) starts without importing jax.
 """
-from unsloth_jax.api import FastLanguageModel, Model, is_bfloat16_supported
-from unsloth_jax.config import ModelConfig
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["FastLanguageModel", "Model", "ModelConfig", "is_bfloat16_supported", "__version__"]
 
-from unsloth_jax.train import SFTTrainer, TrainingArguments  # noqa: E402
+# public name -> module that defines it
+_EXPORTS = {
+    "FastLanguageModel": "unsloth_jax.api",
+    "Model": "unsloth_jax.api",
+    "is_bfloat16_supported": "unsloth_jax.api",
+    "ModelConfig": "unsloth_jax.config",
+    "SFTTrainer": "unsloth_jax.train",
+    "TrainingArguments": "unsloth_jax.train",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ += ["SFTTrainer", "TrainingArguments"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'unsloth_jax' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -269,12 +269,14 @@ def run_checks(kernels: tuple[str, ...] = KERNELS, seed: int = 0, grads: bool | 
     report["python"] = sys.version.split()[0]
     report["platform"] = platform.platform()
     report["versions"] = {name: _version(name) for name in PACKAGES}
-    try:
-        from unsloth_jax import __version__
+    from unsloth_jax import __version__  # the package itself imports nothing heavy (lazy exports)
 
-        report["versions"]["unsloth_jax"] = __version__
-    except Exception as e:  # noqa: BLE001
-        report["problems"].append(f"unsloth_jax does not import: {type(e).__name__}: {e}")
+    report["versions"]["unsloth_jax"] = __version__
+    for module in ("unsloth_jax.api", "unsloth_jax.train"):  # the model and training stack (jax, optax, ...)
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001
+            report["problems"].append(f"{module} does not import: {type(e).__name__}: {e}")
     for name in REQUIRED:
         if report["versions"].get(name) is None:
             report["problems"].append(f"required package {name} is not installed (pip install {name})")
