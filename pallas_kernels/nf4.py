@@ -300,14 +300,27 @@ def stack_nf4(weights) -> NF4Weight:
 # ------------------------------------------------------------------------------------------------------
 
 
+def _f32_of_sum(values: np.ndarray) -> np.float32:
+    """float32(math.fsum(values)) for a float64 vector, without the slow exact sum in the common case.
+
+    numpy's float64 sum is within (n + 2) * 2**-52 * sum|values| of the exact sum (and of fsum's result); when
+    both ends of that interval round to the same float32, that float32 is the answer. Otherwise (a sum within
+    ~1e-10 relative of a float32 rounding boundary: rare) the exact sum decides."""
+    total = float(np.sum(values))
+    bound = (values.size + 2) * 2.0**-52 * float(np.sum(np.abs(values)))
+    low, high = np.float32(total - bound), np.float32(total + bound)
+    if low == high:
+        return low
+    return np.float32(math.fsum(values.tolist()))
+
+
 def _mean_offset_host(absmax: jax.Array) -> np.ndarray:
-    """float32 mean of the block absmax, computed on the host: the float32-rounded exact sum (math.fsum),
-    then one IEEE float32 division, like torch.mean up to its summation order. On the host so the result is
-    the same bits whatever device quantizes: XLA on the H200 gave a mean 1 ulp away from XLA on the CPU for
-    the same inputs (2026-11-29), which moved every nested scale by 1 ulp."""
+    """float32 mean of the block absmax, computed on the host: the float32-rounded exact sum (as
+    float32(math.fsum)), then one IEEE float32 division, like torch.mean up to its summation order. On the host so
+    the result is the same bits whatever device quantizes: XLA on the H200 gave a mean 1 ulp away from XLA on the
+    CPU for the same inputs (2026-11-29), which moved every nested scale by 1 ulp."""
     a = np.asarray(jax.device_get(absmax), np.float64).reshape(-1)
-    total = np.float32(math.fsum(a.tolist()))
-    return np.asarray(total / np.float32(a.size), np.float32)
+    return np.asarray(_f32_of_sum(a) / np.float32(a.size), np.float32)
 
 
 def _exact_div(a: jax.Array, b) -> jax.Array:
