@@ -9,7 +9,6 @@ from tests.helpers import ASSETS, TINY_MODEL as TINY
 from unsloth_jax.data import detect_format, load_records, validate_records
 
 
-
 def test_sample_files_are_valid():
     alpaca = load_records(ASSETS / "alpaca_sample.jsonl")
     chat = load_records(ASSETS / "chat_sample.jsonl")

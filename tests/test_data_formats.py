@@ -5,7 +5,6 @@ when the tokenizer, the alpaca prompt or a chat template changes.
 """
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("transformers")
@@ -23,7 +22,6 @@ from unsloth_jax.data import (  # noqa: E402
 )
 from tests.helpers import TINY_MODEL as TINY  # noqa: E402
 from unsloth_jax.errors import DatasetFormatError  # noqa: E402
-
 
 
 def load_tok():

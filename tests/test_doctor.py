@@ -3,6 +3,7 @@ fails its numerical check makes it exit 1 with the reason; a kernel module that 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.helpers import ROOT, subprocess_env
 from unsloth_jax import doctor
+
 
 def test_python_m_unsloth_jax_json_exit_0():
     proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json"], cwd=ROOT, env=subprocess_env(),
@@ -83,8 +85,8 @@ def test_broken_dependency_is_a_named_problem(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('optax is broken for this test')\n")
     env = subprocess_env()
-    env["PYTHONPATH"] = str(tmp_path) + ":" + env["PYTHONPATH"]
-    proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json", "--kernels", "rms_norm"], cwd=ROOT,
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "unsloth_jax", "--json", "--kernels", ""], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)

@@ -68,18 +68,26 @@ def test_qlora_train_step(tmp_path, rng):
     assert int(m["skipped"]) == 0
 
 
+def _save_bnb_checkpoint(dense_dir, out_dir, double_quant: bool = True):
+    """The float checkpoint in dense_dir quantized to NF4 by transformers + bitsandbytes (CPU) and saved to
+    out_dir; returns the 4-bit transformers model."""
+    import transformers
+
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=double_quant,
+                                          bnb_4bit_compute_dtype=torch.float32)
+    hf4 = transformers.AutoModelForCausalLM.from_pretrained(str(dense_dir), quantization_config=cfg,
+                                                            device_map="cpu", dtype=torch.float32)
+    hf4.save_pretrained(str(out_dir))
+    return hf4
+
+
 def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
     """A bnb-4bit checkpoint written by transformers (bitsandbytes on the CPU) loads without re-quantizing
     and gives transformers' logits for it."""
     pytest.importorskip("bitsandbytes")
-    import transformers
-
     save_hf_model("llama", tmp_path / "dense", seed=23)
-    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
-    hf4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=cfg,
-                                                            device_map="cpu", dtype=torch.float32)
-    hf4.save_pretrained(str(tmp_path / "bnb"))
+    hf4 = _save_bnb_checkpoint(tmp_path / "dense", tmp_path / "bnb")
     model, _ = FastLanguageModel.from_pretrained(tmp_path / "bnb", dtype="float32", load_tokenizer=False,
                                                  progress=False)
     assert isinstance(model.params["layers"]["down_proj"]["kernel"], NF4Weight)
@@ -93,19 +101,13 @@ def test_bnb_checkpoint_mixing_quant_settings_names_the_tensor(tmp_path):
     """A bnb-4bit checkpoint whose layers differ in quantization settings (layer 1's q_proj without double
     quantization) fails with an error naming that tensor and its file, not a pytree mismatch."""
     pytest.importorskip("bitsandbytes")
-    import transformers
     from safetensors.torch import load_file, save_file
 
     from unsloth_jax.errors import ShapeMismatchError
 
     save_hf_model("llama", tmp_path / "dense", seed=24)
     for double_quant in (True, False):
-        cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                              bnb_4bit_use_double_quant=double_quant,
-                                              bnb_4bit_compute_dtype=torch.float32)
-        hf4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=cfg,
-                                                                device_map="cpu", dtype=torch.float32)
-        hf4.save_pretrained(str(tmp_path / f"bnb_{double_quant}"))
+        _save_bnb_checkpoint(tmp_path / "dense", tmp_path / f"bnb_{double_quant}", double_quant)
     mixed = load_file(str(tmp_path / "bnb_True" / "model.safetensors"))
     single = load_file(str(tmp_path / "bnb_False" / "model.safetensors"))
     prefix = "model.layers.1.self_attn.q_proj.weight"

@@ -115,7 +115,6 @@ def test_quantize_is_idempotent_float32(rng):
     assert np.array_equal(np.asarray(q2.absmax), np.asarray(q.absmax))
 
 
-
 def test_host_sum_equals_float32_of_fsum(rng, monkeypatch):
     """The double-quant offset's sum: numpy's float64 sum where it decides the float32 result, math.fsum where
     it does not (sums at a float32 rounding tie); always float32(math.fsum(values))."""
@@ -132,6 +131,7 @@ def test_host_sum_equals_float32_of_fsum(rng, monkeypatch):
     assert nf4._f32_of_sum(tie) == np.float32(1.0) and len(calls) == 1
     above = np.array([1.0, 2.0**-24, 2.0**-60])  # a hair above the tie: float64 decides nothing here either
     assert nf4._f32_of_sum(above) == np.float32(real_fsum(above.tolist())) and len(calls) == 2
+
 
 # ---------------------------------------------------------------------------------------------------
 # dequantization kernel

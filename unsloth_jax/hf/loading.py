@@ -52,16 +52,17 @@ def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int, where: s
     double quantization)."""
     try:
         stack = get_path(params, spec.path)
-    except KeyError:
+    except KeyError:  # the first layer seen: the stack takes its structure, shapes and dtypes
         stack = jax.tree.map(lambda x: jnp.zeros((num_layers, *x.shape), x.dtype), value)
-    stack_leaves, stack_def = jax.tree.flatten(stack)
-    leaves, treedef = jax.tree.flatten(value)
-    if treedef != stack_def or any(b.shape[1:] != x.shape or b.dtype != x.dtype
-                                   for b, x in zip(stack_leaves, leaves)):
-        raise ShapeMismatchError(
-            f"{where}: layer {spec.layer} loads as {_describe(value)}, but the layers before it as "
-            f"{_describe(stack, leading=1)}; every layer of one projection must share shape, dtype and quantization "
-            "settings")
+    else:
+        stack_leaves, stack_def = jax.tree.flatten(stack)
+        leaves, treedef = jax.tree.flatten(value)
+        if treedef != stack_def or any(b.shape[1:] != x.shape or b.dtype != x.dtype
+                                       for b, x in zip(stack_leaves, leaves)):
+            raise ShapeMismatchError(
+                f"{where}: layer {spec.layer} loads as {_describe(value)}, but the layers before it as "
+                f"{_describe(stack, leading=1)}; every layer of one projection must share shape, dtype and "
+                "quantization settings")
     return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.layer), stack, value)
 
 
