@@ -36,12 +36,13 @@ def main() -> None:
     del hf
     torch.cuda.empty_cache()
     import jax
+    from flax import nnx
 
     from unsloth_jax import FastLanguageModel
 
     t0 = time.time()
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_tokenizer=False)
-    jax.block_until_ready(model.params)
+    jax.block_until_ready(nnx.state(model))
     load_s = time.time() - t0
     out = np.asarray(model(ids, attention_mask=mask))
     real = mask.astype(bool)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -20,6 +21,7 @@ from unsloth_jax import FastLanguageModel, lora  # noqa: E402
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnexpectedTensorError  # noqa: E402
 from unsloth_jax.hf import export, peft_io  # noqa: E402
 from unsloth_jax.hf.safetensors_io import SafetensorsFile  # noqa: E402
+from unsloth_jax.models import NF4Param  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gemma")
@@ -47,11 +49,8 @@ def trained(hf_dirs):
 
 
 def _copy(model):
-    from unsloth_jax import Model
-
-    params = {**model.params, "layers": {k: (dict(v) if isinstance(v, dict) else v)
-                                        for k, v in model.params["layers"].items()}}
-    return Model(model.config, params, model.dtype, model.model_dir, model.max_seq_length, model.lora)
+    """A model sharing the arrays of `model` but not its variables (nnx.clone)."""
+    return nnx.clone(model)
 
 
 def _load(path, dtype="float32"):
@@ -66,14 +65,14 @@ def _trained(path, rng, r=4, alpha=8, steps=3, **kw):
     ids = rng.integers(0, model.config.vocab_size, size=(1, 2, 12)).astype(np.int32)
     batch = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
     opt = optax.sgd(1.0)
-    t, f = lora.split(model.params, model.is_trainable)
-    step = make_train_step(model.config, opt, lora_scale=model.lora_scale, remat="none", donate=False)
+    g, t, f = lora.split(model)
+    step = make_train_step(g, opt, remat="none", donate=False)
     state = opt.init(t)
     for _ in range(steps):
         t, state, _ = step(t, f, state, batch)
-    model.params = lora.merge(t, f)
+    nnx.update(model, t)
     for name in model.lora.target_modules:
-        assert float(jnp.abs(model.params["layers"][name]["lora_b"]).max()) > 0
+        assert float(jnp.abs(model.projections()[name].lora_b[...]).max()) > 0
     return model
 
 
@@ -103,7 +102,7 @@ def test_adapter_loads_in_peft_with_same_logits(family, hf_dirs, trained, tmp_pa
         a0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
         b1 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
         assert f.shape(a0) == (4, model.config.hidden_size) and f.shape(b1) == (model.config.hidden_size, 4)
-        np.testing.assert_array_equal(f.get(a0), np.asarray(model.params["layers"]["q_proj"]["lora_a"][0]).T)
+        np.testing.assert_array_equal(f.get(a0), np.asarray(model.projections()["q_proj"].lora_a[...][0]).T)
     assert len(keys) == 2 * len(TARGETS) * model.config.num_hidden_layers
     pm = peft.PeftModel.from_pretrained(_hf(hf_dirs[family]), str(tmp_path / "adapter"))
     theirs = _torch_logits(pm, ids)
@@ -155,18 +154,15 @@ def test_merged_export_bf16_and_dtype_override(hf_dirs, trained, tmp_path):
     assert hf.dtype == torch.bfloat16
     # a bf16 model exports bf16 by default; weights are the float32 merge rounded once
     m16 = _load(hf_dirs["llama"], dtype="bfloat16")
-    m16.params = jax.tree.map(lambda x: x, m16.params)
-    m16.lora = model.lora
-    for name in TARGETS:
-        m16.params["layers"][name] = {**m16.params["layers"][name],
-                                      "lora_a": model.params["layers"][name]["lora_a"],
-                                      "lora_b": model.params["layers"][name]["lora_b"]}
+    FastLanguageModel.get_peft_model(m16, r=model.lora.r, lora_alpha=model.lora.lora_alpha,
+                                     use_gradient_checkpointing=False)
+    nnx.update(m16, nnx.state(model, nnx.LoRAParam))
     m16.save_pretrained_merged(tmp_path / "bf16b", None)
     with SafetensorsFile(tmp_path / "bf16b" / "model.safetensors") as f:
         w = np.asarray(f.get("model.layers.1.self_attn.v_proj.weight"), np.float32)
-    k = np.asarray(m16.params["layers"]["v_proj"]["kernel"][1], np.float32)
-    a = np.asarray(model.params["layers"]["v_proj"]["lora_a"][1])
-    b = np.asarray(model.params["layers"]["v_proj"]["lora_b"][1])
+    k = np.asarray(m16.projections()["v_proj"].kernel[...][1], np.float32)
+    a = np.asarray(model.projections()["v_proj"].lora_a[...][1])
+    b = np.asarray(model.projections()["v_proj"].lora_b[...][1])
     want = (k + model.lora.scale * (a @ b)).T.astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(w, want)
 
@@ -309,14 +305,15 @@ def test_four_bit_base_is_dequantized_before_merging(trained, tmp_path):
     in float32; nothing is re-quantized."""
     nf4 = pytest.importorskip("pallas_kernels.nf4")
     model = _copy(trained["llama"])
-    k = np.asarray(model.params["layers"]["gate_proj"]["kernel"])  # [L, in, out]
+    gate = model.projections()["gate_proj"]
+    k = np.asarray(gate.kernel[...])  # [L, in, out]
     q = nf4.stack_nf4([nf4.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
-    model.params["layers"]["gate_proj"] = {**model.params["layers"]["gate_proj"], "kernel": q}
+    gate.kernel = NF4Param(q)
     model.save_pretrained_merged(tmp_path / "m", None)
     with SafetensorsFile(tmp_path / "m" / "model.safetensors") as f:
         got = np.asarray(f.get("model.layers.1.mlp.gate_proj.weight"))
     deq = np.asarray(nf4.dequantize_nf4(jax.tree.map(lambda a: a[1], q)), np.float32)  # HF [out, in]
-    a = np.asarray(model.params["layers"]["gate_proj"]["lora_a"][1])
-    b = np.asarray(model.params["layers"]["gate_proj"]["lora_b"][1])
+    a = np.asarray(gate.lora_a[...][1])
+    b = np.asarray(gate.lora_b[...][1])
     np.testing.assert_allclose(got, deq + model.lora.scale * (a @ b).T, rtol=1e-6, atol=1e-7)
     assert rel_err(deq, k[1].T) < 0.2  # it is the 4-bit approximation, not the original weight

@@ -81,12 +81,10 @@ def test_lora_greedy_matches_peft(tiny, rng, tmp_path):
     model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False, progress=False)
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, random_state=int(rng.integers(1 << 30)))
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    layers = dict(model.params["layers"])
+    projs = model.projections()
     for i, name in enumerate(("q_proj", "v_proj", "down_proj")):
-        proj = dict(layers[name])
-        proj["lora_b"] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), proj["lora_b"].shape, jnp.float32)
-        layers[name] = proj
-    model.params = {**model.params, "layers": layers}
+        b = projs[name].lora_b
+        b[...] = 0.3 * jax.random.normal(jax.random.fold_in(key, i), b[...].shape, jnp.float32)
     model.save_pretrained(str(tmp_path / "adapter"))
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
     pm.eval()
@@ -102,11 +100,11 @@ def test_lora_greedy_matches_peft(tiny, rng, tmp_path):
 def test_prompt_lengths_share_a_compiled_bucket(tiny, rng):
     _, model = tiny("llama")
     generate(model, rng.integers(3, 256, size=(3, 5)), max_new_tokens=14)
-    prefill, step = generation._prefill._cache_size(), generation._decode_step._cache_size()
+    prefill, step = generation._prefill_jit.jitted._cache_size(), generation._decode_step_jit.jitted._cache_size()
     for n, new in ((6, 14), (9, 20), (13, 5)):  # all in the 16-token prompt bucket and the 64-slot cache bucket
         generate(model, rng.integers(3, 256, size=(3, n)), max_new_tokens=new)
-    assert generation._prefill._cache_size() == prefill
-    assert generation._decode_step._cache_size() == step
+    assert generation._prefill_jit.jitted._cache_size() == prefill
+    assert generation._decode_step_jit.jitted._cache_size() == step
     assert generation.bucket(5) == generation.bucket(16) == 16 and generation.bucket(17) == 32
 
 

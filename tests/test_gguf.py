@@ -102,9 +102,9 @@ def cases(tmp_path_factory, spm_tokenizer_dir):
         hf = _make_hf_dir(family, path, vocab, spm_tokenizer_dir, seed=(seed + 7 * k) % (1 << 31))
         model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
         model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
-        for name, sub in model.params["layers"].items():
-            if isinstance(sub, dict) and "lora_b" in sub:
-                sub["lora_b"] = np.asarray(0.05 * rng.standard_normal(sub["lora_b"].shape), np.float32)
+        for lin in model.projections().values():
+            if lin.lora_b is not None:
+                lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
         out[family] = (model, tok, hf, path)
     return out
 
@@ -112,13 +112,13 @@ def cases(tmp_path_factory, spm_tokenizer_dir):
 def _merged_state(model, hf) -> dict[str, np.ndarray]:
     """HF weights with W + scale * B^T A^T folded in (float32, torch), from the LoRA factors directly."""
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    for name, sub in model.params["layers"].items():
-        if not (isinstance(sub, dict) and "lora_a" in sub):
+    for name, lin in model.projections().items():
+        if lin.lora_a is None:
             continue
         mod = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
         for i in range(model.config.num_hidden_layers):
-            a = torch.tensor(np.asarray(sub["lora_a"][i]).T)  # PEFT lora_A [r, in]
-            b = torch.tensor(np.asarray(sub["lora_b"][i]).T)  # PEFT lora_B [out, r]
+            a = torch.tensor(np.asarray(lin.lora_a[...][i]).T)  # PEFT lora_A [r, in]
+            b = torch.tensor(np.asarray(lin.lora_b[...][i]).T)  # PEFT lora_B [out, r]
             key = f"model.layers.{i}.{mod}.{name}.weight"
             sd[key] = (torch.tensor(sd[key]) + model.lora.scale * (b @ a)).numpy()
     return sd

@@ -110,7 +110,7 @@ def test_sharded_checkpoint_and_bf16(tmp_path, rng):
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
     m16, _ = FastLanguageModel.from_pretrained(tmp_path / "one", dtype="bfloat16", load_tokenizer=False, progress=False)
-    assert m16.params["layers"]["q_proj"]["kernel"].dtype == np.dtype("bfloat16")
+    assert m16.model.layers.self_attn.q_proj.kernel[...].dtype == np.dtype("bfloat16")
     assert rel_err(np.asarray(m16(ids)), ref) < 3e-2
 
 

@@ -24,7 +24,7 @@ def test_packed_loss_equals_unpacked(tmp_path, rng):
     assert int(packed["segment_ids"].max()) == 3  # all three examples share one row
 
     def loss(batch):
-        value, n = loss_and_count(model.params, model.config, batch, lora_scale=None, remat="none")
+        value, n = loss_and_count(model, batch, remat="none")
         return float(value) * int(n), int(n)
 
     packed_sum, packed_n = loss(packed)

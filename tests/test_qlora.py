@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 
-from pallas_kernels.nf4 import NF4Weight, dequantize_nf4  # noqa: E402
+from pallas_kernels.nf4 import dequantize_nf4  # noqa: E402
+from unsloth_jax.models import NF4Param  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
@@ -23,16 +25,18 @@ def test_4bit_load_matches_dequantized_dense(family, tmp_path, rng):
     hf = save_hf_model(family, tmp_path, seed=21)
     q_model, _ = FastLanguageModel.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True,
                                                    load_tokenizer=False, progress=False)
-    kernel = q_model.params["layers"]["q_proj"]["kernel"]
-    assert isinstance(kernel, NF4Weight) and kernel.codes.dtype == jnp.uint8
-    assert q_model.params["embed_tokens"].dtype == jnp.float32  # embeddings stay dense
+    q_projs = q_model.projections()
+    kernel = q_projs["q_proj"].kernel
+    assert isinstance(kernel, NF4Param) and kernel.get_value().codes.dtype == jnp.uint8
+    assert q_model.model.embed_tokens.weight[...].dtype == jnp.float32  # embeddings stay dense
     d_model, _ = FastLanguageModel.from_pretrained(tmp_path, dtype="float32", load_tokenizer=False, progress=False)
+    d_projs = d_model.projections()
     n_quantized = 0
-    for name, sub in q_model.params["layers"].items():
-        if not (isinstance(sub, dict) and isinstance(sub.get("kernel"), NF4Weight)):
+    for name, lin in q_projs.items():
+        if not isinstance(lin.kernel, NF4Param):
             continue
-        deq = np.asarray(dequantize_nf4(sub["kernel"], jnp.float32))  # [layers, out, in], HF layout
-        d_model.params["layers"][name]["kernel"] = jnp.swapaxes(jnp.asarray(deq), -1, -2)
+        deq = np.asarray(dequantize_nf4(lin.kernel.get_value(), jnp.float32))  # [layers, out, in], HF layout
+        d_projs[name].kernel[...] = jnp.swapaxes(jnp.asarray(deq), -1, -2)
         for i, layer in enumerate(hf.model.layers):
             linear = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
             assert 0.05 < rel_err(deq[i], linear.weight.detach().numpy()) < 0.12, (name, i)
@@ -53,12 +57,12 @@ def test_qlora_train_step(tmp_path, rng):
     model, _ = FastLanguageModel.from_pretrained(tmp_path, dtype="float32", load_in_4bit=True,
                                                  load_tokenizer=False, progress=False)
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True)
-    t, f = lora.split(model.params, model.is_trainable)
-    assert all(p[-1] in ("lora_a", "lora_b") for p, _ in lora._walk(t))
+    g, t, f = lora.split(model)
+    assert all(p[-1] in ("lora_a", "lora_b") for p, _ in nnx.to_flat_state(t))
     ids = rng.integers(0, 256, size=(1, 2, 16)).astype(np.int32)
     batch = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
     opt = optax.adam(1e-2)
-    step = make_train_step(model.config, opt, lora_scale=model.lora_scale, remat="full", donate=False)
+    step = make_train_step(g, opt, remat="full", donate=False)
     state = opt.init(t)
     losses = []
     for _ in range(4):
@@ -90,7 +94,7 @@ def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
     hf4 = _save_bnb_checkpoint(tmp_path / "dense", tmp_path / "bnb")
     model, _ = FastLanguageModel.from_pretrained(tmp_path / "bnb", dtype="float32", load_tokenizer=False,
                                                  progress=False)
-    assert isinstance(model.params["layers"]["down_proj"]["kernel"], NF4Weight)
+    assert isinstance(model.projections()["down_proj"].kernel, NF4Param)
     ids = rng.integers(0, 256, size=(2, 16))
     with torch.no_grad():
         ref = hf4(torch.tensor(ids)).logits.float().numpy()

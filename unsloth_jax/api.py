@@ -1,7 +1,11 @@
-"""User API: `FastLanguageModel` (the names Unsloth users type) and the `Model` object it returns."""
+"""User API: `FastLanguageModel` (the names Unsloth users type) and `Model`, the NNX module it returns.
+
+`Model` is the decoder (`unsloth_jax.models.CausalLM`, an `nnx.Module`) with Unsloth's methods on it:
+`save_pretrained` (PEFT adapter), `save_pretrained_merged`, `save_pretrained_gguf`, `generate`. Calling it
+gives logits; `nnx.split(model, nnx.LoRAParam, ...)` gives the trainable LoRA state and the frozen rest.
+"""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -9,108 +13,36 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from unsloth_jax import lora as lora_lib
+from unsloth_jax.backend import device_memory_gib, is_bfloat16_supported, resolve_dtype
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
-from unsloth_jax.hf.loading import load_params
-from unsloth_jax.models import decoder
+from unsloth_jax.hf.loading import load_model
+from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger("unsloth_jax")
 
-_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16,
-           "float32": jnp.float32, "fp32": jnp.float32}
+_DEFAULT_TARGETS = lora_lib.ALL_TARGETS
+_FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling")
 
 
-def is_bfloat16_supported() -> bool:
-    """True on GPUs of compute capability 8.0 or newer (and TPUs); False on the CPU."""
-    dev = jax.devices()[0]
-    if dev.platform == "tpu":
-        return True
-    if dev.platform != "gpu":
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    try:
-        return cc is None or float(cc) >= 8.0
-    except (TypeError, ValueError):
-        return True
+class Model(CausalLM):
+    """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
+    `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full" or
+    "offload") and `training` (False after FastLanguageModel.for_inference)."""
 
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    """None -> bf16 where supported else fp32; accepts names ("bfloat16", "float16", "float32") and jnp dtypes."""
-    if dtype is None:
-        return jnp.dtype(jnp.bfloat16 if is_bfloat16_supported() else jnp.float32)
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(sorted(_DTYPES))} or None")
-        return jnp.dtype(_DTYPES[dtype])
-    dt = jnp.dtype(dtype)
-    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        raise ConfigError(f"dtype {dt} is not supported; use bfloat16, float16 or float32")
-    return dt
-
-
-def device_memory_gib() -> float | None:
-    """Bytes in use on the first device, in GiB (None where the backend does not report it)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    used = stats.get("bytes_in_use")
-    return None if used is None else used / 2**30
-
-
-@dataclasses.dataclass
-class LoraSettings:
-    """The LoRA configuration of a model (as PEFT's LoraConfig names it)."""
-
-    r: int
-    lora_alpha: float
-    target_modules: tuple[str, ...]
-    lora_dropout: float = 0.0
-    bias: str = "none"
-    use_rslora: bool = False
-    modules_to_save: tuple[str, ...] | None = None
-
-    @property
-    def scale(self) -> float:
-        return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
-
-
-class Model:
-    """A loaded decoder: `config`, `params` (a plain nested dict of jax arrays, layers stacked on axis 0), the
-    compute `dtype`, and after `get_peft_model` the `lora` settings. Call it for logits."""
-
-    def __init__(self, config: ModelConfig, params: dict, dtype, model_dir: str | None = None,
-                 max_seq_length: int = 2048, lora: LoraSettings | None = None):
-        self.config = config
-        self.params = params
-        self.dtype = jnp.dtype(dtype)
-        self.model_dir = model_dir
-        self.max_seq_length = max_seq_length
-        self.lora = lora
-        self.gradient_checkpointing: str = "none"
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.max_seq_length = 2048
+        self.gradient_checkpointing = "none"
         self.training = True
 
-    @property
-    def lora_scale(self) -> float | None:
-        return None if self.lora is None else self.lora.scale
-
-    @property
-    def is_trainable(self):
-        """The rule (param path -> bool) that lora.split uses for this model."""
-        from unsloth_jax import lora
-
-        if self.lora is None:
-            return lora.is_lora_leaf
-        return lora.make_is_trainable(self.lora.modules_to_save or (), self.lora.bias, self.lora.target_modules)
-
-    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
-        """Logits [batch, seq, vocab] (float32) for input_ids [batch, seq]."""
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        if input_ids.ndim == 1:
-            input_ids = input_ids[None]
-        if attention_mask is not None:
-            attention_mask = jnp.asarray(attention_mask, jnp.int32).reshape(input_ids.shape)
-        return decoder.forward(self.params, self.config, input_ids, attention_mask, positions, segment_ids,
-                               lora_scale=self.lora_scale)
+    def trainable_filter(self):
+        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
+        return lora_lib.trainable_filter(self.lora)
 
     # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
     def save_pretrained(self, save_directory, **kwargs) -> None:
@@ -175,6 +107,12 @@ def _load_tokenizer(model_dir: Path):
         return None
 
 
+def _check_model_name(model_name) -> Path:
+    if not isinstance(model_name, (str, os.PathLike)):
+        raise TypeError(f"model_name must be a path to a local model directory, got {model_name!r}")
+    return Path(model_name)
+
+
 class FastLanguageModel:
     """Unsloth's entry points, for JAX."""
 
@@ -182,14 +120,17 @@ class FastLanguageModel:
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_tokenizer: bool = True, progress: bool = True,
                         **kwargs):
-        """Load a local Hugging Face model directory. Returns (model, tokenizer).
+        """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
         """
         for key in kwargs:
-            if key not in ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling"):
+            if key not in _FROM_PRETRAINED_IGNORED:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
-        model_dir = Path(model_name)
+        model_dir = _check_model_name(model_name)
+        max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
+        load_in_4bit = check_bool("load_in_4bit", load_in_4bit)
+        compute_dtype = resolve_dtype(dtype)
         from unsloth_jax.hf import peft_io
 
         if model_dir.is_dir() and peft_io.is_adapter_dir(model_dir):
@@ -205,7 +146,6 @@ class FastLanguageModel:
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
         cfg = ModelConfig.from_pretrained(model_dir)
-        compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)
@@ -214,10 +154,11 @@ class FastLanguageModel:
 
             placer = nf4_placer
         load_in_4bit = load_in_4bit or prequantized
-        params = load_params(model_dir, cfg, compute_dtype, placer=placer, progress=progress, bnb_4bit=prequantized)
-        jax.block_until_ready(params)
+        model = load_model(model_dir, cfg, compute_dtype, model_class=Model, placer=placer, progress=progress,
+                           bnb_4bit=prequantized)
+        jax.block_until_ready(nnx.state(model))
+        model.max_seq_length = max_seq_length
         seconds = time.perf_counter() - start
-        model = Model(cfg, params, compute_dtype, str(model_dir), max_seq_length)
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
         log.info("unsloth_jax: loaded %s (%s, %d layers) in %.1fs as %s%s on %s%s", model_dir.name, cfg.model_type,
@@ -226,33 +167,46 @@ class FastLanguageModel:
         return model, tokenizer
 
     @staticmethod
-    def get_peft_model(model: Model, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
-                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
-                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
-                        max_seq_length: int | None = None, **kwargs) -> Model:
-        from unsloth_jax import lora
+    def get_peft_model(model: CausalLM, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
+                       lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
+                       random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
+                       max_seq_length: int | None = None, **kwargs):
+        """Add LoRA adapters in place (nnx.LoRAParam lora_a / lora_b on each targeted projection) and return the
+        model. target_modules may be PEFT's "all-linear"."""
         from unsloth_jax.train.step import resolve_remat
 
         if kwargs:
             raise TypeError(f"get_peft_model() got unexpected keyword argument(s): {', '.join(kwargs)}")
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"get_peft_model needs a model from FastLanguageModel.from_pretrained, got "
+                            f"{type(model).__name__}")
         if loftq_config:
             raise NotImplementedError("loftq_config is not supported")
+        r = check_int("r", r, minimum=1)
+        lora_alpha = check_number("lora_alpha", lora_alpha, minimum=0, exclusive_minimum=True)
+        lora_dropout = check_number("lora_dropout", lora_dropout, minimum=0, maximum=1, exclusive_maximum=True)
+        check_choice("bias", bias, lora_lib.BIAS_MODES)
+        random_state = check_int("random_state", random_state)
+        use_rslora = check_bool("use_rslora", use_rslora)
+        if max_seq_length is not None:
+            max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
+        targets = lora_lib.expand_targets(target_modules)
+        if isinstance(modules_to_save, str):
+            modules_to_save = [modules_to_save]
+        saved = tuple(modules_to_save) if modules_to_save else None
         if lora_dropout:
             log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
                         "(dropout 0 is what Unsloth recommends and what the fast path uses)", lora_dropout)
-        targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
-        saved = tuple(modules_to_save) if modules_to_save else None
-        settings = LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout,
-                                bias=bias, use_rslora=use_rslora, modules_to_save=saved)
-        lora.make_is_trainable(saved or (), bias, targets)  # validates bias
-        # LoRA factors are float32 master weights (tiny); matmuls cast them to the compute dtype.
-        model.params = lora.add_lora(model.params, targets, r, jax.random.PRNGKey(random_state), dtype=jnp.float32)
-        model.lora = settings
-        model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
-        if max_seq_length:
-            model.max_seq_length = max_seq_length
-        trainable, frozen = lora.split(model.params, model.is_trainable)
-        n_train, n_all = lora.count(trainable), lora.count(model.params)
+        settings = lora_lib.LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets,
+                                         lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
+                                         modules_to_save=saved)
+        lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
+        if isinstance(model, Model):
+            model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
+            if max_seq_length:
+                model.max_seq_length = max_seq_length
+        _, trainable, _ = lora_lib.split(model)
+        n_train, n_all = lora_lib.count(trainable), lora_lib.count(model)
         print(f"trainable params: {n_train:,d} || all params: {n_all:,d} || trainable%: {100 * n_train / n_all:.4f}")
         return model
 
@@ -265,3 +219,6 @@ class FastLanguageModel:
     def for_training(model: Model, use_gradient_checkpointing=True) -> Model:
         model.training = True
         return model
+
+
+__all__ = ["FastLanguageModel", "Model", "is_bfloat16_supported"]

@@ -255,7 +255,7 @@ def recommended_dtype() -> str:
     """bfloat16 where supported (Ampere+ GPUs, TPUs), float16 on older GPUs, float32 on the CPU."""
     import jax
 
-    from unsloth_jax.api import is_bfloat16_supported
+    from unsloth_jax.backend import is_bfloat16_supported
 
     if is_bfloat16_supported():
         return "bfloat16"
@@ -291,7 +291,7 @@ def run_checks(kernels: tuple[str, ...] = KERNELS, seed: int = 0, grads: bool | 
         return report
     report["host_memory_gib"] = _host_memory_gib()
     try:
-        from unsloth_jax.api import is_bfloat16_supported
+        from unsloth_jax.backend import is_bfloat16_supported
 
         report["bf16_supported"] = bool(is_bfloat16_supported())
         report["recommended_dtype"] = recommended_dtype()
@@ -301,9 +301,10 @@ def run_checks(kernels: tuple[str, ...] = KERNELS, seed: int = 0, grads: bool | 
     try:
         from unsloth_jax import ops
 
-        report["impl_overrides"] = {op: ops.requested_impl(op) for op in ops.OPS if ops.requested_impl(op) != "auto"}
-    except Exception:  # noqa: BLE001
+        report["impl_overrides"] = dict(ops.current_policy().forced)
+    except ValueError as e:  # a malformed UNSLOTH_JAX_IMPL
         report["impl_overrides"] = {}
+        report["problems"].append(str(e))
     if grads is None:
         grads = jax.default_backend() == "gpu"
     report["kernel_check"] = "forward+gradients" if grads else "forward"

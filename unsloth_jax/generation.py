@@ -4,27 +4,29 @@
     out = generate(model, ids, mask, do_sample=True, temperature=0.7, top_p=0.9, seed=1)
 
 Batches are LEFT padded (attention_mask 0 on the left, as HF's generate expects); positions count real tokens
-only (`decoder.positions_from_mask`), so a padded row generates exactly what it would alone. The prompt is
+only (`positions_from_mask`), so a padded row generates exactly what it would alone. The prompt is
 left-padded further to a bucket length and the batch to a bucket size, so the jitted prefill and decode step
 compile once per bucket of (batch, prompt length, cache length) and not for every new prompt length.
 
-Each layer's cache is written through `decoder.decoder_layer(..., cache=...)`, so the cached path is the same
+Each layer's cache is written through `DecoderModel.run_layers(..., cache=...)`, so the cached path is the same
 layer code as training (Gemma 2's attention softcapping and alternating sliding windows included: the window
 is measured in cache slots, which differ from HF's cache positions by a constant per row). Rows that emitted
 an end-of-sequence token get `pad_token_id` afterwards; generation stops once every row has finished.
 """
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.models import decoder
+from unsloth_jax.models.attention import Batch, KVCache
+from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 _MIN_BUCKET = 16
 
@@ -36,30 +38,16 @@ def bucket(n: int, minimum: int = _MIN_BUCKET) -> int:
 
 
 # ------------------------------------------------------------------------------------------ model pieces
-def _layers(params: dict, cfg: ModelConfig, x, positions, cache_k, cache_v, valid, index, lora_scale):
-    """Run every layer over x [B, S, D] with the cache; writes this chunk's keys/values at slot `index`.
+def _layers(model, x, positions, cache_k, cache_v, valid, index):
+    """Run every layer of `model` over x [B, S, D] with the cache; writes this chunk's keys/values at `index`.
 
     cache_k/cache_v: [L, B, T, Hkv, hd]; valid: [B, T] (1 where a slot holds a real token, this chunk included).
     Returns (x, cache_k, cache_v).
     """
-    cos, sin = decoder.rope_tables(cfg, positions)
-    batch = decoder.Batch(positions=positions, kv_valid=None, segment_ids=None)
-    (grouped, ck_grouped, cv_grouped), windows = decoder.layer_groups(cfg, (params["layers"], cache_k, cache_v))
-
-    def body(h, xs):
-        p_group, k_group, v_group = xs
-        new_k, new_v = [], []
-        for j in range(len(windows)):
-            p = jax.tree.map(lambda a: a[j], p_group)
-            h, (k_j, v_j) = decoder.decoder_layer(cfg, p, h, cos, sin, batch, windows[j], lora_scale,
-                                                  cache=(k_group[j], v_group[j], valid, index))
-            new_k.append(k_j)
-            new_v.append(v_j)
-        return h, (jnp.stack(new_k), jnp.stack(new_v))
-
-    x, (ck, cv) = jax.lax.scan(body, x, (grouped, ck_grouped, cv_grouped))
-    shape = cache_k.shape
-    return x, ck.reshape(shape), cv.reshape(shape)
+    cos, sin = rope_tables(model.config, positions)
+    batch = Batch(positions=positions, kv_valid=None, segment_ids=None)
+    x, (ck, cv) = model.model.run_layers(x, cos, sin, batch, cache=KVCache(cache_k, cache_v, valid, index))
+    return x, ck, cv
 
 
 def _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample: bool):
@@ -83,44 +71,47 @@ def _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample: b
     return tok, done
 
 
-def _next_tokens(params, cfg, x, positions, cache, index, done, key, temperature, top_p, eos_ids, pad_id,
-                 lora_scale, do_sample: bool):
+def _next_tokens(model, x, positions, cache, index, done, key, temperature, top_p, eos_ids, pad_id,
+                 do_sample: bool):
     """Embedded chunk x [B, S, D] through every layer (cache written at slot `index`), then the next token of
     each row from the last position -> (tokens [B], done [B], cache)."""
     ck, cv, valid = cache
-    x, ck, cv = _layers(params, cfg, x, positions, ck, cv, valid, index, lora_scale)
-    logits = decoder.logits_from_hidden(cfg, params, decoder.final_norm(cfg, params, x[:, -1]))
+    x, ck, cv = _layers(model, x, positions, ck, cv, valid, index)
+    logits = model.logits_from_hidden(model.model.norm(x[:, -1]))
     tok, done = _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample)
     return tok, done, (ck, cv, valid)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "cache_len", "do_sample"))
-def _prefill(params, input_ids, attention_mask, key, temperature, top_p, eos_ids, pad_id, *, cfg: ModelConfig,
-             lora_scale, cache_len: int, do_sample: bool):
+def _prefill(state, input_ids, attention_mask, key, temperature, top_p, eos_ids, pad_id, *, graphdef,
+             cache_len: int, do_sample: bool):
     """Prompt [B, P] (left padded) -> (first new tokens [B], done [B], cache)."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.config
     b, p = input_ids.shape
-    dtype = params["embed_tokens"].dtype
     shape = (cfg.num_hidden_layers, b, cache_len, cfg.num_key_value_heads, cfg.head_dim)
-    ck = jnp.zeros(shape, dtype)
-    cv = jnp.zeros(shape, dtype)
+    ck = jnp.zeros(shape, model.dtype)
+    cv = jnp.zeros(shape, model.dtype)
     valid = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(attention_mask)
-    positions = decoder.positions_from_mask(attention_mask)
-    x = decoder.embed(cfg, params, input_ids, dtype)
-    return _next_tokens(params, cfg, x, positions, (ck, cv, valid), 0, jnp.zeros((b,), bool),
-                        jax.random.fold_in(key, 0), temperature, top_p, eos_ids, pad_id, lora_scale, do_sample)
+    positions = positions_from_mask(attention_mask)
+    x = model.model.embed(input_ids, model.dtype)
+    return _next_tokens(model, x, positions, (ck, cv, valid), 0, jnp.zeros((b,), bool),
+                        jax.random.fold_in(key, 0), temperature, top_p, eos_ids, pad_id, do_sample)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "do_sample"), donate_argnames=("cache",))
-def _decode_step(params, cache, tokens, positions, index, done, key, temperature, top_p, eos_ids, pad_id, *,
-                 cfg: ModelConfig, lora_scale, do_sample: bool):
+def _decode_step(state, cache, tokens, positions, index, done, key, temperature, top_p, eos_ids, pad_id, *,
+                 graphdef, do_sample: bool):
     """One token per row: tokens [B] at cache slot `index` and positions [B] -> (next tokens, done, cache)."""
+    model = nnx.merge(graphdef, state)
     ck, cv, valid = cache
     b = tokens.shape[0]
     valid = jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((b, 1), valid.dtype), index, axis=1)
-    dtype = params["embed_tokens"].dtype
-    x = decoder.embed(cfg, params, tokens[:, None], dtype)
-    return _next_tokens(params, cfg, x, positions[:, None], (ck, cv, valid), index, done,
-                        jax.random.fold_in(key, index), temperature, top_p, eos_ids, pad_id, lora_scale, do_sample)
+    x = model.model.embed(tokens[:, None], model.dtype)
+    return _next_tokens(model, x, positions[:, None], (ck, cv, valid), index, done,
+                        jax.random.fold_in(key, index), temperature, top_p, eos_ids, pad_id, do_sample)
+
+
+_prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "do_sample"))
+_decode_step_jit = ops.policy_jit(_decode_step, static_argnames=("graphdef", "do_sample"), donate_argnums=(1,))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -228,19 +219,18 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     temp = jnp.float32(temperature)
     top = jnp.float32(top_p)
     pad = jnp.int32(pad_token_id)
-    scale = model.lora_scale if getattr(model, "lora", None) is not None else None
-    params = model.params
-    common = dict(cfg=cfg, lora_scale=scale, do_sample=bool(do_sample))
+    graphdef, state = nnx.split(model)
+    common = dict(graphdef=graphdef, do_sample=bool(do_sample))
 
     if streamer is not None and hasattr(streamer, "put"):
         streamer.put(ids.astype(np.int64))
-    tok, done, cache = _prefill(params, jnp.asarray(pids), jnp.asarray(pmask), key, temp, top, eos_arr, pad,
+    tok, done, cache = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), key, temp, top, eos_arr, pad,
                                 cache_len=t, **common)
     out = []
     for step in range(max_new_tokens):
         nxt = None
         if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
-            nxt = _decode_step(params, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done, key,
+            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done, key,
                                temp, top, eos_arr, pad, **common)
         host_tok = np.asarray(tok)[:b]
         host_done = np.asarray(done)[:b]

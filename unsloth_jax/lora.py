@@ -1,136 +1,147 @@
-"""LoRA as a functional partition of the param dict.
+"""LoRA on the NNX decoder, and the functional partition into trainable and frozen state.
 
-`add_lora` puts `lora_a` [L, in, r] and `lora_b` [L, r, out] next to each targeted projection's frozen
-`kernel`. `split(params)` separates the trainable leaves (LoRA factors, plus any `modules_to_save` or trained
-biases) from the frozen ones; `merge` puts them back together. Differentiating a loss of `merge(trainable,
-frozen)` with respect to `trainable` alone means frozen weights never get a gradient buffer or optimizer state.
+    settings = LoraSettings(r=16, lora_alpha=16, target_modules=ALL_TARGETS)
+    add_lora(model, settings, jax.random.PRNGKey(3407))       # in place: nnx.LoRAParam lora_a / lora_b
+    graphdef, trainable, frozen = split(model)                 # nnx.split(model, trainable_filter(...), ...)
+    model = nnx.merge(graphdef, trainable, frozen)
+
+`add_lora` gives every targeted projection (a `Linear`) `lora_a` [L, in, r] and `lora_b` [L, r, out] as
+`nnx.LoRAParam`s. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
+`modules_to_save` weights and biases the settings train) means frozen weights never get a gradient buffer or
+optimizer state. `nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)` selects the same leaves the NNX way.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS
+from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
+from unsloth_jax.models.layers import Linear, value_of
+from unsloth_jax.quant import dense_kernel, is_nf4
 
 ALL_TARGETS = ATTN_PROJS + MLP_PROJS
-LORA_KEYS = ("lora_a", "lora_b")
-
-Path = tuple[str, ...]
+BIAS_MODES = ("none", "all", "lora_only")
 
 
-def _in_out(kernel) -> tuple[int, int]:
-    """(in, out) of a stacked projection kernel [L, in, out] or a 4-bit weight (which knows its HF shape)."""
-    from unsloth_jax.quant import is_nf4
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """The LoRA configuration of a model, as PEFT's LoraConfig names it. Frozen, so a model holds it as a
+    static attribute."""
 
-    if is_nf4(kernel):
-        out_f, in_f = kernel.shape  # NF4 weights keep HF's [out, in] (per layer)
-        return int(in_f), int(out_f)
-    return int(kernel.shape[1]), int(kernel.shape[2])
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...]
+    lora_dropout: float = 0.0
+    bias: str = "none"
+    use_rslora: bool = False
+    modules_to_save: tuple[str, ...] | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
 
 
-def add_lora(params: dict, targets: tuple[str, ...], r: int, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Return params with LoRA factors on every targeted projection, initialised as PEFT does:
-    A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0. Existing factors are replaced."""
+def expand_targets(target_modules) -> tuple[str, ...]:
+    """target_modules as a tuple of projection names: a name, a list of names, or PEFT's "all-linear" (every
+    projection of the decoder layers, not the output head). Raises ValueError naming unknown entries."""
+    if isinstance(target_modules, str):
+        targets = ALL_TARGETS if target_modules == "all-linear" else (target_modules,)
+    else:
+        try:
+            targets = tuple(target_modules)
+        except TypeError:
+            raise TypeError(f"target_modules must be a list of module names or 'all-linear', got "
+                            f"{target_modules!r}") from None
+    if not targets:
+        raise ValueError("target_modules is empty; name at least one projection or use 'all-linear'")
     unknown = [t for t in targets if t not in ALL_TARGETS]
     if unknown:
-        raise ValueError(f"unknown target module(s) {unknown}; choose from {list(ALL_TARGETS)}")
-    if r <= 0:
-        raise ValueError(f"LoRA rank r must be positive, got {r}")
-    layers = dict(params["layers"])
+        raise ValueError(f"unknown target module(s) {unknown}; choose from {list(ALL_TARGETS)} or 'all-linear'")
+    return tuple(dict.fromkeys(targets))
+
+
+def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalLM:
+    """Give every targeted projection a LoRA pair, in place, initialised as PEFT does: A ~ kaiming_uniform(a=sqrt(5))
+    = U(-1/sqrt(in), 1/sqrt(in)), B = 0, both float32 [L, in, r] / [L, r, out]. Existing pairs are replaced,
+    and the pairs of projections not targeted any more are removed. Returns the model."""
+    if settings.bias not in BIAS_MODES:
+        raise ValueError(f"bias must be one of {', '.join(BIAS_MODES)}, got {settings.bias!r}")
+    targets = expand_targets(settings.target_modules)
+    n_layers = model.config.num_hidden_layers
     keys = jax.random.split(key, len(targets))
+    projs = model.projections()
+    for name, lin in projs.items():
+        if name not in targets:
+            lin.lora_a = lin.lora_b = None
+            lin.lora_scale = None
     for name, k in zip(targets, keys):
-        proj = dict(layers[name])
-        n_layers = params["layers"]["input_layernorm"].shape[0]
-        fan_in, fan_out = _in_out(proj["kernel"])
-        bound = 1.0 / np.sqrt(fan_in)
-        proj["lora_a"] = jax.random.uniform(k, (n_layers, fan_in, r), jnp.float32, -bound, bound).astype(dtype)
-        proj["lora_b"] = jnp.zeros((n_layers, r, fan_out), dtype)
-        layers[name] = proj
-    return {**params, "layers": layers}
+        lin = projs[name]
+        bound = 1.0 / np.sqrt(lin.in_features)
+        lin.lora_a = nnx.LoRAParam(jax.random.uniform(k, (n_layers, lin.in_features, settings.r), jnp.float32,
+                                                      -bound, bound))
+        lin.lora_b = nnx.LoRAParam(jnp.zeros((n_layers, settings.r, lin.out_features), jnp.float32))
+        lin.lora_scale = float(settings.scale)
+    model.lora = dataclasses.replace(settings, target_modules=targets)
+    return model
 
 
-def is_lora_leaf(path: Path) -> bool:
-    return bool(path) and path[-1] in LORA_KEYS
+def trainable_filter(settings: LoraSettings | None):
+    """The nnx filter of the variables that train under `settings`: every nnx.LoRAParam; the weights of the
+    `modules_to_save` modules (e.g. "lm_head", "embed_tokens"); biases when bias="all" (every bias) or
+    "lora_only" (biases of the targeted projections). Without extras it is just nnx.LoRAParam."""
+    if settings is None:
+        return nnx.LoRAParam
+    rules = [nnx.LoRAParam]
+    saved = tuple(settings.modules_to_save or ())
+    if saved:
+        rules.append(lambda path, _: any(str(p) in saved for p in path))
+    if settings.bias == "all":
+        rules.append(lambda path, _: bool(path) and path[-1] == "bias")
+    elif settings.bias == "lora_only":
+        targets = set(settings.target_modules)
+        rules.append(lambda path, _: len(path) >= 2 and path[-1] == "bias" and path[-2] in targets)
+    return rules[0] if len(rules) == 1 else nnx.Any(*rules)
 
 
-def make_is_trainable(modules_to_save: tuple[str, ...] = (), bias: str = "none",
-                      targets: tuple[str, ...] = ALL_TARGETS) -> Callable[[Path], bool]:
-    """The rule deciding which param paths train: LoRA factors; top-level params named in `modules_to_save`
-    (e.g. "lm_head", "embed_tokens"); biases when bias="all" (every bias) or "lora_only" (biases of targets)."""
-    if bias not in ("none", "all", "lora_only"):
-        raise ValueError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
-    saved = tuple(modules_to_save or ())
-
-    def rule(path: Path) -> bool:
-        if is_lora_leaf(path):
-            return True
-        if path and path[0] in saved:
-            return True
-        if path and path[-1] == "bias" and bias != "none":
-            return bias == "all" or (len(path) >= 2 and path[-2] in targets)
-        return False
-
-    return rule
+def split(model: CausalLM, trainable=None):
+    """(graphdef, trainable state, frozen state) of `model`: nnx.split by `trainable` (default: the model's own
+    trainable_filter(model.lora)). The two states are pure pytrees with disjoint leaves."""
+    wrt = trainable_filter(model.lora) if trainable is None else trainable
+    return nnx.split(model, wrt, ...)
 
 
-def _walk(tree: dict, prefix: Path = ()):
-    for key, value in tree.items():
-        path = prefix + (key,)
-        if isinstance(value, dict):
-            yield from _walk(value, path)
-        else:
-            yield path, value
+def _variables(tree):
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _insert(tree: dict, path: Path, value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def split(params: dict, is_trainable: Callable[[Path], bool] = is_lora_leaf) -> tuple[dict, dict]:
-    """(trainable, frozen): two nested dicts with disjoint leaves whose union is `params`."""
-    trainable: dict = {}
-    frozen: dict = {}
-    for path, leaf in _walk(params):
-        _insert(trainable if is_trainable(path) else frozen, path, leaf)
-    return trainable, frozen
-
-
-def merge(trainable: dict, frozen: dict) -> dict:
-    """Inverse of `split`: one nested dict holding the leaves of both."""
-    out: dict = {}
-    for tree in (frozen, trainable):
-        for path, leaf in _walk(tree):
-            _insert(out, path, leaf)
-    return out
-
-
-def count(tree: dict) -> int:
-    """Number of scalar parameters (4-bit weights count their original elements)."""
-    from unsloth_jax.quant import is_nf4
-
+def count(tree) -> int:
+    """Number of scalar parameters in a module or state (4-bit weights count their original elements)."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
     total = 0
-    for _, leaf in _walk(tree):
-        if is_nf4(leaf):  # original elements, times the stacked layers
-            total += leaf.numel * int(np.prod(leaf.codes.shape[:-1]))
+    for var in _variables(tree):
+        value = value_of(var) if isinstance(var, nnx.Variable) else var
+        if is_nf4(value):  # original elements, times the stacked layers
+            total += value.numel * int(np.prod(value.stack_shape))
         else:
-            total += int(np.prod(leaf.shape))
+            total += int(np.prod(np.shape(value)))
     return total
 
 
-def merged_kernels(params: dict, scale: float) -> dict:
-    """A copy of params with every LoRA pair folded in: kernel + scale * A @ B (float32 math), factors removed.
-    Only for dense kernels; a 4-bit base must be dequantized first."""
-    layers = {}
-    for name, sub in params["layers"].items():
-        if isinstance(sub, dict) and "lora_a" in sub:
-            k = sub["kernel"]
-            delta = scale * jnp.einsum("lir,lro->lio", sub["lora_a"].astype(jnp.float32), sub["lora_b"].astype(jnp.float32))
-            sub = {kk: vv for kk, vv in sub.items() if kk not in LORA_KEYS}
-            sub["kernel"] = (k.astype(jnp.float32) + delta).astype(k.dtype)
-        layers[name] = sub
-    return {**params, "layers": layers}
+def merged_kernel(lin: Linear, layer: int) -> np.ndarray:
+    """Layer `layer` of a projection as a dense float32 [in, out] numpy array with its LoRA pair folded in
+    (kernel + scale * A @ B); a 4-bit base is dequantized first."""
+    kernel = value_of(lin.kernel)
+    w = np.asarray(dense_kernel(jax.tree.map(lambda a: a[layer], kernel)), np.float32)
+    if lin.lora_a is not None:
+        a = np.asarray(lin.lora_a[...][layer], np.float32)
+        b = np.asarray(lin.lora_b[...][layer], np.float32)
+        w = w + np.float32(lin.lora_scale) * (a @ b)
+    return w
+
+
+__all__ = ["ALL_TARGETS", "LoraSettings", "expand_targets", "add_lora", "trainable_filter", "split", "count", "merged_kernel"]

@@ -1,15 +1,24 @@
 """Op dispatch: one function per op, choosing a Pallas kernel, cuDNN or the plain-XLA reference.
 
-The choice depends on the backend, the features a call asks for, and the measured table below (a kernel is
-dispatched only where the GPU benchmarks showed it faster than XLA's fusion of the same math). Users override
-it with `set_impl(op, "xla" | "pallas" | "cudnn" | "auto")` or the environment variable
-`UNSLOTH_JAX_IMPL="op=impl,op=impl"`. Each op logs its choice once.
+Which implementation runs is decided by an immutable `Policy` value, resolved by `current_policy()` from three
+layers, each validated, later ones overriding earlier ones:
+  1. the measured table `PALLAS_WINS` ("auto": a kernel runs only where the GPU benchmarks showed it faster
+     than XLA's fusion of the same math; BENCHMARKS.md has the figures),
+  2. `set_impl(op, impl)` calls,
+  3. the environment variable `UNSLOTH_JAX_IMPL="op=impl,op=impl"`.
+Every jitted entry point of the project takes the policy as a static argument (`policy_jit`), so it is part
+of the jit cache key: after `set_impl` the next call of any model or train step retraces with the new choice.
+Inside a trace the active policy is the one `policy_scope` set; code traced outside the project's entry
+points (a user's own `nnx.jit`) uses the policy current at trace time.
 
 Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy.
 """
 from __future__ import annotations
 
-import logging
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import os
 
 import jax
@@ -17,100 +26,170 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
+from pallas_kernels.nf4 import NF4Weight
+
+ENV_VAR = "UNSLOTH_JAX_IMPL"
+# The implementations each op can be forced to ("auto" restores the measured choice).
+IMPLS = {
+    "rms_norm": ("xla", "pallas"),
+    "rope": ("xla", "pallas"),
+    "glu": ("xla", "pallas"),
+    "linear": ("xla", "pallas"),
+    "nf4_matmul": ("xla", "pallas"),
+    "attention": ("xla", "pallas", "cudnn"),
+    "cross_entropy": ("xla", "pallas"),
+}
+OPS = tuple(IMPLS)
 
 
-log = logging.getLogger("unsloth_jax")
+def _check(op: str, impl: str, source: str) -> None:
+    if op not in IMPLS:
+        raise ValueError(f"{source}: unknown op {op!r}; ops: {', '.join(OPS)}")
+    if impl != "auto" and impl not in IMPLS[op]:
+        raise ValueError(f"{source}: unknown implementation {impl!r} for {op}; use auto or "
+                         f"{', '.join(IMPLS[op])}")
 
-OPS = ("rms_norm", "rope", "glu", "linear", "nf4_matmul", "attention", "cross_entropy")
-_overrides: dict[str, str] = {}
-_logged: set[tuple[str, str]] = set()
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The implementation choice of every op: `forced` holds (op, impl) pairs that override the measured
+    table; `gpu` says whether the backend is a GPU (the table applies there only). Hashable and comparable, so
+    jitted functions take it as a static argument."""
+
+    forced: tuple[tuple[str, str], ...] = ()
+    gpu: bool = False
+
+    def requested(self, op: str) -> str:
+        """The forced implementation of `op`, or "auto"."""
+        return dict(self.forced).get(op, "auto")
+
+    def with_impl(self, op: str, impl: str) -> "Policy":
+        """A copy with `op` forced to `impl` ("auto" removes the override)."""
+        _check(op, impl, "Policy.with_impl")
+        forced = {k: v for k, v in self.forced if k != op}
+        if impl != "auto":
+            forced[op] = impl
+        return Policy(tuple(sorted(forced.items())), self.gpu)
 
 
-def _env_overrides() -> dict[str, str]:
-    raw = os.environ.get("UNSLOTH_JAX_IMPL", "")
-    out = {}
-    for item in filter(None, (s.strip() for s in raw.split(","))):
-        op, _, impl = item.partition("=")
-        out[op.strip()] = impl.strip()
-    return out
+_set_impls: dict[str, str] = {}
 
 
 def set_impl(op: str, impl: str) -> None:
-    """Force an implementation for `op` ("auto" restores the measured choice)."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
-    if impl not in ("auto", "xla", "pallas", "cudnn"):
-        raise ValueError(f"unknown implementation {impl!r}; use auto, xla, pallas or cudnn")
+    """Force `impl` for `op` ("auto" restores the measured choice); takes effect on the next call of any model."""
+    _check(op, impl, "set_impl")
     if impl == "auto":
-        _overrides.pop(op, None)
+        _set_impls.pop(op, None)
     else:
-        _overrides[op] = impl
+        _set_impls[op] = impl
 
 
-def requested_impl(op: str) -> str:
-    """The user's override for `op` ("auto" when none)."""
-    return _overrides.get(op) or _env_overrides().get(op) or "auto"
-
-
-def _note(op: str, impl: str, why: str = "") -> None:
-    if (op, impl) not in _logged:
-        _logged.add((op, impl))
-        log.info("unsloth_jax: %s -> %s%s", op, impl, f" ({why})" if why else "")
-
-
-def chosen_impls() -> dict[str, str]:
-    """What each op used so far in this process (for the one-line summary)."""
-    out: dict[str, str] = {}
-    for op, impl in sorted(_logged):
-        out[op] = impl if op not in out else out[op] + "+" + impl
+def _env_impls() -> dict[str, str]:
+    raw = os.environ.get(ENV_VAR, "")
+    out = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        op, sep, impl = item.partition("=")
+        if not sep:
+            raise ValueError(f"{ENV_VAR}={raw!r}: entry {item!r} is not of the form op=impl")
+        op, impl = op.strip(), impl.strip()
+        _check(op, impl, f"{ENV_VAR}={raw!r}")
+        out[op] = impl
     return out
 
 
-# Where a Pallas kernel beat XLA's fusion of the same math on the H200 (bench/results/, BENCHMARKS.md).
-# `auto` dispatches a kernel only where its predicate holds; everything else stays on XLA (or cuDNN).
+def current_policy() -> Policy:
+    """The policy now in force: the measured table, overridden by set_impl, overridden by UNSLOTH_JAX_IMPL."""
+    forced = {**_set_impls, **_env_impls()}
+    forced = {k: v for k, v in forced.items() if v != "auto"}
+    return Policy(tuple(sorted(forced.items())), on_gpu())
+
+
+_active: contextvars.ContextVar[Policy | None] = contextvars.ContextVar("unsloth_jax_policy", default=None)
+
+
+@contextlib.contextmanager
+def policy_scope(policy: Policy):
+    """Make `policy` the one the ops below use while tracing (or running eagerly) inside the block."""
+    token = _active.set(policy)
+    try:
+        yield policy
+    finally:
+        _active.reset(token)
+
+
+def active_policy() -> Policy:
+    """The policy of the enclosing `policy_scope`, else the current one."""
+    return _active.get() or current_policy()
+
+
+def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=()):
+    """jax.jit of `fn` with the current policy as an extra static argument, active while `fn` traces.
+
+    The returned function reads `current_policy()` at every call, so a changed policy means a new cache entry
+    (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too."""
+
+    def with_policy(*args, policy: Policy, **kwargs):
+        with policy_scope(policy):
+            return fn(*args, **kwargs)
+
+    jitted = jax.jit(with_policy, static_argnames=("policy", *static_argnames), donate_argnums=donate_argnums,
+                     donate_argnames=donate_argnames)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return jitted(*args, policy=current_policy(), **kwargs)
+
+    call.lower = lambda *args, **kwargs: jitted.lower(*args, policy=current_policy(), **kwargs)
+    call.jitted = jitted  # the underlying jax.jit object (cache introspection in tests)
+    return call
+
+
+# What each op chose while tracing, per policy (reported once in the run summary).
+_choices: dict[Policy, dict[str, list[str]]] = {}
+
+
+def _note(op: str, impl: str) -> None:
+    seen = _choices.setdefault(active_policy(), {}).setdefault(op, [])
+    if impl not in seen:
+        seen.append(impl)
+
+
+def chosen_impls(policy: Policy | None = None) -> dict[str, str]:
+    """{op: impl} chosen in the calls traced under `policy` (default: the current one); "a+b" where an op
+    took different paths for different calls (e.g. cuDNN attention in training, XLA when decoding)."""
+    seen = _choices.get(policy or current_policy(), {})
+    return {op: "+".join(impls) for op, impls in sorted(seen.items())}
+
+
+# Where a Pallas kernel beat XLA's fusion of the same math on the H200 inside the model's train step
+# (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds.
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
-    # RMSNorm, bf16: backward alone 1.44-2.29x XLA's at every shape in every run (three device calls, third
-    # session); forwards tie (0.84-1.54x across runs at D=1536/4096, within the run-to-run spread). D=2304
-    # (Gemma 2) and D=128 (q/k norm) forwards 0.92-1.37x: not measured in a model step, so not enabled. In the
-    # Qwen2-1.5B step it ties (XLA fuses the norm into neighbours).
+    # bf16 RMSNorm at the hidden sizes measured (Qwen2-1.5B, Llama-3-8B); other sizes were not measured in a step.
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
-    # RoPE: forward 0.72-1.30x (not reliably at XLA's speed at model shapes), backward alone 1.17-1.44x XLA
-    # (second and third sessions); in the Qwen2-1.5B step 178.6 vs 178.8 ms (a tie: XLA fuses the rotation into
-    # the projection epilogue). Off: a kernel must beat XLA in the step.
+    # RoPE, GLU and the fused LoRA linear win standalone but not in the train step (XLA fuses them into the
+    # neighbouring matmuls), so they stay off.
     "rope": lambda q: False,
-    # GLU: forward at par, backward alone 1.99-2.60x XLA's (second and third sessions); but the Qwen2-1.5B step
-    # got slower with it on (187.6 vs 178.8 ms): XLA fuses the activation into the neighbouring matmuls'
-    # prologue/epilogue. Off.
     "glu": lambda gate: False,
-    # LoRA linear, bf16, r=16: standalone fwd+bwd 1.03-1.28x XLA, forward alone 0.63-1.03x. In the model it
-    # loses: Qwen2-1.5B step 218.8 ms with only this kernel switched on vs 178.8 ms without (isolated A/B,
-    # H200 2026-11-29). Off.
-    "linear": lambda probe: False,
-    # Fused linear cross-entropy, bf16: fwd+bwd 1.58x (Qwen2-1.5B) and 1.25x (Llama-3-8B) the chunked XLA
-    # version with a tenth of its temporary memory; in the model it cut peak memory (5.46 -> 5.08 GiB at
-    # 1.5B, 19.2 -> 17.1 GiB at 8B) without slowing the step (see above).
+    "linear": lambda x: False,
+    # Fused linear cross-entropy: faster and a tenth of the memory of the chunked XLA loss.
     "cross_entropy": lambda h: h.dtype == _BF16,
-    # Flash attention serves the calls cuDNN cannot (Gemma 2's softcap, packing segments, left padding; cuDNN
-    # is tried first, see attention()). GPU tests 9/9 on the H200 with the swept table (fourth session, 2026-11-29):
-    # fwd+bwd 2.4-9.3x XLA and 0.60-0.78x cuDNN; Gemma 2 softcap+window 3.6x (S=4096) / 5.1x (S=8192) XLA;
-    # Gemma-2-2B 4x2048 LoRA step 320 vs 417 ms with XLA attention, 8.65 vs 10.75 GiB.
+    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
-    # NF4 (QLoRA) projections: Pallas dequantize (table-load decode, 57-63% of 3 TB/s at Llama-3-8B layer
-    # sizes) then XLA's matmul. In the Qwen2-1.5B QLoRA step: 182.1 ms vs 185.9 ms with the XLA twin (H200,
-    # 2026-11-29, bench/gpu_session.sh final), peak 3.08 vs 3.11 GiB; Llama-3-8B QLoRA 390.5 vs 410.5 ms.
+    # NF4 projections: the Pallas dequantize, then XLA's matmul.
     "nf4_matmul": lambda x: x.dtype == _BF16,
 }
 
 
 def use_pallas(op: str, probe) -> bool:
-    """Whether `op` runs its Pallas kernel for an input like `probe` (override > measured table)."""
-    impl = requested_impl(op)
+    """Whether `op` runs its Pallas kernel for an input like `probe` under the active policy."""
+    policy = active_policy()
+    impl = policy.requested(op)
     if impl == "pallas":
         return True
-    if impl in ("xla", "cudnn"):
+    if impl != "auto":
         return False
-    return on_gpu() and bool(PALLAS_WINS[op](probe))
+    return policy.gpu and bool(PALLAS_WINS[op](probe))
 
 
 # ----------------------------------------------------------------------------------------------- norms
@@ -134,19 +213,14 @@ def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[ja
         _note("rope", "pallas")
         return kernel(q, k, cos, sin)
     _note("rope", "xla")
-
-    def rot(x):
-        xf = x.astype(jnp.float32)
-        half = x.shape[-1] // 2
-        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-        return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
-
-    return rot(q), rot(k)
+    return ref.rope(q, k, cos, sin)
 
 
 # ------------------------------------------------------------------------------------------------- glu
 def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     """act(gate) * up for activation in {"silu", "gelu", "gelu_tanh"}; math in f32, output in gate.dtype."""
+    if activation not in ("silu", "gelu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {activation!r}")
     if use_pallas("glu", gate):
         from pallas_kernels.glu import geglu, swiglu
 
@@ -155,64 +229,52 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
             return swiglu(gate, up)
         return geglu(gate, up, approximate=activation == "gelu_tanh")
     _note("glu", "xla")
-    g = gate.astype(jnp.float32)
     if activation == "silu":
-        a = g * jax.nn.sigmoid(g)
-    elif activation == "gelu":
-        a = jax.nn.gelu(g, approximate=False)
-    elif activation == "gelu_tanh":
-        a = jax.nn.gelu(g, approximate=True)
-    else:
-        raise ValueError(f"unknown activation {activation!r}")
-    return (a * up.astype(jnp.float32)).astype(gate.dtype)
+        return ref.swiglu(gate, up)
+    return ref.geglu(gate, up, approximate=activation == "gelu_tanh")
 
 
 # ---------------------------------------------------------------------------------------------- linear
-def linear(x: jax.Array, p: dict, lora_scale: float | None = None) -> jax.Array:
-    """x [..., in] @ p["kernel"] [in, out] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b); output in x.dtype.
+def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> jax.Array:
+    """x [..., in] @ kernel (+ bias) (+ scale * (x @ a) @ b); output in x.dtype.
 
-    The frozen kernel is wrapped in stop_gradient, so even a caller differentiating w.r.t. all params gets
-    no gradient computation for it.
+    kernel: a dense [in, out] array, or an NF4Weight (HF [out, in]); lora: None or (a [in, r], b [r, out],
+    scale). The frozen kernel is wrapped in stop_gradient, so even a caller differentiating with respect to
+    every weight gets no gradient computation for it.
     """
-    from unsloth_jax.quant import is_nf4
-
-    if is_nf4(p["kernel"]):
-        return _linear_nf4(x, p, lora_scale)
-    if "lora_a" in p and lora_scale is not None and use_pallas("linear", (x, p["kernel"].shape[-2:])):
+    if isinstance(kernel, NF4Weight):
+        y = _linear_nf4(x, kernel, lora)
+    elif lora is not None and use_pallas("linear", x):
         from pallas_kernels.lora_linear import lora_linear
 
         _note("linear", "pallas")
-        y = lora_linear(x, jax.lax.stop_gradient(p["kernel"]).astype(x.dtype), p["lora_a"], p["lora_b"],
-                        float(lora_scale))
-        return y + p["bias"].astype(x.dtype) if "bias" in p else y
-    _note("linear", "xla")
-    w = jax.lax.stop_gradient(p["kernel"])
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))  # f32 accumulation, output in x.dtype
-    if "lora_a" in p and lora_scale is not None:
-        xa = jnp.einsum("...i,ir->...r", x, p["lora_a"].astype(x.dtype))
-        y = y + (lora_scale * jnp.einsum("...r,ro->...o", xa, p["lora_b"].astype(x.dtype))).astype(x.dtype)
-    if "bias" in p:
-        y = y + p["bias"].astype(x.dtype)
+        a, b, scale = lora
+        y = lora_linear(x, jax.lax.stop_gradient(kernel).astype(x.dtype), a, b, float(scale))
+    else:
+        _note("linear", "xla")
+        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype))
+        if lora is not None:
+            a, b, scale = lora
+            xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype))
+            y = y + (scale * jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype))).astype(x.dtype)
+    if bias is not None:
+        y = y + bias.astype(x.dtype)
     return y
 
 
-def _linear_nf4(x: jax.Array, p: dict, lora_scale: float | None) -> jax.Array:
-    """QLoRA linear: frozen NF4 base (HF [out, in]) + optional LoRA, dX never keeps a dequantized weight."""
-    q = p["kernel"]
-    lora = "lora_a" in p and lora_scale is not None
+def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
+    """QLoRA linear: frozen NF4 base (HF [out, in]) + optional LoRA; dX never keeps a dequantized weight."""
     if use_pallas("nf4_matmul", x):
         from pallas_kernels import nf4 as impl
 
         _note("nf4_matmul", "pallas")
     else:
-        from pallas_kernels import reference as impl
-
+        impl = ref
         _note("nf4_matmul", "xla")
-    if lora:
-        y = impl.qlora_linear(x, q, p["lora_a"].astype(x.dtype), p["lora_b"].astype(x.dtype), float(lora_scale))
-    else:
-        y = impl.nf4_matmul(x, q)
-    return y + p["bias"].astype(x.dtype) if "bias" in p else y
+    if lora is None:
+        return impl.nf4_matmul(x, q)
+    a, b, scale = lora
+    return impl.qlora_linear(x, q, a.astype(x.dtype), b.astype(x.dtype), float(scale))
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -264,6 +326,11 @@ def _attention_xla(q, k, v, mask, scale, softcap):
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
 
+def _cudnn_serves(q: jax.Array) -> bool:
+    """cuDNN's fused attention: 16-bit inputs, head_dim a multiple of 8 up to 128 (the sizes measured here)."""
+    return q.dtype in (_BF16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -281,20 +348,22 @@ def attention(
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
 
     kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
-    the length are padding. Chooses cuDNN on GPU when the call needs only causal/window masking and right
-    padding, else the XLA reference.
+    the length are padding. On a GPU: cuDNN when the call needs only causal/window masking and right padding
+    (16-bit, head_dim <= 128), the Pallas flash kernel for the other full-sequence calls, XLA for decoding.
     """
-    impl = requested_impl("attention")
+    policy = active_policy()
+    impl = policy.requested("attention")
     padding_ok = kv_valid is None or kv_lengths is not None
-    simple = padding_ok and segment_ids is None and softcap is None and q.shape[1] == k.shape[1]
-    if impl in ("auto", "cudnn") and on_gpu() and simple and isinstance(q_offset, int) and q_offset == 0:
+    full_sequence = q.shape[1] == k.shape[1] and isinstance(q_offset, int) and q_offset == 0
+    simple = padding_ok and segment_ids is None and softcap is None and full_sequence
+    if impl in ("auto", "cudnn") and policy.gpu and simple and _cudnn_serves(q):
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=causal, local_window_size=local, implementation="cudnn",
             query_seq_lengths=kv_lengths, key_value_seq_lengths=kv_lengths,
         )
-    if use_pallas("attention", q) and q.shape[1] == k.shape[1] and isinstance(q_offset, int) and q_offset == 0:
+    if impl != "cudnn" and use_pallas("attention", q) and full_sequence:
         from pallas_kernels.flash_attention import flash_attention
 
         _note("attention", "pallas")
@@ -323,5 +392,6 @@ def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, s
     return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
 
 
-__all__ = ["OPS", "set_impl", "requested_impl", "chosen_impls", "rms_norm", "rope", "glu", "linear",
-           "attention", "attention_mask", "cross_entropy", "use_pallas", "PALLAS_WINS"]
+__all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
+           "chosen_impls", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask", "cross_entropy",
+           "use_pallas", "PALLAS_WINS"]

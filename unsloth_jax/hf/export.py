@@ -33,7 +33,8 @@ import numpy as np
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
-from unsloth_jax.quant import dense_kernel
+from unsloth_jax.lora import merged_kernel
+from unsloth_jax.models.state import variable_at
 
 log = logging.getLogger("unsloth_jax")
 
@@ -93,7 +94,7 @@ def _resolve_out_dtype(model, dtype) -> np.dtype:
     if dtype is None:
         dt = jnp.dtype(model.dtype)
     else:
-        from unsloth_jax.api import resolve_dtype
+        from unsloth_jax.backend import resolve_dtype
 
         dt = resolve_dtype(dtype)
     if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
@@ -259,18 +260,19 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
 
 
 def _adapter_entries(model) -> list[_Entry]:
-    from unsloth_jax.hf.peft_io import SAVED_MODULE_KEYS
+    from unsloth_jax.hf.peft_io import SAVED_MODULE_KEYS, SAVED_MODULE_PATHS
 
     lo = model.lora
-    layers = model.params["layers"]
+    projs = model.projections()
     n = model.config.num_hidden_layers
     entries: list[_Entry] = []
     f32 = np.dtype(np.float32)
     for proj in lo.target_modules:
-        sub = layers.get(proj, {})
-        if "lora_a" not in sub:
-            raise ConfigError(f"model.lora targets {proj} but params['layers']['{proj}'] has no lora_a/lora_b")
-        a, b = sub["lora_a"], sub["lora_b"]
+        lin = projs[proj]
+        if lin.lora_a is None:
+            raise ConfigError(f"model.lora targets {proj} but model.model.layers.{PROJ_MODULE[proj]}.{proj} has no "
+                              "lora_a/lora_b")
+        a, b = lin.lora_a[...], lin.lora_b[...]
         prefix = f"base_model.model.model.layers.{{i}}.{PROJ_MODULE[proj]}.{proj}"
         for i in range(n):
             p = prefix.format(i=i)
@@ -279,13 +281,13 @@ def _adapter_entries(model) -> list[_Entry]:
             entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
                                   lambda b=b, i=i: np.asarray(b[i], np.float32).T))
     if lo.bias in ("all", "lora_only"):
-        for proj, sub in layers.items():
-            if not isinstance(sub, dict) or "bias" not in sub:
+        for proj, lin in projs.items():
+            if lin.bias is None:
                 continue
             targeted = proj in lo.target_modules
             if lo.bias == "lora_only" and not targeted:
                 continue
-            bias = sub["bias"]
+            bias = lin.bias[...]
             leaf = "base_layer.bias" if targeted else "bias"
             for i in range(n):
                 entries.append(_Entry(f"base_model.model.model.layers.{i}.{PROJ_MODULE[proj]}.{proj}.{leaf}",
@@ -294,11 +296,11 @@ def _adapter_entries(model) -> list[_Entry]:
         if mod not in SAVED_MODULE_KEYS:
             raise ConfigError(f"modules_to_save entry {mod!r} cannot be exported (supported: "
                               f"{', '.join(SAVED_MODULE_KEYS)})")
-        value = model.params.get(mod)
-        if value is None:
+        if mod == "lm_head" and model.lm_head is None:
             log.warning("unsloth_jax: modules_to_save names %s, but embeddings are tied (no separate %s); "
                         "not saved", mod, mod)
             continue
+        value = variable_at(model, SAVED_MODULE_PATHS[mod])[...]
         entries.append(_Entry(SAVED_MODULE_KEYS[mod], value.shape, _np_dtype(value.dtype),
                               lambda v=value: np.asarray(v)))
     return entries
@@ -331,37 +333,29 @@ def save_adapter(model, out_dir, *, base_model_name_or_path=None) -> None:
 # -------------------------------------------------------------------------------------------- merged
 def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
     """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head)."""
-    cfg = model.config
-    params = model.params
-    scale = model.lora.scale if model.lora is not None else None
-    specs = tensor_specs(cfg)
     entries: list[_Entry] = []
-
-    def get(path):
-        node = params
-        for k in path:
-            node = node[k]
-        return node
-
-    for name, spec in specs.items():
+    for name, spec in tensor_specs(model.config).items():
         if spec.kind == "kernel":
-            sub = get(spec.path[:-1])
+            lin = variable_parent(model, spec.path)
 
-            def make(sub=sub, i=spec.layer):
-                w = np.asarray(dense_kernel(_layer(sub["kernel"], i)), np.float32)
-                if scale is not None and "lora_a" in sub:
-                    a = np.asarray(sub["lora_a"][i], np.float32)
-                    b = np.asarray(sub["lora_b"][i], np.float32)
-                    w = w + np.float32(scale) * (a @ b)
-                return np.ascontiguousarray(w.T).astype(out_dtype)
+            def make(lin=lin, i=spec.layer):
+                return np.ascontiguousarray(merged_kernel(lin, i).T).astype(out_dtype)
         else:
-            leaf = get(spec.path)
+            leaf = variable_at(model, spec.path)[...]
 
             def make(leaf=leaf, i=spec.layer):
                 x = leaf if i is None else leaf[i]
                 return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
         entries.append(_Entry(name, spec.hf_shape, out_dtype, make))
     return entries
+
+
+def variable_parent(model, path: tuple[str, ...]):
+    """The module holding the variable at `path` (for a projection kernel: its Linear)."""
+    node = model
+    for key in path[:-1]:
+        node = getattr(node, key)
+    return node
 
 
 def _merged_config(model, out_dtype: np.dtype) -> dict:

@@ -1,8 +1,12 @@
-"""Load a Hugging Face safetensors checkpoint into the stacked param dict, streaming tensor by tensor.
+"""Load a Hugging Face safetensors checkpoint into the NNX decoder, streaming tensor by tensor.
+
+    model = load_model(model_dir, cfg, jnp.bfloat16)      # a CausalLM (or a subclass) holding the checkpoint
 
 Each tensor is read from the memory-mapped file, transformed (projection weights transposed to [in, out]),
-cast to the compute dtype and written into its slot on the default device. Stacked params are preallocated on
-the device and filled one layer at a time by a donating update, so host memory stays near one tensor.
+cast to the compute dtype and written into its slot on the default device, in a nested dict keyed by module
+path (`load_params`). Stacked variables are preallocated on the device and filled one layer at a time by a
+donating update, so host memory stays near one tensor. `load_model` then fills an abstract model (built with
+nnx.eval_shape, no memory) with those arrays.
 """
 from __future__ import annotations
 
@@ -15,12 +19,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
+from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.models.state import fill
 
 log = logging.getLogger("unsloth_jax")
 
@@ -193,3 +200,15 @@ def load_params(
     if tied_head_in_file:
         log.debug("ignored lm_head.weight: embeddings are tied in config.json")
     return params
+
+
+def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, dtype=jnp.bfloat16, *, model_class=CausalLM,
+               placer: Placer | None = None, progress: bool = True, bnb_4bit: bool = False):
+    """A `model_class` (CausalLM or a subclass) computing in `dtype`, holding the checkpoint in `model_dir`.
+
+    Arguments as `load_params`; the model's `model_dir` is set to the directory."""
+    values = load_params(model_dir, cfg, dtype, placer=placer, progress=progress, bnb_4bit=bnb_4bit)
+    model = nnx.eval_shape(lambda: model_class(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    fill(model, values)
+    model.model_dir = str(model_dir)
+    return model

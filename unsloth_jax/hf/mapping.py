@@ -1,41 +1,42 @@
-"""Name tables: Hugging Face tensor name <-> unsloth_jax param path, with the transform between them.
+"""Name tables: Hugging Face tensor name <-> unsloth_jax module path, with the transform between them.
 
-Params are a plain nested dict. Decoder layers are stacked on a leading axis L (for lax.scan):
+The path of a variable in the NNX module tree (`unsloth_jax.models.decoder`) reads like the HF name, with the
+layer index dropped because decoder layers are stacked on a leading axis L (for lax.scan):
 
-    embed_tokens [V, D]              <- model.embed_tokens.weight
-    norm [D]                         <- model.norm.weight
-    lm_head [V, D]                   <- lm_head.weight            (only when embeddings are untied)
-    layers/<norm name> [L, D]        <- model.layers.{i}.<norm name>.weight
-    layers/q_norm, k_norm [L, hd]    <- model.layers.{i}.self_attn.{q,k}_norm.weight   (Qwen3)
-    layers/<proj>/kernel [L, in, out] <- model.layers.{i}.<self_attn|mlp>.<proj>.weight  (transposed: HF is [out, in])
-    layers/<proj>/bias [L, out]      <- model.layers.{i}.<...>.<proj>.bias
+    model.embed_tokens.weight [V, D]                 <- model.embed_tokens.weight
+    model.norm.weight [D]                            <- model.norm.weight
+    lm_head.weight [V, D]                            <- lm_head.weight   (only when embeddings are untied)
+    model.layers.<norm>.weight [L, D]                <- model.layers.{i}.<norm>.weight
+    model.layers.self_attn.{q,k}_norm.weight [L, hd] <- model.layers.{i}.self_attn.{q,k}_norm.weight  (Qwen3)
+    model.layers.<parent>.<proj>.kernel [L, in, out] <- model.layers.{i}.<parent>.<proj>.weight  (transposed)
+    model.layers.<parent>.<proj>.bias [L, out]       <- model.layers.{i}.<parent>.<proj>.bias
 
-The lm_head keeps HF's [V, D] layout so a tied embedding serves as the head with no transpose.
+<parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
+layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does).
 """
 from __future__ import annotations
 
 import dataclasses
 
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
+LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
-ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
-PROJ_MODULE = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJS}
-
-# Per-layer tensors of each family: (HF suffix after "model.layers.{i}.", param path under "layers", kind).
+# Per-layer tensors of each family: (HF suffix after "model.layers.{i}.", module path under LAYERS, kind).
 # kind: "norm" (copied), "kernel" (transposed [out, in] -> [in, out]), "bias" (copied).
 _LLAMA = [
-    ("input_layernorm.weight", ("input_layernorm",), "norm"),
-    ("post_attention_layernorm.weight", ("post_attention_layernorm",), "norm"),
-    *[(f"{PROJ_MODULE[p]}.{p}.weight", (p, "kernel"), "kernel") for p in ATTN_PROJS + MLP_PROJS],
+    ("input_layernorm.weight", ("input_layernorm", "weight"), "norm"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), "norm"),
+    *[(f"{PROJ_MODULE[p]}.{p}.weight", (PROJ_MODULE[p], p, "kernel"), "kernel") for p in ATTN_PROJS + MLP_PROJS],
 ]
-_QKV_BIAS = [(f"self_attn.{p}.bias", (p, "bias"), "bias") for p in ("q_proj", "k_proj", "v_proj")]
-_O_BIAS = [("self_attn.o_proj.bias", ("o_proj", "bias"), "bias")]
-_MLP_BIAS = [(f"mlp.{p}.bias", (p, "bias"), "bias") for p in MLP_PROJS]
-_QK_NORM = [("self_attn.q_norm.weight", ("q_norm",), "norm"), ("self_attn.k_norm.weight", ("k_norm",), "norm")]
+_QKV_BIAS = [(f"self_attn.{p}.bias", ("self_attn", p, "bias"), "bias") for p in ("q_proj", "k_proj", "v_proj")]
+_O_BIAS = [("self_attn.o_proj.bias", ("self_attn", "o_proj", "bias"), "bias")]
+_MLP_BIAS = [(f"mlp.{p}.bias", ("mlp", p, "bias"), "bias") for p in MLP_PROJS]
+_QK_NORM = [("self_attn.q_norm.weight", ("self_attn", "q_norm", "weight"), "norm"),
+            ("self_attn.k_norm.weight", ("self_attn", "k_norm", "weight"), "norm")]
 _SANDWICH = [
-    ("pre_feedforward_layernorm.weight", ("pre_feedforward_layernorm",), "norm"),
-    ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm",), "norm"),
+    ("pre_feedforward_layernorm.weight", ("pre_feedforward_layernorm", "weight"), "norm"),
+    ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm", "weight"), "norm"),
 ]
 
 FAMILY_LAYER_TENSORS = {
@@ -50,7 +51,8 @@ FAMILY_LAYER_TENSORS = {
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """Where one HF tensor goes. `layer` is None for unstacked params; `hf_shape` is the expected HF shape."""
+    """Where one HF tensor goes: `path` in the module tree, `layer` (None for unstacked variables), `kind`, and
+    the expected HF shape."""
 
     hf_name: str
     path: tuple[str, ...]
@@ -90,21 +92,22 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     shapes = _proj_shapes(cfg)
     d, hd = cfg.hidden_size, cfg.head_dim
     specs = {
-        "model.embed_tokens.weight": TensorSpec("model.embed_tokens.weight", ("embed_tokens",), None, "embed", (cfg.vocab_size, d)),
-        "model.norm.weight": TensorSpec("model.norm.weight", ("norm",), None, "norm", (d,)),
+        "model.embed_tokens.weight": TensorSpec("model.embed_tokens.weight", ("model", "embed_tokens", "weight"), None,
+                                                "embed", (cfg.vocab_size, d)),
+        "model.norm.weight": TensorSpec("model.norm.weight", ("model", "norm", "weight"), None, "norm", (d,)),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head",), None, "embed", (cfg.vocab_size, d))
+        specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head", "weight"), None, "embed", (cfg.vocab_size, d))
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
             name = f"model.layers.{i}.{suffix}"
             if kind == "kernel":
-                shape = shapes[sub[0]]
+                shape = shapes[sub[1]]
             elif kind == "bias":
-                shape = (shapes[sub[0]][0],)
-            elif sub[0] in ("q_norm", "k_norm"):
+                shape = (shapes[sub[1]][0],)
+            elif sub[1] in ("q_norm", "k_norm"):
                 shape = (hd,)
             else:
                 shape = (d,)
-            specs[name] = TensorSpec(name, ("layers",) + sub, i, kind, shape)
+            specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
     return specs

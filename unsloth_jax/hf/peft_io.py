@@ -1,6 +1,6 @@
 """Import PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) into a loaded `Model`.
 
-    model = peft_io.load_adapter(model, "my-adapter")      # adds lora_a / lora_b, sets model.lora
+    model = peft_io.load_adapter(model, "my-adapter")      # adds nnx.LoRAParam lora_a / lora_b, sets model.lora
 
 PEFT stores, per targeted projection of layer N,
 
@@ -21,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,17 +29,22 @@ from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTen
                                 UnexpectedTensorError)
 from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
+from unsloth_jax.lora import LoraSettings, add_lora
+from unsloth_jax.models.state import variable_at
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ALL_TARGETS = ATTN_PROJS + MLP_PROJS
 
-# modules_to_save entries this package can train, with the PEFT key each is saved under.
+# modules_to_save entries this package can train, with the PEFT key each is saved under and the module path
+# of the weight in this package's model.
 SAVED_MODULE_KEYS = {
     "lm_head": "base_model.model.lm_head.weight",
     "embed_tokens": "base_model.model.model.embed_tokens.weight",
     "norm": "base_model.model.model.norm.weight",
 }
+SAVED_MODULE_PATHS = {"lm_head": ("lm_head", "weight"), "embed_tokens": ("model", "embed_tokens", "weight"),
+                      "norm": ("model", "norm", "weight")}
 
 _LAYER_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\."
@@ -163,21 +169,9 @@ def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME) 
     return tuple(p for p in ALL_TARGETS if p in projs)
 
 
-def _param_shape(kernel) -> tuple[int, int, int]:
-    """(L, in, out) of a stacked kernel (dense [L, in, out], or a 4-bit weight that keeps HF's [out, in])."""
-    shape = tuple(getattr(kernel, "shape", ()))
-    if len(shape) == 3:
-        return int(shape[0]), int(shape[1]), int(shape[2])
-    out_f, in_f = shape[-2:]
-    stack = getattr(kernel, "stack_shape", None) or ()
-    return int(stack[0]) if stack else 0, int(in_f), int(out_f)
-
-
 def load_adapter(model, adapter_dir):
     """Add the LoRA factors (and any modules_to_save / trained biases) of the PEFT adapter in `adapter_dir` to
     `model` and set `model.lora` from its adapter_config.json. Returns the model."""
-    from unsloth_jax.api import LoraSettings
-
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / CONFIG_NAME
     raw = read_adapter_config(adapter_dir)
@@ -212,11 +206,11 @@ def load_adapter(model, adapter_dir):
         hint = f" (found {', '.join(alt)}; convert .bin adapters with PEFT's save_pretrained)" if alt else ""
         raise CheckpointNotFoundError(f"{adapter_dir}: no {WEIGHTS_NAME}{hint}")
 
-    layers = model.params["layers"]
+    projs = model.projections()
     for p in targets:
-        if p not in layers or "kernel" not in layers[p]:
+        if p not in projs:
             raise ConfigError(f"{cfg_path}: target {p} does not exist in this {cfg.model_type} model")
-    dims = {p: _param_shape(layers[p]["kernel"])[1:] for p in targets}
+    dims = {p: (projs[p].in_features, projs[p].out_features) for p in targets}
     lora_a = {p: np.zeros((n_layers, dims[p][0], r), np.float32) for p in targets}
     lora_b = {p: np.zeros((n_layers, r, dims[p][1]), np.float32) for p in targets}
     seen: set[tuple[str, int, str]] = set()
@@ -240,7 +234,7 @@ def load_adapter(model, adapter_dir):
                 continue
             arr = f.get(key)
             if kind.endswith("bias"):
-                if bias == "none" or "bias" not in layers.get(proj, {}):
+                if bias == "none" or projs[proj].bias is None:
                     unexpected.append(key)
                     continue
                 biases[(proj, i)] = np.array(arr)
@@ -269,15 +263,10 @@ def load_adapter(model, adapter_dir):
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")
 
-    new_layers = dict(layers)
-    for p in targets:
-        sub = dict(new_layers[p])
-        sub["lora_a"] = jnp.asarray(lora_a[p])
-        sub["lora_b"] = jnp.asarray(lora_b[p])
-        new_layers[p] = sub
+    new_biases = {}
     for proj in {p for p, _ in biases}:
-        sub = dict(new_layers[proj])
-        b = np.array(sub["bias"], dtype=np.float32)
+        current = projs[proj].bias[...]
+        b = np.array(current, dtype=np.float32)
         for (p, i), value in biases.items():
             if p != proj:
                 continue
@@ -285,20 +274,27 @@ def load_adapter(model, adapter_dir):
                 raise ShapeMismatchError(f"{weights}: bias of layer {i} {proj} has shape {list(value.shape)}, "
                                          f"expected {list(b.shape[1:])}")
             b[i] = value
-        sub["bias"] = jnp.asarray(b, sub["bias"].dtype)
-        new_layers[proj] = sub
-    params = {**model.params, "layers": new_layers}
+        new_biases[proj] = jnp.asarray(b, current.dtype)
+    saved_values = {}
     for mod, value in top.items():
-        ref = params.get(mod)
-        if ref is None:
+        if mod == "lm_head" and model.lm_head is None:
             raise ConfigError(f"{cfg_path}: modules_to_save holds {mod} but this model has no separate {mod} "
                               "(tied embeddings); untying the head is not supported")
-        if tuple(value.shape) != tuple(ref.shape):
+        ref = variable_at(model, SAVED_MODULE_PATHS[mod])
+        if tuple(value.shape) != tuple(ref[...].shape):
             raise ShapeMismatchError(f"{weights}: '{SAVED_MODULE_KEYS[mod]}' has shape {list(value.shape)}, "
-                                     f"expected {list(ref.shape)}")
-        params[mod] = jnp.asarray(value, ref.dtype)
-    model.params = params
-    model.lora = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
-                              lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
-                              use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved)
+                                     f"expected {list(ref[...].shape)}")
+        saved_values[mod] = jnp.asarray(value, ref[...].dtype)
+    # Everything is checked: now change the model.
+    settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
+                            lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
+                            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved)
+    add_lora(model, settings, jax.random.PRNGKey(0))
+    for p in targets:
+        projs[p].lora_a[...] = jnp.asarray(lora_a[p])
+        projs[p].lora_b[...] = jnp.asarray(lora_b[p])
+    for proj, value in new_biases.items():
+        projs[proj].bias[...] = value
+    for mod, value in saved_values.items():
+        variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model

@@ -1,136 +1,73 @@
-"""The decoder of every supported family as pure functions over the stacked param dict.
+"""The decoder of every supported family as Flax NNX modules, switched by `ModelConfig` (never by family name).
 
-    forward(params, cfg, input_ids, ...) -> logits [B, S, V]  (or the final hidden states [B, S, D])
+    model = CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))      # random init (checkpoints: unsloth_jax.hf)
+    logits = model(input_ids, attention_mask)                        # [B, S, V] float32
 
-Layers run under `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for Gemma 2,
-whose sliding and global layers alternate), so compile time does not grow with depth and each layer inside a
-group keeps a static attention window. Per-family switches come from `ModelConfig`; every op goes through
-`unsloth_jax.ops`, which picks Pallas kernels, cuDNN or XLA.
+Module tree (attribute names follow Hugging Face, so a path reads like the HF tensor name):
 
-Shapes: B batch, S sequence, D hidden, Hq/Hkv heads, hd head_dim, V vocab. Activations are in the params'
-compute dtype; norms, softmax and RoPE math run in float32.
+    model.embed_tokens.weight [V, D]           model.norm.weight [D]          lm_head.weight [V, D] (untied only)
+    model.layers.input_layernorm.weight [L, D]  (+ pre/post_feedforward_layernorm: Gemma 2)
+    model.layers.self_attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias, .lora_a, .lora_b)
+    model.layers.self_attn.{q,k}_norm.weight [L, hd]               (Qwen3)
+    model.layers.mlp.{gate,up,down}_proj.kernel [L, in, out]
+
+The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
+splits it (`nnx.split`) and runs `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for
+Gemma 2, whose sliding and global layers alternate), so compile time does not grow with depth and each layer of
+a group keeps a static attention window. Each group may run under `jax.checkpoint` (remat modes below).
+
+Shapes: B batch, S sequence, D hidden, V vocab. Activations are in the compute dtype; norms, softmax and RoPE
+math run in float32; logits are float32.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-import numpy as np
 
-from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.models.attention import Attention, Batch, KVCache
+from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.mlp import MLP
+from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload")
+# The projections of a decoder layer by HF name, and the module holding each (layer.<parent>.<name>).
+ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJS}
 
 
-class Batch(NamedTuple):
-    """Per-token side inputs shared by all layers. Arrays are [B, S]."""
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder layer (Gemma 2: with sandwich norms around attention and the MLP)."""
 
-    positions: jax.Array
-    kv_valid: jax.Array | None  # attention_mask (1 = real token); None when there is no padding
-    segment_ids: jax.Array | None  # packing: attend only within equal ids
-    kv_lengths: jax.Array | None = None  # [B] real lengths when the padding is known to be on the right
+    def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
+        self.sandwich_norms = cfg.sandwich_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
+        self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
 
-
-# ---------------------------------------------------------------------------------------------- rope
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies [hd/2] (float32 numpy, computed in float32 as transformers does), with linear or
-    llama3 scaling applied."""
-    hd = cfg.head_dim
-    f32 = np.float32
-    inv = f32(1.0) / (f32(cfg.rope_theta) ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))
-    if cfg.rope_type == "linear":
-        inv = inv / cfg.rope_factor
-    elif cfg.rope_type == "llama3":
-        low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
-        high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
-        wavelen = f32(2 * np.pi) / inv
-        scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
-        smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
-            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv = np.where(medium, smoothed, scaled)
-    return inv.astype(f32)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
+                 cache: KVCache | None = None):
+        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None)."""
+        h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(h)
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + h
+            h = self.mlp(self.post_attention_layernorm(x))
+        return x + h, new_cache
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, hd] in float32 for integer positions [B, S] (HF layout: frequencies repeated twice)."""
-    inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """Positions [B, S] counting real tokens only (left padding starts real tokens at 0), as HF generate does."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-# ---------------------------------------------------------------------------------------------- layer
-def _norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
-    return ops.rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
-
-
-def attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin, batch: Batch, window: int | None,
-                    lora_scale: float | None, cache=None):
-    """Self-attention of one layer. x [B, S, D] (already normed) -> ([B, S, D], new cache or None).
-
-    cache, when given, is (k [B, T, Hkv, hd], v [B, T, Hkv, hd], valid [B, T], index) for decoding: the new
-    keys/values are written at `index` and attention runs over the whole cache.
-    """
-    b, s, _ = x.shape
-    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = ops.linear(x, p["q_proj"], lora_scale).reshape(b, s, hq, hd)
-    k = ops.linear(x, p["k_proj"], lora_scale).reshape(b, s, hkv, hd)
-    v = ops.linear(x, p["v_proj"], lora_scale).reshape(b, s, hkv, hd)
-    if cfg.qk_norm:
-        q = _norm(cfg, q, p["q_norm"])
-        k = _norm(cfg, k, p["k_norm"])
-    q, k = ops.rope(q, k, cos, sin)
-    new_cache = None
-    if cache is None:
-        out = ops.attention(q, k, v, scale=cfg.scale, causal=True, window=window, softcap=cfg.attn_softcap,
-                            kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths)
-    else:
-        ck, cv, valid, index = cache
-        ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), index, axis=1)
-        cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), index, axis=1)
-        out = ops.attention(q, ck, cv, scale=cfg.scale, causal=True, window=window, softcap=cfg.attn_softcap,
-                            kv_valid=valid, q_offset=index)
-        new_cache = (ck, cv)
-    out = out.reshape(b, s, hq * hd)
-    return ops.linear(out, p["o_proj"], lora_scale), new_cache
-
-
-def mlp_block(cfg: ModelConfig, p: dict, x: jax.Array, lora_scale: float | None) -> jax.Array:
-    gate = ops.linear(x, p["gate_proj"], lora_scale)
-    up = ops.linear(x, p["up_proj"], lora_scale)
-    return ops.linear(ops.glu(gate, up, cfg.activation), p["down_proj"], lora_scale)
-
-
-def decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, cos, sin, batch: Batch, window: int | None,
-                  lora_scale: float | None, cache=None):
-    """One pre-norm decoder layer (Gemma 2: with sandwich norms). x [B, S, D] -> ([B, S, D], cache)."""
-    h = _norm(cfg, x, p["input_layernorm"])
-    h, new_cache = attention_block(cfg, p, h, cos, sin, batch, window, lora_scale, cache)
-    if cfg.sandwich_norms:
-        h = _norm(cfg, h, p["post_attention_layernorm"])
-        x = x + h
-        h = _norm(cfg, x, p["pre_feedforward_layernorm"])
-        h = mlp_block(cfg, p, h, lora_scale)
-        h = _norm(cfg, h, p["post_feedforward_layernorm"])
-    else:
-        x = x + h
-        h = _norm(cfg, x, p["post_attention_layernorm"])
-        h = mlp_block(cfg, p, h, lora_scale)
-    return x + h, new_cache
-
-
-def _remat(fn, mode: str):
+def remat(fn, mode: str):
+    """`fn` under the rematerialisation policy `mode`: "none"; "full" (recompute everything in the backward
+    pass); "offload" (as full, but the values named "layer_input" go to pinned host memory instead)."""
     if mode == "none":
         return fn
     if mode == "full":
@@ -141,19 +78,6 @@ def _remat(fn, mode: str):
             offload_src="device", offload_dst="pinned_host")
         return jax.checkpoint(fn, policy=policy)
     raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES}")
-
-
-# -------------------------------------------------------------------------------------------- forward
-def embed(cfg: ModelConfig, params: dict, input_ids: jax.Array, dtype) -> jax.Array:
-    x = jnp.take(params["embed_tokens"], input_ids, axis=0).astype(dtype)
-    if cfg.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first, as HF does
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5, dtype)
-    return x
-
-
-def lm_head_weight(params: dict) -> jax.Array:
-    """The [V, D] output projection (the embedding when tied)."""
-    return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
 
 
 def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None, right_padded: bool = False) -> Batch:
@@ -170,54 +94,122 @@ def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None,
     return Batch(positions=positions, kv_valid=attention_mask, segment_ids=segment_ids, kv_lengths=lengths)
 
 
-def layer_groups(cfg: ModelConfig, tree):
-    """Stacked layer arrays [L, ...] regrouped [L / period, period, ...] for a scan over groups of `period`
-    layers (each layer of a group has a static attention window), and those windows (length period)."""
-    period = cfg.layer_period
-    windows = (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:period]
-    groups = cfg.num_hidden_layers // period
-    return jax.tree.map(lambda a: a.reshape((groups, period) + a.shape[1:]), tree), windows
+class DecoderModel(nnx.Module):
+    """Embeddings, the stacked decoder layers and the final norm (HF's `model.model`)."""
 
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = DecoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
 
-def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
-    """The model's last RMSNorm over [..., D]."""
-    return _norm(cfg, x, params["norm"])
-
-
-def hidden_states(params: dict, cfg: ModelConfig, input_ids: jax.Array, batch: Batch, *,
-                  lora_scale: float | None = None, remat: str = "none", dtype=None) -> jax.Array:
-    """Final-normed hidden states [B, S, D] for input_ids [B, S]."""
-    dtype = dtype or params["embed_tokens"].dtype
-    x = embed(cfg, params, input_ids, dtype)
-    cos, sin = rope_tables(cfg, batch.positions)
-    grouped, windows = layer_groups(cfg, params["layers"])
-
-    def group_body(x, p_group):
-        x = checkpoint_name(x, "layer_input")
-        for j in range(len(windows)):
-            p = jax.tree.map(lambda a: a[j], p_group)
-            x, _ = decoder_layer(cfg, p, x, cos, sin, batch, windows[j], lora_scale)
+    def embed(self, input_ids: jax.Array, dtype) -> jax.Array:
+        """input_ids [B, S] -> [B, S, D] in `dtype` (Gemma: times sqrt(D), rounded to `dtype` first as HF does)."""
+        x = self.embed_tokens(input_ids).astype(dtype)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, dtype)
         return x
 
-    body = _remat(group_body, remat)
-    x, _ = jax.lax.scan(lambda c, p: (body(c, p), None), x, grouped)
-    return final_norm(cfg, params, x)
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The attention window of each layer of one scan group (length cfg.layer_period)."""
+        cfg = self.config
+        return (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:cfg.layer_period]
+
+    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: str = "none",
+                   cache: KVCache | None = None):
+        """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers.
+
+        cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index.
+        Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches.
+        """
+        cfg = self.config
+        period = cfg.layer_period
+        groups = cfg.num_hidden_layers // period
+        windows = self.layer_windows()
+        graphdef, state = nnx.split(self.layers)
+
+        def grouped(a):
+            return a.reshape((groups, period) + a.shape[1:])
+
+        xs = jax.tree.map(grouped, state)
+        if cache is not None:
+            xs = (xs, grouped(cache.k), grouped(cache.v))
+
+        def group_body(h, xs_group):
+            h = checkpoint_name(h, "layer_input")
+            layer_states = xs_group if cache is None else xs_group[0]
+            new_k, new_v = [], []
+            for j in range(period):
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], layer_states))
+                layer_cache = None
+                if cache is not None:
+                    layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)
+                h, kv = layer(h, cos, sin, batch, windows[j], layer_cache)
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
+            return h, ((jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None)
+
+        body = remat(group_body, remat_mode)
+        x, ys = jax.lax.scan(body, x, xs)
+        if cache is None:
+            return x, None
+        k, v = ys
+        return x, (k.reshape(cache.k.shape), v.reshape(cache.v.shape))
+
+    def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none", dtype=None) -> jax.Array:
+        """Final-normed hidden states [B, S, D] for input_ids [B, S]."""
+        x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
+        cos, sin = rope_tables(self.config, batch.positions)
+        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode)
+        return self.norm(x)
 
 
-def logits_from_hidden(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
-    """[..., D] -> [..., V] logits in float32 (Gemma 2: final softcapping applied)."""
-    w = lm_head_weight(params)
-    logits = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-    if cfg.final_softcap is not None:
-        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits
+class CausalLM(nnx.Module):
+    """A decoder language model (HF's `*ForCausalLM`): `model` (DecoderModel) and, when the embeddings are
+    untied, `lm_head`. Static attributes: `config`, `dtype` (compute dtype), `lora` (the LoRA settings after
+    `unsloth_jax.lora.add_lora`, else None), `model_dir` (the checkpoint directory it was loaded from, or None).
+    """
 
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = param_dtype or dtype
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.lora = None
+        self.model_dir: str | None = None
+        self.model = DecoderModel(cfg, dtype=param_dtype, rngs=rngs)
+        self.lm_head = nnx.data(None if cfg.tie_word_embeddings else
+                                Embedding(cfg.vocab_size, cfg.hidden_size, dtype=param_dtype, rngs=rngs))
 
-@functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "remat"))
-def forward(params: dict, cfg: ModelConfig, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-            positions: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
-            lora_scale: float | None = None, remat: str = "none") -> jax.Array:
-    """Logits [B, S, V] (float32) for input_ids [B, S] int32."""
-    batch = make_batch(input_ids, attention_mask, positions, segment_ids)
-    h = hidden_states(params, cfg, input_ids, batch, lora_scale=lora_scale, remat=remat)
-    return logits_from_hidden(cfg, params, h)
+    def projections(self) -> dict:
+        """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj."""
+        layers = self.model.layers
+        return {name: getattr(getattr(layers, parent), name) for name, parent in PROJ_PARENT.items()}
+
+    def head_weight(self) -> jax.Array:
+        """The [V, D] output projection (the embedding table when tied)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.weight[...]
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V] logits in float32 (Gemma 2: final softcapping applied)."""
+        w = self.head_weight()
+        logits = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
+
+    def hidden_states(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none") -> jax.Array:
+        """Final-normed hidden states [B, S, D] in the compute dtype."""
+        return self.model(input_ids, batch, remat_mode=remat_mode, dtype=self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        """Logits [B, S, V] (float32) for input_ids [B, S] (or [S]) of ints; attention_mask [B, S] 1 = real."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        if attention_mask is not None:
+            attention_mask = jnp.asarray(attention_mask, jnp.int32).reshape(input_ids.shape)
+        batch = make_batch(input_ids, attention_mask, positions, segment_ids)
+        return self.logits_from_hidden(self.hidden_states(input_ids, batch))

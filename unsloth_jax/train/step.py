@@ -1,7 +1,9 @@
-"""The jit-compiled LoRA train step.
+"""The jit-compiled LoRA train step over the NNX model's split state.
 
-    step = make_train_step(cfg, optimizer, lora_scale=..., remat="full")
+    graphdef, trainable, frozen = unsloth_jax.lora.split(model)       # nnx.split(model, nnx.LoRAParam, ...)
+    step = make_train_step(graphdef, optimizer, remat="full")
     trainable, opt_state, metrics = step(trainable, frozen, opt_state, batch)
+    nnx.update(model, trainable)                                       # the trained LoRA weights, in place
 
 `batch` holds int32 arrays [A, B, S] (A micro-batches for gradient accumulation; A may be 1): input_ids,
 labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
@@ -14,17 +16,16 @@ A step whose loss or gradient is not finite leaves params and optimizer state un
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from pallas_kernels._common import on_gpu
-from unsloth_jax import lora, ops
-from unsloth_jax.config import ModelConfig
-from unsloth_jax.models import decoder
+from unsloth_jax import ops
+from unsloth_jax.models.decoder import CausalLM, make_batch
 
 log = logging.getLogger("unsloth_jax")
 
@@ -59,35 +60,36 @@ def resolve_remat(use_gradient_checkpointing) -> str:
     return mode
 
 
-def loss_and_count(params: dict, cfg: ModelConfig, batch: dict, *, lora_scale: float | None, remat: str,
+def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
                    loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
-    """(mean next-token loss over target tokens, number of target tokens) for one micro-batch [B, S]."""
+    """(mean next-token loss over target tokens, number of target tokens) of `model` on one micro-batch [B, S]."""
     ids = batch["input_ids"]
     segments = batch.get("segment_ids")
-    b = decoder.make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
-                           right_padded=segments is None)
-    h = decoder.hidden_states(params, cfg, ids, b, lora_scale=lora_scale, remat=remat)
-    targets = batch["labels"][:, 1:]
+    side = make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
+                      right_padded=segments is None)
+    h = model.hidden_states(ids, side, remat_mode=remat)
+    targets = batch["labels"][:, 1:].reshape(-1)
     h = h[:, :-1].reshape(-1, h.shape[-1])
-    targets = targets.reshape(-1)
-    head = decoder.lm_head_weight(params)
-    loss = ops.cross_entropy(h, head, targets, softcap=cfg.final_softcap, chunk=loss_chunk)
+    loss = ops.cross_entropy(h, model.head_weight(), targets, softcap=model.config.final_softcap, chunk=loss_chunk)
     return loss, jnp.sum(targets != -100)
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *, lora_scale: float | None,
-                    remat: str = "full", loss_chunk: int = 1024, donate: bool = True):
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat: str = "full",
+                    loss_chunk: int = 1024, donate: bool = True):
     """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
 
+    graphdef, trainable, frozen: the three parts of `nnx.split(model, <trainable filter>, ...)`; trainable and
+    frozen are nnx.State pytrees, and gradients exist for `trainable` only. opt_state: optimizer.init(trainable).
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
-    skipped (1 when the update was dropped for a non-finite loss or gradient).
+    skipped (1 when the update was dropped for a non-finite loss or gradient). The op policy in force at each
+    call is a static argument (see unsloth_jax.ops.policy_jit).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
     """
 
     def micro_loss(trainable, frozen, micro):
-        params = lora.merge(trainable, frozen)
-        loss, n = loss_and_count(params, cfg, micro, lora_scale=lora_scale, remat=remat, loss_chunk=loss_chunk)
+        model = nnx.merge(graphdef, trainable, frozen)
+        loss, n = loss_and_count(model, micro, remat=remat, loss_chunk=loss_chunk)
         return loss * n, n
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -115,17 +117,22 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
         metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_sum, "skipped": (~finite).astype(jnp.int32)}
         return new_params, new_opt, metrics
 
-    return jax.jit(step, donate_argnums=(0, 2) if donate else ())
+    return ops.policy_jit(step, donate_argnums=(0, 2) if donate else ())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "lora_scale", "loss_chunk"))
-def eval_loss(trainable, frozen, batch, *, cfg: ModelConfig, lora_scale, loss_chunk: int = 1024):
-    """(sum of token losses, token count) over a batch [A, B, S] without gradients."""
-
+def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):
     def one(carry, micro):
-        loss, n = loss_and_count(lora.merge(trainable, frozen), cfg, micro, lora_scale=lora_scale, remat="none",
-                                 loss_chunk=loss_chunk)
+        model = nnx.merge(graphdef, trainable, frozen)
+        loss, n = loss_and_count(model, micro, remat="none", loss_chunk=loss_chunk)
         return (carry[0] + loss * n, carry[1] + n), None
 
     (total, n), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), batch)
     return total, n
+
+
+_eval_loss_jit = ops.policy_jit(_eval_loss, static_argnames=("graphdef", "loss_chunk"))
+
+
+def eval_loss(trainable, frozen, batch, *, graphdef: nnx.GraphDef, loss_chunk: int = 1024):
+    """(sum of token losses, token count) over a batch [A, B, S] without gradients."""
+    return _eval_loss_jit(trainable, frozen, batch, graphdef=graphdef, loss_chunk=loss_chunk)

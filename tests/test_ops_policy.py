@@ -1,0 +1,83 @@
+"""Op choice as a value: the policy is validated, part of every jit key, so set_impl takes effect on the next
+call of an already-called model or train step."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tests.helpers import rel_err
+from unsloth_jax import lora, ops
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.models import CausalLM
+from unsloth_jax.train import make_train_step
+
+CFG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture
+def clean_policy(monkeypatch):
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    yield
+    for op in ops.OPS:
+        ops.set_impl(op, "auto")
+
+
+def test_set_impl_after_a_first_call_takes_effect(clean_policy, rng):
+    cfg = ModelConfig.from_dict(CFG)
+    model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS),
+                  jax.random.PRNGKey(0))
+    graphdef, t, f = lora.split(model)
+    opt = optax.sgd(0.1)
+    step = make_train_step(graphdef, opt, remat="none", donate=False)
+    ids = rng.integers(0, 64, size=(1, 2, 16)).astype(np.int32)
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
+    _, _, m_xla = step(t, f, opt.init(t), batch)
+    assert ops.chosen_impls()["rms_norm"] == "xla"
+    ops.set_impl("rms_norm", "pallas")
+    _, _, m_pallas = step(t, f, opt.init(t), batch)  # the same step object, called again
+    assert step.jitted._cache_size() == 2  # a new entry for the new policy, not the stale program
+    assert ops.chosen_impls()["rms_norm"] == "pallas"
+    assert rel_err(float(m_pallas["loss"]), float(m_xla["loss"])) < 1e-5
+    # an eager model call reads the policy at call time too
+    ops.set_impl("rms_norm", "auto")
+    before = ops.chosen_impls().get("rms_norm")
+    model(ids[0])
+    assert ops.chosen_impls()["rms_norm"] == "xla" and before == "xla"
+
+
+def test_policy_validation_and_precedence(clean_policy, monkeypatch):
+    with pytest.raises(ValueError, match="unknown op 'rmsnorm'"):
+        ops.set_impl("rmsnorm", "xla")
+    with pytest.raises(ValueError, match="unknown implementation 'cuda' for glu"):
+        ops.set_impl("glu", "cuda")
+    monkeypatch.setenv(ops.ENV_VAR, "attention=flash")
+    with pytest.raises(ValueError, match="UNSLOTH_JAX_IMPL"):
+        ops.current_policy()
+    monkeypatch.setenv(ops.ENV_VAR, "glu")
+    with pytest.raises(ValueError, match="not of the form op=impl"):
+        ops.current_policy()
+    # table < set_impl < environment
+    ops.set_impl("glu", "pallas")
+    ops.set_impl("rope", "pallas")
+    monkeypatch.setenv(ops.ENV_VAR, "glu=xla")
+    policy = ops.current_policy()
+    assert policy.requested("glu") == "xla" and policy.requested("rope") == "pallas"
+    assert policy.requested("attention") == "auto"
+    assert hash(policy) == hash(ops.current_policy()) and policy == ops.current_policy()
+    assert policy.with_impl("rope", "auto").requested("rope") == "auto"
+
+
+def test_cudnn_attention_is_guarded_by_dtype_and_head_dim():
+    def q(dtype, d):
+        return jnp.zeros((1, 8, 2, d), dtype)
+
+    assert ops._cudnn_serves(q(jnp.bfloat16, 128)) and ops._cudnn_serves(q(jnp.float16, 64))
+    assert not ops._cudnn_serves(q(jnp.float32, 128))
+    assert not ops._cudnn_serves(q(jnp.bfloat16, 256))
+    assert not ops._cudnn_serves(q(jnp.bfloat16, 100))

@@ -1,0 +1,58 @@
+"""Facts about the JAX backend the project runs on: bf16 support, the compute dtype, device memory.
+
+Lower layers (checkpoint I/O, models, training) and the API all use these; this module imports only jax.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from unsloth_jax.errors import ConfigError
+
+DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16,
+               "float32": jnp.float32, "fp32": jnp.float32}
+COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def is_bfloat16_supported() -> bool:
+    """True on GPUs of compute capability 8.0 or newer (and TPUs); False on the CPU."""
+    dev = jax.devices()[0]
+    if dev.platform == "tpu":
+        return True
+    if dev.platform != "gpu":
+        return False
+    cc = getattr(dev, "compute_capability", None)
+    try:
+        return cc is None or float(cc) >= 8.0
+    except (TypeError, ValueError):
+        return True
+
+
+def resolve_dtype(dtype, argument: str = "dtype") -> jnp.dtype:
+    """None -> bf16 where supported else fp32; accepts names ("bfloat16", "float16", "float32") and jnp dtypes.
+
+    Raises ConfigError naming `argument` for anything else."""
+    if dtype is None:
+        return jnp.dtype(jnp.bfloat16 if is_bfloat16_supported() else jnp.float32)
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise ConfigError(f"{argument}={dtype!r} is not supported; use one of {', '.join(sorted(DTYPE_NAMES))} "
+                              "or None")
+        return jnp.dtype(DTYPE_NAMES[dtype])
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"{argument}={dtype!r} is not a dtype; use bfloat16, float16, float32 or None") from None
+    if dt not in COMPUTE_DTYPES:
+        raise ConfigError(f"{argument}={dt} is not supported; use bfloat16, float16 or float32")
+    return dt
+
+
+def device_memory_gib(kind: str = "bytes_in_use") -> float | None:
+    """`kind` ("bytes_in_use" or "peak_bytes_in_use") of the first device in GiB; None where not reported."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    used = stats.get(kind)
+    return None if used is None else used / 2**30
