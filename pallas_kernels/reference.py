@@ -130,6 +130,43 @@ def cross_entropy(hidden, lm_head, labels, softcap=None, ignore_index=-100, chun
         total = jnp.sum(sums)
     return total / jnp.maximum(n, 1.0)
 
+
+def token_logprobs(hidden, lm_head, labels, softcap=None, temperature=1.0, ignore_index=-100, chunk_size=1024):
+    """Per-token log-probabilities log softmax(z / temperature)[label] [T] f32, never holding [T, V].
+
+    The per-token variant of `cross_entropy` (same layout: hidden [T, D], lm_head [V, D], labels [T] already
+    shifted; softcap as there, applied before the temperature): preference and RL losses need each token's
+    value, not the mean. Tokens whose label == ignore_index get 0.0. Chunked over T like `cross_entropy`
+    (lax.map of jax.checkpoint'ed chunks), so the forward and the backward hold one [chunk, V] f32 block.
+    No Pallas kernel computes this; it is the XLA path of `unsloth_jax.ops.token_logprobs`.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).astype(jnp.int32)
+    T, D = hidden.shape
+    chunk = int(max(1, min(chunk_size, T)))
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+        labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
+
+    @jax.checkpoint
+    def chunk_logprobs(h_c, y_c):
+        z = _ce_logits(h_c, lm_head, softcap)
+        if temperature != 1.0:
+            z = z / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y_c[:, None]
+        tgt = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+        return jnp.where(y_c != ignore_index, tgt - lse, 0.0)
+
+    if n_chunks == 1:
+        out = chunk_logprobs(hidden, labels)
+    else:
+        out = jax.lax.map(lambda hy: chunk_logprobs(*hy),
+                          (hidden.reshape(n_chunks, chunk, D), labels.reshape(n_chunks, chunk))).reshape(-1)
+    return out[:T]
+
 # ---- flash_attention (owned by pallas_kernels/flash_attention.py) ----
 def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):
     """Boolean keep-mask broadcastable to [B, Hkv, G, S, S], or None when nothing is masked."""
