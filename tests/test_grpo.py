@@ -282,3 +282,23 @@ def test_grpo_config_checks():
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, top_k=50)
     with pytest.raises(ValueError, match="steps_per_generation"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=4)
+
+
+@pytest.mark.slow
+def test_grpo_bench_runs_on_cpu_with_tiny_shapes():
+    """bench/grpo_bench.py (the H200 GRPO benchmark) runs end to end on the bundled tiny model and prints its
+    three JSON lines."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, subprocess_env
+
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), str(TINY_MODEL), "--dtype",
+                          "float32", "--prompts", "1", "--generations", "2", "--completion", "4", "--prompt-len", "4",
+                          "--steps", "2", "--warmup", "1"], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"name"')]
+    assert [x["name"] for x in lines] == ["grpo_generate", "grpo_train", "sft_step"]
+    assert lines[0]["generated_tokens_per_s"] > 0 and lines[1]["train_tokens_per_s"] > 0
+    assert lines[2]["tokens_per_s"] > 0

@@ -29,7 +29,7 @@ from unsloth_jax.train.logprobs import trains_beyond_lora
 from unsloth_jax.train.state import TrainerState, TrainOutput, train_metrics
 from unsloth_jax.train.step import commit_to_devices
 from unsloth_jax.train.trainer import _as_records as records_of  # noqa: F401  (re-exported)
-from unsloth_jax.train.trainer import cast_weights
+from unsloth_jax.train.trainer import SFTTrainer
 
 log = logging.getLogger("unsloth_jax")
 
@@ -92,12 +92,7 @@ class RLTrainerBase:
         self._apply_precision_flags()
 
     def _apply_precision_flags(self) -> None:
-        want = jnp.bfloat16 if self.args.bf16 else jnp.float16 if self.args.fp16 else None
-        if want is not None and jnp.dtype(want) != self.model.dtype:
-            log.warning("unsloth_jax: %s=True: casting the model from %s to %s", "bf16" if self.args.bf16 else "fp16",
-                        self.model.dtype.name, jnp.dtype(want).name)
-            cast_weights(self.model, want)
-            self.model.dtype = jnp.dtype(want)
+        SFTTrainer._apply_precision_flags(self)  # bf16 / fp16: the same cast as SFT's (it reads .args, .model)
 
     # ------------------------------------------------------------------------------------- pieces
     def make_optimizer(self, total_steps: int):
