@@ -308,9 +308,10 @@ def test_four_bit_base_is_dequantized_before_merging(trained, tmp_path):
     """A kernel stored as an NF4Weight is dequantized exactly (bitsandbytes' values) and the LoRA pair is folded
     in float32; nothing is re-quantized."""
     nf4 = pytest.importorskip("pallas_kernels.nf4")
+    nf4_format = pytest.importorskip("pallas_kernels.nf4_format")
     model = _copy(trained["llama"])
     k = np.asarray(model.params["layers"]["gate_proj"]["kernel"])  # [L, in, out]
-    q = nf4.stack_nf4([nf4.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
+    q = nf4_format.stack_nf4([nf4_format.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
     model.params["layers"]["gate_proj"] = {**model.params["layers"]["gate_proj"], "kernel": q}
     model.save_pretrained_merged(tmp_path / "m", None)
     with SafetensorsFile(tmp_path / "m" / "model.safetensors") as f:

@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pallas_kernels.nf4 import NF4Weight, dequantize_nf4  # noqa: E402
+from pallas_kernels.nf4 import dequantize_nf4  # noqa: E402
+from pallas_kernels.nf4_format import NF4Weight  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402

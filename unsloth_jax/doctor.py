@@ -170,7 +170,8 @@ def _check_nf4(rng, grads):
     import jax
     import jax.numpy as jnp
     from pallas_kernels import reference
-    from pallas_kernels.nf4 import dequantize_nf4, quantize_nf4
+    from pallas_kernels.nf4 import dequantize_nf4
+    from pallas_kernels.nf4_format import quantize_nf4
 
     w = _normal(rng, 48, 72)
     q = quantize_nf4(w, blocksize=64)

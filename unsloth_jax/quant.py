@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.nf4 import NF4Weight, dequantize_nf4, quantize_nf4
+from pallas_kernels.nf4 import dequantize_nf4
+from pallas_kernels.nf4_format import NF4Weight, quantize_nf4
 from unsloth_jax.hf.mapping import TensorSpec
 
 
