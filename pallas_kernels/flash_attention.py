@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (and_masks, cdiv, compiler_params, load, next_pow2, pl, plgpu, range_mask,
+                                    resolve_interpret)
 
 LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # initial running max: finite, so exp2(m_old - m_new) never sees (-inf) - (-inf)
@@ -159,21 +160,17 @@ def _scores(s, st: _Static):
 def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool, check_k: bool):
     """Boolean keep-mask from broadcastable query/key positions; None when nothing is masked."""
     m = None
-
-    def _and(a, b):
-        return b if a is None else jnp.logical_and(a, b)
-
     if positions:
         if check_q:
-            m = _and(m, qpos < st.seq_len)
+            m = and_masks(m, qpos < st.seq_len)
         if check_k:
-            m = _and(m, kpos < st.seq_len)
+            m = and_masks(m, kpos < st.seq_len)
         if st.causal:
-            m = _and(m, qpos >= kpos)
+            m = and_masks(m, qpos >= kpos)
         if st.window is not None:
-            m = _and(m, (qpos - kpos) < st.window)
+            m = and_masks(m, (qpos - kpos) < st.window)
     if qseg is not None:
-        m = _and(m, qseg == kseg)
+        m = and_masks(m, qseg == kseg)
     return m
 
 
@@ -290,13 +287,10 @@ def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, 
     else:  # [G, S]
         idx = (head, rows)
         vector = True
-    view = ref.at[idx]
-    if not masked:
-        return plgpu.load(view)
-    ok = (start + jnp.arange(size)) < seq_len
-    if not vector:
+    ok = range_mask(start, size, seq_len, masked)
+    if ok is not None and not vector:
         ok = ok[:, None]
-    return plgpu.load(view, mask=ok, other=other)
+    return load(ref.at[idx], ok, other)
 
 
 # ------------------------------------------------------------------------------------------ forward kernel

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import cdiv, compiler_params, load, next_pow2, pl, plgpu, resolve_interpret
 
 
 class GluConfig(NamedTuple):
@@ -126,17 +126,15 @@ def _blockwise(n: int, block: int, body):
         body(start, (start + jnp.arange(block)) < n)
 
 
-def _load(ref, start, block, mask):
-    idx = ref.at[pl.ds(start, block)]
-    if mask is None:
-        return plgpu.load(idx).astype(jnp.float32)
-    return plgpu.load(idx, mask=mask, other=0.0).astype(jnp.float32)
+def _load_f32(ref, start, block, mask):
+    """ref[start:start + block] (masked where `mask` is False) as float32."""
+    return load(ref.at[pl.ds(start, block)], mask, 0.0).astype(jnp.float32)
 
 
 def _fwd_kernel(g_ref, u_ref, o_ref, *, kind: str, block: int):
     def body(start, mask):
-        g = _load(g_ref, start, block, mask)
-        u = _load(u_ref, start, block, mask)
+        g = _load_f32(g_ref, start, block, mask)
+        u = _load_f32(u_ref, start, block, mask)
         plgpu.store(o_ref.at[pl.ds(start, block)], (_act(g, kind) * u).astype(o_ref.dtype), mask=mask)
 
     _blockwise(o_ref.shape[0], block, body)
@@ -144,9 +142,9 @@ def _fwd_kernel(g_ref, u_ref, o_ref, *, kind: str, block: int):
 
 def _bwd_kernel(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, kind: str, block: int):
     def body(start, mask):
-        g = _load(g_ref, start, block, mask)
-        u = _load(u_ref, start, block, mask)
-        dh = _load(dh_ref, start, block, mask)
+        g = _load_f32(g_ref, start, block, mask)
+        u = _load_f32(u_ref, start, block, mask)
+        dh = _load_f32(dh_ref, start, block, mask)
         a, da = _act_and_grad(g, kind)
         plgpu.store(dg_ref.at[pl.ds(start, block)], (dh * u * da).astype(dg_ref.dtype), mask=mask)
         plgpu.store(du_ref.at[pl.ds(start, block)], (dh * a).astype(du_ref.dtype), mask=mask)

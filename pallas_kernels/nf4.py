@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (and_masks, broadcast_mask, cdiv, compiler_params, load, next_pow2, pl, plgpu,
+                                    range_mask, resolve_interpret)
 from pallas_kernels.nf4_format import DYNAMIC_MAP, NESTED_BLOCKSIZE, NF4_CODE, NF4Weight, nf4_dtype_name, no_fma
 
 # ------------------------------------------------------------------------------------------------------
@@ -132,25 +133,23 @@ def _dequant_kernel(*refs, numel, nbytes, nblocks, nblocks2, blocksize, block_by
         codes_ref, abs_ref = refs
     pid = pl.program_id(0)
     byte0 = pid * block_bytes
-    bmask = byte0 + jnp.arange(block_bytes) < nbytes if masked else None
-    packed = _load(codes_ref.at[pl.ds(byte0, block_bytes)], bmask, 0, (block_bytes,))
+    bmask = range_mask(byte0, block_bytes, nbytes, masked)
+    packed = load(codes_ref.at[pl.ds(byte0, block_bytes)], bmask, 0, (block_bytes,))
     vals = _nf4_lookup(_unpack_nibbles(packed), lut, table_ref)  # [2 * block_bytes] float32
 
     nblk = 2 * block_bytes // blocksize
     blk = pid * nblk + jnp.arange(nblk)
     kmask = blk < nblocks if masked else None
     if double:
-        qa = _load(absq_ref.at[pl.ds(pid * nblk, nblk)], kmask, 0, (nblk,)).astype(jnp.int32)
+        qa = load(absq_ref.at[pl.ds(pid * nblk, nblk)], kmask, 0, (nblk,)).astype(jnp.int32)
         scale = _scales_from_codes(qa, blk, nested_ref, off_ref, dyn_ref, nblocks2)
     else:
-        scale = _load(abs_ref.at[pl.ds(pid * nblk, nblk)], kmask, 0.0, (nblk,))
+        scale = load(abs_ref.at[pl.ds(pid * nblk, nblk)], kmask, 0.0, (nblk,))
     out = (vals.reshape(nblk, blocksize) * scale[:, None]).reshape(2 * block_bytes).astype(o_ref.dtype)
     elem0 = 2 * byte0
-    view = o_ref.at[pl.ds(elem0, 2 * block_bytes)]
-    if masked:
-        plgpu.store(view, out, mask=elem0 + jnp.arange(2 * block_bytes) < numel)
-    else:  # the tiles cover the tensor exactly (every real model shape): no masks, full-width stores
-        plgpu.store(view, out)
+    # Unmasked when the tiles cover the tensor exactly (every real model shape): full-width stores.
+    omask = range_mask(elem0, 2 * block_bytes, numel, masked)
+    plgpu.store(o_ref.at[pl.ds(elem0, 2 * block_bytes)], out, mask=omask)
 
 
 def _dequant_inputs(q: NF4Weight, lut: str) -> list:
@@ -210,25 +209,6 @@ def dequantize_nf4(q: NF4Weight, dtype=None, *, interpret: bool | None = None) -
 # ------------------------------------------------------------------------------------------------------
 
 
-def _all(*masks):
-    """AND of the masks that are not None (None when all are None: an unmasked access)."""
-    masks = [m for m in masks if m is not None]
-    return functools.reduce(jnp.logical_and, masks) if masks else None
-
-
-def _load(view, mask, other, shape):
-    if mask is None:
-        return plgpu.load(view)
-    return plgpu.load(view, mask=jnp.broadcast_to(mask, shape), other=other)
-
-
-def _store(view, value, mask):
-    if mask is None:
-        plgpu.store(view, value)
-    else:
-        plgpu.store(view, value, mask=jnp.broadcast_to(mask, value.shape))
-
-
 def _w_tile(refs, n0, k0, *, N, K, blocksize, block_n, block_k, nblocks2, double, lut, w_dtype, mask_n, mask_k):
     """Dequantized weight tile W[n0:n0+block_n, k0:k0+block_k] ([block_n, block_k], zero outside W).
     mask_n / mask_k: whether rows / columns of this tile can fall outside W (static)."""
@@ -238,19 +218,19 @@ def _w_tile(refs, n0, k0, *, N, K, blocksize, block_n, block_k, nblocks2, double
     rmask = (rows < N)[:, None] if mask_n else None
     bcols = k0 // 2 + jnp.arange(block_k // 2)
     cmask = (bcols < K // 2)[None, :] if mask_k else None
-    packed = _load(codes_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)], _all(rmask, cmask), 0,
+    packed = load(codes_ref.at[pl.ds(n0, block_n), pl.ds(k0 // 2, block_k // 2)], and_masks(rmask, cmask), 0,
                    (block_n, block_k // 2))
     vals = _nf4_lookup(_unpack_nibbles(packed), lut, table_ref)  # [block_n, block_k]
     nkb = max(block_k // blocksize, 1)
     scols = k0 // blocksize + jnp.arange(nkb)
-    smask = _all(rmask, (scols < kb)[None, :] if mask_k else None)
+    smask = and_masks(rmask, (scols < kb)[None, :] if mask_k else None)
     sview = absq_ref.at[pl.ds(n0, block_n), pl.ds(k0 // blocksize, nkb)]
     if double:
-        qa = _load(sview, smask, 0, (block_n, nkb)).astype(jnp.int32)
+        qa = load(sview, smask, 0, (block_n, nkb)).astype(jnp.int32)
         flat_blk = rows[:, None] * kb + scols[None, :]
         scale = _scales_from_codes(qa, flat_blk, nested_ref, off_ref, dyn_ref, nblocks2)
     else:
-        scale = _load(sview, smask, 0.0, (block_n, nkb))
+        scale = load(sview, smask, 0.0, (block_n, nkb))
     if smask is not None:
         scale = jnp.where(smask, scale, jnp.float32(0.0))
     if block_k >= blocksize:
@@ -283,14 +263,15 @@ def _fwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
     def body(t, acc):
         k0 = (s * trips + t) * block_k
         kmask = (k0 + jnp.arange(block_k) < K)[None, :] if mask_k else None
-        xt = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], _all(mrow, kmask), 0, (block_m, block_k))
+        xt = load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], and_masks(mrow, kmask), 0, (block_m, block_k))
         w = _w_tile(wrefs, n0, k0, N=N, K=K, blocksize=blocksize, block_n=block_n, block_k=block_k,
                     nblocks2=nblocks2, double=double, lut=lut, w_dtype=xt.dtype, mask_n=mask_n, mask_k=mask_k)
         return acc + plgpu.dot(xt, w, trans_b=True)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_n), jnp.float32))
     ncol = (n0 + jnp.arange(block_n) < N)[None, :] if mask_n else None
-    _store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, _all(mrow, ncol))
+    omask = broadcast_mask(and_masks(mrow, ncol), acc.shape)
+    plgpu.store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=omask)
 
 
 def _bwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nblocks2, double, lut,
@@ -304,14 +285,15 @@ def _bwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
     def body(t, acc):
         n0 = (s * trips + t) * block_n
         nmask = (n0 + jnp.arange(block_n) < N)[None, :] if mask_n else None
-        gt = _load(g_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], _all(mrow, nmask), 0, (block_m, block_n))
+        gt = load(g_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], and_masks(mrow, nmask), 0, (block_m, block_n))
         w = _w_tile(wrefs, n0, k0, N=N, K=K, blocksize=blocksize, block_n=block_n, block_k=block_k,
                     nblocks2=nblocks2, double=double, lut=lut, w_dtype=gt.dtype, mask_n=mask_n, mask_k=mask_k)
         return acc + plgpu.dot(gt, w)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_k), jnp.float32))
     kcol = (k0 + jnp.arange(block_k) < K)[None, :] if mask_k else None
-    _store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(k0, block_k)], acc, _all(mrow, kcol))
+    omask = broadcast_mask(and_masks(mrow, kcol), acc.shape)
+    plgpu.store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(k0, block_k)], acc, mask=omask)
 
 
 def _fused_supported(q: NF4Weight) -> bool:

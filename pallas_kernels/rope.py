@@ -25,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (broadcast_mask, cdiv, compiler_params, load, mask_2d, next_pow2, pl, plgpu,
+                                    range_mask, resolve_interpret)
 
 
 class RopeConfig(NamedTuple):
@@ -72,22 +73,12 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, qo_ref, ko_ref, *, bt: int, bh:
                  transpose: bool, unroll: bool):
     tokens, _, half = cos_ref.shape
     t0 = pl.program_id(0) * bt
-    tmask = (t0 + jnp.arange(bt)) < tokens if tokens % bt else None
+    tmask = range_mask(t0, bt, tokens, tokens % bt != 0)
     cmask = jnp.arange(bh) < half if bh != half else None
-    if tmask is None and cmask is None:
-        mask2 = None
-    elif tmask is None:
-        mask2 = jnp.broadcast_to(cmask[None, :], (bt, bh))
-    elif cmask is None:
-        mask2 = jnp.broadcast_to(tmask[:, None], (bt, bh))
-    else:
-        mask2 = tmask[:, None] & cmask[None, :]
+    mask2 = broadcast_mask(mask_2d(tmask, cmask), (bt, bh))
 
     def load2(ref, which):
-        idx = ref.at[pl.ds(t0, bt), jnp.int32(which), pl.ds(0, bh)]
-        if mask2 is None:
-            return plgpu.load(idx).astype(jnp.float32)
-        return plgpu.load(idx, mask=mask2, other=0.0).astype(jnp.float32)
+        return load(ref.at[pl.ds(t0, bt), jnp.int32(which), pl.ds(0, bh)], mask2, 0.0).astype(jnp.float32)
 
     c1 = load2(cos_ref, 0)[:, None, :]
     c2 = load2(cos_ref, 1)[:, None, :]
@@ -108,12 +99,8 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, qo_ref, ko_ref, *, bt: int, bh:
         def head_block(h0):
             i1 = (pl.ds(t0, bt), pl.ds(h0, hb), jnp.int32(0), pl.ds(0, bh))
             i2 = (pl.ds(t0, bt), pl.ds(h0, hb), jnp.int32(1), pl.ds(0, bh))
-            if mask3 is None:
-                x1 = plgpu.load(x_ref.at[i1]).astype(jnp.float32)
-                x2 = plgpu.load(x_ref.at[i2]).astype(jnp.float32)
-            else:
-                x1 = plgpu.load(x_ref.at[i1], mask=mask3, other=0.0).astype(jnp.float32)
-                x2 = plgpu.load(x_ref.at[i2], mask=mask3, other=0.0).astype(jnp.float32)
+            x1 = load(x_ref.at[i1], mask3, 0.0).astype(jnp.float32)
+            x2 = load(x_ref.at[i2], mask3, 0.0).astype(jnp.float32)
             y1 = x1 * a11 + x2 * a12
             y2 = x2 * a22 + x1 * a21
             plgpu.store(o_ref.at[i1], y1.astype(o_ref.dtype), mask=mask3)
