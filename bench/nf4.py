@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels.nf4 as nf4  # noqa: E402
 import pallas_kernels.nf4_format as nf4_format  # noqa: E402
-from pallas_kernels import reference as ref  # noqa: E402
+import pallas_kernels.reference as ref  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
 from bench.timing import device_ms, temp_bytes  # noqa: E402
 

@@ -81,6 +81,8 @@ _DEFAULT = CEConfig()
 
 
 def pick_config(t: int, d: int, v: int, dtype) -> CEConfig:
+    """Table lookup for T tokens, hidden size D, vocabulary V (unused) and `dtype`, with fallbacks to D=4096 and
+    the "large" class, then the default."""
     del v
     cls = "large" if t >= 1024 else "small"
     name = jnp.dtype(dtype).name

@@ -99,6 +99,7 @@ for _cls in ("short", "long"):
 
 
 def shape_class(seq_len: int) -> str:
+    """The block table's sequence-length class: "short" (S <= 1024) or "long"."""
     return "short" if seq_len <= 1024 else "long"
 
 

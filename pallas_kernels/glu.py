@@ -53,6 +53,8 @@ _MAX_ELEMS_PER_CALL = 2**31 - 2**20
 
 
 def config(n: int, dtype, which: str, kind: str = "silu") -> GluConfig:
+    """Block config for n elements of `dtype`, pass `which` ("fwd" | "bwd") and activation `kind` (table, else a
+    default), the block clamped to the problem size."""
     cfg = _TABLE.get((kind, jnp.dtype(dtype).name, which))
     if cfg is None:
         cfg = GluConfig(2048 if which == "fwd" else 1024, 4)
@@ -232,12 +234,16 @@ def glu_with_config(gate, up, kind: str, *, interpret=None, fwd: GluConfig | Non
 
 
 def swiglu(gate, up, *, interpret=None):
-    """silu(gate) * up for any [..., F]; float32 math, output in gate.dtype; differentiable in gate and up."""
+    """silu(gate) * up: gate, up [..., F] (same shape and float dtype) -> [..., F] in gate.dtype.
+
+    float32 math; differentiable in gate and up."""
     return glu_with_config(gate, up, "silu", interpret=interpret)
 
 
 def geglu(gate, up, approximate=False, *, interpret=None):
-    """gelu(gate) * up (erf form, or tanh form when approximate=True); float32 math, output in gate.dtype."""
+    """gelu(gate) * up: gate, up [..., F] (same shape and float dtype) -> [..., F] in gate.dtype.
+
+    erf-form GELU, or the tanh form when approximate=True; float32 math; differentiable in gate and up."""
     return glu_with_config(gate, up, "gelu_tanh" if approximate else "gelu", interpret=interpret)
 
 

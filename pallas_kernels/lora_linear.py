@@ -85,6 +85,7 @@ _DEFAULT = LoraConfig()
 
 
 def shape_class(m: int, k: int, n: int) -> str:
+    """The block table's class of an [M, K] @ [K, N] problem: "small", "narrow" or "large" (see CONFIGS)."""
     if m < 1024:
         return "small"
     return "narrow" if min(k, n) <= 512 else "large"

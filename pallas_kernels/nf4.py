@@ -186,9 +186,11 @@ def _dequant_flat_call(q: NF4Weight, dtype_name: str, cfg: dict[str, Any], inter
 
 
 def dequantize_nf4(q: NF4Weight, dtype=None, *, interpret: bool | None = None) -> jax.Array:
-    """Dequantize to an array of the original shape (``q.shape``, with any stacking axes in front) in
-    `dtype` (default: the original dtype). Pallas kernel; exact (bit-identical to bitsandbytes'
-    ``dequantize_4bit`` when `dtype` is the original dtype)."""
+    """Dequantize `q` to ``[*stack, *q.shape]`` (the original shape, any stacking axes in front) in `dtype`:
+    bfloat16, float16 or float32 (default: the original dtype).
+
+    Pallas kernel; exact (bit-identical to bitsandbytes' ``dequantize_4bit`` when `dtype` is the original
+    dtype)."""
     interpret = resolve_interpret(interpret)
     name = nf4_dtype_name(dtype if dtype is not None else q.dtype)
     cfg = _dequant_config(q.numel, name)
@@ -405,7 +407,8 @@ _nf4_matmul.defvjp(_nf4_matmul_fwd, _nf4_matmul_bwd)
 def nf4_matmul(x, q: NF4Weight, *, impl: str | None = None, interpret: bool | None = None) -> jax.Array:
     """``x @ dequantize_nf4(q, x.dtype).T`` for a 2-D NF4 weight ``[out, in]``: ``x [..., in] -> [..., out]``.
 
-    float32 accumulation (the fused kernel's tiles, or XLA's GEMM), result in x.dtype.
+    x is bfloat16, float16 or float32; float32 accumulation (the fused kernel's tiles, or XLA's GEMM), result in
+    x.dtype.
     `impl`: None (by M, see `_FUSED_MAX_M`), "fused" or "dequant".
     Differentiable in x only (the weight gets a zero cotangent); no dequantized weight is kept for the
     backward pass."""
@@ -418,8 +421,10 @@ def nf4_matmul(x, q: NF4Weight, *, impl: str | None = None, interpret: bool | No
 
 def qlora_linear(x, q: NF4Weight, a, b, scale, *, impl: str | None = None,
                  interpret: bool | None = None) -> jax.Array:
-    """``nf4_matmul(x, q) + scale * (x @ a) @ b`` with ``a [in, r]``, ``b [r, out]``; gradients for x, a, b
-    (the LoRA part is plain XLA here)."""
+    """``nf4_matmul(x, q) + scale * (x @ a) @ b``: ``x [..., in]`` (bfloat16, float16 or float32), NF4 weight
+    ``[out, in]``, ``a [in, r]``, ``b [r, out]`` (cast to x.dtype) -> ``[..., out]`` in x.dtype.
+
+    Gradients for x, a, b (the LoRA part is plain XLA here); the NF4 weight is frozen."""
     base = nf4_matmul(x, q, impl=impl, interpret=interpret)
     lora = jnp.dot(jnp.dot(x, a.astype(x.dtype)), b.astype(x.dtype))
     return base + (scale * lora).astype(x.dtype)

@@ -218,7 +218,9 @@ def nf4_dtype_name(dtype) -> str:
 class NF4Weight:
     """NF4-quantized weight in bitsandbytes' storage layout (see the module docstring).
 
-    Children (arrays, may carry leading stacking axes): ``codes``, ``absmax``, ``nested_absmax``, ``offset``.
+    Children (arrays, may carry leading stacking axes): ``codes`` uint8 ``[ceil(numel/2)]``, ``absmax``
+    ``[nblocks]`` (uint8 codes with double quantization, else float32), ``nested_absmax`` float32
+    ``[ceil(nblocks/256)]`` and ``offset`` float32 ``[]`` (both None without double quantization).
     Aux data (static): ``shape`` (one layer's original shape), ``dtype`` (its dtype name), ``blocksize``.
     """
 
@@ -383,8 +385,11 @@ _double_quant_jit = jax.jit(_double_quant)
 
 
 def quantize_nf4(w, blocksize: int = 64, double_quant: bool = True) -> NF4Weight:
-    """Quantize `w` (HF ``[out, in]`` layout, any shape) to NF4 exactly as bitsandbytes' CPU
-    ``quantize_4bit(w, quant_type="nf4", blocksize, compress_statistics=double_quant)``.
+    """Quantize `w` (HF ``[out, in]`` layout, any shape; dtype bfloat16, float16 or float32) to NF4 exactly as
+    bitsandbytes' CPU ``quantize_4bit(w, quant_type="nf4", blocksize, compress_statistics=double_quant)``.
+
+    Returns an `NF4Weight`: uint8 codes ``[ceil(numel/2)]``; with double_quant uint8 absmax codes ``[nblocks]``,
+    float32 ``nested_absmax [ceil(nblocks/256)]`` and a float32 scalar ``offset``, else float32 absmax.
 
     Runs as jnp on the array's device (jit-compiled per shape). See the module docstring for how the 8-bit
     absmax codes and the offset relate to bitsandbytes' CPU and CUDA results."""

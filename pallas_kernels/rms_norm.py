@@ -97,12 +97,14 @@ def _clamp_rows(block_rows: int, rows: int) -> int:
 
 
 def fwd_config(rows: int, d: int, dtype) -> FwdConfig:
+    """Forward block config for `rows` rows of width d in `dtype` (table, else heuristic), clamped to the rows."""
     bd = next_pow2(d)
     cfg = _FWD_TABLE.get((_shape_class(rows), jnp.dtype(dtype).name, bd)) or _fwd_heuristic(rows, bd)
     return cfg._replace(block_rows=_clamp_rows(cfg.block_rows, rows))
 
 
 def bwd_config(rows: int, d: int, dtype) -> BwdConfig:
+    """Backward block config for `rows` rows of width d in `dtype` (table, else heuristic), clamped to the rows."""
     bd = next_pow2(d)
     cfg = _BWD_TABLE.get((_shape_class(rows), jnp.dtype(dtype).name, bd)) or _bwd_heuristic(rows, bd)
     return cfg._replace(block_rows=_clamp_rows(cfg.block_rows, rows))

@@ -59,6 +59,8 @@ def _heuristic(tokens: int, hq: int, hkv: int, d: int, dtype) -> RopeConfig:
 
 
 def config(tokens: int, hq: int, hkv: int, d: int, dtype) -> RopeConfig:
+    """Block config for `tokens` tokens, Hq/Hkv heads of size d in `dtype` (table, else heuristic), the token
+    block clamped to the problem size."""
     key = (f"{hq}/{hkv}", jnp.dtype(dtype).name, d)
     cfg = _TABLE.get(key) or _heuristic(tokens, hq, hkv, d, dtype)
     return cfg._replace(block_tokens=max(1, min(cfg.block_tokens, next_pow2(tokens))))

@@ -13,7 +13,7 @@ import pytest
 
 import pallas_kernels.nf4 as nf4
 import pallas_kernels.nf4_format as fmt
-from pallas_kernels import reference as ref
+import pallas_kernels.reference as ref
 from tests.helpers import TOL, rel_err
 
 JAX_DT = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels.nf4 as nf4  # noqa: E402
 import pallas_kernels.nf4_format as fmt  # noqa: E402
-from pallas_kernels import reference as ref  # noqa: E402
+import pallas_kernels.reference as ref  # noqa: E402
 
 TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 JAX_DT = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
