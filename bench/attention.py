@@ -206,7 +206,7 @@ _CANDIDATES = {
 }
 
 
-# Beyond the edge of the first sweep's winners (third session): deeper pipelines and larger tiles.
+# Edge candidates (`--extra`): deeper pipelines and larger tiles than the winners among _CANDIDATES.
 _EXTRA_CANDIDATES = {
     128: {
         "fwd": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 64, 8, 5)],

@@ -203,7 +203,7 @@ def _rms_sweep(rows, d, fcfg, bcfg):
 
 def _rope_sweep(tokens, hq, d, cfg):
     hb = min(8, hq & -hq)
-    # unit = one token of one head block, both halves; ~64 registers at 8 elements per thread per half.
+    # unit = one token of one head block, both halves; 8-16 elements per thread per half (larger steps spill).
     tiles = _tile_candidates(hb * d, 64, (2048, 4096, 8192), per_thread=(16, 8))
     fwd = [("fwd", cfg, None)] + [("fwd", RopeConfig(t, 8, w, 1, True), None) for t, w in tiles]
     return fwd, [], lambda best: [

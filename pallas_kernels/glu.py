@@ -37,9 +37,10 @@ class GluConfig(NamedTuple):
     num_stages: int = 1
 
 
-# Initial guesses for an H200 (to be checked with `bench/kernels_elementwise.py --sweep`); ptxas (Triton 3.9,
-# sm_90a) puts these at 32-48 registers, no spills. Key: (activation kind, dtype name, "fwd" | "bwd"); the
-# activation is the "shape class" here since the flat layout makes the trailing dim irrelevant.
+# Initial guesses for an H200, not swept yet (`bench/kernels_elementwise.py --sweep --only glu` prints the best
+# entries): blocks small enough that no kernel spills registers. Key: (activation kind, dtype name,
+# "fwd" | "bwd"); the activation is the "shape class" here since the flat layout makes the trailing dim
+# irrelevant.
 _TABLE: dict[tuple[str, str, str], GluConfig] = {
     (kind, dt, which): GluConfig(4096, 8) if which == "fwd" else GluConfig(2048, 8)
     for kind in ("silu", "gelu", "gelu_tanh") for dt in ("bfloat16", "float16") for which in ("fwd", "bwd")

@@ -5,7 +5,7 @@ Kernels
 * `dequantize_nf4(q, dtype)`: a Pallas kernel over the flat byte array (any shape, odd numel, partial last
   block); the double-quantized scales are decoded inside the kernel.
 * `nf4_matmul(x, q)` = ``x @ dequantize(q).T`` (``x [..., in] -> [..., out]``): for ``M = prod(x.shape[:-1])``
-  up to a threshold (`_FUSED_MAX_M`, measured on the GPU) a fused kernel dequantizes weight tiles on the fly
+  up to a threshold (`_FUSED_MAX_M`, per dtype) a fused kernel dequantizes weight tiles on the fly
   inside the matmul (split over K for parallelism); above it the weight is dequantized by the Pallas kernel
   and multiplied by XLA. The backward gives dX only (``dy @ dequantize(q)``), again fused for small M and
   dequantize-then-matmul otherwise; no dequantized copy is kept between forward and backward. The weight is
@@ -34,12 +34,12 @@ from pallas_kernels.nf4_format import DYNAMIC_MAP, NESTED_BLOCKSIZE, NF4_CODE, N
 #: dequantize: key (shape class, output dtype name) -> config. block_bytes packed bytes per program
 #: (2x as many elements); lut: "select" (4-level select tree) or "gather" (table load).
 _DEQUANT_CONFIGS: dict[tuple[str, str], dict[str, Any]] = {
-    # H200 sweep 2026-11-29 (bench/nf4.py --sweep=dequant, llama3-8b gate_up [14336, 4096]): the table load
-    # ("gather") beat the select tree at every block size (1.6-2.2 vs 1.1-1.4 TB/s); 4096 bytes / 8 warps best.
+    # The table load ("gather") with 4096 bytes / 8 warps per program: the fastest in the H200 dequantization
+    # sweep (`bench/nf4.py --sweep=dequant`; figures in BENCHMARKS.md, NF4).
     ("large", "bfloat16"): dict(block_bytes=4096, num_warps=8, num_stages=1, lut="gather"),
     ("large", "float16"): dict(block_bytes=4096, num_warps=8, num_stages=1, lut="gather"),
     ("large", "float32"): dict(block_bytes=2048, num_warps=8, num_stages=1, lut="gather"),
-    # Below 4M elements a call is dominated by its fixed cost; 2048 bytes / 4 warps was as good as any.
+    # Below 4M elements a call's fixed cost dominates its time (BENCHMARKS.md, NF4); these entries are unswept.
     ("small", "bfloat16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="gather"),
     ("small", "float16"): dict(block_bytes=2048, num_warps=4, num_stages=1, lut="gather"),
     ("small", "float32"): dict(block_bytes=1024, num_warps=4, num_stages=1, lut="gather"),
@@ -62,10 +62,9 @@ _MATMUL_DEFAULT = dict(block_m=16, block_n=64, block_k=128, target_programs=264,
                        lut="select")
 
 #: Largest M = prod(x.shape[:-1]) for which nf4_matmul uses the fused kernel (per compute dtype); above it
-#: the weight is dequantized by the Pallas kernel and multiplied by XLA. H200, 2026-11-29 (bench/nf4.py
-#: --m=1,16,64): once dequantization used the table load, dequantize+matmul beat the fused kernel at every
-#: M tried (1, 16, 64; Qwen2-1.5B and Llama-3-8B gate_up), e.g. M=16 on 4096->14336: 0.131 vs 0.171 ms.
-#: So the fused kernel is never chosen automatically; impl="fused" still selects it.
+#: the weight is dequantized by the Pallas kernel and multiplied by XLA. 0: dequantize + matmul was the faster
+#: of the two at every M measured on the H200 (BENCHMARKS.md, NF4), so the fused kernel runs only when
+#: impl="fused" asks for it.
 _FUSED_MAX_M: dict[str, int] = {"bfloat16": 0, "float16": 0, "float32": 0}
 
 

@@ -60,9 +60,8 @@ and `csrc/cpu_ops.cpp`; tests/kernels/test_nf4_bnb.py compares with the real lib
   float32. We compute the float32 sum correctly rounded (double-float32 accumulation) and divide by n
   in float32, so our offset equals bitsandbytes' whenever torch's sum is correctly rounded and otherwise
   differs by an ulp or two (then the absmax codes and nested scales may differ accordingly; given the same
-  offset they are identical, which the bitsandbytes test checks). Measured on a 2-core AVX2 machine: equal
-  for every weight below 32768 blocks (torch sums those serially); 1 in ~12 of the 4096x4096 weights off
-  by one ulp.
+  offset they are identical, which the bitsandbytes test checks). How often the offsets differ on a CPU:
+  BENCHMARKS.md, NF4.
 * Compilers must not change the float32 arithmetic: XLA rewrites ``x / c`` (constant or broadcast scalar)
   into ``x * (1/c)`` and XLA, LLVM and Triton contract ``a * b + c`` into an FMA. `_exact_div` and
   `no_fma` keep the IEEE operations bitsandbytes performs (checked bit-exact against bitsandbytes on the
@@ -310,8 +309,8 @@ def _f32_of_sum(values: np.ndarray) -> np.float32:
 def _mean_offset_host(absmax: jax.Array) -> np.ndarray:
     """float32 mean of the block absmax, computed on the host: the float32-rounded exact sum (as
     float32(math.fsum)), then one IEEE float32 division, like torch.mean up to its summation order. On the host so
-    the result is the same bits whatever device quantizes: XLA on the H200 gave a mean 1 ulp away from XLA on the
-    CPU for the same inputs (2026-11-29), which moved every nested scale by 1 ulp."""
+    the result is the same bits whatever device quantizes (XLA's float32 mean is not: GPU and CPU can differ by
+    an ulp, which moves every nested scale)."""
     a = np.asarray(jax.device_get(absmax), np.float64).reshape(-1)
     return np.asarray(_f32_of_sum(a) / np.float32(a.size), np.float32)
 

@@ -37,14 +37,14 @@ class RopeConfig(NamedTuple):
     unroll_heads: bool = True  # unroll the head-block loop (GPU); False: an scf.for loop
 
 
-# Initial guesses for an H200 (to be checked with `bench/kernels_elementwise.py --sweep`): one step moves a
-# [BT, HB, D/2] tile of about 2048 elements per half with 8 warps (8 elements per thread), which ptxas
-# (Triton 3.9, sm_90a) compiles to ~64 registers; 4x larger steps reach 220-255 registers and spill.
+# Initial guesses for an H200 (`bench/kernels_elementwise.py --sweep` prints the best entries): one step moves a
+# [BT, HB, D/2] tile of about 2048 elements per half with 8 warps (8 elements per thread); much larger steps
+# spill registers.
 # Key: (shape class "Hq/Hkv", dtype name, head_dim D).
 _TABLE: dict[tuple[str, str, int], RopeConfig] = {
     ("12/2", "bfloat16", 128): RopeConfig(8, 4, 8),
     ("32/8", "bfloat16", 128): RopeConfig(4, 8, 8),
-    ("8/4", "bfloat16", 256): RopeConfig(1, 8, 4, 1, False),  # sweep 2026-11-29c: 0.071 vs 0.087 ms
+    ("8/4", "bfloat16", 256): RopeConfig(1, 8, 4, 1, False),  # the sweep's: one token, rolled head loop
 }
 
 _MIN_PROGRAMS = 264
