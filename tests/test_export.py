@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +118,7 @@ def test_merged_export_loads_in_transformers_and_shards(family, hf_dirs, trained
     ids = rng.integers(0, model.config.vocab_size, size=(2, 10))
     ours = np.asarray(model(ids))
     out = tmp_path / "merged"
-    model.save_pretrained_merged(out, None, max_shard_size="40KB")
+    model.save_pretrained_merged(out, None, max_shard_size="40KB", dtype="float32")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and all(f"-of-{len(files):05d}.safetensors" in f for f in files)
@@ -169,6 +171,41 @@ def test_merged_export_bf16_and_dtype_override(hf_dirs, trained, tmp_path):
     b = np.asarray(model.params["layers"]["v_proj"]["lora_b"][1])
     want = (k + model.lora.scale * (a @ b)).T.astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(w, want)
+
+
+def _header_dtypes(path) -> set[str]:
+    """The tensor dtypes a safetensors header lists, read from the raw header (not through our reader)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_merged_16bit_of_a_float32_model_is_16bit(hf_dirs, tmp_path):
+    """merged_16bit writes bfloat16 from a float32-loaded model (the CPU default), float16 when the checkpoint's
+    config.json says float16, and what the caller's dtype= says otherwise."""
+    model = _load(hf_dirs["llama"])
+    assert model.dtype == jnp.float32
+    assert json.loads((hf_dirs["llama"] / "config.json").read_text())["dtype"] == "float32"
+    model.save_pretrained_merged(tmp_path / "bf16", None, save_method="merged_16bit")
+    assert _header_dtypes(tmp_path / "bf16" / "model.safetensors") == {"BF16"}
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config.get("torch_dtype", "bfloat16") == "bfloat16"
+
+    src16 = tmp_path / "src16"  # the same checkpoint, marked float16 (under both config keys)
+    shutil.copytree(hf_dirs["llama"], src16)
+    raw = json.loads((src16 / "config.json").read_text())
+    (src16 / "config.json").write_text(json.dumps({**raw, "dtype": "float16", "torch_dtype": "float16"}))
+    m16 = _load(src16)
+    assert m16.dtype == jnp.float32
+    m16.save_pretrained_merged(tmp_path / "fp16", None)
+    assert _header_dtypes(tmp_path / "fp16" / "model.safetensors") == {"F16"}
+    config = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    assert config["dtype"] == "float16" and config["torch_dtype"] == "float16"
+
+    m16.save_pretrained_merged(tmp_path / "f32", None, dtype="float32")
+    assert _header_dtypes(tmp_path / "f32" / "model.safetensors") == {"F32"}
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("family,kw", [("llama", dict(use_rslora=True, modules_to_save=["lm_head"])),
@@ -313,7 +350,7 @@ def test_four_bit_base_is_dequantized_before_merging(trained, tmp_path):
     k = np.asarray(model.params["layers"]["gate_proj"]["kernel"])  # [L, in, out]
     q = nf4_format.stack_nf4([nf4_format.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
     model.params["layers"]["gate_proj"] = {**model.params["layers"]["gate_proj"], "kernel": q}
-    model.save_pretrained_merged(tmp_path / "m", None)
+    model.save_pretrained_merged(tmp_path / "m", None, dtype="float32")
     with SafetensorsFile(tmp_path / "m" / "model.safetensors") as f:
         got = np.asarray(f.get("model.layers.1.mlp.gate_proj.weight"))
     deq = np.asarray(nf4.dequantize_nf4(jax.tree.map(lambda a: a[1], q)), np.float32)  # HF [out, in]

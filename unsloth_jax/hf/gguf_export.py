@@ -152,7 +152,9 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     name_map = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     want = getattr(gguf.GGMLQuantizationType, _METHODS[method][0])
     Q = gguf.GGMLQuantizationType
-    hf_dtype = export._resolve_out_dtype(model, None)  # what the merged 16-bit checkpoint would hold
+    # The merged weights at the model's own precision (a float32 model is not rounded to 16 bits first); each
+    # tensor is then converted to its GGUF type.
+    hf_dtype = export._resolve_out_dtype(model, model.dtype)
     permute = _ARCH[cfg.model_type] == "LLAMA"
     gemma = cfg.model_type in ("gemma", "gemma2")
     plan: list[_Tensor] = []
