@@ -16,12 +16,13 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnexpectedTensorError  # noqa: E402
 from unsloth_jax.hf import export, peft_io  # noqa: E402
-from unsloth_jax.hf.safetensors_io import SafetensorsFile  # noqa: E402
+from unsloth_jax.hf.file_modes import umask as read_umask  # noqa: E402
+from unsloth_jax.hf.safetensors_io import SafetensorsFile, save_file  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gemma")
@@ -327,6 +328,22 @@ def test_reexport_replaces_weights_keeps_unrelated_files(trained, tmp_path):
     # save_method="lora" writes just the adapter (+ tokenizer when given)
     model.save_pretrained_merged(tmp_path / "lora", None, save_method="lora")
     assert sorted(os.listdir(tmp_path / "lora")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_exports_get_the_modes_of_new_files(trained, tmp_path, umask):
+    """Adapter, merged (sharded and not) and lora exports, and safetensors_io.save_file, give their files and
+    folders the modes open() / mkdir() give (0o666 / 0o777 minus the umask), not tempfile's 0600 / 0700."""
+    assert read_umask() == umask and read_umask() == umask  # reading it leaves it unchanged
+    model = _copy(trained["llama"])
+    model.save_pretrained(tmp_path / "adapter")
+    model.save_pretrained_merged(tmp_path / "merged", None)
+    model.save_pretrained_merged(tmp_path / "sharded", None, max_shard_size="40KB")
+    model.save_pretrained_merged(tmp_path / "sharded", None, max_shard_size="40KB")  # replacing an export
+    model.save_pretrained_merged(tmp_path / "lora", None, save_method="lora")
+    save_file({"x": np.zeros(3, np.float32)}, tmp_path / "file" / "x.safetensors")
+    for name in ("adapter", "merged", "sharded", "lora", "file"):
+        assert wrong_modes(tmp_path / name, umask) == {}, name
+    assert len(os.listdir(tmp_path / "sharded")) > 3
 
 
 def test_parse_size():

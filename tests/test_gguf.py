@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
@@ -222,6 +222,14 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
         assert kv["gemma2.attention.sliding_window"] == raw["sliding_window"]
     assert kv["tokenizer.ggml.bos_token_id"] == tok.bos_token_id
     assert kv["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+
+
+def test_gguf_file_gets_the_mode_of_a_new_file(cases, tmp_path, umask):
+    """The GGUF file (written to a mkstemp file, then renamed) and its folder get 0o666 / 0o777 minus the umask."""
+    model, tok, _, _ = cases["qwen2"]
+    out = Path(model.save_pretrained_gguf(tmp_path / "gguf", tok, quantization_method="q8_0"))
+    assert out.parent == tmp_path / "gguf" and os.listdir(out.parent) == [out.name]
+    assert wrong_modes(tmp_path / "gguf", umask) == {}
 
 
 def test_llama3_rope_factors_match_transformers(cases, tmp_path):

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.quant import dense_kernel
@@ -131,6 +132,7 @@ def atomic_directory(out_dir, stale: re.Pattern | None = None) -> Iterator[Path]
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
     try:
+        chmod_like_new(tmp)  # mkdtemp makes it 0700; out_dir gets a new directory's mode
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

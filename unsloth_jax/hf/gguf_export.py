@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.hf.file_modes import chmod_like_new
 
 log = logging.getLogger("unsloth_jax")
 
@@ -536,6 +537,7 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=out_dir)
     os.close(fd)
     try:
+        chmod_like_new(tmp)  # mkstemp makes it 0600
         w.write_header_to_file(path=Path(tmp))
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
