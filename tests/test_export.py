@@ -6,6 +6,7 @@ import os
 import shutil
 import struct
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +81,12 @@ def _trained(path, rng, r=4, alpha=8, steps=3, **kw):
     return model
 
 
+def _lora_factors(model) -> dict:
+    """{projection: {"lora_a", "lora_b"}} of a LoRA model's params (stacked over layers)."""
+    return {name: {k: sub[k] for k in ("lora_a", "lora_b")} for name, sub in model.params["layers"].items()
+            if isinstance(sub, dict) and "lora_a" in sub}
+
+
 def _hf(path, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                              attn_implementation="eager", **kw)
@@ -105,9 +112,13 @@ def test_adapter_loads_in_peft_with_same_logits(family, hf_dirs, trained, tmp_pa
         assert all(f.dtype(k) == np.float32 for k in keys)
         a0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
         b1 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
-        assert f.shape(a0) == (4, model.config.hidden_size) and f.shape(b1) == (model.config.hidden_size, 4)
-        np.testing.assert_array_equal(f.get(a0), np.asarray(model.params["layers"]["q_proj"]["lora_a"][0]).T)
+        chex.assert_shape([f.get(a0), f.get(b1)], [(4, model.config.hidden_size), (model.config.hidden_size, 4)])
+        chex.assert_trees_all_equal(f.get(a0), np.asarray(model.params["layers"]["q_proj"]["lora_a"][0]).T)
     assert len(keys) == 2 * len(TARGETS) * model.config.num_hidden_layers
+    # our own loader reads it back exactly (float32 factors both ways)
+    back, _ = FastLanguageModel.from_pretrained(tmp_path / "adapter", dtype="float32", load_tokenizer=False,
+                                                progress=False)
+    chex.assert_trees_all_equal(_lora_factors(back), _lora_factors(model))
     pm = peft.PeftModel.from_pretrained(_hf(hf_dirs[family]), str(tmp_path / "adapter"))
     theirs = _torch_logits(pm, ids)
     assert rel_err(ours, theirs) < 1e-5
@@ -373,5 +384,6 @@ def test_four_bit_base_is_dequantized_before_merging(trained, tmp_path):
     deq = np.asarray(nf4.dequantize_nf4(jax.tree.map(lambda a: a[1], q)), np.float32)  # HF [out, in]
     a = np.asarray(model.params["layers"]["gate_proj"]["lora_a"][1])
     b = np.asarray(model.params["layers"]["gate_proj"]["lora_b"][1])
-    np.testing.assert_allclose(got, deq + model.lora.scale * (a @ b).T, rtol=1e-6, atol=1e-7)
+    chex.assert_shape(got, deq.shape)
+    chex.assert_trees_all_close(got, deq + model.lora.scale * (a @ b).T, rtol=1e-6, atol=1e-7)
     assert rel_err(deq, k[1].T) < 0.2  # it is the 4-bit approximation, not the original weight

@@ -2,6 +2,7 @@
 a QLoRA train step updates only LoRA leaves."""
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -33,6 +34,7 @@ def test_4bit_load_matches_dequantized_dense(family, tmp_path, rng):
         if not (isinstance(sub, dict) and isinstance(sub.get("kernel"), NF4Weight)):
             continue
         deq = np.asarray(dequantize_nf4(sub["kernel"], jnp.float32))  # [layers, out, in], HF layout
+        chex.assert_shape(deq, (len(hf.model.layers), *sub["kernel"].shape))
         d_model.params["layers"][name]["kernel"] = jnp.swapaxes(jnp.asarray(deq), -1, -2)
         for i, layer in enumerate(hf.model.layers):
             linear = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
