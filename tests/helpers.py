@@ -60,6 +60,21 @@ def lower_for_cuda(fn, *args) -> str:
         raise
 
 
+def wrong_modes(root, umask: int) -> dict[str, str]:
+    """Paths under `root` (root included) whose permission bits differ from a newly created file's
+    (0o666 & ~umask) or directory's (0o777 & ~umask): relative path -> "actual, expected" in octal."""
+    import stat
+
+    root = Path(root)
+    wrong = {}
+    for path in [root, *root.rglob("*")]:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        got = stat.S_IMODE(path.stat().st_mode)
+        if got != want:
+            wrong[str(path.relative_to(root))] = f"{got:o}, expected {want:o}"
+    return wrong
+
+
 TOL = {"float32": 1e-5, "float32_tf32": 1e-3, "bfloat16": 2e-2, "float16": 5e-3}
 
 

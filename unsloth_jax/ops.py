@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
 from pallas_kernels.fp8 import FP8Weight
-from pallas_kernels.nf4 import NF4Weight
+from pallas_kernels.nf4_format import NF4Weight
 
 ENV_VAR = "UNSLOTH_JAX_IMPL"
 # The implementations each op can be forced to ("auto" restores the measured choice).

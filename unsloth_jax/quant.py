@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.fp8 import FP8Weight, dequantize_fp8_weight, quantize_fp8_weight
-from pallas_kernels.nf4 import NF4Weight, dequantize_nf4, quantize_nf4, stack_nf4
+from pallas_kernels.nf4 import dequantize_nf4
+from pallas_kernels.nf4_format import NF4Weight, quantize_nf4, stack_nf4
 from unsloth_jax.models.layers import FP8Param, NF4Param
 
 

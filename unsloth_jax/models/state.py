@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.fp8 import FP8Weight
-from pallas_kernels.nf4 import NF4Weight
+from pallas_kernels.nf4_format import NF4Weight
 from unsloth_jax.models.layers import FP8Param, NF4Param
 
 
