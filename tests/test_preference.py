@@ -278,9 +278,13 @@ def test_orpo_trains_and_logs_trl_keys(tmp_path):
     model, tok = _tiny(r=4)
     args = ORPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       max_steps=3, logging_steps=1, learning_rate=3e-3, beta=0.2)
-    trainer = ORPOTrainer(model=model, args=args, train_dataset=_pairs(4), processing_class=tok)
+    trainer = ORPOTrainer(model=model, args=args, train_dataset=_pairs(4), eval_dataset=_pairs(3, offset=10),
+                          processing_class=tok)
     trainer.train()
     hist = [e for e in trainer.state.log_history if "nll_loss" in e]
+    evals = trainer.state.log_history[-2]  # the eval entry, before the run summary (transformers' order)
+    assert evals["step"] == 3 and np.isfinite(evals["eval_loss"]) and "eval_rewards/margins" in evals
+    assert "train_runtime" in trainer.state.log_history[-1]
     assert len(hist) == 3
     for key in ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/margins",
                 "logps/chosen", "logps/rejected"):

@@ -2,6 +2,7 @@
 a QLoRA train step updates only LoRA leaves."""
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -36,6 +37,7 @@ def test_4bit_load_matches_dequantized_dense(family, tmp_path, rng):
         if not isinstance(lin.kernel, NF4Param):
             continue
         deq = np.asarray(dequantize_nf4(lin.kernel.get_value(), jnp.float32))  # [layers, out, in], HF layout
+        chex.assert_shape(deq, (len(hf.model.layers), *lin.kernel.get_value().shape))
         d_projs[name].kernel[...] = jnp.swapaxes(jnp.asarray(deq), -1, -2)
         for i, layer in enumerate(hf.model.layers):
             linear = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)

@@ -46,7 +46,7 @@ from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, roun
 from unsloth_jax.train.preference import encode_prompt, is_conversational
 from unsloth_jax.train.step import apply_gradients, commit_to_devices
 from unsloth_jax.train.trainer import TrainingArguments
-from unsloth_jax.validation import check_choice, check_int, check_number
+from unsloth_jax.validation import require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
 
@@ -102,22 +102,22 @@ class GRPOConfig(TrainingArguments):
         if parent is not None:
             parent()
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        check_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
-        check_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
-        check_int("num_generations", self.num_generations, minimum=2)
-        check_int("max_completion_length", self.max_completion_length, minimum=1)
+        require_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        require_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        require_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        require_int("num_generations", self.num_generations, minimum=2)
+        require_int("max_completion_length", self.max_completion_length, minimum=1)
         if self.max_prompt_length is not None:
-            check_int("max_prompt_length", self.max_prompt_length, minimum=1)
-        check_int("num_iterations", self.num_iterations, minimum=1)
-        check_number("temperature", self.temperature, minimum=0, exclusive_minimum=True)
-        check_number("top_p", self.top_p, minimum=0, maximum=1, exclusive_minimum=True)
-        check_number("beta", self.beta, minimum=0)
-        check_number("epsilon", self.epsilon, minimum=0)
+            require_int("max_prompt_length", self.max_prompt_length, minimum=1)
+        require_int("num_iterations", self.num_iterations, minimum=1)
+        require_real("temperature", self.temperature, minimum=0, min_exclusive=True)
+        require_real("top_p", self.top_p, minimum=0, maximum=1, min_exclusive=True)
+        require_real("beta", self.beta, minimum=0)
+        require_real("epsilon", self.epsilon, minimum=0)
         if self.epsilon_high is not None:
-            check_number("epsilon_high", self.epsilon_high, minimum=0)
+            require_real("epsilon_high", self.epsilon_high, minimum=0)
         if self.delta is not None:
-            check_number("delta", self.delta, minimum=1, exclusive_minimum=True)
+            require_real("delta", self.delta, minimum=1, min_exclusive=True)
         for name, value, default in (("top_k", self.top_k, (0, None)), ("min_p", self.min_p, (None,)),
                                      ("repetition_penalty", self.repetition_penalty, (1.0,)),
                                      ("use_vllm", self.use_vllm, (False,))):

@@ -5,11 +5,13 @@ Logging follows transformers' Trainer: every `logging_steps` optimizer steps (an
 `logging_first_step`, and on the last) one entry goes to `trainer.state.log_history`, holding the loss and every
 trainer metric averaged over the steps since the previous entry (as TRL averages its metrics), the last
 grad_norm, the learning rate, epoch and step; the same entry (plus tokens/s and device memory) is printed and
-appended to `output_dir/metrics.jsonl`. train() ends with transformers' summary entry and returns a
+appended to `output_dir/metrics.jsonl` and sent to the `report_to` integrations (TensorBoard), as SFTTrainer's
+are. train() ends with transformers' summary entry and returns a
 `TrainOutput`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +28,7 @@ from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
 from unsloth_jax.train.logprobs import trains_beyond_lora
+from unsloth_jax.train.reporting import Reporters, default_logging_dir
 from unsloth_jax.train.state import TrainerState, TrainOutput, train_metrics
 from unsloth_jax.train.step import commit_to_devices
 from unsloth_jax.train.trainer import _as_records as records_of  # noqa: F401  (re-exported)
@@ -98,7 +101,7 @@ class RLTrainerBase:
     def make_optimizer(self, total_steps: int):
         """(schedule, optax optimizer) from the arguments, as SFTTrainer builds them."""
         a = self.args
-        warmup = optim.warmup_steps_for(total_steps, a.warmup_steps, a.warmup_ratio)
+        warmup = SFTTrainer._warmup_steps(self, total_steps)  # warmup_steps / warmup_ratio as SFT reads them
         schedule = optim.make_schedule(a.lr_scheduler_type, a.learning_rate, total_steps, warmup)
         optimizer = optim.make_optimizer(a.optim, schedule, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
                                          adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon)
@@ -125,17 +128,22 @@ class RLTrainerBase:
 
     # --------------------------------------------------------------------------------------- loop
     def run_steps(self, total: int, schedule, run_step, epoch_at, planned_samples: float,
-                  extra_summary: dict | None = None) -> TrainOutput:
+                  extra_summary=None, evaluate=None) -> TrainOutput:
         """Call `run_step(step) -> metrics` (device or host scalars) for step = 0 .. total-1, reading each step's
         metrics one step late so the host does not stall the device; log as the module docstring says.
-        `epoch_at(steps_done)` gives the epoch; extra_summary (called at the end when callable) adds entries to
-        the final metrics. Returns transformers' TrainOutput."""
+        `epoch_at(steps_done)` gives the epoch; `evaluate()` (optional) returns the eval entry logged before the
+        summary, as transformers orders them; `extra_summary()` (optional) adds entries to the final metrics.
+        Returns transformers' TrainOutput."""
         args = self.args
         self.state = TrainerState(max_steps=total, logging_steps=args.logging_steps,
                                   num_train_epochs=args.num_train_epochs,
                                   train_batch_size=args.per_device_train_batch_size)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        logger = _StepLogger(self, schedule, epoch_at, total)
+        reporters = Reporters(args.report_to, args.logging_dir or default_logging_dir(args.output_dir),
+                              dataclasses.asdict(args))
+        if reporters.logging_dir:
+            print(f"unsloth_jax: TensorBoard logs -> {reporters.logging_dir}")
+        logger = _StepLogger(self, schedule, epoch_at, total, reporters)
         bar = logger.bar
         t0 = time.perf_counter()
         pending = None
@@ -149,15 +157,18 @@ class RLTrainerBase:
                 bar.update(1)
             if pending is not None:
                 logger.record(*pending)
+            t_end = time.perf_counter()
+            self.state.global_step = total
+            metrics = train_metrics(t0, t_end, steps_run=total, total_steps=total, planned_samples=planned_samples,
+                                    losses_run=self.state.loss_history, epoch=self.state.epoch)
+            if evaluate is not None:
+                logger.log({**evaluate(), "epoch": self.state.epoch, "step": total})
+            if extra_summary is not None:
+                metrics.update(extra_summary())
+            logger.log({**metrics, "step": total})
         finally:
             bar.close()
-        t_end = time.perf_counter()
-        self.state.global_step = total
-        metrics = train_metrics(t0, t_end, steps_run=total, total_steps=total, planned_samples=planned_samples,
-                                losses_run=self.state.loss_history, epoch=self.state.epoch)
-        if extra_summary:
-            metrics.update(extra_summary() if callable(extra_summary) else extra_summary)
-        self.state.log_history.append({**metrics, "step": total})
+            reporters.close()
         print(json.dumps(metrics))
         return TrainOutput(total, metrics["train_loss"], metrics)
 
@@ -165,9 +176,10 @@ class RLTrainerBase:
 class _StepLogger:
     """Per-step bookkeeping of one train() call (see the module docstring)."""
 
-    def __init__(self, trainer: RLTrainerBase, schedule, epoch_at, total: int):
+    def __init__(self, trainer: RLTrainerBase, schedule, epoch_at, total: int, reporters: Reporters):
         self.args, self.state, self.schedule, self.epoch_at, self.total = (trainer.args, trainer.state, schedule,
                                                                           epoch_at, total)
+        self.reporters = reporters
         self.metrics_path = Path(trainer.args.output_dir) / "metrics.jsonl"
         self.bar = tqdm(total=total, desc=f"{trainer.name} training", unit="step")
         self.window: dict[str, list[float]] = {}
@@ -200,7 +212,7 @@ class _StepLogger:
         entry.update({k: float(np.nanmean(v)) if not all(math.isnan(x) for x in v) else float("nan")
                       for k, v in self.window.items()})
         entry["epoch"], entry["step"] = self.state.epoch, done
-        self.state.log_history.append(entry)
+        self.log(entry)
         record = dict(entry, tokens_per_second=self.window_tokens / max(stamp - self.window_t0, 1e-9))
         mem = device_memory_gib()
         if mem is not None:
@@ -210,6 +222,11 @@ class _StepLogger:
             fh.write(json.dumps(record) + "\n")
         self.bar.set_postfix(loss=f"{entry['loss']:.4f}", lr=f"{entry['learning_rate']:.2e}")
         tqdm.write(json.dumps(record))
+
+    def log(self, entry: dict) -> None:
+        """Append `entry` (with its "step") to log_history and send it to the report_to integrations."""
+        self.state.log_history.append(entry)
+        self.reporters.log(entry, entry["step"])
 
 
 __all__ = ["RLTrainerBase", "records_of", "pad_token_id", "round_up"]

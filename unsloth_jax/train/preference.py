@@ -34,7 +34,7 @@ from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.step import apply_gradients, commit_to_devices
 from unsloth_jax.train.trainer import TrainingArguments
-from unsloth_jax.validation import check_choice, check_int, check_number
+from unsloth_jax.validation import require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
 
@@ -45,7 +45,7 @@ SEQUENCE_MULTIPLE = 64  # batch lengths are rounded up to this, so the step comp
 def _check_lengths(cfg) -> None:
     for name in ("max_length", "max_prompt_length", "max_completion_length"):
         if getattr(cfg, name) is not None:
-            check_int(name, getattr(cfg, name), minimum=1)
+            require_int(name, getattr(cfg, name), minimum=1)
 
 
 def _parent_post_init(cfg, cls) -> None:
@@ -88,12 +88,12 @@ class DPOConfig(TrainingArguments):
             self.loss_type = [self.loss_type]
         self.loss_type = list(self.loss_type)
         for t in self.loss_type:
-            check_choice("loss_type", t, DPO_LOSS_TYPES)
+            require_choice("loss_type", t, DPO_LOSS_TYPES)
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ValueError(f"loss_weights has {len(self.loss_weights)} entries for {len(self.loss_type)} loss types")
-        check_number("beta", self.beta, minimum=0, exclusive_minimum=True)
-        check_number("label_smoothing", self.label_smoothing, minimum=0, maximum=0.5, exclusive_maximum=True)
-        check_choice("truncation_mode", self.truncation_mode, ("keep_start",))
+        require_real("beta", self.beta, minimum=0, min_exclusive=True)
+        require_real("label_smoothing", self.label_smoothing, minimum=0, maximum=0.5, max_exclusive=True)
+        require_choice("truncation_mode", self.truncation_mode, ("keep_start",))
         if self.precompute_ref_log_probs:
             raise ValueError("precompute_ref_log_probs=True is not supported: the reference log-probabilities are "
                              "computed in the train step from the shared base weights (no extra memory)")
@@ -116,7 +116,7 @@ class ORPOConfig(TrainingArguments):
 
     def __post_init__(self):
         _parent_post_init(self, ORPOConfig)
-        check_number("beta", self.beta, minimum=0)
+        require_real("beta", self.beta, minimum=0)
         _check_lengths(self)
 
 
@@ -479,15 +479,16 @@ class _PairTrainer(RLTrainerBase):
                                                                      ref_state, batch)
             return metrics
 
+        def evaluate():
+            nnx.update(model, carry["trainable"])
+            return self.evaluate()
+
         try:
-            out = self.run_steps(total, schedule, run_step, lambda done: done * accum / order.per_epoch,
-                                 planned_samples=total * accum * args.per_device_train_batch_size)
+            return self.run_steps(total, schedule, run_step, lambda done: done * accum / order.per_epoch,
+                                  planned_samples=total * accum * args.per_device_train_batch_size,
+                                  evaluate=evaluate if self.eval_pairs else None)
         finally:
             nnx.update(model, carry["trainable"])
-        if self.eval_pairs:
-            self.state.log_history.append({**self.evaluate(), "epoch": self.state.epoch,
-                                           "step": self.state.global_step})
-        return out
 
     def evaluate(self) -> dict:
         """eval_loss and TRL's eval_rewards/*, eval_logps/* over eval_dataset (means over its batches)."""
