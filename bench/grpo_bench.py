@@ -72,7 +72,7 @@ def main() -> None:
     remat = {"unsloth": "unsloth", "true": True, "false": False}[a.remat]
     seq = a.prompt_len + a.completion
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype=a.dtype, load_tokenizer=False,
-                                                 max_seq_length=round_up(seq, 64))
+                                                 max_seq_length=round_up(seq))
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0,
                                              use_gradient_checkpointing=remat)
     cfg = model.config
@@ -99,7 +99,7 @@ def main() -> None:
     seen = [0.0] + [e["num_tokens"] for e in steps]
     step_tokens = [seen[i + 1] - seen[i] for i in range(len(steps))][a.warmup:]
     gen_tokens = [e["completions/mean_length"] * rows for e in timed]
-    padded = [rows * round_up(a.prompt_len + e["completions/max_length"], 64) for e in timed]
+    padded = [rows * round_up(a.prompt_len + e["completions/max_length"]) for e in timed]
     gen_s = [e["time/generation"] for e in timed]
     train_s = [e["time/train"] for e in timed]
     common = {"model_dir": os.path.basename(a.model_dir.rstrip("/")), "dtype": a.dtype, "remat": a.remat,
@@ -121,7 +121,7 @@ def main() -> None:
                       "final_loss": result.training_loss}), flush=True)
 
     # The SFT train step (what SFTTrainer runs: make_train_step) on the same model, rows of the GRPO step's shape.
-    sft_seq = round_up(seq, 64)
+    sft_seq = round_up(seq)
     graphdef, trainable, frozen = lora.split(model)
     trainable = jax.tree.map(jnp.copy, trainable)
     _, optimizer = trainer.make_optimizer(a.steps)

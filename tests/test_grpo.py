@@ -215,9 +215,10 @@ def test_step_and_reference_equal_transformers_peft_and_trl(tmp_path, rng):
     assert float(metrics["clip_ratio/region_mean"]) > 0
 
 
-def test_grpo_raises_a_reward_over_seeds(tmp_path):
+def test_grpo_raises_a_reward_over_seeds(tmp_path, seed):
     """A short GRPO run (the bundled tiny model, in-process generation) learns to answer shorter, the reward
-    being minus the completion length, for each of 3 seeds: sampled lengths on the training prompts drop. The
+    being minus the completion length, for each of 3 fresh seeds (LoRA init, prompt order, sampling): sampled
+    lengths on the training prompts drop (over 8 seeds the after/before ratio was 0.36-0.70, mean 0.54). The
     reward functions get the dataset's other columns; the log has TRL's keys and the time split; the trained
     adapter reloads."""
     model, tok = _tiny()
@@ -241,13 +242,13 @@ def test_grpo_raises_a_reward_over_seeds(tmp_path):
                           processing_class=tok)
     rows = np.arange(len(data))
     drops = []
-    for seed in (0, 1, 2):
+    for run_seed in (seed % 2**30 + k for k in range(3)):
         FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False,
-                                         random_state=seed)
-        trainer.args = dataclasses.replace(args, seed=seed)
-        before = np.mean([len(c) for c in trainer.generate_completions(rows, seed=99 + seed)[1]])
+                                         random_state=run_seed)
+        trainer.args = dataclasses.replace(args, seed=run_seed)
+        before = np.mean([len(c) for c in trainer.generate_completions(rows, seed=run_seed + 7)[1]])
         result = trainer.train()
-        after = np.mean([len(c) for c in trainer.generate_completions(rows, seed=99 + seed)[1]])
+        after = np.mean([len(c) for c in trainer.generate_completions(rows, seed=run_seed + 7)[1]])
         drops.append((before, after))
     assert all(after < before for before, after in drops), drops
     assert np.mean([after / before for before, after in drops]) < 0.8, drops
@@ -267,6 +268,31 @@ def test_grpo_raises_a_reward_over_seeds(tmp_path):
     _, trained, _ = lora.split(model)
     assert all(np.any(np.asarray(v) != 0) for p, v in jax.tree_util.tree_leaves_with_path(trained)
                if "lora_b" in jax.tree_util.keystr(p))
+
+
+def test_conversational_prompts_and_reward_arguments(tmp_path):
+    """Conversational prompts are rendered with the chat template's generation prompt (as TRL); reward
+    functions get the message-list prompts, completions as assistant messages, completion_ids, trainer_state
+    and the other columns, one entry per completion; None rewards become NaN."""
+    model, tok = _tiny(r=2)
+    data = [{"prompt": [{"role": "user", "content": f"Count to {i}."}], "level": i} for i in range(3)]
+    got = {}
+
+    def check(prompts, completions, completion_ids, trainer_state, level, **kwargs):
+        got.update(prompts=prompts, completions=completions, ids=completion_ids, level=level, state=trainer_state)
+        return [None] + [1.0] * (len(prompts) - 1)
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2)
+    trainer = GRPOTrainer(model=model, reward_funcs=check, args=args, train_dataset=data, processing_class=tok)
+    expect = tok.apply_chat_template(data[1]["prompt"], tokenize=True, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    assert trainer.prompt_ids[1] == list(expect)
+    completion_ids = [tok("Yes.")["input_ids"][1:] + [tok.eos_token_id]] * 4
+    rewards = trainer.score_completions(np.array([2, 0]), completion_ids)
+    assert np.isnan(rewards[0, 0]) and np.all(rewards[1:, 0] == 1.0)
+    assert got["level"] == [2, 2, 0, 0] and got["prompts"][0] == data[2]["prompt"]
+    assert got["completions"][0] == [{"role": "assistant", "content": "Yes."}]
+    assert got["ids"] == completion_ids and got["state"] is trainer.state
 
 
 def test_grpo_config_checks():

@@ -6,6 +6,7 @@ import json
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -254,6 +255,33 @@ def test_reference_shares_the_frozen_arrays(dpo_run):
         inner = eqn.params.get("jaxpr")
         consts += list(getattr(inner, "consts", ()))
     assert not [c for c in consts if np.size(c) >= smallest]
+
+
+def test_dpo_step_never_holds_full_logits(dpo_run):
+    """With chunk=32, no value of the traced DPO step (forward, reference and backward) has a vocabulary axis
+    and more than 32 rows: [rows, seq, vocab] logits are never materialised."""
+    trainer, _, _ = dpo_run
+    graphdef, trainable, frozen, _ = trainer.split_state(need_reference=True)
+    _, optimizer = trainer.make_optimizer(2)
+    step = P.make_preference_step(graphdef, optimizer, trainer.objective(), needs_reference=True, remat="none",
+                                  chunk=32)
+    batch = P.stack_micro_batches([P.pair_batch(trainer.train_pairs, trainer.pad_id, None)], trainer.pad_id)
+    v, d = trainer.model.config.vocab_size, trainer.model.config.hidden_size
+    assert batch["input_ids"][0].size > 4 * 32  # the full logits would be several chunks
+    jaxpr = jax.make_jaxpr(step)(trainable, frozen, optimizer.init(trainable), None, batch)
+    sizes = []
+
+    def visit(jp):
+        for eqn in jp.eqns:
+            for var in eqn.outvars:
+                shape = tuple(getattr(var.aval, "shape", ()))
+                if v in shape and sorted(shape) != sorted((v, d)):
+                    sizes.append(int(np.prod(shape)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jaxpr.jaxpr)
+    assert sizes and max(sizes) <= 32 * v, max(sizes)
 
 
 def test_dpo_adapter_saves_and_loads_in_peft(dpo_run, tmp_path, rng):

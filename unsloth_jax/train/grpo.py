@@ -52,7 +52,6 @@ log = logging.getLogger("unsloth_jax")
 
 GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
-SEQUENCE_MULTIPLE = 64
 
 
 @dataclasses.dataclass
@@ -333,8 +332,9 @@ class GRPOTrainer(RLTrainerBase):
         self.prompt_ids = []
         for i, rec in enumerate(self.records):
             if not isinstance(rec, dict) or "prompt" not in rec:
+                got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
                 raise DatasetFormatError(f"train_dataset[{i}]: GRPO records need a 'prompt' (a string or a list of "
-                                         f"messages), got {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}")
+                                         f"messages), got {got}")
             ids = encode_prompt(self.tokenizer, rec["prompt"])
             if args.max_prompt_length is not None:
                 ids = ids[-args.max_prompt_length:]
@@ -414,11 +414,11 @@ class GRPOTrainer(RLTrainerBase):
 
     def build_batch(self, prompts, completions, truncated, advantages, rng) -> dict:
         """The step's [A, B, S] micro-batches (rows shuffled, as TRL does): prompt + completion right padded to a
-        multiple of SEQUENCE_MULTIPLE, completion_mask on the completion tokens (zeroed for truncated ones with
+        multiple of loop.SEQUENCE_MULTIPLE, completion_mask on the completion tokens (zeroed for truncated ones with
         mask_truncated_completions), advantages [A, B], num_items."""
         a, b = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
         n = len(prompts)
-        length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)), SEQUENCE_MULTIPLE)
+        length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)))
         ids = np.full((n, length), self.pad_id, np.int32)
         mask = np.zeros((n, length), np.int32)
         cmask = np.zeros((n, length), np.int32)
@@ -440,7 +440,8 @@ class GRPOTrainer(RLTrainerBase):
         nnx.update(self.model, trainable)  # the sampler runs the weights being trained
         t0 = time.perf_counter()
         rows = self._prompt_indices(generation)
-        prompts, completions, truncated = self.generate_completions(rows, seed=args.seed * 1000003 + generation)
+        sample_seed = (args.seed * 1000003 + generation) % 2**31
+        prompts, completions, truncated = self.generate_completions(rows, seed=sample_seed)
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
         advantages, rewards, std = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
@@ -497,7 +498,8 @@ class GRPOTrainer(RLTrainerBase):
         _, schedule, optimizer, step_fn, scorer = self._compiled
         opt_state = commit_to_devices(optimizer.init(trainable))
         self.summary_line(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of up to "
-                          f"{args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, beta={args.beta}")
+                          f"{args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
+                          f"beta={args.beta}")
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._tokens_seen = 0
         carry = {"trainable": trainable, "opt_state": opt_state, "batch": None, "gen_metrics": None}

@@ -49,8 +49,11 @@ def pad_token_id(tokenizer, model) -> int:
     return 0
 
 
-def round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple of `multiple` (sequence lengths, so the jitted step compiles for few shapes)."""
+SEQUENCE_MULTIPLE = 64  # batch lengths are rounded up to this, so a jitted step compiles for few shapes
+
+
+def round_up(n: int, multiple: int = SEQUENCE_MULTIPLE) -> int:
+    """n rounded up to a multiple of `multiple` (at least one multiple)."""
     return max(multiple, -(-int(n) // multiple) * multiple)
 
 
@@ -229,4 +232,4 @@ class _StepLogger:
         self.reporters.log(entry, entry["step"])
 
 
-__all__ = ["RLTrainerBase", "records_of", "pad_token_id", "round_up"]
+__all__ = ["RLTrainerBase", "SEQUENCE_MULTIPLE", "records_of", "pad_token_id", "round_up", "scan_micro_batches"]

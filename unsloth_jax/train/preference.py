@@ -39,7 +39,6 @@ from unsloth_jax.validation import require_choice, require_int, require_real
 log = logging.getLogger("unsloth_jax")
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
-SEQUENCE_MULTIPLE = 64  # batch lengths are rounded up to this, so the step compiles for few shapes
 
 
 def _check_lengths(cfg) -> None:
@@ -299,7 +298,8 @@ def _completion_ids(tokenizer, prompt, completion, prompt_ids: list[int], where:
         full = list(tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"])
     else:
         if not isinstance(completion, str):
-            raise DatasetFormatError(f"{where}: the prompt is a string but the completion is {type(completion).__name__}")
+            raise DatasetFormatError(f"{where}: the prompt is a string but the completion is "
+                                     f"{type(completion).__name__}")
         eos = tokenizer.eos_token or ""
         text = completion if (not eos or completion.endswith(eos)) else completion + eos
         full = list(tokenizer(prompt + text)["input_ids"])
@@ -350,10 +350,10 @@ def tokenize_pairs(dataset, tokenizer, *, max_length: int | None, max_prompt_len
 
 def pair_batch(pairs: list[dict], pad_id: int, max_length: int | None) -> dict:
     """Rows [2B, S] (chosen rows, then rejected) of prompt + completion cut to max_length (keeping the start),
-    right padded to a multiple of SEQUENCE_MULTIPLE: int32 input_ids, attention_mask, completion_mask."""
+    right padded to a multiple of loop.SEQUENCE_MULTIPLE: int32 input_ids, attention_mask, completion_mask."""
     rows = [(p["prompt_ids"], p["chosen_ids"]) for p in pairs] + [(p["prompt_ids"], p["rejected_ids"]) for p in pairs]
     seqs = [(list(pr) + list(c))[:max_length] if max_length else list(pr) + list(c) for pr, c in rows]
-    length = round_up(max(len(s) for s in seqs), SEQUENCE_MULTIPLE)
+    length = round_up(max(len(s) for s in seqs))
     ids = np.full((len(seqs), length), pad_id, np.int32)
     mask = np.zeros((len(seqs), length), np.int32)
     completion = np.zeros((len(seqs), length), np.int32)
