@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from tests.conftest import fresh_seed  # noqa: E402
 from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
@@ -46,8 +47,7 @@ def hf_dirs(tmp_path_factory):
 def trained(hf_dirs):
     """One LoRA model per family trained for a few steps (fresh seed per run), shared by the tests: each test
     gets its own shallow copy via _copy so it may replace params freely."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"trained-model seed = {seed}")
+    seed = fresh_seed("trained-model")
     rng = np.random.default_rng(seed)
     return {fam: _trained(hf_dirs[fam], rng) for fam in FAMILIES}
 

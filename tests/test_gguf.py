@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from tests.conftest import fresh_seed  # noqa: E402
 from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -50,7 +51,7 @@ def spm_tokenizer_dir(tmp_path_factory):
     """A SentencePiece BPE model with byte fallback trained on fresh random text, and its HF tokenizer."""
     spm = pytest.importorskip("sentencepiece")
     d = tmp_path_factory.mktemp("spm")
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(fresh_seed("spm tokenizer"))
     words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
     (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
     spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
@@ -90,8 +91,7 @@ def _make_hf_dir(family, path, vocab, spm_dir, seed):
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory, spm_tokenizer_dir):
     """family -> (unsloth_jax model with random nonzero LoRA, tokenizer, transformers model, source dir)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"gguf cases seed = {seed}")
+    seed = fresh_seed("gguf cases")
     rng = np.random.default_rng(seed)
     out = {}
     for k, family in enumerate(CASES):

@@ -285,6 +285,7 @@ def test_tokens_per_second_when_each_step_blocks(llama_dir, tmp_path, rng, monke
             time_mod.sleep(step_s)
             return out
 
+        blocking.lower = fn.lower
         return blocking
 
     monkeypatch.setattr(trainer_mod, "make_train_step", slow)

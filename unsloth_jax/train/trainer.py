@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from flax import nnx
 
 from unsloth_jax import lora
+from unsloth_jax import backend
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.errors import TrainingError
@@ -75,6 +76,66 @@ class TrainingArguments:
     def __post_init__(self):
         validate_training_arguments(self)
         self.report_to = resolve_report_to(self.report_to)
+
+
+def _base_label(model) -> str:
+    """" + NF4" / " + FP8" when the frozen projections are quantized."""
+    from unsloth_jax.models import FP8Param, NF4Param
+
+    kinds = {type(lin.kernel) for lin in model.projections().values()}
+    return " + NF4" if NF4Param in kinds else " + FP8" if FP8Param in kinds else ""
+
+
+def _kernels_line() -> str:
+    from unsloth_jax import ops
+
+    chosen = ops.chosen_impls()
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none traced"
+
+
+class StepMemoryPlan(str):
+    """The one-line memory summary of a compiled train step (a str), with the byte counts as attributes."""
+
+    device_bytes: int
+    host_bytes: int
+    limit_bytes: int | None
+
+
+def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_length: int) -> StepMemoryPlan:
+    """Compile the train step for the largest batch the loader yields (sequence length `longest`) and read XLA's
+    memory analysis of it, before step 1. Raises TrainingError when the step needs more device memory than the
+    device has, naming the largest max_seq_length that would fit (estimated from the step's temporaries, which
+    grow linearly with the tokens). The jit cache keeps the compiled step, so step 1 does not compile again."""
+    shapes = {k: jax.ShapeDtypeStruct((*v.shape[:-1], longest), v.dtype) for k, v in batch.items()}
+    compiled = step_fn.lower(*state, shapes).compile()
+    ma = compiled.memory_analysis()
+    if ma is None:
+        line = StepMemoryPlan("step memory: not reported by this backend")
+        line.device_bytes = line.host_bytes = 0
+        line.limit_bytes = None
+        return line
+    fixed = ma.argument_size_in_bytes + ma.output_size_in_bytes - getattr(ma, "alias_size_in_bytes", 0)
+    device = fixed + ma.temp_size_in_bytes
+    host = getattr(ma, "host_temp_size_in_bytes", 0) + getattr(ma, "host_argument_size_in_bytes", 0)
+    limit = backend.device_memory_limit()
+    gib = 2 ** 30
+    text = f"step memory (XLA's analysis, S={longest}): {device / gib:.2f} GiB on the device"
+    if host:
+        text += f" + {host / gib:.2f} GiB pinned host (offloaded layer inputs)"
+    if limit:
+        text += f" of {limit / gib:.1f} GiB"
+        if device > 0.98 * limit:
+            per_token = ma.temp_size_in_bytes / max(longest, 1)
+            fits = int((0.95 * limit - fixed) / max(per_token, 1))
+            hint = (f"the largest max_seq_length that fits is about {fits:,d}" if fits > 0 else
+                    "even the weights and optimizer state do not fit")
+            raise TrainingError(f"the train step at sequence length {longest} (max_seq_length={max_seq_length}) "
+                                f"needs {device / gib:.1f} GiB of device memory, but the device has "
+                                f"{limit / gib:.1f} GiB; {hint} (or lower per_device_train_batch_size, use "
+                                "use_gradient_checkpointing='unsloth', or load_in_4bit=True)")
+    line = StepMemoryPlan(text)
+    line.device_bytes, line.host_bytes, line.limit_bytes = int(device), int(host), limit
+    return line
 
 
 def cast_weights(model, dtype) -> None:
@@ -290,12 +351,16 @@ class SFTTrainer:
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
         trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
+        plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
+                                loader.longest_bucket, self.max_seq_length)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
         print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
               f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}, LoRA r={model.lora.r} ({n_train:,d} trainable), remat={model.gradient_checkpointing}")
+              f"{model.dtype.name}{_base_label(model)}, LoRA r={model.lora.r} ({n_train:,d} trainable), "
+              f"remat={model.gradient_checkpointing}")
+        print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}")
         bar = tqdm(total=total, initial=start, desc="Training", unit="step")
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
