@@ -19,6 +19,9 @@ _EXPORTS = {
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",
+    "UnslothTrainer": "unsloth_jax.train",
+    "UnslothTrainingArguments": "unsloth_jax.train",
+    "add_new_tokens": "unsloth_jax.vocab",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
