@@ -177,6 +177,10 @@ def test_quantized_bases_and_lora_are_refused(hf_dirs, tmp_path, capsys):
                                                     progress=False)
     with pytest.raises(ValueError, match="NF4Param"):
         lora.enable_full_finetuning(four_bit)
+    fp8, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_in_fp8=True, load_tokenizer=False,
+                                               progress=False)
+    with pytest.raises(ValueError, match="FP8Param"):
+        lora.enable_full_finetuning(fp8)
     model = _full(path)
     assert FastLanguageModel.get_peft_model(model, r=4) is model and model.lora is None
     assert "no effect" in capsys.readouterr().out

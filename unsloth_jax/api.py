@@ -23,7 +23,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
-from unsloth_jax.validation import check_bool, check_choice, check_int, check_number
+from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
 
@@ -114,12 +114,12 @@ def _load_tokenizer(model_dir: Path):
         return None
 
 
-def _check_full_finetuning(full_finetuning, load_in_4bit, kwargs: dict, model_name) -> bool:
+def _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs: dict, model_name) -> bool:
     """full_finetuning as a bool; ConfigError when it is asked for together with a quantized base."""
-    full_finetuning = check_bool("full_finetuning", full_finetuning)
+    full_finetuning = require_bool("full_finetuning", full_finetuning)
     if full_finetuning:
         quantized = [k for k, v in (("load_in_4bit", load_in_4bit), ("load_in_8bit", kwargs.get("load_in_8bit")),
-                                    ("load_in_fp8", kwargs.get("load_in_fp8"))) if v]
+                                    ("load_in_fp8", load_in_fp8)) if v]
         if quantized:
             raise ConfigError(f"from_pretrained({str(model_name)!r}): full_finetuning=True trains every weight, which "
                               f"needs the dense 16/32-bit model, but {' and '.join(quantized)}=True asks for a "
@@ -173,23 +173,28 @@ class FastLanguageModel:
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
-                        load_in_4bit: bool = False, *, full_finetuning: bool = False,
+                        load_in_4bit: bool = False, *, load_in_fp8: bool = False, full_finetuning: bool = False,
                         use_gradient_checkpointing="unsloth", load_tokenizer: bool = True, progress: bool = True,
                         **kwargs):
         """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
+        load_in_4bit: frozen projections in NF4 (QLoRA); load_in_fp8: frozen projections in FP8 (e4m3 with
+        per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
         full_finetuning=True: every weight trains (no LoRA; get_peft_model then has no effect), the weights in
         `dtype` and AdamW's moments in float32 (or 8-bit with optim="adamw_8bit"); use_gradient_checkpointing
         (False / True / "unsloth") is its remat mode. A 4-bit or FP8 base cannot be fully fine-tuned.
         """
-        full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, kwargs, model_name)
+        full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = _check_model_name(model_name)
-        max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
-        load_in_4bit = check_bool("load_in_4bit", load_in_4bit)
+        max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
+        load_in_4bit = require_bool("load_in_4bit", load_in_4bit)
+        load_in_fp8 = require_bool("load_in_fp8", load_in_fp8)
+        if load_in_4bit and load_in_fp8:
+            raise ValueError("load_in_4bit=True and load_in_fp8=True: pick one quantization of the base weights")
         compute_dtype = resolve_dtype(dtype)
         from unsloth_jax.hf import peft_io
 
@@ -199,7 +204,8 @@ class FastLanguageModel:
                                   "model (merge the adapter first with save_pretrained_merged)")
             base = peft_io.base_model_path(model_dir)
             model, tokenizer = FastLanguageModel.from_pretrained(
-                base, max_seq_length, dtype, load_in_4bit, load_tokenizer=False, progress=progress, **kwargs)
+                base, max_seq_length, dtype, load_in_4bit, load_in_fp8=load_in_fp8, load_tokenizer=False,
+                progress=progress, **kwargs)
             model = peft_io.load_adapter(model, model_dir)
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
@@ -215,10 +221,16 @@ class FastLanguageModel:
         if full_finetuning and prequantized:
             raise ConfigError(f"{model_dir}/config.json: a bitsandbytes 4-bit checkpoint cannot be fully fine-tuned "
                               "(its weights are quantized); load the 16-bit model with full_finetuning=True")
+        if prequantized and load_in_fp8:
+            raise ConfigError(f"{model_dir} holds a bitsandbytes 4-bit checkpoint; load_in_fp8 needs 16-bit weights")
         if load_in_4bit and not prequantized:
             from unsloth_jax.quant import nf4_placer
 
             placer = nf4_placer
+        elif load_in_fp8:
+            from unsloth_jax.quant import fp8_placer
+
+            placer = fp8_placer
         load_in_4bit = load_in_4bit or prequantized
         model = load_model(model_dir, cfg, compute_dtype, model_class=Model, placer=placer, progress=progress,
                            bnb_4bit=prequantized)
@@ -230,7 +242,8 @@ class FastLanguageModel:
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
         log.info("unsloth_jax: loaded %s (%s, %d layers) in %.1fs as %s%s on %s%s", model_dir.name, cfg.model_type,
-                 cfg.num_hidden_layers, seconds, compute_dtype.name, " + NF4 4-bit" if load_in_4bit else "",
+                 cfg.num_hidden_layers, seconds, compute_dtype.name,
+                 " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "",
                  jax.devices()[0].platform, f", {mem:.2f} GiB in use" if mem is not None else "")
         return model, tokenizer
 
@@ -253,14 +266,14 @@ class FastLanguageModel:
             return model
         if loftq_config:
             raise NotImplementedError("loftq_config is not supported")
-        r = check_int("r", r, minimum=1)
-        lora_alpha = check_number("lora_alpha", lora_alpha, minimum=0, exclusive_minimum=True)
-        lora_dropout = check_number("lora_dropout", lora_dropout, minimum=0, maximum=1, exclusive_maximum=True)
-        check_choice("bias", bias, lora_lib.BIAS_MODES)
-        random_state = check_int("random_state", random_state)
-        use_rslora = check_bool("use_rslora", use_rslora)
+        r = require_int("r", r, minimum=1)
+        lora_alpha = require_real("lora_alpha", lora_alpha, minimum=0, min_exclusive=True)
+        lora_dropout = require_real("lora_dropout", lora_dropout, minimum=0, maximum=1, max_exclusive=True)
+        require_choice("bias", bias, lora_lib.BIAS_MODES)
+        random_state = require_int("random_state", random_state)
+        use_rslora = require_bool("use_rslora", use_rslora)
         if max_seq_length is not None:
-            max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
+            max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         targets = lora_lib.expand_targets(target_modules)
         saved = _saved_modules(model, modules_to_save)
         if lora_dropout:

@@ -1,9 +1,11 @@
 """Training: the functional jitted step (`make_train_step`), optimizers/schedules, SFTTrainer, and UnslothTrainer
 (continued pretraining with embedding_learning_rate)."""
 from unsloth_jax.train.optim import make_optimizer, make_schedule, scale_by_adam_8bit
+from unsloth_jax.train.state import TrainerState, TrainOutput
 from unsloth_jax.train.step import loss_and_count, make_train_step, resolve_remat
 from unsloth_jax.train.trainer import SFTTrainer, TrainingArguments
 from unsloth_jax.train.continued import UnslothTrainer, UnslothTrainingArguments
 
 __all__ = ["make_train_step", "loss_and_count", "resolve_remat", "make_optimizer", "make_schedule",
-           "scale_by_adam_8bit", "SFTTrainer", "TrainingArguments", "UnslothTrainer", "UnslothTrainingArguments"]
+           "scale_by_adam_8bit", "SFTTrainer", "TrainingArguments", "TrainOutput", "TrainerState", "UnslothTrainer",
+           "UnslothTrainingArguments"]

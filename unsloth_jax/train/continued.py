@@ -23,7 +23,7 @@ import jax
 from unsloth_jax import lora
 from unsloth_jax.train import optim
 from unsloth_jax.train.trainer import SFTTrainer, TrainingArguments
-from unsloth_jax.validation import check_number
+from unsloth_jax.validation import require_real
 
 log = logging.getLogger("unsloth_jax")
 
@@ -35,12 +35,10 @@ class UnslothTrainingArguments(TrainingArguments):
     embedding_learning_rate: float | None = None
 
     def __post_init__(self):
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
-            parent()
+        super().__post_init__()
         if self.embedding_learning_rate is not None:
-            self.embedding_learning_rate = check_number("embedding_learning_rate", self.embedding_learning_rate,
-                                                        minimum=0, exclusive_minimum=True)
+            self.embedding_learning_rate = require_real("embedding_learning_rate", self.embedding_learning_rate,
+                                                        minimum=0, min_exclusive=True)
 
 
 def trained_embedding_paths(model) -> list[str]:
