@@ -113,7 +113,8 @@ def test_raw_text_trains_packed(tmp_path):
     batch = loader.batch(0, 0)
     assert batch["input_ids"].shape == (2, 256) and batch["segment_ids"].max() >= 2
     assert (batch["attention_mask"] == 1).mean() > 0.9  # rows are full
-    losses = trainer.train()["loss_history"]
+    trainer.train()
+    losses = trainer.state.loss_history
     assert np.isfinite(losses).all() and np.mean(losses[-2:]) < np.mean(losses[:2])
 
 
