@@ -24,12 +24,24 @@ from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments  # noqa
 from unsloth_jax.train.optim import state_dtype  # noqa: E402
 
 
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+    """6 x (matmul weights per token) + causal attention (6 S Hq hd per layer): the usual MFU numerator,
+    without rematerialisation (recomputed work is not useful work)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
+    return 6.0 * (n * per_layer + cfg.vocab_size * d) + n * 6.0 * seq * hq * hd
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false"])
+    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention"])
     ap.add_argument("--steps", type=int, default=13)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--load-in-4bit", action="store_true")
@@ -43,7 +55,7 @@ def main() -> None:
                          "and add bench/trace_summary.py's per-step GPU time breakdown to the JSON line")
     ap.add_argument("--profile-steps", type=int, default=2)
     a = ap.parse_args()
-    remat = {"unsloth": "unsloth", "true": True, "false": False}[a.remat]
+    remat = {"unsloth": "unsloth", "true": True, "false": False, "save_attention": "save_attention"}[a.remat]
     t0 = time.time()
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_in_4bit=a.load_in_4bit,
                                                  load_in_fp8=a.load_in_fp8, load_tokenizer=False,
@@ -105,6 +117,7 @@ def main() -> None:
             "seq": a.seq, "remat": a.remat, "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
             "optim": a.optim, "full_finetuning": a.full_finetuning, "optimizer_state": state_dtype(a.optim),
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
+            "mfu": round(a.batch * a.seq / (ms / 1e3) * model_flops_per_token(model.config, a.seq) / PEAK_BF16_FLOPS, 4),
             "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 3), "load_s": round(load_s, 1),
             # peak before the first step (loading, LoRA init): if it equals peak_gib, the step is not the peak
             "peak_gib_before_train": round(stats0.get("peak_bytes_in_use", 0) / 2**30, 3),

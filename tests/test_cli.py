@@ -310,3 +310,13 @@ def test_cli_help_starts_without_importing_jax():
     helped = subprocess.run([sys.executable, "-m", "unsloth_jax.cli", "--help"], env=subprocess_env(),
                             capture_output=True, text=True, timeout=300)
     assert helped.returncode == 0 and "train" in helped.stdout, helped.stderr[-2000:]
+
+
+def test_prompt_completion_records_are_named_and_generate_raw(tmp_path):
+    from unsloth_jax import cli
+
+    records = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
+    assert cli._records_format(records) == "prompt_completion"
+    cli._save_training_info(tmp_path, {"dataset_format": "prompt_completion"})
+    args = cli.build_parser().parse_args(["generate", "--model_name", str(tmp_path)])
+    assert cli._resolve_format(args, tmp_path) == "raw"

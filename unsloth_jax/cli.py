@@ -198,7 +198,8 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _records_format(records, text_field: str = "text") -> str:
-    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml) or text (records with `text_field`)."""
+    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml), prompt_completion (TRL's records,
+    whose completion-only loss the tokenizer step already applies) or text (records with `text_field`)."""
     from unsloth_jax.data import detect_format
 
     kinds = set()
@@ -211,6 +212,8 @@ def _records_format(records, text_field: str = "text") -> str:
         return "alpaca"
     if kinds and kinds <= {"sharegpt", "chatml"}:
         return "chat"
+    if kinds == {"prompt_completion"}:
+        return "prompt_completion"
     return "text" if kinds == {"text"} else "mixed"
 
 
@@ -365,15 +368,19 @@ def cmd_train(args) -> int:
                          packing=args.packing, args=targs)
     responses_only = args.train_on_responses_only
     if responses_only is None:
-        responses_only = fmt in ("alpaca", "chat")
+        responses_only = fmt in ("alpaca", "chat", "prompt_completion")
     if responses_only:
         if fmt == "alpaca":
             instruction_part, response_part = RESPONSE_PARTS["alpaca"]
         elif fmt == "chat":
             instruction_part, response_part = _chat_response_parts(tokenizer)
+        elif fmt == "prompt_completion":
+            instruction_part = response_part = None  # the completion-only mask is already in the labels
         else:
-            raise UsageError("--train_on_responses_only needs alpaca or chat (sharegpt/chatml) records")
-        train_on_responses_only(trainer, instruction_part, response_part)
+            raise UsageError("--train_on_responses_only needs alpaca, chat (sharegpt/chatml) or prompt/completion "
+                             "records")
+        if response_part is not None:
+            train_on_responses_only(trainer, instruction_part, response_part)
     print(f"unsloth-jax train: {Path(args.model_name).name} ({model.config.model_type}, "
           f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
           f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
@@ -471,7 +478,7 @@ def _resolve_format(args, model_dir: Path) -> str:
     trained = info.get("dataset_format")
     if trained == "chat":
         return "chat"
-    if trained == "text":
+    if trained in ("text", "prompt_completion"):
         return "raw"
     return "alpaca"
 
