@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo fullft
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
-# GRPO_TIMEOUT.
+# GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
+# largest shape that fits), FULLFT_BIG_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -118,6 +119,27 @@ for st in $stages; do
           [[ $line == "{"* ]] && break
         done
       done ;;
+    fullft)
+      # Qwen2-1.5B: LoRA beside full fine-tuning (AdamW, float32 moments; and 8-bit AdamW), one JSON line each.
+      train_variants qwen2-1.5b ${FULLFT_VARIANTS:-"unsloth||" "unsloth||--full-finetuning" \
+        "unsloth||--full-finetuning+--optim+adamw_8bit"}
+      # XLA's buffer estimate of full fine-tuning for larger shapes (compiled abstractly, no weights allocated).
+      for o in ${FULLFT_FIT_OPTIMS:-adamw_torch adamw_8bit}; do
+        log "full_ft_fit $o"
+        timeout ${FIT_TIMEOUT:-300} $PY bench/full_ft_fit.py --shapes ${FULLFT_FIT_SHAPES:-qwen2.5-7b,llama3-8b,qwen2.5-14b} \
+          --optim $o 2>>"$OUT/fit_err.txt" | tee -a "$OUT/fullft_fit.jsonl"
+      done
+      # Then train the largest shape the estimate says fits, for real (peak memory and tokens/s).
+      if [ "${FULLFT_RUN_LARGEST:-1}" = 1 ]; then
+        pick=$($PY -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; ok=[r for r in rows if r.get('fits')]; best=max(ok, key=lambda r: (r['params'], r['optim']=='adamw_torch'), default=None); print(f\"{best['shape']} {best['optim']}\" if best else '')" "$OUT/fullft_fit.jsonl")
+        if [ -n "$pick" ]; then
+          read -r shape optim <<< "$pick"
+          $PY bench/make_checkpoint.py $shape $CK/$shape 2>&1 | tail -1
+          log "train $shape full fine-tuning, $optim"
+          timeout ${FULLFT_BIG_TIMEOUT:-420} $PY bench/train_bench.py $CK/$shape --batch 4 --seq 2048 --remat unsloth \
+            --full-finetuning --optim $optim --memory-analysis 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl"
+        fi
+      fi ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2

@@ -25,6 +25,9 @@ _EXPORTS = {
     "ORPOConfig": "unsloth_jax.train.preference",
     "GRPOTrainer": "unsloth_jax.train.grpo",
     "GRPOConfig": "unsloth_jax.train.grpo",
+    "UnslothTrainer": "unsloth_jax.train",
+    "UnslothTrainingArguments": "unsloth_jax.train",
+    "add_new_tokens": "unsloth_jax.vocab",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -237,13 +237,17 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------- linear
-def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> jax.Array:
+def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, kernel_grad: bool = False
+           ) -> jax.Array:
     """x [..., in] @ kernel (+ bias) (+ scale * (x @ a) @ b); output in x.dtype.
 
     kernel: a dense [in, out] array, an NF4Weight or an FP8Weight (both HF [out, in]); lora: None or
-    (a [in, r], b [r, out], scale). The frozen kernel is wrapped in stop_gradient, so even a caller
-    differentiating with respect to every weight gets no gradient computation for it.
+    (a [in, r], b [r, out], scale). A frozen kernel (kernel_grad=False, the LoRA case) is wrapped in
+    stop_gradient, so even a caller differentiating with respect to every weight gets no gradient computation
+    for it; kernel_grad=True (full fine-tuning, a dense kernel) lets its gradient through.
     """
+    if kernel_grad and (isinstance(kernel, (NF4Weight, FP8Weight)) or lora is not None):
+        raise ValueError("ops.linear: kernel_grad=True needs a dense kernel without LoRA (full fine-tuning)")
     if isinstance(kernel, NF4Weight):
         y = _linear_nf4(x, kernel, lora)
     elif isinstance(kernel, FP8Weight):
@@ -259,7 +263,8 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> ja
         y = lora_linear(x, jax.lax.stop_gradient(kernel).astype(x.dtype), a, b, float(scale))
     else:
         _note("linear", "xla")
-        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype)) + _lora_delta(x, lora)
+        w = kernel if kernel_grad else jax.lax.stop_gradient(kernel)
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype)) + _lora_delta(x, lora)
     if bias is not None:
         y = y + bias.astype(x.dtype)
     return y

@@ -2,6 +2,15 @@
 
     save_adapter(model, "lora_model")                  # adapter_config.json + adapter_model.safetensors
     save_merged(model, "merged", tokenizer)            # W + scale * A @ B, sharded HF safetensors + config.json
+    save_full(model, "full")                           # a fully fine-tuned model, in its weights' dtype
+
+Adapters write PEFT 0.21's keys: LoRA factors, and modules_to_save tables under the module's own name
+(`base_model.model.model.embed_tokens.weight`; PEFT drops the live parameter's `modules_to_save.default.`), at
+the grown size after add_new_tokens. With tied embeddings a trained table is written for the head too and the
+config sets ensure_weight_tying, so PEFT's head follows the trained table as ours does. When the vocabulary was
+resized PEFT also writes whole-module copies (`...modules_to_save.weight`, `...original_module.weight`, the
+untrained base table); those are not written here (this model keeps no untrained copy), and PEFT loads the
+adapter without them onto a model resized with `resize_token_embeddings(len(tokenizer))`.
 
 Everything is written into a temporary directory next to `out_dir` that replaces `out_dir` only once complete,
 so an interrupted export never leaves a directory that looks finished. When `out_dir` already exists, files
@@ -236,7 +245,7 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
         "base_model_name_or_path": base_model_name_or_path,
         "bias": lo.bias,
         "corda_config": None,
-        "ensure_weight_tying": False,
+        "ensure_weight_tying": _ties_saved_embedding(model),
         "eva_config": None,
         "exclude_modules": None,
         "fan_in_fan_out": False,
@@ -317,7 +326,16 @@ def _adapter_entries(model) -> list[_Entry]:
         value = variable_at(model, SAVED_MODULE_PATHS[mod])[...]
         entries.append(_Entry(SAVED_MODULE_KEYS[mod], value.shape, _np_dtype(value.dtype),
                               lambda v=value: np.asarray(v)))
+        if mod == "embed_tokens" and _ties_saved_embedding(model):  # the tied head, saved as PEFT saves it
+            entries.append(_Entry(SAVED_MODULE_KEYS["lm_head"], value.shape, _np_dtype(value.dtype),
+                                  lambda v=value: np.asarray(v)))
     return entries
+
+
+def _ties_saved_embedding(model) -> bool:
+    """True when the embeddings are tied and the adapter trains the table: the adapter then asks PEFT to keep
+    the head tied to the trained copy (ensure_weight_tying), which is what this model computes."""
+    return model.lm_head is None and "embed_tokens" in (model.lora.modules_to_save or ())
 
 
 def _np_dtype(dt) -> np.dtype:
@@ -379,6 +397,7 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
             "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
     raw = json.loads((Path(model.model_dir) / "config.json").read_text())
     raw.pop("quantization_config", None)  # the merged weights are dense
+    raw["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
     name = _dtype_name(out_dtype)
     raw["dtype"] = name
     if "torch_dtype" in raw:
@@ -386,7 +405,8 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
     return raw
 
 
-def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype) -> None:
+def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype,
+                  copy_tokenizer: bool = True) -> None:
     limit = parse_size(max_shard_size)
     config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
     entries = merged_entries(model, out_dtype)
@@ -408,7 +428,8 @@ def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: 
     src = Path(model.model_dir)
     if (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
-    _write_tokenizer(model, directory, tokenizer)
+    if tokenizer is not None or copy_tokenizer:
+        _write_tokenizer(model, directory, tokenizer)
 
 
 def _write_tokenizer(model, directory: Path, tokenizer) -> None:
@@ -416,6 +437,11 @@ def _write_tokenizer(model, directory: Path, tokenizer) -> None:
         tokenizer.save_pretrained(str(directory))
         return
     src = Path(model.model_dir) if model.model_dir is not None else None
+    source_vocab = json.loads((src / "config.json").read_text()).get("vocab_size") if src is not None else None
+    if source_vocab is not None and source_vocab != model.config.vocab_size:
+        log.warning("unsloth_jax: the vocabulary grew from %s to %d tokens (add_new_tokens) but no tokenizer was "
+                    "given: the tokenizer copied from %s lacks the new tokens; pass tokenizer=", source_vocab,
+                    model.config.vocab_size, src)
     copied = []
     if src is not None and src.is_dir():
         for fname in _TOKENIZER_FILES:
@@ -426,6 +452,22 @@ def _write_tokenizer(model, directory: Path, tokenizer) -> None:
         log.info("unsloth_jax: no tokenizer given; copied %s from %s", ", ".join(copied), src)
     else:
         log.warning("unsloth_jax: no tokenizer given and none found in %s; the export has no tokenizer files", src)
+
+
+def weights_dtype(model) -> str:
+    """The dtype name of the model's dense weights (that of its embedding table)."""
+    return _dtype_name(_np_dtype(model.model.embed_tokens.weight[...].dtype))
+
+
+def save_full(model, out_dir, tokenizer=None, *, max_shard_size="5GB") -> None:
+    """Write a fully fine-tuned model as a transformers checkpoint in its weights' own dtype (bf16 stays bf16,
+    float32 stays float32): sharded safetensors (+ index), config.json with the current vocab_size,
+    generation_config.json. Tokenizer files only when `tokenizer` is given, as transformers' save_pretrained
+    (files already in out_dir, such as a tokenizer saved there first, are kept)."""
+    out_dtype = _resolve_out_dtype(model, weights_dtype(model))
+    with atomic_directory(out_dir, _MERGED_ARTIFACTS) as tmp:
+        _write_merged(model, tmp, tokenizer, max_shard_size, out_dtype, copy_tokenizer=False)
+    log.info("unsloth_jax: saved the fully fine-tuned %s model to %s", weights_dtype(model), out_dir)
 
 
 def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16bit", max_shard_size="5GB",

@@ -8,7 +8,9 @@ PEFT stores, per targeted projection of layer N,
     base_model.model.model.layers.N.<self_attn|mlp>.<proj>.lora_B.weight  [out, r]  = lora_b[N].T
 
 plus, when configured, `modules_to_save` copies (`base_model.model.lm_head.weight`,
-`base_model.model.model.embed_tokens.weight`, `base_model.model.model.norm.weight`) and trained biases
+`base_model.model.model.embed_tokens.weight`, `base_model.model.model.norm.weight`: PEFT 0.21 drops the
+`modules_to_save.default.` its live parameters carry; tables with more rows than the base, from add_new_tokens,
+grow the model's vocabulary to match) and trained biases
 (`...<proj>.base_layer.bias` for targeted projections, `...<proj>.bias` otherwise). LoRA factors are kept in
 float32 whatever the file's dtype. Features this package cannot reproduce (DoRA, per-layer rank/alpha patterns,
 layer subsets, ...) raise `ConfigError` naming the field; tensors it does not understand raise
@@ -169,6 +171,61 @@ def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME) 
     return tuple(p for p in ALL_TARGETS if p in projs)
 
 
+def _embedding_layer_key(key: str) -> tuple[str, str | None]:
+    """(key without the wrapper part, the part) for the whole-module keys PEFT adds when the vocabulary was
+    resized (save_embedding_layers): `X.modules_to_save.weight` (the trained copy again) and
+    `X.original_module.weight` (the base table); other keys come back as (key, None)."""
+    for part in ("modules_to_save", "original_module"):
+        suffix = f".{part}.weight"
+        if key.endswith(suffix):
+            return key[:-len(suffix)] + ".weight", part
+    return key, None
+
+
+def _saved_modules(value, cfg_path: Path) -> tuple[str, ...] | None:
+    """adapter_config.json's modules_to_save as the short names of SAVED_MODULE_KEYS; PEFT's longer spellings
+    ("model.embed_tokens", written with ensure_weight_tying) map to the short ones."""
+    if not value:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    short = [n.removeprefix("model.") if n.removeprefix("model.") in SAVED_MODULE_KEYS else n for n in names]
+    unknown = [n for n, s in zip(names, short) if s not in SAVED_MODULE_KEYS]
+    if unknown:
+        raise ConfigError(f"{cfg_path}: modules_to_save {unknown} are not supported "
+                          f"(supported: {', '.join(SAVED_MODULE_KEYS)})")
+    return tuple(dict.fromkeys(short))
+
+
+def _tied_tables(top: dict, ensure_weight_tying: bool, cfg_path: Path) -> dict:
+    """The saved tables of an adapter for a model with tied embeddings, as one "embed_tokens" table. PEFT's
+    head follows the trained table only with ensure_weight_tying (or when it saved an identical head copy);
+    an untied head cannot be represented here and raises ConfigError."""
+    head, embed = top.get("lm_head"), top.get("embed_tokens")
+    if head is None:
+        if embed is not None and not ensure_weight_tying:
+            raise ConfigError(f"{cfg_path}: the adapter trains embed_tokens of a model with tied embeddings without "
+                              "ensure_weight_tying, so in PEFT its output head keeps the base weights (untied); "
+                              "unsloth_jax cannot untie the head")
+        return top
+    if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
+        raise ConfigError(f"{cfg_path}: the adapter holds an lm_head that differs from embed_tokens, but this model "
+                          "ties its embeddings (one table); untying the head is not supported")
+    return {k: v for k, v in top.items() if k != "lm_head"}
+
+
+def _saved_vocab_size(model, top: dict, weights: Path) -> int:
+    """The vocabulary size of the adapter's saved tables (they may be larger than the base's after
+    add_new_tokens); the model's own when none is saved. Tables that disagree raise ShapeMismatchError."""
+    rows = {mod: int(v.shape[0]) for mod, v in top.items() if mod in ("embed_tokens", "lm_head") and v.ndim == 2}
+    if len(set(rows.values())) > 1:
+        raise ShapeMismatchError(f"{weights}: the saved embed_tokens and lm_head have different row counts {rows}")
+    vocab = next(iter(rows.values()), model.config.vocab_size)
+    if vocab < model.config.vocab_size:
+        raise ShapeMismatchError(f"{weights}: the saved tables have {vocab} rows, fewer than the base model's "
+                                 f"{model.config.vocab_size}; shrinking the vocabulary is not supported")
+    return vocab
+
+
 def load_adapter(model, adapter_dir):
     """Add the LoRA factors (and any modules_to_save / trained biases) of the PEFT adapter in `adapter_dir` to
     `model` and set `model.lora` from its adapter_config.json. Returns the model."""
@@ -191,14 +248,8 @@ def load_adapter(model, adapter_dir):
     bias = raw.get("bias", "none") or "none"
     if bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{cfg_path}: bias {bias!r} is not supported (none, all, lora_only)")
-    saved = raw.get("modules_to_save") or None
-    if saved is not None:
-        saved = [saved] if isinstance(saved, str) else list(saved)
-        unknown = [m for m in saved if m not in SAVED_MODULE_KEYS]
-        if unknown:
-            raise ConfigError(f"{cfg_path}: modules_to_save {unknown} are not supported "
-                              f"(supported: {', '.join(SAVED_MODULE_KEYS)})")
-        saved = tuple(saved)
+    saved = _saved_modules(raw.get("modules_to_save"), cfg_path)
+    tied = model.lm_head is None
 
     weights = adapter_dir / WEIGHTS_NAME
     if not weights.is_file():
@@ -222,9 +273,17 @@ def load_adapter(model, adapter_dir):
         for key in f.keys():
             m = _LAYER_KEY.match(key)
             if m is None:
-                mod = key_of_saved.get(key)
-                if mod is not None and saved and mod in saved:
-                    top[mod] = np.array(f.get(key))
+                plain, part = _embedding_layer_key(key)
+                mod = key_of_saved.get(plain)
+                # with tied embeddings PEFT also writes the head's key beside the trained table
+                if mod is not None and saved and (mod in saved or (tied and mod == "lm_head"
+                                                                   and "embed_tokens" in saved)):
+                    if part == "original_module":
+                        continue  # the untrained base table: only used with the adapter disabled
+                    value = np.array(f.get(key))
+                    if mod in top and not np.array_equal(top[mod], value):
+                        raise UnexpectedTensorError(f"{weights}: '{key}' differs from the '{plain}' saved beside it")
+                    top[mod] = value
                 else:
                     unexpected.append(key)
                 continue
@@ -275,17 +334,23 @@ def load_adapter(model, adapter_dir):
                                          f"expected {list(b.shape[1:])}")
             b[i] = value
         new_biases[proj] = jnp.asarray(b, current.dtype)
+    if tied:
+        top = _tied_tables(top, bool(raw.get("ensure_weight_tying")), cfg_path)
+        saved = tuple("embed_tokens" if m == "lm_head" else m for m in saved) if saved else saved
+    vocab = _saved_vocab_size(model, top, weights)
     saved_values = {}
     for mod, value in top.items():
-        if mod == "lm_head" and model.lm_head is None:
-            raise ConfigError(f"{cfg_path}: modules_to_save holds {mod} but this model has no separate {mod} "
-                              "(tied embeddings); untying the head is not supported")
         ref = variable_at(model, SAVED_MODULE_PATHS[mod])
-        if tuple(value.shape) != tuple(ref[...].shape):
+        want = ref[...].shape if mod == "norm" else (vocab, ref[...].shape[1])
+        if tuple(value.shape) != tuple(want):
             raise ShapeMismatchError(f"{weights}: '{SAVED_MODULE_KEYS[mod]}' has shape {list(value.shape)}, "
-                                     f"expected {list(ref[...].shape)}")
+                                     f"expected {list(want)}")
         saved_values[mod] = jnp.asarray(value, ref[...].dtype)
     # Everything is checked: now change the model.
+    if vocab != cfg.vocab_size:
+        from unsloth_jax.vocab import resize_token_embeddings
+
+        resize_token_embeddings(model, vocab)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
                             use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved)

@@ -173,7 +173,9 @@ class DecoderModel(nnx.Module):
 class CausalLM(nnx.Module):
     """A decoder language model (HF's `*ForCausalLM`): `model` (DecoderModel) and, when the embeddings are
     untied, `lm_head`. Static attributes: `config`, `dtype` (compute dtype), `lora` (the LoRA settings after
-    `unsloth_jax.lora.add_lora`, else None), `model_dir` (the checkpoint directory it was loaded from, or None).
+    `unsloth_jax.lora.add_lora`, else None), `full_finetuning` (True after
+    `unsloth_jax.lora.enable_full_finetuning`: every weight trains), `model_dir` (the checkpoint directory it
+    was loaded from, or None).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
@@ -181,6 +183,7 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.lora = None
+        self.full_finetuning = False
         self.model_dir: str | None = None
         self.model = DecoderModel(cfg, dtype=param_dtype, rngs=rngs)
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else

@@ -2,7 +2,7 @@
 
 Variable types say what trains (flax.nnx filters select on them):
   nnx.Param      dense weights: frozen under LoRA (the train step differentiates only the LoRA state), trained
-                 in full fine-tuning;
+                 in full fine-tuning (unsloth_jax.lora.enable_full_finetuning);
   nnx.LoRAParam  the LoRA factors `lora_a` [in, r] and `lora_b` [r, out] (Flax's own type);
   NF4Param       a 4-bit NF4 base weight (an `NF4Weight` pytree in HF's [out, in] layout); never trained;
   FP8Param       an FP8 base weight (an `FP8Weight`: e4m3 values [out, in], per-output-channel scales); never
@@ -43,7 +43,9 @@ class Linear(nnx.Module):
     kernel: nnx.Param [*stack, in, out] in the weight dtype, NF4Param (NF4Weight, [*stack] of [out, in]) or
     FP8Param (FP8Weight, [*stack] of [out, in]);
     bias: nnx.Param [*stack, out] or None; lora_a / lora_b: nnx.LoRAParam [*stack, in, r] / [*stack, r, out]
-    (float32 master weights, cast to x.dtype in the matmul) or None; lora_scale: a static float.
+    (float32 master weights, cast to x.dtype in the matmul) or None; lora_scale: a static float;
+    train_kernel: a static bool, True in full fine-tuning (the kernel's gradient is then not stopped, see
+    ops.linear).
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, stack: tuple[int, ...] = (),
@@ -56,6 +58,7 @@ class Linear(nnx.Module):
         self.lora_a = nnx.data(None)
         self.lora_b = nnx.data(None)
         self.lora_scale: float | None = None
+        self.train_kernel = False
 
     @property
     def has_lora(self) -> bool:
@@ -66,7 +69,7 @@ class Linear(nnx.Module):
         lora = None
         if self.lora_a is not None:
             lora = (self.lora_a[...], self.lora_b[...], self.lora_scale)
-        return ops.linear(x, value_of(self.kernel), value_of(self.bias), lora)
+        return ops.linear(x, value_of(self.kernel), value_of(self.bias), lora, kernel_grad=self.train_kernel)
 
 
 class RMSNorm(nnx.Module):

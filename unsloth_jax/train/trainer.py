@@ -2,8 +2,9 @@
 
 `SFTTrainer(...).train()` tokenizes the dataset, runs the jitted step with a progress bar, logs to stdout,
 `output_dir/metrics.jsonl`, `trainer.state.log_history` and the `report_to` integrations (TensorBoard), saves
-orbax checkpoints every `save_steps`, resumes exactly, writes the trained LoRA weights back into the model (in
-place, `nnx.update`, as HF and Unsloth do) and returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
+orbax checkpoints every `save_steps`, resumes exactly, writes the trained weights (LoRA, or every weight after
+from_pretrained(full_finetuning=True)) back into the model (in place, `nnx.update`, as HF and Unsloth do) and
+returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from unsloth_jax import lora
 from unsloth_jax import backend
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
+from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
 from unsloth_jax.train.reporting import Reporters, default_logging_dir, resolve_report_to
@@ -148,6 +150,12 @@ def cast_weights(model, dtype) -> None:
             var.set_value(value.astype(dtype))
 
 
+def _trained_what(model, n_train: int, optim_name: str) -> str:
+    """The run summary's account of what trains and where the optimizer state lives."""
+    what = "full fine-tuning" if model.full_finetuning else f"LoRA r={model.lora.r}"
+    return f"{what} ({n_train:,d} trainable, optimizer state {optim.state_dtype(optim_name)})"
+
+
 def _as_records(dataset) -> list[dict]:
     """A list of dicts from a list, any iterable of dicts, or an HF datasets.Dataset."""
     if dataset is None:
@@ -181,8 +189,9 @@ class SFTTrainer:
         self.args = args or TrainingArguments()
         self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
-        if model.lora is None:
-            raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) first")
+        if model.lora is None and not model.full_finetuning:
+            raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) "
+                                "first (or load it with full_finetuning=True to train every weight)")
         if train_dataset is None:
             raise TrainingError("SFTTrainer needs a train_dataset")
         self.train_examples = self._tokenize(train_dataset, dataset_text_field, formatting_func)
@@ -196,8 +205,8 @@ class SFTTrainer:
     # ------------------------------------------------------------------------------------------ data
     def _tokenize(self, dataset, text_field, formatting_func) -> list[dict]:
         records = _as_records(dataset)
-        if records and "input_ids" in records[0]:
-            return [{"input_ids": list(r["input_ids"]), "labels": list(r.get("labels", r["input_ids"]))} for r in records]
+        if is_pretokenized(records):
+            return pretokenized_examples(records, self.model.config.vocab_size)
         if self.tokenizer is None:
             raise TrainingError("a tokenizer is needed to tokenize a text dataset")
         return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func)
@@ -285,6 +294,19 @@ class SFTTrainer:
         return restored["trainable"], restored["opt_state"], step
 
     # ----------------------------------------------------------------------------------------- train
+    def make_optimizer(self, total: int, warmup: int, embedding_learning_rate: float | None = None):
+        """(optax optimizer, learning-rate schedule) of a run of `total` steps with `warmup` warmup steps; with
+        embedding_learning_rate, the embedding and head leaves follow the same schedule from that rate."""
+        args = self.args
+        schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
+        embedding_schedule = None if embedding_learning_rate is None else optim.make_schedule(
+            args.lr_scheduler_type, embedding_learning_rate, total, warmup)
+        optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
+                                         max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
+                                         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
+                                         embedding_schedule=embedding_schedule)
+        return optimizer, schedule
+
     def total_steps(self, loader: DataLoader) -> int:
         if self.args.max_steps and self.args.max_steps > 0:
             return int(self.args.max_steps)
@@ -325,12 +347,12 @@ class SFTTrainer:
         loader = self._loader(self.train_examples, args.per_device_train_batch_size, shuffle=True)
         total = self.total_steps(loader)
         warmup = self._warmup_steps(total)
-        schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
-        optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
-                                         max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
-                                         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon)
+        optimizer, schedule = self.make_optimizer(total, warmup)
         graphdef, trainable, frozen = lora.split(model)
-        trainable = jax.tree.map(jnp.copy, trainable)  # the step donates its input; keep the model's arrays valid
+        if not model.full_finetuning:  # the step donates its input; keep the model's arrays valid
+            trainable = jax.tree.map(jnp.copy, trainable)
+        # (full fine-tuning donates the model's own weights instead of holding them twice; the trained ones are
+        # written back into the model when train() returns or raises)
         opt_state = optimizer.init(trainable)
         self.state = TrainerState(max_steps=total, logging_steps=args.logging_steps,
                                   num_train_epochs=args.num_train_epochs,
@@ -358,7 +380,7 @@ class SFTTrainer:
         n_train = lora.count(trainable)
         print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
               f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}{_base_label(model)}, LoRA r={model.lora.r} ({n_train:,d} trainable), "
+              f"{model.dtype.name}{_base_label(model)}, {_trained_what(model, n_train, args.optim)}, "
               f"remat={model.gradient_checkpointing}")
         print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}")
         bar = tqdm(total=total, initial=start, desc="Training", unit="step")
