@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
 # Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo fullft
+# speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
+# one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
@@ -140,6 +142,23 @@ for st in $stages; do
             --full-finetuning --optim $optim --memory-analysis 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl"
         fi
       fi ;;
+    speed)
+      # SPEED_ROWS: "model|batch|remat|flags+joined" ...; all-XLA = every Pallas kernel off (cuDNN attention kept)
+      allxla="rms_norm=xla,rope=xla,glu=xla,linear=xla,nf4_matmul=xla,cross_entropy=xla"
+      first=1
+      for row in ${SPEED_ROWS:-"llama3-8b|2|save_attention|--load-in-fp8" "llama3-8b|2|unsloth|--load-in-4bit" \
+          "qwen2-1.5b|4|true|" "qwen2-1.5b|4|unsloth|--load-in-4bit" "gemma2-2b|4|true|"}; do
+        IFS='|' read -r m b r fl <<< "$row"; fl=${fl//+/ }
+        $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+        for impl in "" "$allxla"; do
+          prof=""; [ $first = 1 ] && [ -z "$impl" ] && prof="--profile /tmp/prof_speed --steps 13"
+          log "speed $m batch $b remat $r $fl impl=${impl:-auto}"
+          UNSLOTH_JAX_IMPL=$impl timeout ${SPEED_TIMEOUT:-200} $PY bench/train_bench.py $CK/$m --batch $b --seq 2048 \
+            --remat $r $fl $prof 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" \
+            | tee -a "$OUT/speed.jsonl"
+        done
+        first=0
+      done ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2
