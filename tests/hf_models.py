@@ -18,11 +18,27 @@ FAMILIES = {
     "gemma": dict(head_dim=32, hidden_activation="gelu_pytorch_tanh"),
     "gemma2": dict(head_dim=32, num_hidden_layers=4, sliding_window=8, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh"),
+    # 8 layers with every 3rd global: scan groups of 3 plus a tail of 2; global RoPE linear-scaled, local base
+    "gemma3": dict(head_dim=32, num_hidden_layers=8, sliding_window=8, sliding_window_pattern=3,
+                   query_pre_attn_scalar=24, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh"),
+    # transformers' Gemma 3 ignores attn_logit_softcapping (never passes it to attention); the final one applies
+    "gemma3_softcap": dict(head_dim=32, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=32,
+                           tie_word_embeddings=False, hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(sliding_window=8, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # LongRoPE (long factors past 16 positions) on 12 of 16 head dims
+    "phi3_longrope": dict(max_position_embeddings=64, original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
 }
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # family prefix -> model_type, where they differ
 
 
 def model_type_of(family: str) -> str:
-    return family.split("_")[0].replace("llama3", "llama")
+    prefix = family.split("_")[0].replace("llama3", "llama")
+    return MODEL_TYPES.get(prefix, prefix)
 
 
 def make_hf_model(family: str, seed: int = 0, dtype=torch.float32):

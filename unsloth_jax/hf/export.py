@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
-from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
+from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
@@ -214,9 +214,10 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
     alpha = lo.lora_alpha
     if isinstance(alpha, float) and alpha.is_integer():
         alpha = int(alpha)
+    targets, rank_pattern, alpha_pattern = _peft_targets(model)
     return {
         "alora_invocation_tokens": None,
-        "alpha_pattern": {},
+        "alpha_pattern": alpha_pattern,
         "arrow_config": None,
         "auto_mapping": None,
         "base_model_name_or_path": base_model_name_or_path,
@@ -245,9 +246,9 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
         "peft_version": PEFT_SCHEMA_VERSION,
         "qalora_group_size": 16,
         "r": int(lo.r),
-        "rank_pattern": {},
+        "rank_pattern": rank_pattern,
         "revision": None,
-        "target_modules": list(lo.target_modules),
+        "target_modules": targets,
         "target_parameters": None,
         "task_type": "CAUSAL_LM",
         "trainable_token_indices": None,
@@ -267,7 +268,10 @@ def _adapter_entries(model) -> list[_Entry]:
     n = model.config.num_hidden_layers
     entries: list[_Entry] = []
     f32 = np.dtype(np.float32)
+    fused = {p for _, _, group in fused_groups(model.config) for p in group}
     for proj in lo.target_modules:
+        if proj in fused:
+            continue  # written below as the checkpoint's fused module
         lin = projs[proj]
         if lin.lora_a is None:
             raise ConfigError(f"model.lora targets {proj} but model.model.layers.{PROJ_MODULE[proj]}.{proj} has no "
@@ -280,6 +284,7 @@ def _adapter_entries(model) -> list[_Entry]:
                                   lambda a=a, i=i: np.asarray(a[i], np.float32).T))
             entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
                                   lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+    entries += _fused_adapter_entries(model)
     if lo.bias in ("all", "lora_only"):
         for proj, lin in projs.items():
             if lin.bias is None:
@@ -303,6 +308,63 @@ def _adapter_entries(model) -> list[_Entry]:
         value = variable_at(model, SAVED_MODULE_PATHS[mod])[...]
         entries.append(_Entry(SAVED_MODULE_KEYS[mod], value.shape, _np_dtype(value.dtype),
                               lambda v=value: np.asarray(v)))
+    return entries
+
+
+# ------------------------------------------------------------------- adapters of fused modules (Phi-3)
+# Phi-3's checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj, so PEFT adapts those fused modules.
+# Our decoder keeps the projections apart, each with its own LoRA pair (A_p [in, r], B_p [r, out_p]). Their
+# fused equivalent, exactly, is one rank n*r pair over the n projections of the group: A = [A_1^T; ...; A_n^T]
+# [n r, in] and B = blockdiag(B_1^T, ..., B_n^T) [sum out_p, n r]. A projection of the group that is not targeted
+# gets zero blocks (so the layout, and the split on import, never depends on which were targeted).
+# adapter_config.json says so with rank_pattern {fused: n r} and alpha_pattern {fused: alpha'}, alpha' keeping
+# the scale: n * alpha (alpha / r), or sqrt(n) * alpha with rsLoRA (alpha / sqrt(r)).
+def _peft_targets(model) -> tuple[list[str], dict, dict]:
+    """adapter_config.json's target_modules, rank_pattern and alpha_pattern for the model's LoRA settings."""
+    lo = model.lora
+    targets = list(lo.target_modules)
+    rank_pattern, alpha_pattern = {}, {}
+    for name, _, group in fused_groups(model.config):
+        if not any(p in targets for p in group):
+            continue
+        targets = [t for t in targets if t not in group] + [name]
+        n = len(group)
+        rank_pattern[name] = n * lo.r
+        alpha = lo.lora_alpha * (n ** 0.5 if lo.use_rslora else n)
+        alpha_pattern[name] = int(alpha) if float(alpha).is_integer() else float(alpha)
+    return targets, rank_pattern, alpha_pattern
+
+
+def _fused_adapter_entries(model) -> list[_Entry]:
+    lo = model.lora
+    projs = model.projections()
+    f32 = np.dtype(np.float32)
+    entries: list[_Entry] = []
+    for name, parent, group in fused_groups(model.config):
+        if not any(p in lo.target_modules for p in group):
+            continue
+        lins = [projs[p] if p in lo.target_modules else None for p in group]
+        d_in = projs[group[0]].in_features
+        outs = [projs[p].out_features for p in group]
+        rank = len(group) * lo.r
+
+        def fused_a(i, lins=lins, d_in=d_in):
+            return np.concatenate([np.zeros((lo.r, d_in), np.float32) if lin is None else
+                                   np.asarray(lin.lora_a[...][i], np.float32).T for lin in lins])
+
+        def fused_b(i, lins=lins, outs=outs, rank=rank):
+            b = np.zeros((sum(outs), rank), np.float32)
+            row = 0
+            for k, (lin, out) in enumerate(zip(lins, outs)):
+                if lin is not None:
+                    b[row:row + out, k * lo.r:(k + 1) * lo.r] = np.asarray(lin.lora_b[...][i], np.float32).T
+                row += out
+            return b
+
+        for i in range(model.config.num_hidden_layers):
+            p = f"base_model.model.model.layers.{i}.{parent}.{name}"
+            entries.append(_Entry(f"{p}.lora_A.weight", (rank, d_in), f32, lambda i=i, fa=fused_a: fa(i)))
+            entries.append(_Entry(f"{p}.lora_B.weight", (sum(outs), rank), f32, lambda i=i, fb=fused_b: fb(i)))
     return entries
 
 
@@ -335,7 +397,12 @@ def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
     """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head)."""
     entries: list[_Entry] = []
     for name, spec in tensor_specs(model.config).items():
-        if spec.kind == "kernel":
+        if spec.kind == "fused":  # Phi-3: the merged projections stacked back into one tensor
+            lins = [variable_parent(model, part.path) for part in spec.parts]
+
+            def make(lins=lins, i=spec.layer):
+                return np.concatenate([merged_kernel(lin, i).T for lin in lins]).astype(out_dtype)
+        elif spec.kind == "kernel":
             lin = variable_parent(model, spec.path)
 
             def make(lin=lin, i=spec.layer):

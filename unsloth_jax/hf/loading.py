@@ -23,8 +23,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
+from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from unsloth_jax.hf.mapping import TensorSpec, fused_parts, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.state import fill
@@ -123,6 +123,22 @@ def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
     return q
 
 
+def _load_fused(params: Params, spec: TensorSpec, f: SafetensorsFile, path: Path, dtype, placer: Placer,
+                num_layers: int, bnb_4bit: bool) -> None:
+    """Split a fused projection tensor (Phi-3 qkv_proj / gate_up_proj) by rows into its projections' kernels."""
+    name = spec.hf_name
+    if bnb_4bit:
+        raise ConfigError(f"{path}: '{name}' is a fused projection pre-quantized by bitsandbytes; splitting a 4-bit "
+                          "tensor is not supported: load the 16-bit checkpoint with load_in_4bit=True instead")
+    if tuple(f.shape(name)) != spec.hf_shape:
+        raise ShapeMismatchError(f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                                 f"{list(spec.hf_shape)} (the rows of {', '.join(p.path[-2] for p in spec.parts)})")
+    host = f.get(name)
+    for part, start, end in fused_parts(spec):
+        value = placer(part, host[start:end].T, dtype)
+        set_path(params, part.path, _into_stack(params, part, value, num_layers, f"{path}: tensor '{name}'"))
+
+
 def load_params(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -167,6 +183,10 @@ def load_params(
                     continue
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
+                if spec.kind == "fused":
+                    _load_fused(params, spec, f, path, dtype, placer, cfg.num_hidden_layers, bnb_4bit)
+                    seen.add(name)
+                    continue
                 if bnb_4bit and spec.kind == "kernel":
                     value = _bnb_weight(name, spec, handles, where)
                 else:
