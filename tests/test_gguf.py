@@ -35,13 +35,26 @@ CASES = {
     "mistral": ("spm", "llama"),
     "qwen3": ("bpe", "qwen3"),
     "gemma2": ("spm", "gemma2"),
+    "phi3_longrope": ("spm", "phi3"),
 }
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+
+
+def _hf_rows(cfg, name: str):
+    """Where projection `name` lives in the HF state dict: (module, first row, end row); Phi-3 fuses q/k/v and
+    gate/up into one tensor each."""
+    mod = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+    if cfg.model_type != "phi3" or name in ("o_proj", "down_proj"):
+        return f"{mod}.{name}", None, None
+    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv), "gate_proj": (0, f),
+            "up_proj": (f, 2 * f)}[name]
+    return ("self_attn.qkv_proj" if mod == "self_attn" else "mlp.gate_up_proj"), *rows
 
 
 # ------------------------------------------------------------------------------------------- fixtures
@@ -115,12 +128,14 @@ def _merged_state(model, hf) -> dict[str, np.ndarray]:
     for name, lin in model.projections().items():
         if lin.lora_a is None:
             continue
-        mod = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+        mod, start, end = _hf_rows(model.config, name)
         for i in range(model.config.num_hidden_layers):
             a = torch.tensor(np.asarray(lin.lora_a[...][i]).T)  # PEFT lora_A [r, in]
             b = torch.tensor(np.asarray(lin.lora_b[...][i]).T)  # PEFT lora_B [out, r]
-            key = f"model.layers.{i}.{mod}.{name}.weight"
-            sd[key] = (torch.tensor(sd[key]) + model.lora.scale * (b @ a)).numpy()
+            key = f"model.layers.{i}.{mod}.weight"
+            w = torch.tensor(sd[key])
+            w[start:end] += model.lora.scale * (b @ a)
+            sd[key] = w.numpy()
     return sd
 
 
@@ -195,6 +210,9 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
     want = _expected_tensors(family, model, hf)
     if cfg.rope_type == "llama3":
         want["rope_freqs.weight"] = None
+    if cfg.rope_type == "longrope":  # Phi-3: the factors as F32 tensors, straight from config.json
+        want["rope_factors_long.weight"] = np.asarray(raw["rope_parameters"]["long_factor"], np.float32)
+        want["rope_factors_short.weight"] = np.asarray(raw["rope_parameters"]["short_factor"], np.float32)
     assert set(tensors) == set(want)
     for name, t in tensors.items():
         assert t.tensor_type == Q.F32, name
@@ -216,6 +234,14 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
         assert kv[f"{arch}.rope.freq_base"] == pytest.approx(cfg.rope_theta)
     if arch == "llama":
         assert kv["llama.vocab_size"] == raw["vocab_size"] and kv["llama.rope.dimension_count"] == cfg.head_dim
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        original = raw["original_max_position_embeddings"]
+        assert kv["phi3.rope.dimension_count"] == int(raw["partial_rotary_factor"] * raw["hidden_size"]) // raw[
+            "num_attention_heads"] == 12
+        assert kv["phi3.rope.scaling.original_context_length"] == original
+        scale = raw["max_position_embeddings"] / original
+        assert kv["phi3.rope.scaling.attn_factor"] == pytest.approx((1 + np.log(scale) / np.log(original)) ** 0.5)
+        assert kv["phi3.attention.sliding_window"] == 0 and "phi3.vocab_size" not in kv
     if arch == "gemma2":
         assert kv["gemma2.attn_logit_softcapping"] == raw["attn_logit_softcapping"]
         assert kv["gemma2.final_logit_softcapping"] == raw["final_logit_softcapping"]
@@ -396,7 +422,7 @@ def _convert_with_llama_cpp(llama_dir: Path, model_dir: Path, outfile: Path, out
                     "compare with its convert_hf_to_gguf.py")
 @pytest.mark.parametrize("family,outtype", [("llama", "q8_0"), ("qwen2", "f16"), ("gemma", "bf16"),
                                             ("llama3_scaled", "f16"), ("mistral", "f16"), ("qwen3", "q8_0"),
-                                            ("gemma2", "f16")])
+                                            ("gemma2", "f16"), ("phi3_longrope", "f16")])
 def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
     """Our file equals what llama.cpp's converter writes for our merged 16-bit export: every key (except
     general.name, which it derives from the directory name) and every tensor byte."""

@@ -124,12 +124,9 @@ def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
 
 
 def _load_fused(params: Params, spec: TensorSpec, f: SafetensorsFile, path: Path, dtype, placer: Placer,
-                num_layers: int, bnb_4bit: bool) -> None:
+                num_layers: int) -> None:
     """Split a fused projection tensor (Phi-3 qkv_proj / gate_up_proj) by rows into its projections' kernels."""
     name = spec.hf_name
-    if bnb_4bit:
-        raise ConfigError(f"{path}: '{name}' is a fused projection pre-quantized by bitsandbytes; splitting a 4-bit "
-                          "tensor is not supported: load the 16-bit checkpoint with load_in_4bit=True instead")
     if tuple(f.shape(name)) != spec.hf_shape:
         raise ShapeMismatchError(f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
                                  f"{list(spec.hf_shape)} (the rows of {', '.join(p.path[-2] for p in spec.parts)})")
@@ -158,6 +155,11 @@ def load_params(
     """
     placer = placer or default_placer
     specs = tensor_specs(cfg)
+    fused = [name for name, spec in specs.items() if spec.kind == "fused"]
+    if bnb_4bit and fused:
+        raise ConfigError(f"{model_dir}: a {cfg.model_type} checkpoint pre-quantized by bitsandbytes holds fused "
+                          f"projections ({fused[0]}, ...); splitting a 4-bit tensor is not supported: load the "
+                          "16-bit checkpoint with load_in_4bit=True instead")
     files = checkpoint_files(model_dir)
     params: Params = {}
     seen: set[str] = set()
@@ -184,7 +186,7 @@ def load_params(
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
                 if spec.kind == "fused":
-                    _load_fused(params, spec, f, path, dtype, placer, cfg.num_hidden_layers, bnb_4bit)
+                    _load_fused(params, spec, f, path, dtype, placer, cfg.num_hidden_layers)
                     seen.add(name)
                     continue
                 if bnb_4bit and spec.kind == "kernel":
