@@ -113,6 +113,29 @@ def _check_model_name(model_name) -> Path:
     return Path(model_name)
 
 
+def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: bool, load_tokenizer: bool,
+               progress: bool):
+    """(model, tokenizer) from a llama.cpp GGUF file (unsloth_jax.hf.gguf_loading): weights dequantized to
+    compute_dtype (then NF4 with load_in_4bit), config and tokenizer from its metadata."""
+    from unsloth_jax.hf import gguf_loading
+
+    start = time.perf_counter()
+    placer = None
+    if load_in_4bit:
+        from unsloth_jax.quant import nf4_placer
+
+        placer = nf4_placer
+    model = gguf_loading.load_gguf_model(path, compute_dtype, model_class=Model, placer=placer, progress=progress)
+    jax.block_until_ready(nnx.state(model))
+    model.max_seq_length = max_seq_length
+    tokenizer = gguf_loading.gguf_tokenizer(path) if load_tokenizer else None
+    cfg = model.config
+    log.info("unsloth_jax: loaded %s (GGUF, %s, %d layers) in %.1fs as %s%s", path.name, cfg.model_type,
+             cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,
+             " + NF4 4-bit" if load_in_4bit else "")
+    return model, tokenizer
+
+
 class FastLanguageModel:
     """Unsloth's entry points, for JAX."""
 
@@ -120,7 +143,8 @@ class FastLanguageModel:
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_tokenizer: bool = True, progress: bool = True,
                         **kwargs):
-        """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
+        """Load a local Hugging Face model directory, a PEFT adapter directory, or a llama.cpp GGUF file (or a
+        directory holding exactly one .gguf and no config.json). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
         """
@@ -141,6 +165,11 @@ class FastLanguageModel:
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
             return model, tokenizer
+        from unsloth_jax.hf import gguf_loading
+
+        gguf_file = gguf_loading.find_gguf(model_dir)
+        if gguf_file is not None:
+            return _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_tokenizer, progress)
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "

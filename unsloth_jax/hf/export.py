@@ -425,12 +425,27 @@ def variable_parent(model, path: tuple[str, ...]):
     return node
 
 
+def source_config(model) -> dict | None:
+    """The config.json dict of the checkpoint the model was loaded from (rebuilt from the metadata for a GGUF
+    file), or None when there is none."""
+    if model.model_dir is None:
+        return None
+    src = Path(model.model_dir)
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        from unsloth_jax.hf.gguf_loading import hf_config
+
+        return hf_config(src)
+    if (src / "config.json").is_file():
+        return json.loads((src / "config.json").read_text())
+    return None
+
+
 def _merged_config(model, out_dtype: np.dtype) -> dict:
-    if model.model_dir is None or not (Path(model.model_dir) / "config.json").is_file():
+    raw = source_config(model)
+    if raw is None:
         raise CheckpointNotFoundError(
             f"cannot write config.json for the merged model: the source directory {model.model_dir!r} has no "
             "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
-    raw = json.loads((Path(model.model_dir) / "config.json").read_text())
     raw.pop("quantization_config", None)  # the merged weights are dense
     name = _dtype_name(out_dtype)
     raw["dtype"] = name
@@ -460,7 +475,7 @@ def _write_merged(model, directory: Path, tokenizer, max_shard_size, dtype) -> N
             "weight_map": weight_map})
     _write_json(directory / "config.json", config)
     src = Path(model.model_dir)
-    if (src / "generation_config.json").is_file():
+    if src.is_dir() and (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
     _write_tokenizer(model, directory, tokenizer)
 
@@ -470,6 +485,12 @@ def _write_tokenizer(model, directory: Path, tokenizer) -> None:
         tokenizer.save_pretrained(str(directory))
         return
     src = Path(model.model_dir) if model.model_dir is not None else None
+    if src is not None and src.is_file() and src.suffix.lower() == ".gguf":  # the tokenizer its metadata holds
+        from unsloth_jax.hf.gguf_loading import gguf_tokenizer
+
+        gguf_tokenizer(src).save_pretrained(str(directory))
+        log.info("unsloth_jax: no tokenizer given; wrote the one in %s", src)
+        return
     copied = []
     if src is not None and src.is_dir():
         for fname in _TOKENIZER_FILES:

@@ -213,9 +213,9 @@ def _quantize(data: np.ndarray, qtype) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------- metadata
 def _source_config(model) -> dict:
-    if model.model_dir is not None and (Path(model.model_dir) / "config.json").is_file():
-        return json.loads((Path(model.model_dir) / "config.json").read_text())
-    return {}
+    from unsloth_jax.hf.export import source_config
+
+    return source_config(model) or {}
 
 
 def _add_hparams(w, model, raw: dict, ftype) -> None:
@@ -570,9 +570,14 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     if tokenizer is None:
         if model.model_dir is None:
             raise ConfigError("save_gguf needs the tokenizer (pass the one from_pretrained returned)")
-        from transformers import AutoTokenizer
+        if str(model.model_dir).lower().endswith(".gguf"):
+            from unsloth_jax.hf.gguf_loading import gguf_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model.model_dir))
+            tokenizer = gguf_tokenizer(model.model_dir)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model.model_dir))
     ftype = getattr(gguf.LlamaFileType, _METHODS[method][1])
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, _ARCH[cfg.model_type])]
     out_dir = Path(out_dir)

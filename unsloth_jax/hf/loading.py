@@ -123,17 +123,20 @@ def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
     return q
 
 
-def _load_fused(params: Params, spec: TensorSpec, f: SafetensorsFile, path: Path, dtype, placer: Placer,
-                num_layers: int) -> None:
-    """Split a fused projection tensor (Phi-3 qkv_proj / gate_up_proj) by rows into its projections' kernels."""
-    name = spec.hf_name
-    if tuple(f.shape(name)) != spec.hf_shape:
-        raise ShapeMismatchError(f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
-                                 f"{list(spec.hf_shape)} (the rows of {', '.join(p.path[-2] for p in spec.parts)})")
-    host = f.get(name)
-    for part, start, end in fused_parts(spec):
-        value = placer(part, host[start:end].T, dtype)
-        set_path(params, part.path, _into_stack(params, part, value, num_layers, f"{path}: tensor '{name}'"))
+def place(params: Params, spec: TensorSpec, array: np.ndarray, dtype, placer: Placer, num_layers: int,
+          where: str) -> None:
+    """Write one tensor in HF layout (`array`, numpy, spec.hf_shape) into `params`: through `placer` (a kernel
+    transposed to [in, out] first), a layer into its slot of the stack. A fused tensor (Phi-3 qkv_proj /
+    gate_up_proj) is split by rows into its projections' kernels. `where` names the tensor and file in errors."""
+    if spec.kind == "fused":
+        for part, start, end in fused_parts(spec):
+            place(params, part, array[start:end], dtype, placer, num_layers, where)
+        return
+    value = placer(spec, _to_param_layout(array, spec), dtype)
+    if spec.layer is None:
+        set_path(params, spec.path, value)
+    else:
+        set_path(params, spec.path, _into_stack(params, spec, value, num_layers, where))
 
 
 def load_params(
@@ -185,27 +188,18 @@ def load_params(
                     continue
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
-                if spec.kind == "fused":
-                    _load_fused(params, spec, f, path, dtype, placer, cfg.num_hidden_layers)
-                    seen.add(name)
-                    continue
+                seen.add(name)
                 if bnb_4bit and spec.kind == "kernel":
                     value = _bnb_weight(name, spec, handles, where)
-                else:
-                    if tuple(f.shape(name)) != spec.hf_shape:
-                        raise ShapeMismatchError(
-                            f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
-                            f"{list(spec.hf_shape)}"
-                        )
-                    host = _to_param_layout(f.get(name), spec)
-                    value = placer(spec, host, dtype)
-                    del host
-                seen.add(name)
-                if spec.layer is None:
-                    set_path(params, spec.path, value)
-                else:
                     set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers,
                                                             f"{path}: tensor '{name}'"))
+                    continue
+                if tuple(f.shape(name)) != spec.hf_shape:
+                    raise ShapeMismatchError(
+                        f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                        f"{list(spec.hf_shape)}"
+                    )
+                place(params, spec, f.get(name), dtype, placer, cfg.num_hidden_layers, f"{path}: tensor '{name}'")
     finally:
         bar.close()
         for f in handles.values():
@@ -230,7 +224,12 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, dtype=jnp.bfloat1
 
     Arguments as `load_params`; the model's `model_dir` is set to the directory."""
     values = load_params(model_dir, cfg, dtype, placer=placer, progress=progress, bnb_4bit=bnb_4bit)
+    return model_from_params(values, cfg, dtype, model_class, model_dir)
+
+
+def model_from_params(values: Params, cfg: ModelConfig, dtype, model_class, source) -> CausalLM:
+    """A `model_class` built abstractly (no memory) and filled with `values`; its model_dir is `source`."""
     model = nnx.eval_shape(lambda: model_class(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     fill(model, values)
-    model.model_dir = str(model_dir)
+    model.model_dir = str(source)
     return model

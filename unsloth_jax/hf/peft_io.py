@@ -108,7 +108,7 @@ def base_model_path(adapter_dir) -> str:
     p = Path(os.path.expanduser(str(name)))
     candidates = [p] if p.is_absolute() else [adapter_dir / p, Path.cwd() / p]
     for c in candidates:
-        if c.is_dir():
+        if c.is_dir() or (c.is_file() and c.suffix.lower() == ".gguf"):
             return str(c)
     looked = ", ".join(str(c) for c in candidates)
     raise CheckpointNotFoundError(
