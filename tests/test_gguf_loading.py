@@ -47,6 +47,8 @@ CASES = {
     "phi3_longrope": ("spm", "hf", {}),
     "gemma": ("spm", "hf", {}),
     "gemma2": ("spm", "hf", {"query_pre_attn_scalar": 32}),  # = head_dim, what the file's scale rule implies
+    # Llama 3 scaling travels as the rope_freqs tensor (3 factors between 1 and 8 at this base and head size)
+    "llama3_scaled": ("bpe", "hf", {"rope_theta": 10000.0, "head_dim": 32}),
 }
 
 
@@ -150,6 +152,17 @@ def test_logits_match(family, files, rng):
         ref = _logits(_hf_load(path.parent, gguf_file=path.name), ids)
         assert rel_err(ours, ref) < 1e-5
     assert rel_err(ours, _logits(hf, ids)) < 1e-5  # and the checkpoint the file was made from
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(files):
+    path, hf, _, _ = files("llama3_scaled")
+    assert any(t.name == "rope_freqs.weight" for t in gguf.GGUFReader(str(path)).tensors)
+    want = hf.config.rope_parameters
+    got = gguf_loading.hf_config(path)["rope_scaling"]
+    assert got["rope_type"] == "llama3" and got["factor"] == want["factor"] == 8.0
+    assert got["original_max_position_embeddings"] == want["original_max_position_embeddings"] == 64
+    assert got["low_freq_factor"] == want["low_freq_factor"]
+    assert got["high_freq_factor"] == pytest.approx(want["high_freq_factor"], rel=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3", "gemma2"])

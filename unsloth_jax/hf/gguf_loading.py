@@ -12,7 +12,8 @@ integrations/gguf/gguf_tokenizer_mapping.py) and llama.cpp (convert_hf_to_gguf.p
   (embedding_length -> hidden_size, block_count -> num_hidden_layers, ...); the embeddings are tied when the
   file has no `output.weight`. Where the file is silent, llama.cpp's rule is used: Gemma 2's attention scale is
   head_dim ** -0.5, or (hidden / heads) ** -0.5 for the 46-layer 27B (transformers would take the config
-  default 256). Phi-3's LongRoPE comes from the rope_factors_long / rope_factors_short tensors.
+  default 256). Phi-3's LongRoPE comes from the rope_factors_long / rope_factors_short tensors, Llama 3's
+  rope_scaling from the rope_freqs tensor (transformers' GGUF loader drops both).
 * tensors: every type the `gguf` package dequantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
   K-quants among them) is read with gguf.dequantize into float32, in numpy order (ggml's dims reversed). llama
   q/k rows are permuted back from llama.cpp's interleaved RoPE pairs to HF's rotate-half halves; Gemma norms
@@ -166,8 +167,7 @@ def hf_config(path_or_file) -> dict:
                               "(only linear)")
         raw["rope_scaling"] = {"rope_type": "linear", "factor": float(f.need(a + "rope.scaling.factor"))}
     if "rope_freqs.weight" in names:
-        raise ConfigError(f"{f.path}: tensor 'rope_freqs.weight' (Llama 3.1-style per-frequency RoPE factors) is not "
-                          "supported from GGUF; load the Hugging Face checkpoint instead")
+        raw["rope_scaling"] = _llama3_scaling(f, raw["rope_theta"], head_dim)
     if model_type == "gemma2":
         raw["hidden_activation"] = "gelu_pytorch_tanh"
         raw["attn_logit_softcapping"] = f.get(a + "attn_logit_softcapping")
@@ -180,6 +180,44 @@ def hf_config(path_or_file) -> dict:
     if model_type == "phi3":
         raw.update(_phi3_config(f, head_dim))
     return raw
+
+
+def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int) -> dict:
+    """Llama 3 rope_scaling from llama.cpp's rope_freqs tensor (the divisor of each inverse frequency).
+
+    The factors are 1 below wavelength O/H, the scale F above O/L, and 1 / ((1 - s) / F + s) between, with
+    s = (O / wavelength - L) / (H - L): linear in 1 / wavelength. F is the largest factor; two or more smooth
+    factors fit s, and (O, L, H) are fixed up to a common scale that changes no factor, so L = 1. The recovered
+    parameters must reproduce every factor (float32), else ConfigError."""
+    from unsloth_jax.hf.gguf_export import llama3_rope_factors
+
+    factors = _dequantized(f, "rope_freqs.weight").reshape(-1).astype(np.float64)
+    where = f"{f.path}: tensor 'rope_freqs.weight'"
+    if factors.shape != (head_dim // 2,) or np.any(factors < 1 - 1e-6):
+        raise ConfigError(f"{where} should hold {head_dim // 2} RoPE factors >= 1 (got {factors.shape[0]} values, "
+                          f"min {factors.min():g})")
+    scale = float(factors.max())
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)))
+    wavelen = 2 * np.pi / inv.astype(np.float64)
+    smooth = (factors > 1 + 1e-5) & (factors < scale * (1 - 1e-5))
+    if int(smooth.sum()) < 2:
+        raise ConfigError(f"{where}: only {int(smooth.sum())} factor(s) lie between 1 and {scale:g}, too few to "
+                          "recover the Llama 3 rope_scaling parameters; load the Hugging Face checkpoint instead")
+    s = (1 / factors[smooth] - 1 / scale) / (1 - 1 / scale)
+    slope, offset = np.polyfit(1 / wavelen[smooth], s, 1)  # s = O / (H - L) / wavelength - L / (H - L)
+    low = 1.0
+    high = low - low / offset
+    original = int(round(slope * (high - low)))
+    out = {"rope_type": "llama3", "factor": scale, "low_freq_factor": low, "high_freq_factor": round(high, 6),
+           "original_max_position_embeddings": original}
+    check = ModelConfig(model_type="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_hidden_layers=1,
+                        num_attention_heads=1, num_key_value_heads=1, head_dim=head_dim, rope_theta=theta,
+                        rope_type="llama3", rope_factor=scale, rope_low_freq_factor=low,
+                        rope_high_freq_factor=out["high_freq_factor"], rope_original_max_position=original)
+    if not np.allclose(llama3_rope_factors(check), factors, rtol=1e-5, atol=0):
+        raise ConfigError(f"{where}: the factors do not follow Llama 3's rope scaling (best fit {out}); load the "
+                          "Hugging Face checkpoint instead")
+    return out
 
 
 def _phi3_config(f: GGUFFile, head_dim: int) -> dict:
@@ -234,7 +272,7 @@ def gguf_names(cfg: ModelConfig, arch: str) -> dict:
     return out
 
 
-_DERIVED = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config instead
+_DERIVED = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")  # read into the config
 
 
 def load_gguf_params(f: GGUFFile, cfg: ModelConfig, dtype, *, placer: Placer | None = None,
