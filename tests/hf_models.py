@@ -41,12 +41,13 @@ def model_type_of(family: str) -> str:
     return MODEL_TYPES.get(prefix, prefix)
 
 
-def make_hf_model(family: str, seed: int = 0, dtype=torch.float32):
-    """A transformers causal LM of `family` with every parameter randomised (norms around 1, biases nonzero)."""
+def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A transformers causal LM of `family` (config fields `overrides` changed) with every parameter randomised
+    (norms around 1, biases nonzero)."""
     import transformers
 
     model_type = model_type_of(family)
-    kwargs = dict(TINY) | FAMILIES[family]
+    kwargs = dict(TINY) | FAMILIES[family] | overrides
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -69,3 +70,30 @@ def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32):
     model = make_hf_model(family, seed, dtype)
     model.save_pretrained(str(path))
     return model
+
+
+def train_spm_tokenizer(out_dir, seed: int, chat_template: str | None = None):
+    """A SentencePiece BPE model with byte fallback (320 pieces; <unk> <s> </s> = 0 1 2) trained on fresh random
+    text in `out_dir`, and beside it in out_dir/"hf" the files of its transformers LlamaTokenizer. Returns that
+    directory."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import sentencepiece as spm
+
+    d = Path(out_dir)
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
+    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
+    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (d / "hf").mkdir()
+    (d / "hf" / "tokenizer.model").write_bytes((d / "tok.model").read_bytes())
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": True, "legacy": False}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (d / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    return d / "hf"

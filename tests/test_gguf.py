@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from tests.helpers import rel_err  # noqa: E402
-from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
+from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of, train_spm_tokenizer  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.hf import gguf_export  # noqa: E402
@@ -61,20 +61,8 @@ def _hf_rows(cfg, name: str):
 @pytest.fixture(scope="module")
 def spm_tokenizer_dir(tmp_path_factory):
     """A SentencePiece BPE model with byte fallback trained on fresh random text, and its HF tokenizer."""
-    spm = pytest.importorskip("sentencepiece")
-    d = tmp_path_factory.mktemp("spm")
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
-    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
-                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
-                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    (d / "hf").mkdir()
-    (d / "hf" / "tokenizer.model").write_bytes((d / "tok.model").read_bytes())
-    (d / "hf" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "legacy": False}))
-    return d / "hf"
+    pytest.importorskip("sentencepiece")
+    return train_spm_tokenizer(tmp_path_factory.mktemp("spm"), int.from_bytes(os.urandom(4), "little"))
 
 
 def _tokenizer(kind, spm_dir):

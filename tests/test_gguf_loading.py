@@ -8,7 +8,6 @@ package."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.helpers import TINY_MODEL, rel_err  # noqa: E402
-from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
+from tests.hf_models import make_hf_model, train_spm_tokenizer  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, UnexpectedTensorError,  # noqa: E402
                                 UnsupportedArchitectureError)
@@ -69,22 +68,10 @@ def _ours(path):
 
 @pytest.fixture(scope="module")
 def spm_dir(tmp_path_factory):
-    """A SentencePiece BPE model with byte fallback trained on fresh random text (as tests/test_gguf.py)."""
-    spm = pytest.importorskip("sentencepiece")
-    d = tmp_path_factory.mktemp("spm")
-    rng = np.random.default_rng(fresh_seed("spm corpus"))
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
-    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
-                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
-                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    (d / "hf").mkdir()
-    (d / "hf" / "tokenizer.model").write_bytes((d / "tok.model").read_bytes())
-    (d / "hf" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "legacy": False, "chat_template": TEMPLATE.replace("<|im_start|>", "[").replace(
-            "<|im_end|>", "]")}))
-    return d / "hf"
+    """A SentencePiece BPE tokenizer trained on fresh random text, with a chat template."""
+    pytest.importorskip("sentencepiece")
+    return train_spm_tokenizer(tmp_path_factory.mktemp("spm"), fresh_seed("spm corpus"),
+                               TEMPLATE.replace("<|im_start|>", "[").replace("<|im_end|>", "]"))
 
 
 def _checkpoint(family, path, spm_dir, seed, extra=None, hidden=None):
@@ -92,27 +79,18 @@ def _checkpoint(family, path, spm_dir, seed, extra=None, hidden=None):
     kind = CASES.get(family, ("bpe",))[0]
     tok = transformers.AutoTokenizer.from_pretrained(str(spm_dir if kind == "spm" else TINY_MODEL))
     vocab = 320 if kind == "spm" else 2048
-    kwargs = dict(TINY) | HF_FAMILIES[family] | {"vocab_size": vocab} | (extra or {})
+    kwargs = {"vocab_size": vocab} | (extra or {})
     if kind == "bpe":
         kwargs |= {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     if hidden:
         kwargs |= {"hidden_size": hidden, "intermediate_size": 2 * hidden}
-    config = transformers.AutoConfig.for_model(model_type_of(family), **kwargs)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_((0.1 if name.endswith("bias") else 0.08) * torch.randn(p.shape, generator=gen))
+    model = make_hf_model(family, seed, **kwargs)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     if kind == "spm":
         (path / "tokenizer.model").write_bytes((spm_dir / "tokenizer.model").read_bytes())
     # the tokenizer as transformers reloads it beside this config (Qwen2 gets Qwen2Tokenizer's split regex)
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(str(path))
+    return model, transformers.AutoTokenizer.from_pretrained(str(path))
 
 
 def _export(src, out_dir, method="f32"):

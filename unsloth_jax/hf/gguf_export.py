@@ -218,18 +218,23 @@ def _source_config(model) -> dict:
     return source_config(model) or {}
 
 
+def _add_shape(w, cfg) -> None:
+    """The size keys every converter writes: context, widths, depth, heads, norm epsilon."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def _add_hparams(w, model, raw: dict, ftype) -> None:
     cfg = model.config
     gguf = _gguf()
     mt = cfg.model_type
     if mt in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model.set_gguf_parameters
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        _add_shape(w, cfg)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_file_type(ftype)
@@ -244,17 +249,11 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
         _add_phi3_hparams(w, model, raw, ftype)
         return
     # TextModel.set_gguf_parameters
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     if cfg.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_factor)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if raw.get("head_dim") is not None or not raw:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -300,14 +299,8 @@ def _add_phi3_hparams(w, model, raw: dict, ftype) -> None:
     """Phi3MiniModel.set_gguf_parameters (it does not call TextModel's)."""
     cfg = model.config
     original = _phi3_original_context(model, raw)
-    w.add_context_length(cfg.max_position_embeddings)
+    _add_shape(w, cfg)
     w.add_rope_scaling_orig_ctx_len(original)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(_phi3_rope_dims(model))
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_file_type(ftype)
