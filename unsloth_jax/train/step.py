@@ -32,8 +32,9 @@ log = logging.getLogger("unsloth_jax")
 # optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
 _global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
+# Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
-                          "unsloth": "offload", "offload": "offload"}
+                          "unsloth": "offload", "offload": "offload", "save_attention": "save_attention"}
 
 
 def host_offload_supported() -> bool:
@@ -51,7 +52,8 @@ def resolve_remat(use_gradient_checkpointing) -> str:
     """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
     fallback (plain remat, one notice) where the backend has no pinned host memory."""
     if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"use_gradient_checkpointing must be False, True or 'unsloth', got {use_gradient_checkpointing!r}")
+        raise ValueError(f"use_gradient_checkpointing must be False, True, 'unsloth' or 'save_attention', got "
+                         f"{use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
     if mode == "offload" and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
