@@ -204,7 +204,7 @@ def test_finetune_from_gguf_and_export(files, tmp_path, rng):
     back, _ = FastLanguageModel.from_pretrained(tmp_path / "adapter", dtype="float32", progress=False,
                                                 load_tokenizer=False)
     assert rel_err(np.asarray(back(ids)), ours) < 1e-6
-    model.save_pretrained_merged(tmp_path / "merged", None)
+    model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     hf = _hf_load(tmp_path / "merged")
     assert rel_err(_logits(hf, ids), ours) < 1e-5
     saved = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "merged"))

@@ -70,7 +70,7 @@ def test_loads_split_and_merges_back(phi3_dir, tmp_path, rng):
     np.testing.assert_array_equal(np.asarray(projs["up_proj"].kernel[...][0]).T, gate_up[ff:])
     ids = rng.integers(0, model.config.vocab_size, size=(2, 20))
     ours = np.asarray(model(ids))
-    model.save_pretrained_merged(tmp_path / "merged", None)
+    model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["model_type"] == "phi3" and config["rope_parameters"]["rope_type"] == "longrope"
     hf = _hf(tmp_path / "merged")
