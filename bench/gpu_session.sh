@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
-# ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT.
+# ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
+# GRPO_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -78,6 +79,13 @@ for st in $stages; do
       # TRAIN8B_FLAGS: extra train_bench flags joined with + (e.g. --load-in-4bit)
       timeout ${TRAIN8B_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat ${TRAIN8B_REMAT:-unsloth} \
         ${TRAIN8B_FLAGS:+${TRAIN8B_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+    grpo)
+      # GRPO on Qwen2-1.5B: 8 generations of 256 tokens per prompt, beside the SFT step (bench/grpo_bench.py)
+      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
+      log "grpo qwen2-1.5b ${GRPO_FLAGS:-}"
+      timeout ${GRPO_TIMEOUT:-420} $PY bench/grpo_bench.py $CK/qwen2-1.5b --prompts 2 --generations 8 \
+        --completion 256 --prompt-len 64 --steps 6 --warmup 2 ${GRPO_FLAGS:+${GRPO_FLAGS//+/ }} \
+        2>>"$OUT/grpo_err.txt" | grep '^{"name' | tee -a "$OUT/grpo.jsonl" ;;
     ab)
       # old (.bench_old) vs new (working tree), same checkpoint, same flags, alternating
       for m in qwen2-1.5b llama3-8b; do

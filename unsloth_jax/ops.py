@@ -11,7 +11,8 @@ of the jit cache key: after `set_impl` the next call of any model or train step 
 Inside a trace the active policy is the one `policy_scope` set; code traced outside the project's entry
 points (a user's own `nnx.jit`) uses the policy current at trace time.
 
-Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy.
+Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy, and
+token_logprobs (per-token log-probabilities for preference and RL losses; XLA only).
 """
 from __future__ import annotations
 
@@ -403,6 +404,15 @@ def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, s
     return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
 
 
+def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
+                   temperature: float = 1.0, ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
+    """Per-token log-probabilities [T] (f32) of labels [T] under softmax(softcap(hidden @ lm_head.T) / temperature),
+    chunked over T so [T, V] logits never exist; 0.0 where label == ignore_index. XLA only (no kernel yet)."""
+    _note("token_logprobs", "xla")
+    return ref.token_logprobs(hidden, lm_head, labels, softcap=softcap, temperature=float(temperature),
+                              ignore_index=ignore_index, chunk_size=chunk)
+
+
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
            "chosen_impls", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask", "cross_entropy",
-           "use_pallas", "PALLAS_WINS"]
+           "token_logprobs", "use_pallas", "PALLAS_WINS"]

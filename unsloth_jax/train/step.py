@@ -106,20 +106,31 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (g_sum, l_sum, n_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, trainable)
+        grads = jax.tree.map(lambda g: g / denom, g_sum)
         loss = l_sum / denom
-        grad_norm = _global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-        updates, new_opt = optimizer.update(grads, opt_state, trainable)
-        new_params = optax.apply_updates(trainable, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, trainable)
-        new_opt = jax.tree.map(keep, new_opt, opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_sum, "skipped": (~finite).astype(jnp.int32)}
-        return new_params, new_opt, metrics
+        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
+        return new_params, new_opt, {"loss": loss, "tokens": n_sum, **update_metrics}
 
     return ops.policy_jit(step, donate_argnums=(0, 2) if donate else ())
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):
+    """One guarded optimizer update inside a jitted step -> (new trainable, new opt_state, metrics).
+
+    grads: float32 gradients shaped like `trainable` (cast to each parameter's dtype here). When `loss` or the
+    gradients' global norm is not finite, params and optimizer state stay as they were. metrics: grad_norm (of
+    the unclipped gradients) and skipped (1 when the update was dropped). Every trainer's step ends here.
+    """
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+    grad_norm = _global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = optimizer.update(grads, opt_state, trainable)
+    new_params = optax.apply_updates(trainable, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_params = jax.tree.map(keep, new_params, trainable)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    return new_params, new_opt, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
 def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):
