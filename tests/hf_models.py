@@ -1,6 +1,8 @@
 """Tiny random-init transformers checkpoints of every supported family, for parity tests (needs torch)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +49,8 @@ def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     import transformers
 
     model_type = model_type_of(family)
-    kwargs = dict(TINY) | FAMILIES[family] | overrides
+    # a deep copy: transformers writes into the rope_scaling dict it is given (rope_theta, ...)
+    kwargs = copy.deepcopy(dict(TINY) | FAMILIES[family] | overrides)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
