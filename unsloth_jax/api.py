@@ -168,6 +168,26 @@ def _check_model_name(model_name) -> Path:
     return Path(model_name)
 
 
+def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: bool, load_in_fp8: bool,
+               load_tokenizer: bool, progress: bool):
+    """(model, tokenizer) from a llama.cpp GGUF file (unsloth_jax.hf.gguf_loading): weights dequantized to
+    compute_dtype (then NF4 with load_in_4bit, FP8 with load_in_fp8), config and tokenizer from its metadata."""
+    from unsloth_jax import quant
+    from unsloth_jax.hf import gguf_loading
+
+    start = time.perf_counter()
+    placer = quant.nf4_placer if load_in_4bit else quant.fp8_placer if load_in_fp8 else None
+    model = gguf_loading.load_gguf_model(path, compute_dtype, model_class=Model, placer=placer, progress=progress)
+    jax.block_until_ready(nnx.state(model))
+    model.max_seq_length = max_seq_length
+    tokenizer = gguf_loading.gguf_tokenizer(path) if load_tokenizer else None
+    cfg = model.config
+    log.info("unsloth_jax: loaded %s (GGUF, %s, %d layers) in %.1fs as %s%s", path.name, cfg.model_type,
+             cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,
+             " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "")
+    return model, tokenizer
+
+
 class FastLanguageModel:
     """Unsloth's entry points, for JAX."""
 
@@ -176,7 +196,8 @@ class FastLanguageModel:
                         load_in_4bit: bool = False, *, load_in_fp8: bool = False, full_finetuning: bool = False,
                         use_gradient_checkpointing="unsloth", load_tokenizer: bool = True, progress: bool = True,
                         **kwargs):
-        """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
+        """Load a local Hugging Face model directory, a PEFT adapter directory, or a llama.cpp GGUF file (or a
+        directory holding exactly one .gguf and no config.json). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
         load_in_4bit: frozen projections in NF4 (QLoRA); load_in_fp8: frozen projections in FP8 (e4m3 with
@@ -209,6 +230,15 @@ class FastLanguageModel:
             model = peft_io.load_adapter(model, model_dir)
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
+            return model, tokenizer
+        from unsloth_jax.hf import gguf_loading
+
+        gguf_file = gguf_loading.find_gguf(model_dir)
+        if gguf_file is not None:
+            model, tokenizer = _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_in_fp8,
+                                          load_tokenizer, progress)
+            if full_finetuning:
+                _setup_full_finetuning(model, use_gradient_checkpointing)
             return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(

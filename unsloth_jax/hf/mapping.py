@@ -13,6 +13,13 @@ layer index dropped because decoder layers are stacked on a leading axis L (for 
 
 <parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
 layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does).
+
+Fused checkpoint tensors (Phi-3) hold several of the decoder's projections stacked on the output axis, in order:
+
+    model.layers.{i}.self_attn.qkv_proj.weight [q + 2 kv, D]  -> q_proj, k_proj, v_proj kernels (rows split)
+    model.layers.{i}.mlp.gate_up_proj.weight   [2 F, D]       -> gate_proj, up_proj kernels
+
+Their spec has kind "fused" and `parts`: one kernel spec per projection, in row order (`fused_parts`).
 """
 from __future__ import annotations
 
@@ -39,6 +46,19 @@ _SANDWICH = [
     ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm", "weight"), "norm"),
 ]
 
+# Phi-3: (fused HF suffix, parent module, the projections it holds in row order)
+FUSED_PROJS = {
+    "phi3": (("self_attn.qkv_proj.weight", "self_attn", ("q_proj", "k_proj", "v_proj")),
+             ("mlp.gate_up_proj.weight", "mlp", ("gate_proj", "up_proj"))),
+}
+_PHI3 = [
+    ("input_layernorm.weight", ("input_layernorm", "weight"), "norm"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), "norm"),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "kernel"),
+    ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "kernel"),
+    *[(suffix, (parent, suffix.split(".")[1], "kernel"), "fused") for suffix, parent, _ in FUSED_PROJS["phi3"]],
+]
+
 FAMILY_LAYER_TENSORS = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -46,6 +66,8 @@ FAMILY_LAYER_TENSORS = {
     "qwen3": _LLAMA + _QK_NORM,
     "gemma": _LLAMA,
     "gemma2": _LLAMA + _SANDWICH,
+    "gemma3_text": _LLAMA + _SANDWICH + _QK_NORM,
+    "phi3": _PHI3,
 }
 
 
@@ -57,8 +79,9 @@ class TensorSpec:
     hf_name: str
     path: tuple[str, ...]
     layer: int | None
-    kind: str  # "embed" | "norm" | "kernel" | "bias"
+    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused"
     hf_shape: tuple[int, ...]
+    parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -101,6 +124,9 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
             name = f"model.layers.{i}.{suffix}"
+            if kind == "fused":
+                specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
+                continue
             if kind == "kernel":
                 shape = shapes[sub[1]]
             elif kind == "bias":
@@ -111,3 +137,25 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
                 shape = (d,)
             specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
     return specs
+
+
+def fused_groups(cfg: ModelConfig) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """(fused HF module name, parent, projections in row order) of the family, e.g. ("qkv_proj", "self_attn",
+    ("q_proj", "k_proj", "v_proj")) for Phi-3; empty for families whose checkpoints keep projections apart."""
+    return tuple((suffix.split(".")[1], parent, projs) for suffix, parent, projs in FUSED_PROJS.get(cfg.model_type, ()))
+
+
+def _fused_spec(cfg: ModelConfig, name: str, suffix: str, layer: int, shapes: dict) -> TensorSpec:
+    parent, projs = next((p, pr) for s, p, pr in FUSED_PROJS[cfg.model_type] if s == suffix)
+    parts = tuple(TensorSpec(name, LAYERS + (parent, p, "kernel"), layer, "kernel", shapes[p]) for p in projs)
+    rows = sum(part.hf_shape[0] for part in parts)
+    return TensorSpec(name, LAYERS + (parent, suffix.split(".")[1]), layer, "fused", (rows, shapes[projs[0]][1]),
+                      parts)
+
+
+def fused_parts(spec: TensorSpec):
+    """(part spec, first row, end row) of each projection held by a fused spec, in row order."""
+    start = 0
+    for part in spec.parts:
+        yield part, start, start + part.hf_shape[0]
+        start += part.hf_shape[0]

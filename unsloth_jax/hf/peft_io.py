@@ -29,7 +29,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -110,7 +110,7 @@ def base_model_path(adapter_dir) -> str:
     p = Path(os.path.expanduser(str(name)))
     candidates = [p] if p.is_absolute() else [adapter_dir / p, Path.cwd() / p]
     for c in candidates:
-        if c.is_dir():
+        if c.is_dir() or (c.is_file() and c.suffix.lower() == ".gguf"):
             return str(c)
     looked = ", ".join(str(c) for c in candidates)
     raise CheckpointNotFoundError(
@@ -232,6 +232,9 @@ def load_adapter(model, adapter_dir):
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / CONFIG_NAME
     raw = read_adapter_config(adapter_dir)
+    split = None
+    if fused_groups(model.config):
+        raw, split = split_fused_adapter(raw, adapter_dir, model)
     _check_supported(raw, cfg_path)
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -270,6 +273,8 @@ def load_adapter(model, adapter_dir):
     unexpected: list[str] = []
     key_of_saved = {v: k for k, v in SAVED_MODULE_KEYS.items()}
     with SafetensorsFile(weights) as f:
+        if split is not None:
+            f = _SplitTensors(f, split)
         for key in f.keys():
             m = _LAYER_KEY.match(key)
             if m is None:
@@ -363,3 +368,135 @@ def load_adapter(model, adapter_dir):
     for mod, value in saved_values.items():
         variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model
+
+
+# ------------------------------------------------------------------- adapters of fused modules (Phi-3)
+class _SplitTensors:
+    """An adapter file seen with its fused modules' LoRA tensors replaced by the split per-projection ones."""
+
+    def __init__(self, f: SafetensorsFile, split: tuple[dict[str, np.ndarray], set[str]]):
+        self._f = f
+        self._split, self._fused = split
+
+    def keys(self):
+        return [k for k in self._f.keys() if k not in self._fused] + list(self._split)
+
+    def get(self, key):
+        return self._split[key] if key in self._split else self._f.get(key)
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key k with module matching (.*\\.)?(k)$."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key, value
+    return None, default
+
+
+def split_fused_adapter(raw: dict, adapter_dir, model):
+    """A PEFT adapter of a model whose checkpoint fuses projections (Phi-3: qkv_proj, gate_up_proj) in the form
+    load_adapter reads: (adapter_config with the split projection names as targets, and None when no fused
+    module is targeted, else ({PEFT key: array} of the split LoRA tensors, the fused keys they replace)).
+    Two layouts split exactly, per fused module of n projections and rank R:
+
+      R = r (PEFT trained the fused module): every projection gets A [r, in] and its rows of B;
+      R = n r with alpha giving the same scale (what save_pretrained writes, see hf/export.py): B is block
+        diagonal, projection k gets A rows and B columns k r .. (k + 1) r; a projection whose A block is zero
+        in every layer was not targeted.
+
+    Other ranks, or a non-block-diagonal B at R = n r, raise ConfigError naming the tensor."""
+    adapter_dir = Path(adapter_dir)
+    cfg_path, weights = adapter_dir / CONFIG_NAME, adapter_dir / WEIGHTS_NAME
+    groups = {name: (parent, projs) for name, parent, projs in fused_groups(model.config)}
+    targets = raw.get("target_modules")
+    n_layers = model.config.num_hidden_layers
+    names = [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(n_layers)
+             for p in ALL_TARGETS if not any(p in projs for _, projs in groups.values())]
+    names += [f"model.layers.{i}.{parent}.{name}" for i in range(n_layers) for name, (parent, _) in groups.items()]
+    if targets == "all-linear" or targets is None or not weights.is_file():
+        hit = names if targets == "all-linear" else []
+    elif isinstance(targets, str):
+        try:
+            hit = [n for n in names if re.fullmatch(targets, n)]
+        except re.error as e:
+            raise ConfigError(f"{cfg_path}: target_modules regex {targets!r} is invalid ({e})") from None
+    else:
+        hit = [n for n in names if any(n == str(t) or n.endswith("." + str(t)) for t in targets)]
+        known = {n.rsplit(".", 1)[1] for n in names}
+        unknown = [str(t) for t in targets if not any(n == str(t) or n.endswith("." + str(t)) for n in names)]
+        if unknown:
+            raise ConfigError(f"{cfg_path}: target_modules {unknown} name no module of this {model.config.model_type} "
+                              f"checkpoint (it has {', '.join(sorted(known))})")
+    fused_hit = sorted({n.rsplit(".", 1)[1] for n in hit} & set(groups))
+    if not fused_hit:
+        return raw, None
+    try:
+        r = int(raw["r"])
+        alpha = float(raw.get("lora_alpha", 8))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{cfg_path}: 'r' (int) and 'lora_alpha' (number) are required") from None
+    rslora = bool(raw.get("use_rslora", False))
+    scale = alpha / (r ** 0.5 if rslora else r)
+    projs_now = model.projections()
+    split: dict[str, np.ndarray] = {}
+    consumed: set[str] = set()
+    used_patterns: set[str] = set()
+    targeted: set[str] = set()
+    with SafetensorsFile(weights) as f:
+        for name in fused_hit:
+            parent, projs = groups[name]
+            outs = [projs_now[p].out_features for p in projs]
+            d_in = projs_now[projs[0]].in_features
+            n = len(projs)
+            blocks_used = [False] * n
+            per_layer = []
+            for i in range(n_layers):
+                module = f"model.layers.{i}.{parent}.{name}"
+                key_a = f"base_model.model.{module}.lora_A.weight"
+                key_b = f"base_model.model.{module}.lora_B.weight"
+                if key_a not in f.keys() or key_b not in f.keys():
+                    raise MissingTensorError(f"{weights}: adapter targets {name} but '{key_a}' or '{key_b}' is missing")
+                a, b = np.asarray(f.get(key_a), np.float32), np.asarray(f.get(key_b), np.float32)
+                consumed |= {key_a, key_b}
+                rank = a.shape[0]
+                if a.shape != (rank, d_in) or b.shape != (sum(outs), rank):
+                    raise ShapeMismatchError(f"{weights}: '{key_a}' {list(a.shape)} / '{key_b}' {list(b.shape)} do not "
+                                             f"fit {name} [{sum(outs)}, {d_in}]")
+                rkey, _ = _pattern_value(raw.get("rank_pattern"), module, r)
+                akey, alpha_f = _pattern_value(raw.get("alpha_pattern"), module, alpha)
+                used_patterns |= {k for k in (rkey, akey) if k is not None}
+                scale_f = float(alpha_f) / (rank ** 0.5 if rslora else rank)
+                if rank not in (r, n * r) or abs(scale_f - scale) > 1e-6 * abs(scale):
+                    raise ConfigError(
+                        f"{weights}: '{key_a}' has rank {rank} and scale {scale_f:g}; unsloth_jax splits a fused {name} "
+                        f"adapter only at rank r={r} (shared A) or {n}*r={n * r} (block diagonal) with the scale of "
+                        f"r and lora_alpha ({scale:g})")
+                per_layer.append((i, a, b, rank))
+                if rank == n * r:
+                    row = 0
+                    for k, out in enumerate(outs):
+                        cols = slice(k * r, (k + 1) * r)
+                        off = np.delete(b[row:row + out], np.s_[k * r:(k + 1) * r], axis=1)
+                        if np.any(off):
+                            raise ConfigError(f"{weights}: '{key_b}' is not block diagonal (rows of {projs[k]} use "
+                                              f"other projections' ranks), so it cannot be split into per-projection "
+                                              "LoRA pairs exactly")
+                        blocks_used[k] |= bool(np.any(a[cols]))
+                        row += out
+                else:
+                    blocks_used = [True] * n
+            for i, a, b, rank in per_layer:
+                row = 0
+                for k, (p, out) in enumerate(zip(projs, outs)):
+                    if blocks_used[k]:
+                        cols = slice(None) if rank == r else slice(k * r, (k + 1) * r)
+                        prefix = f"base_model.model.model.layers.{i}.{parent}.{p}"
+                        split[f"{prefix}.lora_A.weight"] = a[cols]
+                        split[f"{prefix}.lora_B.weight"] = b[row:row + out, cols]
+                    row += out
+            targeted |= {p for p, used in zip(projs, blocks_used) if used}
+    plain = sorted({n.rsplit(".", 1)[1] for n in hit} - set(groups))
+    out = dict(raw, target_modules=plain + [p for p in ALL_TARGETS if p in targeted])
+    for field in ("rank_pattern", "alpha_pattern"):
+        out[field] = {k: v for k, v in (raw.get(field) or {}).items() if k not in used_patterns}
+    return out, (split, consumed)

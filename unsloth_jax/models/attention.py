@@ -1,4 +1,5 @@
-"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3), RoPE, GQA attention."""
+"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
+first rotary_dim dims of each head: Phi-3's partial rotary), GQA attention."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class Attention(nnx.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
+        self.rotary_dim = cfg.rope_dim
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
         common = dict(stack=stack, dtype=dtype, rngs=rngs)
@@ -62,7 +64,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = ops.rope(q, k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         new_cache = None
         if cache is None:
             # names for the "save_attention" remat policy (unsloth_jax.models.decoder.remat)
@@ -77,3 +79,12 @@ class Attention(nnx.Module):
                                 kv_valid=cache.valid, q_offset=cache.index)
             new_cache = (ck, cv)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), new_cache
+
+    def rotate(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE on q [B, S, Hq, hd] and k [B, S, Hkv, hd] with cos/sin [B, S, rotary_dim]; the dims past
+        rotary_dim pass through unrotated (partial rotary)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return ops.rope(q, k, cos, sin)
+        q_rot, k_rot = ops.rope(q[..., :r], k[..., :r], cos, sin)
+        return (jnp.concatenate([q_rot, q[..., r:]], axis=-1), jnp.concatenate([k_rot, k[..., r:]], axis=-1))

@@ -6,15 +6,17 @@
 Module tree (attribute names follow Hugging Face, so a path reads like the HF tensor name):
 
     model.embed_tokens.weight [V, D]           model.norm.weight [D]          lm_head.weight [V, D] (untied only)
-    model.layers.input_layernorm.weight [L, D]  (+ pre/post_feedforward_layernorm: Gemma 2)
+    model.layers.input_layernorm.weight [L, D]  (+ pre/post_feedforward_layernorm: Gemma 2, Gemma 3)
     model.layers.self_attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias, .lora_a, .lora_b)
-    model.layers.self_attn.{q,k}_norm.weight [L, hd]               (Qwen3)
+    model.layers.self_attn.{q,k}_norm.weight [L, hd]               (Qwen3, Gemma 3)
     model.layers.mlp.{gate,up,down}_proj.kernel [L, in, out]
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
 splits it (`nnx.split`) and runs `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for
-Gemma 2, whose sliding and global layers alternate), so compile time does not grow with depth and each layer of
-a group keeps a static attention window. Each group may run under `jax.checkpoint` (remat modes below).
+Gemma 2, whose sliding and global layers alternate, 6 for Gemma 3), so compile time does not grow with depth and
+each layer of a group keeps a static attention window and RoPE table (Gemma 3's sliding layers have their own
+RoPE base). When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a
+second, one-step scan. Each group may run under `jax.checkpoint` (remat modes below).
 
 Shapes: B batch, S sequence, D hidden, V vocab. Activations are in the compute dtype; norms, softmax and RoPE
 math run in float32; logits are float32.
@@ -41,7 +43,7 @@ PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJ
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm decoder layer (Gemma 2: with sandwich norms around attention and the MLP)."""
+    """One pre-norm decoder layer (Gemma 2, Gemma 3: with sandwich norms around attention and the MLP)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
@@ -120,53 +122,77 @@ class DecoderModel(nnx.Module):
         cfg = self.config
         return (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:cfg.layer_period]
 
-    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: str = "none",
-                   cache: KVCache | None = None):
-        """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers.
+    def rope(self, positions: jax.Array):
+        """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global
+        RoPE, and `local` the (cos, sin) of the sliding-window layers when they have their own base (Gemma 3),
+        else None."""
+        cfg = self.config
+        local = rope_tables(cfg, positions, local=True) if cfg.rope_local_theta else None
+        return rope_tables(cfg, positions), local
 
+    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: str = "none",
+                   cache: KVCache | None = None, local_rope=None):
+        """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step
+        scan over the remaining L mod period layers, if any).
+
+        cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
+        (Gemma 3, from `rope`), or None.
         cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index.
         Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches.
         """
         cfg = self.config
         period = cfg.layer_period
-        groups = cfg.num_hidden_layers // period
+        groups, tail = divmod(cfg.num_hidden_layers, period)
         windows = self.layer_windows()
+        ropes = tuple(local_rope if (local_rope is not None and w is not None) else (cos, sin) for w in windows)
         graphdef, state = nnx.split(self.layers)
-
-        def grouped(a):
-            return a.reshape((groups, period) + a.shape[1:])
-
-        xs = jax.tree.map(grouped, state)
-        if cache is not None:
-            xs = (xs, grouped(cache.k), grouped(cache.v))
 
         def group_body(h, xs_group):
             h = checkpoint_name(h, "layer_input")
             layer_states = xs_group if cache is None else xs_group[0]
+            size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
             new_k, new_v = [], []
-            for j in range(period):
+            for j in range(size):
                 layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], layer_states))
                 layer_cache = None
                 if cache is not None:
                     layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)
-                h, kv = layer(h, cos, sin, batch, windows[j], layer_cache)
+                h, kv = layer(h, *ropes[j], batch, windows[j], layer_cache)
                 if kv is not None:
                     new_k.append(kv[0])
                     new_v.append(kv[1])
             return h, ((jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None)
 
         body = remat(group_body, remat_mode)
-        x, ys = jax.lax.scan(body, x, xs)
+
+        def scan(h, start, count, size):
+            """Scan `body` over `count` groups of `size` layers starting at layer `start`."""
+            def grouped(a):
+                if tail:
+                    a = a[start:start + count * size]
+                return a.reshape((count, size) + a.shape[1:])
+
+            xs = jax.tree.map(grouped, state)
+            if cache is not None:
+                xs = (xs, grouped(cache.k), grouped(cache.v))
+            return jax.lax.scan(body, h, xs)
+
+        x, ys = scan(x, 0, groups, period)
+        if tail:
+            x, ys_tail = scan(x, groups * period, 1, tail)
         if cache is None:
             return x, None
-        k, v = ys
+        k, v = (y.reshape((-1,) + y.shape[2:]) for y in ys)
+        if tail:
+            k = jnp.concatenate([k, ys_tail[0][0]])
+            v = jnp.concatenate([v, ys_tail[1][0]])
         return x, (k.reshape(cache.k.shape), v.reshape(cache.v.shape))
 
     def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none", dtype=None) -> jax.Array:
         """Final-normed hidden states [B, S, D] for input_ids [B, S]."""
         x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
-        cos, sin = rope_tables(self.config, batch.positions)
-        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode)
+        (cos, sin), local = self.rope(batch.positions)
+        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local)
         return self.norm(x)
 
 
