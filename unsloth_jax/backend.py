@@ -1,4 +1,4 @@
-"""Facts about the JAX backend the project runs on: bf16 support, the compute dtype, device memory.
+"""Facts about the JAX backend the project runs on: bf16 support, the compute dtype, device memory, the mesh.
 
 Lower layers (checkpoint I/O, models, training) and the API all use these; this module imports only jax.
 """
@@ -56,3 +56,18 @@ def device_memory_gib(kind: str = "bytes_in_use") -> float | None:
         return None
     used = stats.get(kind)
     return None if used is None else used / 2**30
+
+
+# The axes of the device mesh (unsloth_jax.distributed.make_mesh): the batch is split over both, frozen
+# weights over "fsdp". Named here so that ops and models can read the mesh in context without importing
+# the distributed module above them.
+MESH_AXES = ("data", "fsdp")
+
+
+def mesh_batch_axes() -> tuple[str, ...]:
+    """The axes of the mesh in context (`jax.set_mesh`) that split the batch, those of MESH_AXES larger than
+    1; () without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
@@ -140,7 +140,7 @@ class DecoderModel(nnx.Module):
             layer_states = xs_group if cache is None else xs_group[0]
             new_k, new_v = [], []
             for j in range(period):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], layer_states))
+                layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
                 layer_cache = None
                 if cache is not None:
                     layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)

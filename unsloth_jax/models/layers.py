@@ -26,6 +26,18 @@ class NF4Param(nnx.Variable):
     """A frozen 4-bit base weight: an `NF4Weight` (bitsandbytes' NF4 format, HF [out, in] layout per layer)."""
 
 
+def gathered(tree):
+    """`tree`'s arrays constrained to be whole on every device when a mesh is set (`jax.set_mesh`), else
+    `tree` itself. The decoder applies it to one layer's slice of the stacked weights inside the layer scan:
+    weights sharded over an FSDP mesh axis are then all-gathered there, one layer at a time (also in the
+    backward pass's recomputation), and the batch-sharded activations never are."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree
+    whole = jax.sharding.PartitionSpec()
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
+
+
 def value_of(variable):
     """The value a Variable holds (an array, or a pytree such as an NF4Weight); None stays None."""
     return None if variable is None else variable.get_value()

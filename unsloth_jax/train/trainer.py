@@ -3,6 +3,11 @@
 `SFTTrainer(...).train()` tokenizes the dataset, runs the jitted step with a progress bar, logs to stdout and
 `output_dir/metrics.jsonl`, saves orbax checkpoints every `save_steps`, resumes exactly, and finally writes the
 trained LoRA weights back into the model (in place, `nnx.update`, as HF and Unsloth do).
+
+Several devices: `TrainingArguments(mesh="data=2,fsdp=4")` (see unsloth_jax.distributed) runs the same step
+sharded over a device mesh; `per_device_train_batch_size` is per device, so a step sees per_device * data *
+fsdp rows (times gradient_accumulation_steps). After training the model's weights stay on the mesh. On
+several hosts each process loads its own rows of each batch and only process 0 logs and writes metrics.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from tqdm.auto import tqdm
 
 from flax import nnx
 
-from unsloth_jax import lora
+from unsloth_jax import distributed, lora
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.errors import TrainingError
@@ -62,6 +67,9 @@ class TrainingArguments:
     report_to: str | list | None = "none"
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+    # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
+    # {"data": 2, "fsdp": 4}; None trains on one device.
+    mesh: object = None
 
 
 def cast_weights(model, dtype) -> None:
@@ -139,17 +147,25 @@ class SFTTrainer:
         return DataLoader(examples, batch_size, self.max_seq_length, self._pad_id(), packing=self.packing,
                           shuffle=shuffle, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
-    def _step_batch(self, loader: DataLoader, step: int) -> dict:
-        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step."""
+    def _step_batch(self, loader: DataLoader, step: int, rows: slice | None = None) -> dict:
+        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step
+        (only `rows` of each micro-batch when given: one host's share)."""
         accum = self.args.gradient_accumulation_steps
         micro = []
         for j in range(accum):
             g = step * accum + j
-            micro.append(loader.batch(g // len(loader), g % len(loader)))
+            micro.append(loader.batch(g // len(loader), g % len(loader), rows))
         length = max(m["input_ids"].shape[1] for m in micro)
         micro = [_pad_to(m, length, self._pad_id()) for m in micro]
         keys = [k for k in micro[0] if self.packing or k != "segment_ids"]  # unpacked rows: right padding only
         return {k: np.stack([m[k] for m in micro]) for k in keys}
+
+    def _device_batch(self, loader: DataLoader, step: int, mesh):
+        """The step's batch on the device(s): on a mesh, the global batch assembled from this host's rows."""
+        if mesh is None:
+            return jax.device_put(self._step_batch(loader, step))
+        rows = distributed.host_rows(mesh, loader.batch_size)
+        return distributed.global_batch(mesh, self._step_batch(loader, step, rows), loader.batch_size)
 
     def _apply_precision_flags(self) -> None:
         want = jnp.bfloat16 if self.args.bf16 else jnp.float16 if self.args.fp16 else None
@@ -177,12 +193,16 @@ class SFTTrainer:
         if path.exists():
             return  # never overwrite a saved state
         tmp = path.with_name(f".tmp-{path.name}")
-        ckptr = ocp.StandardCheckpointer()
+        ckptr = ocp.StandardCheckpointer()  # every process saves its shards (one shared directory)
         ckptr.save(tmp / "state", {"trainable": trainable, "opt_state": opt_state})
         ckptr.wait_until_finished()
+        if not distributed.is_main_process():
+            distributed.sync(f"checkpoint-{step}")
+            return
         (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step, "seed": self.args.seed,
                                                              "loss_history": loss_history}))
         os.replace(tmp, path)
+        distributed.sync(f"checkpoint-{step}")
         limit = self.args.save_total_limit
         if limit:
             import shutil
@@ -191,10 +211,12 @@ class SFTTrainer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def _restore(self, path: Path, trainable, opt_state):
+        """The state saved at `path`, placed like `trainable` / `opt_state` (a checkpoint saved on N devices
+        restores on the M devices of today's mesh)."""
         import orbax.checkpoint as ocp
 
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"trainable": trainable,
-                                                                                   "opt_state": opt_state})
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              {"trainable": trainable, "opt_state": opt_state})
         restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
         meta = json.loads((path / "trainer_state.json").read_text())
         return restored["trainable"], restored["opt_state"], int(meta["global_step"]), meta.get("loss_history", [])
@@ -208,7 +230,10 @@ class SFTTrainer:
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
         args, model = self.args, self.model
-        loader = self._loader(self.train_examples, args.per_device_train_batch_size, shuffle=True)
+        mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
+        shards = distributed.batch_shards(mesh) if mesh is not None else 1
+        main = distributed.is_main_process()
+        loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         total = self.total_steps(loader)
         warmup = optim.warmup_steps_for(total, args.warmup_steps, args.warmup_ratio)
         schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
@@ -218,6 +243,8 @@ class SFTTrainer:
         graphdef, trainable, frozen = lora.split(model)
         trainable = jax.tree.map(jnp.copy, trainable)  # the step donates its input; keep the model's arrays valid
         opt_state = optimizer.init(trainable)
+        if mesh is not None:
+            trainable, frozen, opt_state = self._to_mesh(mesh, trainable, frozen, opt_state)
         start, history = 0, []
         if resume_from_checkpoint:
             ckpts = self._checkpoints()
@@ -228,19 +255,23 @@ class SFTTrainer:
                             args.output_dir)
             else:
                 trainable, opt_state, start, history = self._restore(path, trainable, opt_state)
-                print(f"Resuming from {path} at step {start}")
-        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing)
+                if main:
+                    print(f"Resuming from {path} at step {start}")
+        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
-        trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
+        if mesh is None:
+            trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         metrics_path = Path(args.output_dir) / "metrics.jsonl"
         n_train = lora.count(trainable)
-        print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
-              f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}, LoRA r={model.lora.r} ({n_train:,d} trainable), remat={model.gradient_checkpointing}")
-        bar = tqdm(total=total, initial=start, desc="Training", unit="step")
+        if main:
+            print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
+                  f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation"
+                  f"{self._mesh_note(mesh)}, {model.dtype.name}, LoRA r={model.lora.r} ({n_train:,d} trainable), "
+                  f"remat={model.gradient_checkpointing}")
+        bar = tqdm(total=total, initial=start, desc="Training", unit="step", disable=not main)
         t0 = time.perf_counter()
         window_tokens, window_t0 = 0, time.perf_counter()
         bad_in_row = skipped = 0
@@ -259,7 +290,8 @@ class SFTTrainer:
             if int(m["skipped"]):
                 skipped += 1
                 bad_in_row += 1
-                tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
+                if main:
+                    tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
                 if bad_in_row >= args.max_nonfinite_steps:
                     raise TrainingError(f"{bad_in_row} non-finite steps in a row (last at step {step_idx + 1}); "
                                         "stopping. Lower the learning rate or check the data; saved checkpoints are "
@@ -278,17 +310,19 @@ class SFTTrainer:
                 if mem is not None:
                     record["memory_gib"] = round(mem, 3)
                 window_tokens, window_t0 = 0, now
+                last = record
+                if not main:
+                    return
                 with open(metrics_path, "a") as fh:
                     fh.write(json.dumps(record) + "\n")
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['learning_rate']:.2e}",
                                 tok_s=f"{record['tokens_per_second']:.0f}",
                                 **({"mem": f"{mem:.1f}G"} if mem is not None else {}))
                 tqdm.write(json.dumps(record))
-                last = record
 
         try:
             for step in range(start, total):
-                batch = jax.device_put(self._step_batch(loader, step))
+                batch = self._device_batch(loader, step, mesh)
                 trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
                 stamp = time.perf_counter()
                 if pending is not None:
@@ -316,6 +350,19 @@ class SFTTrainer:
             out["eval_loss"] = self.evaluate()
         self.state = out
         return out
+
+    def _to_mesh(self, mesh, trainable, frozen, opt_state):
+        """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
+        replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+        nnx.update(self.model, frozen)
+        return trainable, frozen, opt_state
+
+    @staticmethod
+    def _mesh_note(mesh) -> str:
+        if mesh is None:
+            return ""
+        return f" per device on {distributed.describe(mesh)} (global batch x{distributed.batch_shards(mesh)})"
 
     def evaluate(self) -> float:
         """Mean token loss over eval_dataset."""
