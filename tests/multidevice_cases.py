@@ -23,7 +23,7 @@ from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.quant import quantize_projections
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
 
-SMALL = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+SMALL = dict(model_type="llama", vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
@@ -167,8 +167,8 @@ def case_fsdp_shards(seed: int):
             "layer_gathers_outside_loop": sum(1 for s, inside in gathers if not inside and _squeeze(s) in
                                               {_squeeze(t[1:]) for t in stacked}),
             "sharded_stacked_leaves": len(stacked),
-            # [rows, S, D] activations or their [rows * (S - 1), D] flattening for the loss: 8 rows of 16
-            "activation_gathers": [list(s) for s, _ in gathers if s and s[0] in (8, 8 * 15, 8 * 16)],
+            # [rows, S, D] activations (8 rows) or their [rows * (S - 1), D] flattening for the loss (S = 16)
+            "activation_gathers": [list(s) for s, _ in gathers if s and s[0] in (8, 8 * 15)],
             # a 4-bit base must be gathered as codes, never as dequantized [in, out] weights
             "dense_projection_gathers": [list(s) for s, _ in gathers if _squeeze(s) in dense_shapes],
         }

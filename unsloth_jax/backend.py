@@ -65,9 +65,13 @@ MESH_AXES = ("data", "fsdp")
 
 
 def mesh_batch_axes() -> tuple[str, ...]:
-    """The axes of the mesh in context (`jax.set_mesh`) that split the batch, those of MESH_AXES larger than
-    1; () without a mesh."""
+    """The axes of the mesh in context (`jax.set_mesh`) that split the batch (those of MESH_AXES it has), when
+    together they split it in more than one part; () otherwise (no mesh, or one device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    return tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    axes = tuple(a for a in MESH_AXES if a in mesh.axis_names)
+    parts = 1
+    for a in axes:
+        parts *= mesh.shape[a]
+    return axes if parts > 1 else ()

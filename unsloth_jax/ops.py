@@ -418,23 +418,32 @@ def attention(
 # --------------------------------------------------------------------------------------- cross entropy
 def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
                   ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
-    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T."""
+    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T.
+
+    Under a mesh that splits the batch, each device takes the loss of its own rows (`per_batch_shard`, for
+    the kernel and the XLA twin alike: XLA's partitioner would otherwise gather every row's hidden state to
+    every device to follow the chunked loop's reshapes, as the compiled 8-device step showed), and the
+    per-device sums and token counts are added up."""
     if use_pallas("cross_entropy", hidden):
         from pallas_kernels.cross_entropy import cross_entropy as kernel
 
         _note("cross_entropy", "pallas")
-        w = lm_head.astype(hidden.dtype)
-        if not mesh_batch_axes():
-            return kernel(hidden, w, labels, softcap=softcap, ignore_index=ignore_index)
+        lm_head = lm_head.astype(hidden.dtype)
+    else:
+        _note("cross_entropy", "xla")
 
-        def shard_sum(h, y, w):  # each device's token-loss sum and count, combined below
-            n = jnp.sum(y != ignore_index)
-            return (kernel(h, w, y, softcap=softcap, ignore_index=ignore_index) * n)[None], n[None]
+        def kernel(h, w, y, softcap, ignore_index):
+            return ref.cross_entropy(h, w, y, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
 
-        sums, counts = per_batch_shard(shard_sum, (hidden, labels), (w,))
-        return jnp.sum(sums) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
-    _note("cross_entropy", "xla")
-    return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
+    if not mesh_batch_axes():
+        return kernel(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index)
+
+    def shard_sum(h, y, w):  # one device's token-loss sum and token count
+        n = jnp.sum(y != ignore_index)
+        return (kernel(h, w, y, softcap=softcap, ignore_index=ignore_index) * n)[None], n[None]
+
+    sums, counts = per_batch_shard(shard_sum, (hidden, labels), (lm_head,))
+    return jnp.sum(sums) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
