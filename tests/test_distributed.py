@@ -263,3 +263,22 @@ def test_memory_per_device_falls_as_fsdp_grows(seed):
     for kind in ("lora", "qlora"):
         per_device = [r["per_device"] for r in rows if r["kind"] == kind]
         assert len(per_device) == 4 and all(a > b for a, b in zip(per_device, per_device[1:])), (kind, per_device)
+
+
+def test_multi_gpu_bench_runs_on_the_cpu(tmp_path):
+    """bench/multi_gpu.py with tiny shapes on forced CPU devices: 1 device and fsdp=2 train the same steps."""
+    from tests.helpers import TINY_MODEL
+
+    cmd = [sys.executable, "bench/multi_gpu.py", str(TINY_MODEL), "--cpu-devices", "2", "--gpus", "1,2",
+           "--methods", "lora", "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--seq", "32"]
+    env = subprocess_env(XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    runs = [x for x in lines if x["name"] == "multi_gpu"]
+    summary = [x for x in lines if x["name"] == "multi_gpu_summary"]
+    assert [(x["strategy"], x["gpus"]) for x in runs] == [("single", 1), ("fsdp", 2)], lines
+    assert runs[1]["accumulation"] == 1 and runs[0]["accumulation"] == 2 and runs[0]["rows_per_step"] == 2
+    assert summary[1]["max_loss_relerr_vs_1gpu"] < TOL and summary[1]["steps_compared"] == 2, summary
+    assert summary[1]["scaling_efficiency"] > 0 and summary[1]["step_program_gib_per_device"] > 0
+    assert runs[1]["nccl_nvls_enable"] == "0"

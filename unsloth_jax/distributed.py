@@ -159,7 +159,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         check_int("num_processes", count, minimum=1)
     if index is not None and count is not None:
         check_int("process_id", index, minimum=0, maximum=count - 1)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if hasattr(jax.config, "jax_cpu_collectives_implementation"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
     log.info("unsloth_jax: process %d of %d, %d local device(s)", jax.process_index(), jax.process_count(),
              jax.local_device_count())
@@ -236,8 +237,9 @@ def put(tree, shardings):
     """`tree`'s arrays placed with `shardings` (a matching pytree). Every process passes the same values (a
     model loaded on each host); on several hosts each one transfers only the shards of its own devices."""
     def one(x, sharding):
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-            return x
+        if isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array) and
+                                                   x.sharding.is_equivalent_to(sharding, x.ndim)):
+            return x  # already there (or only a shape, for lowering)
         if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
             return jax.device_put(x, sharding)  # one process, or a global array changing its layout
         return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
