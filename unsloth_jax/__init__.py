@@ -19,6 +19,12 @@ _EXPORTS = {
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",
+    "DPOTrainer": "unsloth_jax.train.preference",
+    "DPOConfig": "unsloth_jax.train.preference",
+    "ORPOTrainer": "unsloth_jax.train.preference",
+    "ORPOConfig": "unsloth_jax.train.preference",
+    "GRPOTrainer": "unsloth_jax.train.grpo",
+    "GRPOConfig": "unsloth_jax.train.grpo",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

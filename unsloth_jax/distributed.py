@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from unsloth_jax.backend import MESH_AXES
-from unsloth_jax.validation import check_int
+from unsloth_jax.validation import require_int
 
 log = logging.getLogger("unsloth_jax")
 
@@ -66,7 +66,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, *, devices=None) -> Mesh:
     sizes = {"data": data, "fsdp": fsdp}
     for name, size in sizes.items():
         if size != -1:
-            check_int(name, size, minimum=1)
+            require_int(name, size, minimum=1)
     if data == -1 and fsdp == -1:
         raise ValueError("make_mesh: at most one of data and fsdp may be -1 (the rest of the devices)")
     for name, other in (("data", "fsdp"), ("fsdp", "data")):
@@ -156,9 +156,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise ValueError(f"several processes need coordinator_address, num_processes and process_id (or "
                          f"{ENV_ADDRESS}, {ENV_COUNT}, {ENV_ID}); missing: {', '.join(missing)}")
     if count is not None:
-        check_int("num_processes", count, minimum=1)
+        require_int("num_processes", count, minimum=1)
     if index is not None and count is not None:
-        check_int("process_id", index, minimum=0, maximum=count - 1)
+        require_int("process_id", index, minimum=0, maximum=count - 1)
     if hasattr(jax.config, "jax_cpu_collectives_implementation"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)

@@ -11,7 +11,8 @@ of the jit cache key: after `set_impl` the next call of any model or train step 
 Inside a trace the active policy is the one `policy_scope` set; code traced outside the project's entry
 points (a user's own `nnx.jit`) uses the policy current at trace time.
 
-Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy.
+Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy, and
+token_logprobs (per-token log-probabilities for preference and RL losses; XLA only).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
-from pallas_kernels.nf4 import NF4Weight
+from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.nf4_format import NF4Weight
 from unsloth_jax.backend import mesh_batch_axes
 
 ENV_VAR = "UNSLOTH_JAX_IMPL"
@@ -267,12 +269,17 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> jax.Array:
     """x [..., in] @ kernel (+ bias) (+ scale * (x @ a) @ b); output in x.dtype.
 
-    kernel: a dense [in, out] array, or an NF4Weight (HF [out, in]); lora: None or (a [in, r], b [r, out],
-    scale). The frozen kernel is wrapped in stop_gradient, so even a caller differentiating with respect to
-    every weight gets no gradient computation for it.
+    kernel: a dense [in, out] array, an NF4Weight or an FP8Weight (both HF [out, in]); lora: None or
+    (a [in, r], b [r, out], scale). The frozen kernel is wrapped in stop_gradient, so even a caller
+    differentiating with respect to every weight gets no gradient computation for it.
     """
     if isinstance(kernel, NF4Weight):
         y = _linear_nf4(x, kernel, lora)
+    elif isinstance(kernel, FP8Weight):
+        from pallas_kernels.fp8 import fp8_matmul
+
+        _note("linear", "fp8")
+        y = fp8_matmul(x, kernel) + _lora_delta(x, lora)
     elif lora is not None and use_pallas("linear", x):
         from pallas_kernels.lora_linear import lora_linear
 
@@ -282,14 +289,19 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> ja
         y = per_batch_shard(lambda x, w, a, b: lora_linear(x, w, a, b, float(scale)), (x,), (w, a, b))
     else:
         _note("linear", "xla")
-        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype))
-        if lora is not None:
-            a, b, scale = lora
-            xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype))
-            y = y + (scale * jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype))).astype(x.dtype)
+        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype)) + _lora_delta(x, lora)
     if bias is not None:
         y = y + bias.astype(x.dtype)
     return y
+
+
+def _lora_delta(x: jax.Array, lora):
+    """scale * (x @ a) @ b in x.dtype, or 0 without LoRA."""
+    if lora is None:
+        return 0
+    a, b, scale = lora
+    xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype))
+    return (scale * jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype))).astype(x.dtype)
 
 
 def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
@@ -446,6 +458,15 @@ def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, s
     return jnp.sum(sums) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
 
 
+def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
+                   temperature: float = 1.0, ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
+    """Per-token log-probabilities [T] (f32) of labels [T] under softmax(softcap(hidden @ lm_head.T) / temperature),
+    chunked over T so [T, V] logits never exist; 0.0 where label == ignore_index. XLA only (no kernel yet)."""
+    _note("token_logprobs", "xla")
+    return ref.token_logprobs(hidden, lm_head, labels, softcap=softcap, temperature=float(temperature),
+                              ignore_index=ignore_index, chunk_size=chunk)
+
+
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
            "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask",
-           "cross_entropy", "use_pallas", "PALLAS_WINS"]
+           "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

@@ -6,6 +6,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
@@ -64,8 +65,11 @@ class Attention(nnx.Module):
         q, k = ops.rope(q, k, cos, sin)
         new_cache = None
         if cache is None:
+            # names for the "save_attention" remat policy (unsloth_jax.models.decoder.remat)
+            q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
             out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
                                 kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths)
+            out = checkpoint_name(out, "attn_out")
         else:
             ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.index, axis=1)
             cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.index, axis=1)

@@ -32,7 +32,8 @@ from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
-REMAT_MODES = ("none", "full", "offload")
+REMAT_MODES = ("none", "full", "offload", "save_attention")
+ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
 # The projections of a decoder layer by HF name, and the module holding each (layer.<parent>.<name>).
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -67,7 +68,9 @@ class DecoderLayer(nnx.Module):
 
 def remat(fn, mode: str):
     """`fn` under the rematerialisation policy `mode`: "none"; "full" (recompute everything in the backward
-    pass); "offload" (as full, but the values named "layer_input" go to pinned host memory instead)."""
+    pass); "offload" (as full, but the values named "layer_input" go to pinned host memory instead);
+    "save_attention" (as full, but each layer's q, k, v after RoPE and the attention output are kept: about
+    (2 Hq + 2 Hkv) hd 16-bit values per token and layer, for no recomputation of the q/k/v projections)."""
     if mode == "none":
         return fn
     if mode == "full":
@@ -77,6 +80,8 @@ def remat(fn, mode: str):
             names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
             offload_src="device", offload_dst="pinned_host")
         return jax.checkpoint(fn, policy=policy)
+    if mode == "save_attention":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES))
     raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES}")
 
 

@@ -33,8 +33,9 @@ log = logging.getLogger("unsloth_jax")
 # optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
 _global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
+# Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
-                          "unsloth": "offload", "offload": "offload"}
+                          "unsloth": "offload", "offload": "offload", "save_attention": "save_attention"}
 
 
 def host_offload_supported() -> bool:
@@ -52,7 +53,8 @@ def resolve_remat(use_gradient_checkpointing) -> str:
     """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
     fallback (plain remat, one notice) where the backend has no pinned host memory."""
     if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"use_gradient_checkpointing must be False, True or 'unsloth', got {use_gradient_checkpointing!r}")
+        raise ValueError(f"use_gradient_checkpointing must be False, True, 'unsloth' or 'save_attention', got "
+                         f"{use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
     if mode == "offload" and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
@@ -110,18 +112,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         (g_sum, l_sum, n_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, trainable)
+        grads = jax.tree.map(lambda g: g / denom, g_sum)
         loss = l_sum / denom
-        grad_norm = _global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-        updates, new_opt = optimizer.update(grads, opt_state, trainable)
-        new_params = optax.apply_updates(trainable, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, trainable)
-        new_opt = jax.tree.map(keep, new_opt, opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_sum, "skipped": (~finite).astype(jnp.int32)}
-        return new_params, new_opt, metrics
+        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
+        return new_params, new_opt, {"loss": loss, "tokens": n_sum, **update_metrics}
 
     donate_argnums = (0, 2) if donate else ()
     if mesh is None:
@@ -170,6 +164,25 @@ def _on_mesh(step, mesh, donate_argnums):
     call.lower = lower
     call.mesh = mesh
     return call
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):
+    """One guarded optimizer update inside a jitted step -> (new trainable, new opt_state, metrics).
+
+    grads: float32 gradients shaped like `trainable` (cast to each parameter's dtype here). When `loss` or the
+    gradients' global norm is not finite, params and optimizer state stay as they were. metrics: grad_norm (of
+    the unclipped gradients) and skipped (1 when the update was dropped). Every trainer's step ends here.
+    """
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+    grad_norm = _global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = optimizer.update(grads, opt_state, trainable)
+    new_params = optax.apply_updates(trainable, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_params = jax.tree.map(keep, new_params, trainable)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    return new_params, new_opt, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
 def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):
