@@ -113,7 +113,7 @@ def run_one(cfg: dict) -> dict:
 
     trainer_module.make_train_step = timed_make
     try:
-        result = trainer.train()
+        trainer.train()
     finally:
         trainer_module.make_train_step = real_make
     times = step_times[cfg["warmup"]:] or step_times
@@ -129,7 +129,7 @@ def run_one(cfg: dict) -> dict:
             "peak_gib_per_gpu": gib(max(peaks[1:]) if n > 1 and None not in peaks else peaks[0]),
             "peak_gib_gpu0": gib(peaks[0]), "peak_gib_all": [gib(p) for p in peaks],
             "peak_gib_before_train": [gib(s.get("peak_bytes_in_use")) for s in before],
-            "losses": [round(x, 6) for x in result["loss_history"]], "load_s": round(load_s, 1),
+            "losses": [round(x, 6) for x in trainer.state.loss_history], "load_s": round(load_s, 1),
             "first_step_s": round(step_times[0], 2), "steps_timed": len(times),
             "remat": cfg["remat"], "dtype": cfg["dtype"], "jax": jax.__version__,
             "device": devices[0].device_kind, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}

@@ -252,11 +252,11 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
                              save_steps=save_steps, logging_steps=1, learning_rate=5e-3, optim="adamw_torch",
                              seed=seed, mesh=mesh)
     trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=data, max_seq_length=64, args=args)
-    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.train(resume_from_checkpoint=resume)
     placed = [{"spec": str(x.sharding.spec), "devices": len(x.sharding.device_set),
                "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
               for x in jax.tree.leaves(lora.split(model)[1])]
-    return {"losses": result["loss_history"], "trainable": placed, "devices": jax.device_count()}
+    return {"losses": trainer.state.loss_history, "trainable": placed, "devices": jax.device_count()}
 
 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
