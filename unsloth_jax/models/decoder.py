@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
@@ -153,7 +153,7 @@ class DecoderModel(nnx.Module):
             size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
             new_k, new_v = [], []
             for j in range(size):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], layer_states))
+                layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
                 layer_cache = None
                 if cache is not None:
                     layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)

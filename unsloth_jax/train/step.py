@@ -20,6 +20,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -77,7 +78,7 @@ def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat: str = "full",
-                    loss_chunk: int = 1024, donate: bool = True):
+                    loss_chunk: int = 1024, donate: bool = True, mesh=None):
     """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
 
     graphdef, trainable, frozen: the three parts of `nnx.split(model, <trainable filter>, ...)`; trainable and
@@ -87,6 +88,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     call is a static argument (see unsloth_jax.ops.policy_jit).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
+
+    mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several
+    devices: the step then has in/out shardings from `unsloth_jax.distributed`'s rules (batch rows split over
+    both axes, large frozen weights over fsdp, the rest replicated) and places its arguments there (a no-op
+    for arguments already placed, e.g. by `distributed.shard_state`). `batch` is the global batch.
     """
 
     def micro_loss(trainable, frozen, micro):
@@ -111,7 +117,53 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
         return new_params, new_opt, {"loss": loss, "tokens": n_sum, **update_metrics}
 
-    return ops.policy_jit(step, donate_argnums=(0, 2) if donate else ())
+    donate_argnums = (0, 2) if donate else ()
+    if mesh is None:
+        return ops.policy_jit(step, donate_argnums=donate_argnums)
+    return _on_mesh(step, mesh, donate_argnums)
+
+
+def _on_mesh(step, mesh, donate_argnums):
+    """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
+    the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
+    the kernels' per-shard calls read it there."""
+    from unsloth_jax import distributed
+
+    built: dict = {}
+
+    def shardings(trainable, frozen, opt_state, batch):
+        t = distributed.state_shardings(mesh, trainable, trainable=True)
+        o = distributed.state_shardings(mesh, opt_state, trainable=True)
+        ins = (t, distributed.state_shardings(mesh, frozen), o,
+               jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), batch))
+        return ins, (t, o, distributed.replicated(mesh))
+
+    def jitted_for(args):
+        key = (jax.tree.structure(args), tuple(np.shape(x) for x in jax.tree.leaves(args[:3])),
+               tuple(np.ndim(x) for x in jax.tree.leaves(args[3])))
+        if key not in built:
+            ins, outs = shardings(*args)
+            built[key] = (ops.policy_jit(step, donate_argnums=donate_argnums, in_shardings=ins,
+                                         out_shardings=outs), ins)
+        return built[key]
+
+    def placed(args):
+        fn, ins = jitted_for(args)
+        return fn, distributed.put(args[:3], ins[:3]) + (args[3],)
+
+    def call(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    def lower(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    call.lower = lower
+    call.mesh = mesh
+    return call
 
 
 def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):
