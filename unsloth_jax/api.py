@@ -27,6 +27,8 @@ log = logging.getLogger("unsloth_jax")
 
 _DEFAULT_TARGETS = lora_lib.ALL_TARGETS
 _FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling")
+# config.json fields from_pretrained(**kwargs) may override, as transformers' from_pretrained does (MoE families).
+_CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float}
 
 
 class Model(CausalLM):
@@ -62,6 +64,14 @@ class Model(CausalLM):
     def save_pretrained_gguf(self, save_directory, tokenizer, quantization_method: str = "f16") -> str:
         """Write a llama.cpp GGUF file of the merged model; returns its path."""
         from unsloth_jax.hf import gguf_export
+
+        if self.config.is_moe:
+            from unsloth_jax.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                f"GGUF export of {self.config.model_type} is not supported (mixture-of-experts); write a merged "
+                "16-bit checkpoint with save_pretrained_merged and convert it with llama.cpp's "
+                "convert_hf_to_gguf.py")
 
         return gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=quantization_method)
 
@@ -107,6 +117,24 @@ def _load_tokenizer(model_dir: Path):
         return None
 
 
+def _with_overrides(cfg: ModelConfig, kwargs: dict) -> ModelConfig:
+    """cfg with the from_pretrained config overrides in kwargs applied (validated; MoE families only)."""
+    import dataclasses
+
+    given = {k: v for k, v in kwargs.items() if k in _CONFIG_OVERRIDES}
+    if not given:
+        return cfg
+    if not cfg.is_moe:
+        raise TypeError(f"from_pretrained(): {', '.join(given)} apply to mixture-of-experts models only, not "
+                        f"{cfg.model_type}")
+    if "output_router_logits" in given:
+        given["output_router_logits"] = check_bool("output_router_logits", given["output_router_logits"])
+    if "router_aux_loss_coef" in given:
+        given["router_aux_loss_coef"] = float(check_number("router_aux_loss_coef", given["router_aux_loss_coef"],
+                                                           minimum=0))
+    return dataclasses.replace(cfg, **given)
+
+
 def _check_model_name(model_name) -> Path:
     if not isinstance(model_name, (str, os.PathLike)):
         raise TypeError(f"model_name must be a path to a local model directory, got {model_name!r}")
@@ -123,9 +151,11 @@ class FastLanguageModel:
         """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
+        MoE families also take transformers' config overrides output_router_logits=True (add
+        router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
         for key in kwargs:
-            if key not in _FROM_PRETRAINED_IGNORED:
+            if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = _check_model_name(model_name)
         max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
@@ -145,10 +175,13 @@ class FastLanguageModel:
             raise CheckpointNotFoundError(
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
-        cfg = ModelConfig.from_pretrained(model_dir)
+        cfg = _with_overrides(ModelConfig.from_pretrained(model_dir), kwargs)
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)
+        if cfg.is_moe and (load_in_4bit or prequantized):
+            raise ConfigError(f"{model_dir}: 4-bit loading of {cfg.model_type} (mixture-of-experts) is not supported; "
+                              "load it in 16 bits (load_in_4bit=False)")
         if load_in_4bit and not prequantized:
             from unsloth_jax.quant import nf4_placer
 
@@ -170,9 +203,11 @@ class FastLanguageModel:
     def get_peft_model(model: CausalLM, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
-                       max_seq_length: int | None = None, **kwargs):
+                       max_seq_length: int | None = None, target_parameters=None, **kwargs):
         """Add LoRA adapters in place (nnx.LoRAParam lora_a / lora_b on each targeted projection) and return the
-        model. target_modules may be PEFT's "all-linear"."""
+        model. target_modules may be PEFT's "all-linear" (the attention and dense MLP projections).
+        target_parameters (MoE families, PEFT's name and form): expert weights to adapt, e.g.
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], one rank-r pair per expert."""
         from unsloth_jax.train.step import resolve_remat
 
         if kwargs:
@@ -190,16 +225,20 @@ class FastLanguageModel:
         use_rslora = check_bool("use_rslora", use_rslora)
         if max_seq_length is not None:
             max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
-        targets = lora_lib.expand_targets(target_modules)
+        targets = lora_lib.expand_targets(target_modules) if target_modules or not target_parameters else ()
         if isinstance(modules_to_save, str):
             modules_to_save = [modules_to_save]
         saved = tuple(modules_to_save) if modules_to_save else None
         if lora_dropout:
             log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
                         "(dropout 0 is what Unsloth recommends and what the fast path uses)", lora_dropout)
+        expert_targets = lora_lib.expand_target_parameters(target_parameters, model)
+        if expert_targets and lora_dropout:
+            raise ValueError("lora_dropout must be 0 with target_parameters (PEFT's ParamWrapper cannot apply "
+                             "dropout to a LoRA folded into an expert weight)")
         settings = lora_lib.LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets,
                                          lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
-                                         modules_to_save=saved)
+                                         modules_to_save=saved, target_parameters=expert_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
         if isinstance(model, Model):
             model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
+from unsloth_jax.hf.mapping import TensorSpec, detect_expert_layout, stack_shape, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.state import fill
@@ -87,7 +87,28 @@ def get_path(tree: dict, path: tuple[str, ...]):
 
 
 def _to_param_layout(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    return array.T if spec.kind == "kernel" else array
+    if spec.kind in ("kernel", "router", "expert"):
+        return array.T
+    if spec.kind == "experts":  # a fused [E, out, in] expert stack -> [E, in, out]
+        return np.swapaxes(array, 1, 2)
+    return array
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_expert_part(buffer: jax.Array, value: jax.Array, layer, expert, column) -> jax.Array:
+    """buffer[layer, expert, :, column:column + out] = value [in, out], in place where donation is supported."""
+    start = (layer, expert, jnp.zeros((), jnp.int32), column)
+    return jax.lax.dynamic_update_slice(buffer, value.astype(buffer.dtype)[None, None], start)
+
+
+def _into_expert_stack(params: dict, spec: TensorSpec, value: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The [L, E, in, out] expert stack at spec.path with one expert's projection (kind "expert") written at
+    (spec.layer, spec.expert, spec.column); allocated (zeros) when the first part is seen."""
+    try:
+        stack = get_path(params, spec.path)
+    except KeyError:
+        stack = jnp.zeros(stack_shape(cfg, spec), value.dtype)
+    return _set_expert_part(stack, value, spec.layer, spec.expert, spec.column)
 
 
 # A weight transform hook: (spec, host array in param layout, dtype) -> the device value to store. The 4-bit
@@ -141,7 +162,6 @@ def load_params(
     weights come with their quant-state tensors and load as NF4 weights without re-quantizing.
     """
     placer = placer or default_placer
-    specs = tensor_specs(cfg)
     files = checkpoint_files(model_dir)
     params: Params = {}
     seen: set[str] = set()
@@ -149,6 +169,7 @@ def load_params(
     unexpected: list[str] = []
     handles = {path: SafetensorsFile(path) for path in files}
     where = {name: path for path, f in handles.items() for name in f.keys()}
+    specs = tensor_specs(cfg, detect_expert_layout(cfg, where) if cfg.is_moe else None)
     bar = tqdm(total=len(where), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
     try:
         for path, f in handles.items():
@@ -181,6 +202,8 @@ def load_params(
                 seen.add(name)
                 if spec.layer is None:
                     set_path(params, spec.path, value)
+                elif spec.kind == "expert":
+                    set_path(params, spec.path, _into_expert_stack(params, spec, value, cfg))
                 else:
                     set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers,
                                                             f"{path}: tensor '{name}'"))

@@ -274,6 +274,8 @@ class SFTTrainer:
                 record = {"step": done, "loss": loss, "learning_rate": float(schedule(step_idx)),
                           "grad_norm": float(m["grad_norm"]), "tokens_per_second": window_tokens / max(now - window_t0, 1e-9),
                           "epoch": done * args.gradient_accumulation_steps / len(loader)}
+                if "aux_loss" in m:  # MoE families with output_router_logits (TRL's key)
+                    record["aux_loss"] = float(m["aux_loss"])
                 mem = device_memory_gib()
                 if mem is not None:
                     record["memory_gib"] = round(mem, 3)
