@@ -24,8 +24,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.timing import device_ms, peak_bytes  # noqa: E402
-from pallas_kernels import flash_attention as fa  # noqa: E402
-from pallas_kernels import reference  # noqa: E402
+from pallas_kernels.flash_attention import (KernelBlocks, _Static, _delta, _dkdv_call, _dq_call, _fwd_call,  # noqa: E402
+                                            dkdv_head_split, flash_attention, get_config, shape_class)
+import pallas_kernels.reference as reference  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
 
 FWDBWD_FACTOR = 3.5
@@ -58,7 +59,7 @@ def _inputs(b, s, hq, hkv, d, dtype, seed=0):
 def _make(impl, causal, window, softcap):
     if impl == "pallas":
         def f(q, k, v):
-            return fa.flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap)
+            return flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap)
     elif impl == "xla":
         def f(q, k, v):
             return reference.flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap)
@@ -157,16 +158,16 @@ def run_default(quick: bool, seqs=None, tokens: int = 16384, softcap_only: bool 
 def _kernel_inputs(st, b, s, hq, hkv, d, dtype):
     """Inputs of the three kernels (the forward's lse and delta computed once with the table's config)."""
     q, k, v, do = _inputs(b, s, hq, hkv, d, dtype)
-    o, lse = jax.jit(lambda *a: fa._fwd_call(*a, None, None, st))(q, k, v)
-    delta = fa._delta(o, do)
+    o, lse = jax.jit(lambda *a: _fwd_call(*a, None, None, st))(q, k, v)
+    delta = _delta(o, do)
     return {"fwd": (q, k, v), "dkdv": (q, k, v, do, lse, delta), "dq": (q, k, v, do, lse, delta)}
 
 
 def _kernel_fn(kernel, st):
     """A jitted single-kernel callable, to time one kernel at a time."""
     if kernel == "fwd":
-        return jax.jit(lambda q_, k_, v_: fa._fwd_call(q_, k_, v_, None, None, st))
-    call = fa._dkdv_call if kernel == "dkdv" else fa._dq_call
+        return jax.jit(lambda q_, k_, v_: _fwd_call(q_, k_, v_, None, None, st))
+    call = _dkdv_call if kernel == "dkdv" else _dq_call
     return jax.jit(lambda q_, k_, v_, do_, l_, d_: call(q_, k_, v_, do_, l_, d_, None, None, st))
 
 
@@ -205,7 +206,7 @@ _CANDIDATES = {
 }
 
 
-# Beyond the edge of the first sweep's winners (third session): deeper pipelines and larger tiles.
+# Edge candidates (`--extra`): deeper pipelines and larger tiles than the winners among _CANDIDATES.
 _EXTRA_CANDIDATES = {
     128: {
         "fwd": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 64, 8, 5)],
@@ -223,16 +224,16 @@ _EXTRA_CANDIDATES = {
 
 def _candidates(kernel, d):
     for c in _CANDIDATES[min(_CANDIDATES, key=lambda x: abs(x - d))][kernel]:
-        yield fa.KernelBlocks(*c)
+        yield KernelBlocks(*c)
 
 
 def _split_sweep(d, kb, dt, s, b, hq=12, hkv=2):
     """dK/dV time vs how many programs share a KV group (default: a small-grid GQA shape, Qwen2-1.5B-like)."""
-    auto = fa.dkdv_head_split(hq // hkv, b, hkv, -(-s // kb.block_k))
+    auto = dkdv_head_split(hq // hkv, b, hkv, -(-s // kb.block_k))
     for split in [n for n in range(1, hq // hkv + 1) if (hq // hkv) % n == 0]:
-        cfg = dataclasses.replace(fa.get_config(s, dt, d), dkdv=kb, dkdv_split=split)
-        st = fa._Static(seq_len=s, groups=hq // hkv, causal=True, window=None, softcap=None, scale=d ** -0.5,
-                        has_segments=False, interpret=resolve_interpret(None), config=cfg)
+        cfg = dataclasses.replace(get_config(s, dt, d), dkdv=kb, dkdv_split=split)
+        st = _Static(seq_len=s, groups=hq // hkv, causal=True, window=None, softcap=None, scale=d ** -0.5,
+                     has_segments=False, interpret=resolve_interpret(None), config=cfg)
         rec = dict(name="sweep_dkdv_split", D=d, shape=dict(B=b, S=s, Hq=hq, Hkv=hkv), config=dataclasses.astuple(kb),
                    dkdv_split=split, auto_split=auto, jax_version=jax.__version__, device=_device())
         try:
@@ -253,7 +254,7 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
         hq = 16 if d <= 128 else 8
         hkv = hq // 4
         b = max(1, tokens // seq)
-        base = fa.get_config(seq, dt, d)
+        base = get_config(seq, dt, d)
         window = 4096 if (softcap_case and seq > 4096) else None
         softcap = 50.0 if softcap_case else None
         tanh_opts = (False, True) if softcap_case else (base.fast_tanh,)
@@ -261,9 +262,9 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
         flops = _fwd_flops(b, seq, hq, d, True, window)
 
         def static(cfg):
-            return fa._Static(seq_len=seq, groups=hq // hkv, causal=True, window=window, softcap=softcap,
-                              scale=d ** -0.5, has_segments=False, interpret=resolve_interpret(None),
-                              config=cfg)
+            return _Static(seq_len=seq, groups=hq // hkv, causal=True, window=window, softcap=softcap,
+                           scale=d ** -0.5, has_segments=False, interpret=resolve_interpret(None),
+                           config=cfg)
 
         inputs = _kernel_inputs(static(base), b, seq, hq, hkv, d, dt)
         for kernel in kernels:
@@ -296,7 +297,7 @@ def run_sweep(dims, seq, softcap_case: bool, tokens: int = 16384, kernels=("fwd"
     for d in dims:
         parts = {kn: best_all.get((d, kn)) for kn in ("fwd", "dkdv", "dq")}
         if all(parts.values()):
-            print(json.dumps(dict(name="sweep_table_entry", key=[fa.shape_class(seq), "bfloat16", d],
+            print(json.dumps(dict(name="sweep_table_entry", key=[shape_class(seq), "bfloat16", d],
                                   **{kn: dataclasses.astuple(getattr(c, kn)) for kn, c in parts.items()},
                                   fast_tanh=any(c.fast_tanh for c in parts.values()),
                                   fast_exp2=any(c.fast_exp2 for c in parts.values()))), flush=True)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention (default: tests kernels train15).
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx
+# (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
+# carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT.
@@ -26,6 +28,14 @@ train_variants() {
   done
 }
 log "stages: $stages"
+# The code needs flax >= 0.12 (nnx.data, Variable.get_value); a carried wheel (.whl/) is installed if the image's
+# flax is older.
+if ! $PY -c "import flax, sys; v = tuple(int(x) for x in flax.__version__.split('.')[:2]); sys.exit(v < (0, 12))" 2>/dev/null \
+   && ls .whl/flax-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/flax-*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+$PY -c "import flax, jax; print('flax', flax.__version__, 'jax', jax.__version__)" 2>&1 | tee -a "$OUT/session.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/session.log"
 $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
 for st in $stages; do
@@ -58,8 +68,34 @@ for st in $stages; do
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -2
       log "train llama3-8b"
       # TRAIN8B_FLAGS: extra train_bench flags joined with + (e.g. --load-in-4bit)
-      timeout ${TRAIN8B_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat unsloth \
+      timeout ${TRAIN8B_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat ${TRAIN8B_REMAT:-unsloth} \
         ${TRAIN8B_FLAGS:+${TRAIN8B_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+    ab)
+      # old (.bench_old) vs new (working tree), same checkpoint, same flags, alternating
+      for m in qwen2-1.5b llama3-8b; do
+        $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+        b=4; [ $m = llama3-8b ] && b=2
+        for i in $(seq ${AB_RUNS:-1}); do
+          for side in old new; do
+            root=$PWD; [ $side = old ] && root=$PWD/.bench_old
+            log "ab $m $side run $i"
+            PYTHONPATH=$root timeout ${TRAIN_TIMEOUT:-150} $PY $root/bench/train_bench.py $CK/$m --batch $b --seq 2048 \
+              --remat true 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"side\": \"$side\", /" | tee -a "$OUT/ab.jsonl"
+          done
+        done
+      done ;;
+    fp8probe)
+      log "fp8 probe"
+      timeout ${FP8_TIMEOUT:-150} $PY bench/fp8_probe.py 2>>"$OUT/bench_err.txt" | tee -a "$OUT/fp8_probe.jsonl" ;;
+    longctx)
+      # Llama-3-8B QLoRA batch 1 at LONGCTX_SEQS (one warm-up step, one timed), XLA's memory analysis included
+      $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
+      for s in ${LONGCTX_SEQS:-16384 32768}; do
+        log "longctx seq $s ${LONGCTX_FLAGS:-}"
+        timeout ${LONGCTX_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat unsloth \
+          --load-in-4bit --steps 2 --warmup 1 --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} \
+          2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/longctx.jsonl"
+      done ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2

@@ -37,10 +37,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import glu as glu_mod  # noqa: E402
-from pallas_kernels import reference as ref  # noqa: E402
-from pallas_kernels import rms_norm as rms_mod  # noqa: E402
-from pallas_kernels import rope as rope_mod  # noqa: E402
+import pallas_kernels.glu as glu_mod  # noqa: E402
+import pallas_kernels.reference as ref  # noqa: E402
+from pallas_kernels.rms_norm import (BwdConfig, FwdConfig, _shape_class, bwd_config, fwd_config,  # noqa: E402
+                                     rms_norm_with_config)
+from pallas_kernels.rope import RopeConfig, config as rope_config, rope_with_config  # noqa: E402
 from pallas_kernels._common import next_pow2  # noqa: E402
 from bench.timing import device_ms, peak_bytes  # noqa: E402
 
@@ -106,11 +107,11 @@ def rms_case(rows, d, dtype, offset=0.0, label=""):
     k = jax.random.split(jax.random.PRNGKey(rows + d), 3)
     x, w, dy = _rand(k[0], (rows, d), dtype, 2.0), _rand(k[1], (d,), dtype, 0.2) + 1.0, _rand(k[2], (rows, d), dtype)
     s = jnp.dtype(dtype).itemsize
-    fcfg, bcfg = rms_mod.fwd_config(rows, d, dtype), rms_mod.bwd_config(rows, d, dtype)
+    fcfg, bcfg = fwd_config(rows, d, dtype), bwd_config(rows, d, dtype)
 
     def kernel(fwd=None, bwd=None):
-        return lambda a, b: rms_mod.rms_norm_with_config(a, b, 1e-6, offset, interpret=None,
-                                                         fwd=fwd or fcfg, bwd=bwd or bcfg)
+        return lambda a, b: rms_norm_with_config(a, b, 1e-6, offset, interpret=None,
+                                                 fwd=fwd or fcfg, bwd=bwd or bcfg)
 
     return Case(
         name=f"rms_norm{label}", shape=f"[{rows},{d}]", dtype=jnp.dtype(dtype).name, args=(x, w), nconst=0,
@@ -118,7 +119,7 @@ def rms_case(rows, d, dtype, offset=0.0, label=""):
         kernel=kernel, reference=lambda a, b: ref.rms_norm(a, b, 1e-6, offset),
         config={"fwd": fcfg._asdict(), "bwd": bcfg._asdict()},
         sweep=lambda: _rms_sweep(rows, d, fcfg, bcfg),
-        extra={"table_key": [rms_mod._shape_class(rows), jnp.dtype(dtype).name, next_pow2(d)]},
+        extra={"table_key": [_shape_class(rows), jnp.dtype(dtype).name, next_pow2(d)]},
     )
 
 
@@ -134,10 +135,10 @@ def rope_case(b, s_, hq, hkv, d, dtype, label=""):
     sz = jnp.dtype(dtype).itemsize
     qk = b * s_ * (hq + hkv) * d * sz
     cs = 2 * b * s_ * d * sz
-    cfg = rope_mod.config(b * s_, hq, hkv, d, dtype)
+    cfg = rope_config(b * s_, hq, hkv, d, dtype)
 
     def kernel(fwd=None, bwd=None):
-        return lambda c, sn, qq, kv: rope_mod.rope_with_config(qq, kv, c, sn, interpret=None, cfg=fwd or cfg)
+        return lambda c, sn, qq, kv: rope_with_config(qq, kv, c, sn, interpret=None, cfg=fwd or cfg)
 
     return Case(
         name=f"rope{label}", shape=f"q[{b},{s_},{hq},{d}] k[{b},{s_},{hkv},{d}]", dtype=jnp.dtype(dtype).name,
@@ -189,9 +190,9 @@ def _tile_candidates(unit: int, max_rows: int, sizes=(2048, 4096, 8192, 16384), 
 def _rms_sweep(rows, d, fcfg, bcfg):
     bd = next_pow2(d)
     max_rows = min(64, next_pow2(rows))
-    fwd = [("fwd", fcfg, None)] + [("fwd", rms_mod.FwdConfig(r, w, 1), None)
+    fwd = [("fwd", fcfg, None)] + [("fwd", FwdConfig(r, w, 1), None)
                                    for r, w in _tile_candidates(bd, max_rows) if (r, w) != fcfg[:2]]
-    bwd = [("bwd", None, bcfg)] + [("bwd", None, rms_mod.BwdConfig(r, 528, w, 2))
+    bwd = [("bwd", None, bcfg)] + [("bwd", None, BwdConfig(r, 528, w, 2))
                                    for r, w in _tile_candidates(bd, max_rows, (2048, 4096, 8192), per_thread=(8, 4))
                                    if (r, w) != (bcfg.block_rows, bcfg.num_warps)]
     return fwd, bwd, lambda best_b: [
@@ -202,9 +203,9 @@ def _rms_sweep(rows, d, fcfg, bcfg):
 
 def _rope_sweep(tokens, hq, d, cfg):
     hb = min(8, hq & -hq)
-    # unit = one token of one head block, both halves; ~64 registers at 8 elements per thread per half.
+    # unit = one token of one head block, both halves; 8-16 elements per thread per half (larger steps spill).
     tiles = _tile_candidates(hb * d, 64, (2048, 4096, 8192), per_thread=(16, 8))
-    fwd = [("fwd", cfg, None)] + [("fwd", rope_mod.RopeConfig(t, 8, w, 1, True), None) for t, w in tiles]
+    fwd = [("fwd", cfg, None)] + [("fwd", RopeConfig(t, 8, w, 1, True), None) for t, w in tiles]
     return fwd, [], lambda best: [
         ("fwd", best._replace(max_heads=h, block_tokens=max(1, best.block_tokens * hb // h)), None)
         for h in (2, 4) if h < hb

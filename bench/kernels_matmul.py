@@ -34,9 +34,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.timing import device_ms, temp_bytes  # noqa: E402
-from pallas_kernels import reference  # noqa: E402
-from pallas_kernels import cross_entropy as ce_mod  # noqa: E402
-from pallas_kernels import lora_linear as lora_mod  # noqa: E402
+import pallas_kernels.reference as reference  # noqa: E402
+from pallas_kernels.cross_entropy import cross_entropy, pick_config as ce_pick_config  # noqa: E402
+from pallas_kernels.lora_linear import (lora_linear, pick_config as lora_pick_config,  # noqa: E402
+                                        shape_class as lora_shape_class)
 
 LORA_SHAPES = [  # (model, M, K, N)
     ("qwen2-1.5b.q_o", 8192, 1536, 1536),
@@ -85,7 +86,7 @@ def _lora_inputs(m, k, n, r, dtype, seed=0):
 def _lora_fns(impl, scale, config=None):
     if impl == "pallas":
         def f(x, w, a, b):
-            return lora_mod.lora_linear(x, w, a, b, scale, config=config)
+            return lora_linear(x, w, a, b, scale, config=config)
     else:
         def f(x, w, a, b):
             return reference.lora_linear(x, w, a, b, scale)
@@ -148,7 +149,7 @@ LORA_BWD_GROUPS = [
 def sweep_lora(shapes, r, dtype, iters):
     for name, m, k, n in shapes:
         x, w, a, b, dy = _lora_inputs(m, k, n, r, dtype)
-        base = lora_mod.pick_config(m, k, n, r, dtype)
+        base = lora_pick_config(m, k, n, r, dtype)
 
         def run(cfg, what):
             fwd, fwdbwd = _lora_fns("pallas", 2.0, config=cfg)
@@ -173,7 +174,7 @@ def sweep_lora(shapes, r, dtype, iters):
         t_fwd, t_all = device_ms(fwd, x, w, a, b, runs=iters), device_ms(fwdbwd, x, w, a, b, dy, runs=iters)
         xf, xb = _lora_fns("xla", 2.0)
         emit(name=f"lora_linear_best.{name}", shape=[m, k, n, r], dtype=jnp.dtype(dtype).name, impl="pallas",
-             key=[lora_mod.shape_class(m, k, n), jnp.dtype(dtype).name, r], config=dataclasses.asdict(best),
+             key=[lora_shape_class(m, k, n), jnp.dtype(dtype).name, r], config=dataclasses.asdict(best),
              fwd_ms=round(t_fwd, 4), fwdbwd_ms=round(t_all, 4),
              xla_fwd_ms=round(device_ms(xf, x, w, a, b, runs=iters), 4),
              xla_fwdbwd_ms=round(device_ms(xb, x, w, a, b, dy, runs=iters), 4))
@@ -191,7 +192,7 @@ def _ce_inputs(t, d, v, dtype, seed=0):
 
 def _ce_fn(impl, softcap, config=None):
     if impl == "pallas":
-        return lambda h, w, y: ce_mod.cross_entropy(h, w, y, softcap=softcap, config=config)
+        return lambda h, w, y: cross_entropy(h, w, y, softcap=softcap, config=config)
     if impl == "xla":
         return lambda h, w, y: reference.cross_entropy(h, w, y, softcap=softcap)
     return lambda h, w, y: reference.cross_entropy_naive(h, w, y, softcap=softcap)
@@ -287,7 +288,7 @@ def sweep_ce(shapes, dtype, iters):
              dict(bwd_bt=128, bwd_bv=128, bwd_bd=64, bwd_warps=8, bwd_stages=3, chunk_bytes=1 << 30)]
     for name, t, d, v, cap in shapes:
         h, w, y = _ce_inputs(t, d, v, dtype)
-        base = ce_mod.pick_config(t, d, v, dtype)
+        base = ce_pick_config(t, d, v, dtype)
 
         def run(cfg, what):
             fwd, fwdbwd, _ = _ce_jits("pallas", cap, cfg)

@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import nf4  # noqa: E402
-from pallas_kernels import reference as ref  # noqa: E402
+import pallas_kernels.nf4 as nf4  # noqa: E402
+import pallas_kernels.nf4_format as nf4_format  # noqa: E402
+import pallas_kernels.reference as ref  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
 from bench.timing import device_ms, temp_bytes  # noqa: E402
 
@@ -54,7 +55,7 @@ def emit(**rec):
 
 def make_weight(key, n_out, n_in):
     w = (jax.random.normal(key, (n_out, n_in), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    return w, nf4.quantize_nf4(w)
+    return w, nf4_format.quantize_nf4(w)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def make_weight(key, n_out, n_in):
 # ------------------------------------------------------------------------------------------------------
 
 
-def dequant_bytes(q: nf4.NF4Weight, out_itemsize: int) -> int:
+def dequant_bytes(q: nf4_format.NF4Weight, out_itemsize: int) -> int:
     return q.nbytes_packed + q.nblocks + 4 * q.nblocks2 + 4 + q.numel * out_itemsize
 
 

@@ -1,16 +1,21 @@
-"""Shared helpers for the Pallas kernels: interpret-mode choice, Triton compiler params, block sizes.
+"""Shared helpers for the Pallas kernels: interpret-mode choice, Triton compiler params, block sizes, masks,
+masked loads and launch helpers.
 
 Every kernel module in this package uses these, so the conventions live in one place:
 - `interpret=None` means "interpret when the default backend is not a GPU" (CPU CI runs the same kernels).
 - Triton lowering is selected by passing `triton.CompilerParams`; jax 0.11 warns that this path is
   deprecated, and we silence exactly that warning here.
-- Loads and stores must have power-of-two sizes; `next_pow2` and `pad_to` help kernels mask ragged edges.
+- Loads and stores must have power-of-two sizes; ragged edges are masked. A mask of None means "nothing to
+  mask": the helpers then emit a plain access, so aligned shapes get unmasked, full-width loads.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -48,4 +53,57 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-__all__ = ["resolve_interpret", "compiler_params", "next_pow2", "cdiv", "on_gpu", "pl", "plgpu"]
+# --------------------------------------------------------------------------------------------- in-kernel masks
+def and_masks(*masks):
+    """AND of the boolean masks that are not None (broadcasting); None when all are None."""
+    masks = [m for m in masks if m is not None]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
+
+
+def range_mask(start, size: int, limit: int, ragged: bool):
+    """bool [size]: start + arange(size) < limit; None when not `ragged` (the block is known to be in range)."""
+    if not ragged:
+        return None
+    return (start + jnp.arange(size)) < limit
+
+
+def mask_2d(rows, cols):
+    """rows [R] and cols [C] masks (each optional) -> their AND as a broadcastable [R, 1] / [1, C] / [R, C]
+    mask, or None."""
+    r = None if rows is None else rows[:, None]
+    c = None if cols is None else cols[None, :]
+    return and_masks(r, c)
+
+
+def broadcast_mask(mask, shape):
+    """`mask` broadcast to `shape` (None stays None)."""
+    return None if mask is None else jnp.broadcast_to(mask, shape)
+
+
+def load(ref, mask=None, other=0, shape=None):
+    """plgpu.load of `ref`: masked (reading `other` where the mask is False; the mask first broadcast to
+    `shape` when given) when `mask` is given, else a plain load."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=broadcast_mask(mask, shape) if shape is not None else mask, other=other)
+
+
+# -------------------------------------------------------------------------------------------- launch helpers
+def grouped_pid(pid, n_rows: int, n_cols: int, group: int):
+    """Map a 1-D program id to (row tile, col tile) in groups of `group` row tiles (L2 reuse of columns)."""
+    width = group * n_cols
+    group_id = lax.div(pid, width)
+    first = group_id * group
+    size = jnp.minimum(n_rows - first, group)
+    within = lax.rem(pid, width)
+    return first + lax.rem(within, size), lax.div(within, size)
+
+
+def full_spec(shape):
+    """BlockSpec giving every program the whole array (the kernel indexes it with pl.ds itself)."""
+    nd = len(shape)
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * nd)
+
+
+__all__ = ["resolve_interpret", "compiler_params", "next_pow2", "cdiv", "on_gpu", "pl", "plgpu", "and_masks",
+           "range_mask", "mask_2d", "broadcast_mask", "load", "grouped_pid", "full_spec"]

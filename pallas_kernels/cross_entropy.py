@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
-from pallas_kernels.lora_linear import _full_spec, _grouped_pid, _load, _mask2, _range_mask, _store
+from pallas_kernels._common import (cdiv, compiler_params, full_spec, grouped_pid, load, mask_2d, next_pow2, pl,
+                                    plgpu, range_mask, resolve_interpret)
 
 __all__ = ["cross_entropy", "CEConfig", "CONFIGS", "pick_config"]
 
@@ -81,6 +81,8 @@ _DEFAULT = CEConfig()
 
 
 def pick_config(t: int, d: int, v: int, dtype) -> CEConfig:
+    """Table lookup for T tokens, hidden size D, vocabulary V (unused) and `dtype`, with fallbacks to D=4096 and
+    the "large" class, then the default."""
     del v
     cls = "large" if t >= 1024 else "small"
     name = jnp.dtype(dtype).name
@@ -108,9 +110,9 @@ def _logits_tile(h_ref, w_ref, t0, v0, rmask, cmask, *, D, bt, bv, bd):
 
     def body(i, acc):
         d0 = i * bd
-        dmask = _range_mask(d0, bd, D, d_ragged)
-        hb = _load(h_ref.at[pl.ds(t0, bt), pl.ds(d0, bd)], _mask2(rmask, dmask))
-        wb = _load(w_ref.at[pl.ds(v0, bv), pl.ds(d0, bd)], _mask2(cmask, dmask))
+        dmask = range_mask(d0, bd, D, d_ragged)
+        hb = load(h_ref.at[pl.ds(t0, bt), pl.ds(d0, bd)], mask_2d(rmask, dmask))
+        wb = load(w_ref.at[pl.ds(v0, bv), pl.ds(d0, bd)], mask_2d(cmask, dmask))
         return acc + plgpu.dot(hb, wb, trans_b=True)
 
     return lax.fori_loop(0, cdiv(D, bd), body, jnp.zeros((bt, bv), jnp.float32))
@@ -119,8 +121,8 @@ def _logits_tile(h_ref, w_ref, t0, v0, rmask, cmask, *, D, bt, bv, bd):
 def _fwd_kernel(h_ref, w_ref, lab_ref, m_ref, l_ref, zl_ref, *, T, V, D, bt, bv, bd, v_per_split, softcap):
     pid_t, pid_s = pl.program_id(0), pl.program_id(1)
     t0 = pid_t * bt
-    rmask = _range_mask(t0, bt, T, T % bt != 0)
-    labels = _load(lab_ref.at[pl.ds(t0, bt)], rmask, other=-1)
+    rmask = range_mask(t0, bt, T, T % bt != 0)
+    labels = load(lab_ref.at[pl.ds(t0, bt)], rmask, other=-1)
     v_start = pid_s * v_per_split
     n_blocks = lax.div(jnp.minimum(v_per_split, V - v_start) + (bv - 1), bv)   # >= 1 (no split is empty)
     v_ragged = V % bv != 0
@@ -141,20 +143,20 @@ def _fwd_kernel(h_ref, w_ref, lab_ref, m_ref, l_ref, zl_ref, *, T, V, D, bt, bv,
 
     init = (jnp.full((bt,), -jnp.inf, jnp.float32), jnp.zeros((bt,), jnp.float32), jnp.zeros((bt,), jnp.float32))
     m, l, zl = lax.fori_loop(0, n_blocks, body, init)
-    _store(m_ref.at[pl.ds(t0, bt)], m, rmask)
-    _store(l_ref.at[pl.ds(t0, bt)], l, rmask)
-    _store(zl_ref.at[pl.ds(t0, bt)], zl, rmask)
+    plgpu.store(m_ref.at[pl.ds(t0, bt)], m, mask=rmask)
+    plgpu.store(l_ref.at[pl.ds(t0, bt)], l, mask=rmask)
+    plgpu.store(zl_ref.at[pl.ds(t0, bt)], zl, mask=rmask)
 
 
 def _dlogits_kernel(h_ref, w_ref, lab_ref, lse_ref, coef_ref, o_ref, *, T, V, D, bt, bv, bd, group, softcap):
     n_t, n_v = cdiv(T, bt), cdiv(V, bv)
-    pid_t, pid_v = _grouped_pid(pl.program_id(0), n_t, n_v, group)
+    pid_t, pid_v = grouped_pid(pl.program_id(0), n_t, n_v, group)
     t0, v0 = pid_t * bt, pid_v * bv
-    rmask = _range_mask(t0, bt, T, T % bt != 0)
-    cmask = _range_mask(v0, bv, V, V % bv != 0)
-    labels = _load(lab_ref.at[pl.ds(t0, bt)], rmask, other=-1)
-    lse = _load(lse_ref.at[pl.ds(t0, bt)], rmask, other=0.0)
-    coef = _load(coef_ref.at[pl.ds(t0, bt)], rmask, other=0.0)
+    rmask = range_mask(t0, bt, T, T % bt != 0)
+    cmask = range_mask(v0, bv, V, V % bv != 0)
+    labels = load(lab_ref.at[pl.ds(t0, bt)], rmask, other=-1)
+    lse = load(lse_ref.at[pl.ds(t0, bt)], rmask, other=0.0)
+    coef = load(coef_ref.at[pl.ds(t0, bt)], rmask, other=0.0)
     acc = _logits_tile(h_ref, w_ref, t0, v0, rmask, cmask, D=D, bt=bt, bv=bv, bd=bd)
     z, t = _softcap(acc, softcap)
     cols = v0 + jnp.arange(bv)
@@ -162,7 +164,7 @@ def _dlogits_kernel(h_ref, w_ref, lab_ref, lse_ref, coef_ref, o_ref, *, T, V, D,
     d = (p - jnp.where(cols[None, :] == labels[:, None], 1.0, 0.0)) * coef[:, None]
     if softcap is not None:
         d = d * (1.0 - t * t)
-    _store(o_ref.at[pl.ds(t0, bt), pl.ds(v0, bv)], d.astype(o_ref.dtype), _mask2(rmask, cmask))
+    plgpu.store(o_ref.at[pl.ds(t0, bt), pl.ds(v0, bv)], d.astype(o_ref.dtype), mask=mask_2d(rmask, cmask))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ def _forward_stats(hidden, lm_head, labels, softcap, cfg: CEConfig, interpret):
     m, l, zl = pl.pallas_call(
         kernel,
         grid=(n_t, splits),
-        in_specs=[_full_spec(hidden.shape), _full_spec(lm_head.shape), _full_spec(labels.shape)],
+        in_specs=[full_spec(hidden.shape), full_spec(lm_head.shape), full_spec(labels.shape)],
         out_specs=[part_spec, part_spec, part_spec],
         out_shape=[part, part, part],
         compiler_params=compiler_params(num_warps=cfg.warps, num_stages=cfg.stages),
@@ -217,9 +219,9 @@ def _dlogits(h, lm_head, labels, lse, coef, softcap, cfg: CEConfig, interpret):
     return pl.pallas_call(
         kernel,
         grid=(n_t * n_v,),
-        in_specs=[_full_spec(h.shape), _full_spec(lm_head.shape), _full_spec(labels.shape),
-                  _full_spec(lse.shape), _full_spec(coef.shape)],
-        out_specs=_full_spec((T, V)),
+        in_specs=[full_spec(h.shape), full_spec(lm_head.shape), full_spec(labels.shape),
+                  full_spec(lse.shape), full_spec(coef.shape)],
+        out_specs=full_spec((T, V)),
         out_shape=jax.ShapeDtypeStruct((T, V), h.dtype),
         compiler_params=compiler_params(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages),
         interpret=interpret,

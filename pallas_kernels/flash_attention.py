@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (and_masks, cdiv, compiler_params, load, next_pow2, pl, plgpu, range_mask,
+                                    resolve_interpret)
 
 LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # initial running max: finite, so exp2(m_old - m_new) never sees (-inf) - (-inf)
@@ -75,16 +76,10 @@ def _cfg(fwd, dkdv, dq, fast_math=False) -> FlashConfig:
 
 # Keyed by (shape class, dtype, head_dim). Shape class: "short" (S <= 1024) or "long".
 # Entries are (block_q, block_k, num_warps, num_stages) for fwd, dK/dV and dQ.
-# D=128 and D=256 16-bit entries: from `python bench/attention.py --sweep --dims 128,256` and its `--extra`
-# edge candidates on the H200 (2026-11-29, third session; B=4 S=4096 Hq=16/8 Hkv=4/2 causal; results in
-# bench/results/2026-11-29c_call1_*.jsonl and 2026-11-29c_call2_*.jsonl). Larger tiles and deeper pipelines
-# won: at D=128 dK/dV 2.27 -> 1.29 ms (64x128 tiles, 4 stages, and the group split of `dkdv_head_split`), dQ
-# 1.15 -> 0.91 ms, fwd 0.88 -> 0.77 ms; at D=256 fwd 1.43 -> 0.78, dK/dV 3.30 -> 2.31, dQ 2.76 -> 1.18 ms.
-# One step past these ran out of shared memory. fast_tanh (softcap through tanh.approx.f32): Gemma 2 case at
-# D=256, S=8192, fwd 1.34 -> 1.08 ms, dQ 2.07 -> 1.76 ms. fast_exp2 (fourth session, `--sweep --table-only
-# --exp2`, two runs; bench/results/2026-11-29d_flash_exp2_*.jsonl): D=256 fwd 0.77-0.81 -> 0.69-0.72 ms, Gemma 2
-# case fwd 1.08 -> 1.00, dQ 1.78 -> 1.70 ms; D=128 and the D=256 backward within -5%..+2% (noise).
-# Per-kernel times vary up to ~10% between device calls.
+# D=128 and D=256 16-bit entries: the fastest tiles of the H200 sweeps (`python bench/attention.py --sweep
+# --dims 128,256`, and `--extra` for the edge candidates; figures in BENCHMARKS.md, "Flash attention"); one step
+# larger runs out of shared memory. fast_math (tanh.approx softcap, ex2.approx exponentials) is on for them:
+# faster at D=256 and in the Gemma 2 softcap case, a tie at D=128 (`--sweep --table-only --exp2`).
 # D=64 and float32 entries are unswept guesses (tiles that compile for sm_90a).
 _TABLE: dict[tuple[str, str, int], FlashConfig] = {}
 for _cls in ("short", "long"):
@@ -98,6 +93,7 @@ for _cls in ("short", "long"):
 
 
 def shape_class(seq_len: int) -> str:
+    """The block table's sequence-length class: "short" (S <= 1024) or "long"."""
     return "short" if seq_len <= 1024 else "long"
 
 
@@ -159,21 +155,17 @@ def _scores(s, st: _Static):
 def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool, check_k: bool):
     """Boolean keep-mask from broadcastable query/key positions; None when nothing is masked."""
     m = None
-
-    def _and(a, b):
-        return b if a is None else jnp.logical_and(a, b)
-
     if positions:
         if check_q:
-            m = _and(m, qpos < st.seq_len)
+            m = and_masks(m, qpos < st.seq_len)
         if check_k:
-            m = _and(m, kpos < st.seq_len)
+            m = and_masks(m, kpos < st.seq_len)
         if st.causal:
-            m = _and(m, qpos >= kpos)
+            m = and_masks(m, qpos >= kpos)
         if st.window is not None:
-            m = _and(m, (qpos - kpos) < st.window)
+            m = and_masks(m, (qpos - kpos) < st.window)
     if qseg is not None:
-        m = _and(m, qseg == kseg)
+        m = and_masks(m, qseg == kseg)
     return m
 
 
@@ -290,13 +282,10 @@ def _load_rows(ref, start, size: int, seq_len: int, masked: bool, *, head=None, 
     else:  # [G, S]
         idx = (head, rows)
         vector = True
-    view = ref.at[idx]
-    if not masked:
-        return plgpu.load(view)
-    ok = (start + jnp.arange(size)) < seq_len
-    if not vector:
+    ok = range_mask(start, size, seq_len, masked)
+    if ok is not None and not vector:
         ok = ok[:, None]
-    return plgpu.load(view, mask=ok, other=other)
+    return load(ref.at[idx], ok, other)
 
 
 # ------------------------------------------------------------------------------------------ forward kernel
@@ -493,9 +482,8 @@ def dkdv_head_split(groups: int, batch: int, kv_heads: int, kv_blocks: int, requ
         if groups % requested:
             raise ValueError(f"dkdv_split {requested} must divide the group size {groups}")
         return requested
-    # The split sweeps (bench/attention.py) found more programs faster than the old 3-per-SM target everywhere
-    # measured: B=4 S=2048 Hq=12 Hkv=2: split 6 over 1, 0.50 -> 0.38 ms (D=128), 1.41 -> 1.03 ms
-    # (D=256); B=4 S=4096 Hkv=4 D=128: split 4 1.59 -> 1.33 ms; Hkv=2 D=256: split 4 2.79 -> 2.31 ms.
+    # The smallest split that gives 8 programs per SM: in the split sweeps (bench/attention.py; BENCHMARKS.md,
+    # "Flash attention") the largest split tried was the fastest, or within noise of it, at every shape.
     target = 8 * _num_sms()
     for n in range(1, groups + 1):
         if groups % n == 0 and kv_blocks * batch * kv_heads * n >= target:

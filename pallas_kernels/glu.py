@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import cdiv, compiler_params, load, next_pow2, pl, plgpu, resolve_interpret
 
 
 class GluConfig(NamedTuple):
@@ -37,9 +37,10 @@ class GluConfig(NamedTuple):
     num_stages: int = 1
 
 
-# Initial guesses for an H200 (to be checked with `bench/kernels_elementwise.py --sweep`); ptxas (Triton 3.9,
-# sm_90a) puts these at 32-48 registers, no spills. Key: (activation kind, dtype name, "fwd" | "bwd"); the
-# activation is the "shape class" here since the flat layout makes the trailing dim irrelevant.
+# Initial guesses for an H200, not swept yet (`bench/kernels_elementwise.py --sweep --only glu` prints the best
+# entries): blocks small enough that no kernel spills registers. Key: (activation kind, dtype name,
+# "fwd" | "bwd"); the activation is the "shape class" here since the flat layout makes the trailing dim
+# irrelevant.
 _TABLE: dict[tuple[str, str, str], GluConfig] = {
     (kind, dt, which): GluConfig(4096, 8) if which == "fwd" else GluConfig(2048, 8)
     for kind in ("silu", "gelu", "gelu_tanh") for dt in ("bfloat16", "float16") for which in ("fwd", "bwd")
@@ -53,6 +54,8 @@ _MAX_ELEMS_PER_CALL = 2**31 - 2**20
 
 
 def config(n: int, dtype, which: str, kind: str = "silu") -> GluConfig:
+    """Block config for n elements of `dtype`, pass `which` ("fwd" | "bwd") and activation `kind` (table, else a
+    default), the block clamped to the problem size."""
     cfg = _TABLE.get((kind, jnp.dtype(dtype).name, which))
     if cfg is None:
         cfg = GluConfig(2048 if which == "fwd" else 1024, 4)
@@ -126,17 +129,15 @@ def _blockwise(n: int, block: int, body):
         body(start, (start + jnp.arange(block)) < n)
 
 
-def _load(ref, start, block, mask):
-    idx = ref.at[pl.ds(start, block)]
-    if mask is None:
-        return plgpu.load(idx).astype(jnp.float32)
-    return plgpu.load(idx, mask=mask, other=0.0).astype(jnp.float32)
+def _load_f32(ref, start, block, mask):
+    """ref[start:start + block] (masked where `mask` is False) as float32."""
+    return load(ref.at[pl.ds(start, block)], mask, 0.0).astype(jnp.float32)
 
 
 def _fwd_kernel(g_ref, u_ref, o_ref, *, kind: str, block: int):
     def body(start, mask):
-        g = _load(g_ref, start, block, mask)
-        u = _load(u_ref, start, block, mask)
+        g = _load_f32(g_ref, start, block, mask)
+        u = _load_f32(u_ref, start, block, mask)
         plgpu.store(o_ref.at[pl.ds(start, block)], (_act(g, kind) * u).astype(o_ref.dtype), mask=mask)
 
     _blockwise(o_ref.shape[0], block, body)
@@ -144,9 +145,9 @@ def _fwd_kernel(g_ref, u_ref, o_ref, *, kind: str, block: int):
 
 def _bwd_kernel(g_ref, u_ref, dh_ref, dg_ref, du_ref, *, kind: str, block: int):
     def body(start, mask):
-        g = _load(g_ref, start, block, mask)
-        u = _load(u_ref, start, block, mask)
-        dh = _load(dh_ref, start, block, mask)
+        g = _load_f32(g_ref, start, block, mask)
+        u = _load_f32(u_ref, start, block, mask)
+        dh = _load_f32(dh_ref, start, block, mask)
         a, da = _act_and_grad(g, kind)
         plgpu.store(dg_ref.at[pl.ds(start, block)], (dh * u * da).astype(dg_ref.dtype), mask=mask)
         plgpu.store(du_ref.at[pl.ds(start, block)], (dh * a).astype(du_ref.dtype), mask=mask)
@@ -234,12 +235,16 @@ def glu_with_config(gate, up, kind: str, *, interpret=None, fwd: GluConfig | Non
 
 
 def swiglu(gate, up, *, interpret=None):
-    """silu(gate) * up for any [..., F]; float32 math, output in gate.dtype; differentiable in gate and up."""
+    """silu(gate) * up: gate, up [..., F] (same shape and float dtype) -> [..., F] in gate.dtype.
+
+    float32 math; differentiable in gate and up."""
     return glu_with_config(gate, up, "silu", interpret=interpret)
 
 
 def geglu(gate, up, approximate=False, *, interpret=None):
-    """gelu(gate) * up (erf form, or tanh form when approximate=True); float32 math, output in gate.dtype."""
+    """gelu(gate) * up: gate, up [..., F] (same shape and float dtype) -> [..., F] in gate.dtype.
+
+    erf-form GELU, or the tanh form when approximate=True; float32 math; differentiable in gate and up."""
     return glu_with_config(gate, up, "gelu_tanh" if approximate else "gelu", interpret=interpret)
 
 

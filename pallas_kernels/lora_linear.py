@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (cdiv, compiler_params, full_spec, grouped_pid, load, mask_2d, next_pow2, pl,
+                                    plgpu, range_mask, resolve_interpret)
 
 __all__ = ["lora_linear", "LoraConfig", "CONFIGS", "pick_config", "shape_class"]
 
@@ -84,6 +85,7 @@ _DEFAULT = LoraConfig()
 
 
 def shape_class(m: int, k: int, n: int) -> str:
+    """The block table's class of an [M, K] @ [K, N] problem: "small", "narrow" or "large" (see CONFIGS)."""
     if m < 1024:
         return "small"
     return "narrow" if min(k, n) <= 512 else "large"
@@ -101,60 +103,6 @@ def pick_config(m: int, k: int, n: int, r: int, dtype) -> LoraConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# small in-kernel helpers
-# ----------------------------------------------------------------------------------------------------------
-
-def _and(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
-
-
-def _mask2(rows_mask, cols_mask):
-    """Combine optional 1-D row/column masks into an optional 2-D mask."""
-    r = None if rows_mask is None else rows_mask[:, None]
-    c = None if cols_mask is None else cols_mask[None, :]
-    return _and(r, c)
-
-
-def _range_mask(start, size: int, limit: int, ragged: bool):
-    """Mask for indices start + arange(size) < limit, or None when the edge is known to be aligned."""
-    if not ragged:
-        return None
-    return (start + jnp.arange(size)) < limit
-
-
-def _load(ref, mask, other=0):
-    if mask is None:
-        return plgpu.load(ref)
-    return plgpu.load(ref, mask=mask, other=other)
-
-
-def _store(ref, val, mask):
-    if mask is None:
-        plgpu.store(ref, val)
-    else:
-        plgpu.store(ref, val, mask=mask)
-
-
-def _grouped_pid(pid, n_rows: int, n_cols: int, group: int):
-    """Map a 1-D program id to (row tile, col tile) in groups of `group` row tiles (L2 reuse of columns)."""
-    width = group * n_cols
-    group_id = lax.div(pid, width)
-    first = group_id * group
-    size = jnp.minimum(n_rows - first, group)
-    within = lax.rem(pid, width)
-    return first + lax.rem(within, size), lax.div(within, size)
-
-
-def _full_spec(shape):
-    nd = len(shape)
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * nd)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------------------
 
@@ -164,22 +112,22 @@ def _fwd_kernel(*refs, M, K, N, R, RP, bm, bn, bk, group_m, scale, fuse_xa):
     else:
         x_ref, w_ref, xa_in_ref, b_ref, y_ref = refs
     n_m, n_n, n_k = cdiv(M, bm), cdiv(N, bn), cdiv(K, bk)
-    pid_m, pid_n = _grouped_pid(pl.program_id(0), n_m, n_n, group_m)
+    pid_m, pid_n = grouped_pid(pl.program_id(0), n_m, n_n, group_m)
     m0, n0 = pid_m * bm, pid_n * bn
-    rmask = _range_mask(m0, bm, M, M % bm != 0)
-    cmask = _range_mask(n0, bn, N, N % bn != 0)
-    rpmask = _range_mask(0, RP, R, R != RP)
+    rmask = range_mask(m0, bm, M, M % bm != 0)
+    cmask = range_mask(n0, bn, N, N % bn != 0)
+    rpmask = range_mask(0, RP, R, R != RP)
     k_ragged = K % bk != 0
 
     def body(i, carry):
         acc, xa = carry
         k0 = i * bk
-        kmask = _range_mask(k0, bk, K, k_ragged)
-        xb = _load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], _mask2(rmask, kmask))
-        wb = _load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask2(kmask, cmask))
+        kmask = range_mask(k0, bk, K, k_ragged)
+        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask_2d(rmask, kmask))
+        wb = load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask_2d(kmask, cmask))
         acc = acc + plgpu.dot(xb, wb)
         if fuse_xa:
-            ab = _load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], _mask2(kmask, rpmask))
+            ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
             xa = xa + plgpu.dot(xb, ab)
         return acc, xa
 
@@ -187,14 +135,14 @@ def _fwd_kernel(*refs, M, K, N, R, RP, bm, bn, bk, group_m, scale, fuse_xa):
     xa0 = jnp.zeros((bm, RP), jnp.float32)
     acc, xa = lax.fori_loop(0, n_k, body, (acc0, xa0))
     if not fuse_xa:
-        xa = _load(xa_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], _mask2(rmask, rpmask))
-    bb = _load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], _mask2(rpmask, cmask))
+        xa = load(xa_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
+    bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, cmask))
     acc = acc + scale * plgpu.dot(xa.astype(bb.dtype), bb)
-    _store(y_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), _mask2(rmask, cmask))
+    plgpu.store(y_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mask_2d(rmask, cmask))
     if fuse_xa:
         @pl.when(pid_n == 0)
         def _():
-            _store(xa_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], xa, _mask2(rmask, rpmask))
+            plgpu.store(xa_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], xa, mask=mask_2d(rmask, rpmask))
 
 
 def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
@@ -203,22 +151,22 @@ def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
     else:
         dy_ref, w_ref, g_in_ref, a_ref, dx_ref = refs
     n_m, n_kt, n_n = cdiv(M, bm), cdiv(K, bk), cdiv(N, bn)
-    pid_m, pid_k = _grouped_pid(pl.program_id(0), n_m, n_kt, group_m)
+    pid_m, pid_k = grouped_pid(pl.program_id(0), n_m, n_kt, group_m)
     m0, k0 = pid_m * bm, pid_k * bk
-    rmask = _range_mask(m0, bm, M, M % bm != 0)
-    kmask = _range_mask(k0, bk, K, K % bk != 0)
-    rpmask = _range_mask(0, RP, R, R != RP)
+    rmask = range_mask(m0, bm, M, M % bm != 0)
+    kmask = range_mask(k0, bk, K, K % bk != 0)
+    rpmask = range_mask(0, RP, R, R != RP)
     n_ragged = N % bn != 0
 
     def body(i, carry):
         acc, g = carry
         n0 = i * bn
-        nmask = _range_mask(n0, bn, N, n_ragged)
-        dyb = _load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], _mask2(rmask, nmask))
-        wb = _load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask2(kmask, nmask))
+        nmask = range_mask(n0, bn, N, n_ragged)
+        dyb = load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], mask_2d(rmask, nmask))
+        wb = load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask_2d(kmask, nmask))
         acc = acc + plgpu.dot(dyb, wb, trans_b=True)
         if fuse_g:
-            bb = _load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], _mask2(rpmask, nmask))
+            bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, nmask))
             g = g + plgpu.dot(dyb, bb, trans_b=True)
         return acc, g
 
@@ -228,45 +176,45 @@ def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
     if fuse_g:
         g = g * scale
     else:
-        g = _load(g_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], _mask2(rmask, rpmask))
-    ab = _load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], _mask2(kmask, rpmask))
+        g = load(g_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
+    ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
     acc = acc + plgpu.dot(g.astype(ab.dtype), ab, trans_b=True)
-    _store(dx_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], acc.astype(dx_ref.dtype), _mask2(rmask, kmask))
+    plgpu.store(dx_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], acc.astype(dx_ref.dtype), mask=mask_2d(rmask, kmask))
     if fuse_g:
         @pl.when(pid_k == 0)
         def _():
-            _store(g_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], g, _mask2(rmask, rpmask))
+            plgpu.store(g_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], g, mask=mask_2d(rmask, rpmask))
 
 
 def _skinny_kernel(x_ref, s_ref, o_ref, *, M, C, R, RP, bm, bc, scale, s_rows_are_r):
     """o[M, r] = scale * x[M, C] @ S, with S = s [C, r] or, when s_rows_are_r, s [r, C] transposed."""
     m0 = pl.program_id(0) * bm
-    rmask = _range_mask(m0, bm, M, M % bm != 0)
-    rpmask = _range_mask(0, RP, R, R != RP)
+    rmask = range_mask(m0, bm, M, M % bm != 0)
+    rpmask = range_mask(0, RP, R, R != RP)
     c_ragged = C % bc != 0
 
     def body(i, acc):
         c0 = i * bc
-        cmask = _range_mask(c0, bc, C, c_ragged)
-        xb = _load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], _mask2(rmask, cmask))
+        cmask = range_mask(c0, bc, C, c_ragged)
+        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], mask_2d(rmask, cmask))
         if s_rows_are_r:
-            sb = _load(s_ref.at[pl.ds(0, RP), pl.ds(c0, bc)], _mask2(rpmask, cmask))
+            sb = load(s_ref.at[pl.ds(0, RP), pl.ds(c0, bc)], mask_2d(rpmask, cmask))
             return acc + plgpu.dot(xb, sb, trans_b=True)
-        sb = _load(s_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], _mask2(cmask, rpmask))
+        sb = load(s_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], mask_2d(cmask, rpmask))
         return acc + plgpu.dot(xb, sb)
 
     acc = lax.fori_loop(0, cdiv(C, bc), body, jnp.zeros((bm, RP), jnp.float32))
     if scale != 1.0:
         acc = acc * scale
-    _store(o_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], acc, _mask2(rmask, rpmask))
+    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], acc, mask=mask_2d(rmask, rpmask))
 
 
 def _reduce_kernel(big_ref, small_ref, o_ref, *, M, C, R, RP, bc, bm, rows_per_split):
     """o[s, C, r] = big[rows of split s, C].T @ small[rows of split s, r]  (small cast to big's dtype)."""
     pid_c, pid_s = pl.program_id(0), pl.program_id(1)
     c0 = pid_c * bc
-    cmask = _range_mask(c0, bc, C, C % bc != 0)
-    rpmask = _range_mask(0, RP, R, R != RP)
+    cmask = range_mask(c0, bc, C, C % bc != 0)
+    rpmask = range_mask(0, RP, R, R != RP)
     row_start = pid_s * rows_per_split
     n_steps = rows_per_split // bm
     # Rows past M are masked; only the last split can be ragged.
@@ -274,13 +222,13 @@ def _reduce_kernel(big_ref, small_ref, o_ref, *, M, C, R, RP, bc, bm, rows_per_s
 
     def body(i, acc):
         m0 = row_start + i * bm
-        rmask = _range_mask(m0, bm, M, ragged)
-        bb = _load(big_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], _mask2(rmask, cmask))
-        sb = _load(small_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], _mask2(rmask, rpmask))
+        rmask = range_mask(m0, bm, M, ragged)
+        bb = load(big_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], mask_2d(rmask, cmask))
+        sb = load(small_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
         return acc + plgpu.dot(bb, sb.astype(bb.dtype), trans_a=True)
 
     acc = lax.fori_loop(0, n_steps, body, jnp.zeros((bc, RP), jnp.float32))
-    _store(o_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], acc, _mask2(cmask, rpmask))
+    plgpu.store(o_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], acc, mask=mask_2d(cmask, rpmask))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,8 +249,8 @@ def _skinny(x, s, scale, r, cfg, interpret, s_rows_are_r):
     return pl.pallas_call(
         kernel,
         grid=(cdiv(M, bm),),
-        in_specs=[_full_spec(x.shape), _full_spec(s.shape)],
-        out_specs=_full_spec((M, r)),
+        in_specs=[full_spec(x.shape), full_spec(s.shape)],
+        out_specs=full_spec((M, r)),
         out_shape=jax.ShapeDtypeStruct((M, r), jnp.float32),
         compiler_params=compiler_params(num_warps=cfg.sk_warps, num_stages=cfg.sk_stages),
         interpret=interpret,
@@ -324,7 +272,7 @@ def _reduce(big, small, r, cfg, interpret):
     parts = pl.pallas_call(
         kernel,
         grid=(cdiv(C, bc), splits),
-        in_specs=[_full_spec(big.shape), _full_spec(small.shape)],
+        in_specs=[full_spec(big.shape), full_spec(small.shape)],
         out_specs=pl.BlockSpec((None, C, r), lambda c, s: (s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((splits, C, r), jnp.float32),
         compiler_params=compiler_params(num_warps=cfg.red_warps, num_stages=cfg.red_stages),
@@ -359,8 +307,8 @@ def _forward(x, w, a, b, scale, cfg, interpret):
         y, xa = pl.pallas_call(
             functools.partial(_fwd_kernel, **common),
             grid=grid,
-            in_specs=[_full_spec(x.shape), _full_spec(w.shape), _full_spec(a.shape), _full_spec(b.shape)],
-            out_specs=[_full_spec((M, N)), _full_spec((M, r))],
+            in_specs=[full_spec(x.shape), full_spec(w.shape), full_spec(a.shape), full_spec(b.shape)],
+            out_specs=[full_spec((M, N)), full_spec((M, r))],
             out_shape=[y_shape, xa_shape],
             compiler_params=params,
             interpret=interpret,
@@ -371,8 +319,8 @@ def _forward(x, w, a, b, scale, cfg, interpret):
         y = pl.pallas_call(
             functools.partial(_fwd_kernel, **common),
             grid=grid,
-            in_specs=[_full_spec(x.shape), _full_spec(w.shape), _full_spec(xa.shape), _full_spec(b.shape)],
-            out_specs=_full_spec((M, N)),
+            in_specs=[full_spec(x.shape), full_spec(w.shape), full_spec(xa.shape), full_spec(b.shape)],
+            out_specs=full_spec((M, N)),
             out_shape=y_shape,
             compiler_params=params,
             interpret=interpret,
@@ -399,8 +347,8 @@ def _backward(x, w, a, b, xa, dy, scale, cfg, interpret):
         dx, g = pl.pallas_call(
             functools.partial(_dx_kernel, **common),
             grid=grid,
-            in_specs=[_full_spec(dy.shape), _full_spec(w.shape), _full_spec(b.shape), _full_spec(a.shape)],
-            out_specs=[_full_spec((M, K)), _full_spec((M, r))],
+            in_specs=[full_spec(dy.shape), full_spec(w.shape), full_spec(b.shape), full_spec(a.shape)],
+            out_specs=[full_spec((M, K)), full_spec((M, r))],
             out_shape=[dx_shape, jax.ShapeDtypeStruct((M, r), jnp.float32)],
             compiler_params=params,
             interpret=interpret,
@@ -411,8 +359,8 @@ def _backward(x, w, a, b, xa, dy, scale, cfg, interpret):
         dx = pl.pallas_call(
             functools.partial(_dx_kernel, **common),
             grid=grid,
-            in_specs=[_full_spec(dy.shape), _full_spec(w.shape), _full_spec(g.shape), _full_spec(a.shape)],
-            out_specs=_full_spec((M, K)),
+            in_specs=[full_spec(dy.shape), full_spec(w.shape), full_spec(g.shape), full_spec(a.shape)],
+            out_specs=full_spec((M, K)),
             out_shape=dx_shape,
             compiler_params=params,
             interpret=interpret,

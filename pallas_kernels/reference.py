@@ -182,22 +182,22 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
 
-# ---- nf4 (owned by pallas_kernels/nf4.py) ----
+# ---- nf4 (owned by pallas_kernels/nf4.py; the format in pallas_kernels/nf4_format.py) ----
 
 
 def dequantize_nf4(q, dtype=None):
     """Twin of `pallas_kernels.nf4.dequantize_nf4` (stacking axes allowed): NF4 value * block scale, rounded
     once to `dtype` (default: the original dtype)."""
-    from pallas_kernels import nf4 as _nf4
+    from pallas_kernels.nf4_format import NF4_CODE, decoded_absmax
 
     out_dtype = jnp.dtype(dtype if dtype is not None else q.dtype)
     lead = q.codes.shape[:-1]
     b = q.codes.astype(jnp.int32)
     codes = jnp.stack([(b >> 4) & 15, b & 15], axis=-1).reshape(*lead, -1)
-    vals = jnp.asarray(_nf4.NF4_CODE)[codes]
+    vals = jnp.asarray(NF4_CODE)[codes]
     nb, bs = q.nblocks, q.blocksize
     vals = jnp.pad(vals, [(0, 0)] * len(lead) + [(0, nb * bs - vals.shape[-1])]).reshape(*lead, nb, bs)
-    scale = _nf4._decoded_absmax_jnp(q)
+    scale = decoded_absmax(q)
     out = (vals * scale[..., None]).reshape(*lead, nb * bs)[..., : q.numel]
     return out.astype(out_dtype).reshape(*lead, *q.shape)
 

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (broadcast_mask, cdiv, compiler_params, load, mask_2d, next_pow2, pl, plgpu,
+                                    range_mask, resolve_interpret)
 
 
 class FwdConfig(NamedTuple):
@@ -44,9 +45,9 @@ class BwdConfig(NamedTuple):
     num_stages: int = 2
 
 
-# Initial guesses for an H200 (to be checked with `bench/kernels_elementwise.py --sweep`). Register use was
-# checked offline (Triton 3.9 -> ptxas sm_90a): forward ~40 registers at 16 elements per thread, backward
-# ~55-65 registers at 8 elements per thread, no spills.
+# Entries for an H200: about 16 elements per thread in the forward and 8 in the backward, which keeps both
+# kernels free of register spills; the bf16 backward at BD=2048 is the sweep's (`bench/kernels_elementwise.py
+# --sweep`, which prints the best entries), the others are initial guesses.
 # Key: (shape class, dtype name, BD = next_pow2(D)); shape class is "large" (>= 2048 rows) or "small".
 _FWD_TABLE: dict[tuple[str, str, int], FwdConfig] = {
     ("large", "bfloat16", 128): FwdConfig(32, 8),
@@ -59,7 +60,7 @@ _FWD_TABLE: dict[tuple[str, str, int], FwdConfig] = {
 }
 _BWD_TABLE: dict[tuple[str, str, int], BwdConfig] = {
     ("large", "bfloat16", 128): BwdConfig(32, 528, 16),
-    ("large", "bfloat16", 2048): BwdConfig(1, 528, 16),  # sweep 2026-11-29c: 0.080 vs 0.103 ms for 2 rows
+    ("large", "bfloat16", 2048): BwdConfig(1, 528, 16),  # one row per step: faster than two in the sweep
     ("large", "bfloat16", 4096): BwdConfig(1, 528, 16),
     ("large", "bfloat16", 8192): BwdConfig(1, 528, 16),
     ("large", "float32", 128): BwdConfig(32, 528, 16),
@@ -96,12 +97,14 @@ def _clamp_rows(block_rows: int, rows: int) -> int:
 
 
 def fwd_config(rows: int, d: int, dtype) -> FwdConfig:
+    """Forward block config for `rows` rows of width d in `dtype` (table, else heuristic), clamped to the rows."""
     bd = next_pow2(d)
     cfg = _FWD_TABLE.get((_shape_class(rows), jnp.dtype(dtype).name, bd)) or _fwd_heuristic(rows, bd)
     return cfg._replace(block_rows=_clamp_rows(cfg.block_rows, rows))
 
 
 def bwd_config(rows: int, d: int, dtype) -> BwdConfig:
+    """Backward block config for `rows` rows of width d in `dtype` (table, else heuristic), clamped to the rows."""
     bd = next_pow2(d)
     cfg = _BWD_TABLE.get((_shape_class(rows), jnp.dtype(dtype).name, bd)) or _bwd_heuristic(rows, bd)
     return cfg._replace(block_rows=_clamp_rows(cfg.block_rows, rows))
@@ -110,15 +113,9 @@ def bwd_config(rows: int, d: int, dtype) -> BwdConfig:
 # --------------------------------------------------------------------------------------------- kernels
 def _tile_mask(r0, br: int, rows: int, bd: int, d: int):
     """(row mask [BR] or None, col mask [BD] or None, 2-D mask or None); None where nothing is ragged."""
-    rmask = (r0 + jnp.arange(br)) < rows if rows % br else None
+    rmask = range_mask(r0, br, rows, rows % br != 0)
     cmask = jnp.arange(bd) < d if bd != d else None
-    if rmask is None and cmask is None:
-        return None, None, None
-    if rmask is None:
-        return None, cmask, jnp.broadcast_to(cmask[None, :], (br, bd))
-    if cmask is None:
-        return rmask, None, jnp.broadcast_to(rmask[:, None], (br, bd))
-    return rmask, cmask, rmask[:, None] & cmask[None, :]
+    return rmask, cmask, broadcast_mask(mask_2d(rmask, cmask), (br, bd))
 
 
 def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, offset: float, br: int, bd: int):
@@ -126,14 +123,8 @@ def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps: float, offset: float, br:
     r0 = pl.program_id(0) * br
     rmask, cmask, mask = _tile_mask(r0, br, rows, bd, d)
     tile = (pl.ds(r0, br), pl.ds(0, bd))
-    if mask is None:
-        x = plgpu.load(x_ref.at[tile]).astype(jnp.float32)
-    else:
-        x = plgpu.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    if cmask is None:
-        w = plgpu.load(w_ref.at[pl.ds(0, bd)]).astype(jnp.float32)
-    else:
-        w = plgpu.load(w_ref.at[pl.ds(0, bd)], mask=cmask, other=0.0).astype(jnp.float32)
+    x = load(x_ref.at[tile], mask, 0.0).astype(jnp.float32)
+    w = load(w_ref.at[pl.ds(0, bd)], cmask, 0.0).astype(jnp.float32)
     ms = jnp.sum(x * x, axis=1) * (1.0 / d)
     rstd = lax.rsqrt(ms + eps)
     y = x * rstd[:, None] * (w + offset)[None, :]
@@ -164,10 +155,7 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, offset: floa
     rows, d = x_ref.shape
     pid = pl.program_id(0)
     cmask = jnp.arange(bd) < d if bd != d else None
-    if cmask is None:
-        w = plgpu.load(w_ref.at[pl.ds(0, bd)]).astype(jnp.float32)
-    else:
-        w = plgpu.load(w_ref.at[pl.ds(0, bd)], mask=cmask, other=0.0).astype(jnp.float32)
+    w = load(w_ref.at[pl.ds(0, bd)], cmask, 0.0).astype(jnp.float32)
     w = (w + offset)[None, :]
     # Rows may run past `rows` in the last programs (whole tiles past the end are fully masked), so the
     # row mask is needed unless the programs tile the rows exactly.
@@ -175,27 +163,12 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, offset: floa
 
     def body(i, acc):
         r0 = (pid * tiles_per_program + i) * br
-        rmask = None if exact else (r0 + jnp.arange(br)) < rows
-        if rmask is None and cmask is None:
-            mask = None
-        elif rmask is None:
-            mask = jnp.broadcast_to(cmask[None, :], (br, bd))
-        elif cmask is None:
-            mask = jnp.broadcast_to(rmask[:, None], (br, bd))
-        else:
-            mask = rmask[:, None] & cmask[None, :]
+        rmask = range_mask(r0, br, rows, not exact)
+        mask = broadcast_mask(mask_2d(rmask, cmask), (br, bd))
         tile = (pl.ds(r0, br), pl.ds(0, bd))
-        if mask is None:
-            x = plgpu.load(x_ref.at[tile]).astype(jnp.float32)
-            dy = plgpu.load(dy_ref.at[tile]).astype(jnp.float32)
-            rstd = plgpu.load(rstd_ref.at[pl.ds(r0, br)])
-        else:
-            x = plgpu.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-            dy = plgpu.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-            if rmask is None:
-                rstd = plgpu.load(rstd_ref.at[pl.ds(r0, br)])
-            else:
-                rstd = plgpu.load(rstd_ref.at[pl.ds(r0, br)], mask=rmask, other=0.0)
+        x = load(x_ref.at[tile], mask, 0.0).astype(jnp.float32)
+        dy = load(dy_ref.at[tile], mask, 0.0).astype(jnp.float32)
+        rstd = load(rstd_ref.at[pl.ds(r0, br)], rmask, 0.0)
         xhat = x * rstd[:, None]
         wdy = dy * w
         c = jnp.sum(xhat * wdy, axis=1) * (1.0 / d)
@@ -210,24 +183,13 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dwp_ref, *, offset: floa
 def _dw_reduce_kernel(p_ref, dw_ref, *, bg: int, bc: int):
     g, d = p_ref.shape
     c0 = pl.program_id(0) * bc
-    cmask = (c0 + jnp.arange(bc)) < d if d % bc else None
+    cmask = range_mask(c0, bc, d, d % bc != 0)
 
     def body(i, acc):
         g0 = i * bg
-        gmask = (g0 + jnp.arange(bg)) < g if g % bg else None
-        if gmask is None and cmask is None:
-            mask = None
-        elif gmask is None:
-            mask = jnp.broadcast_to(cmask[None, :], (bg, bc))
-        elif cmask is None:
-            mask = jnp.broadcast_to(gmask[:, None], (bg, bc))
-        else:
-            mask = gmask[:, None] & cmask[None, :]
-        tile = (pl.ds(g0, bg), pl.ds(c0, bc))
-        if mask is None:
-            p = plgpu.load(p_ref.at[tile])
-        else:
-            p = plgpu.load(p_ref.at[tile], mask=mask, other=0.0)
+        gmask = range_mask(g0, bg, g, g % bg != 0)
+        mask = broadcast_mask(mask_2d(gmask, cmask), (bg, bc))
+        p = load(p_ref.at[pl.ds(g0, bg), pl.ds(c0, bc)], mask, 0.0)
         return acc + jnp.sum(p, axis=0)
 
     acc = lax.fori_loop(0, cdiv(g, bg), body, jnp.zeros((bc,), jnp.float32))

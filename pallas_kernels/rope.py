@@ -25,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, compiler_params, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import (broadcast_mask, cdiv, compiler_params, load, mask_2d, next_pow2, pl, plgpu,
+                                    range_mask, resolve_interpret)
 
 
 class RopeConfig(NamedTuple):
@@ -36,14 +37,14 @@ class RopeConfig(NamedTuple):
     unroll_heads: bool = True  # unroll the head-block loop (GPU); False: an scf.for loop
 
 
-# Initial guesses for an H200 (to be checked with `bench/kernels_elementwise.py --sweep`): one step moves a
-# [BT, HB, D/2] tile of about 2048 elements per half with 8 warps (8 elements per thread), which ptxas
-# (Triton 3.9, sm_90a) compiles to ~64 registers; 4x larger steps reach 220-255 registers and spill.
+# Initial guesses for an H200 (`bench/kernels_elementwise.py --sweep` prints the best entries): one step moves a
+# [BT, HB, D/2] tile of about 2048 elements per half with 8 warps (8 elements per thread); much larger steps
+# spill registers.
 # Key: (shape class "Hq/Hkv", dtype name, head_dim D).
 _TABLE: dict[tuple[str, str, int], RopeConfig] = {
     ("12/2", "bfloat16", 128): RopeConfig(8, 4, 8),
     ("32/8", "bfloat16", 128): RopeConfig(4, 8, 8),
-    ("8/4", "bfloat16", 256): RopeConfig(1, 8, 4, 1, False),  # sweep 2026-11-29c: 0.071 vs 0.087 ms
+    ("8/4", "bfloat16", 256): RopeConfig(1, 8, 4, 1, False),  # the sweep's: one token, rolled head loop
 }
 
 _MIN_PROGRAMS = 264
@@ -58,6 +59,8 @@ def _heuristic(tokens: int, hq: int, hkv: int, d: int, dtype) -> RopeConfig:
 
 
 def config(tokens: int, hq: int, hkv: int, d: int, dtype) -> RopeConfig:
+    """Block config for `tokens` tokens, Hq/Hkv heads of size d in `dtype` (table, else heuristic), the token
+    block clamped to the problem size."""
     key = (f"{hq}/{hkv}", jnp.dtype(dtype).name, d)
     cfg = _TABLE.get(key) or _heuristic(tokens, hq, hkv, d, dtype)
     return cfg._replace(block_tokens=max(1, min(cfg.block_tokens, next_pow2(tokens))))
@@ -72,22 +75,12 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, qo_ref, ko_ref, *, bt: int, bh:
                  transpose: bool, unroll: bool):
     tokens, _, half = cos_ref.shape
     t0 = pl.program_id(0) * bt
-    tmask = (t0 + jnp.arange(bt)) < tokens if tokens % bt else None
+    tmask = range_mask(t0, bt, tokens, tokens % bt != 0)
     cmask = jnp.arange(bh) < half if bh != half else None
-    if tmask is None and cmask is None:
-        mask2 = None
-    elif tmask is None:
-        mask2 = jnp.broadcast_to(cmask[None, :], (bt, bh))
-    elif cmask is None:
-        mask2 = jnp.broadcast_to(tmask[:, None], (bt, bh))
-    else:
-        mask2 = tmask[:, None] & cmask[None, :]
+    mask2 = broadcast_mask(mask_2d(tmask, cmask), (bt, bh))
 
     def load2(ref, which):
-        idx = ref.at[pl.ds(t0, bt), jnp.int32(which), pl.ds(0, bh)]
-        if mask2 is None:
-            return plgpu.load(idx).astype(jnp.float32)
-        return plgpu.load(idx, mask=mask2, other=0.0).astype(jnp.float32)
+        return load(ref.at[pl.ds(t0, bt), jnp.int32(which), pl.ds(0, bh)], mask2, 0.0).astype(jnp.float32)
 
     c1 = load2(cos_ref, 0)[:, None, :]
     c2 = load2(cos_ref, 1)[:, None, :]
@@ -108,12 +101,8 @@ def _rope_kernel(q_ref, k_ref, cos_ref, sin_ref, qo_ref, ko_ref, *, bt: int, bh:
         def head_block(h0):
             i1 = (pl.ds(t0, bt), pl.ds(h0, hb), jnp.int32(0), pl.ds(0, bh))
             i2 = (pl.ds(t0, bt), pl.ds(h0, hb), jnp.int32(1), pl.ds(0, bh))
-            if mask3 is None:
-                x1 = plgpu.load(x_ref.at[i1]).astype(jnp.float32)
-                x2 = plgpu.load(x_ref.at[i2]).astype(jnp.float32)
-            else:
-                x1 = plgpu.load(x_ref.at[i1], mask=mask3, other=0.0).astype(jnp.float32)
-                x2 = plgpu.load(x_ref.at[i2], mask=mask3, other=0.0).astype(jnp.float32)
+            x1 = load(x_ref.at[i1], mask3, 0.0).astype(jnp.float32)
+            x2 = load(x_ref.at[i2], mask3, 0.0).astype(jnp.float32)
             y1 = x1 * a11 + x2 * a12
             y2 = x2 * a22 + x1 * a21
             plgpu.store(o_ref.at[i1], y1.astype(o_ref.dtype), mask=mask3)

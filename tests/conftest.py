@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: fresh random seeds (printed, so a failure can be replayed) and GPU gating."""
+"""Shared pytest fixtures: fresh random seeds (printed, so a failure can be replayed), GPU gating, a fixed umask."""
 from __future__ import annotations
 
 import os
@@ -42,3 +42,13 @@ def seed() -> int:
 def rng(seed) -> np.random.Generator:
     """numpy Generator seeded from the fresh per-test seed."""
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=[0o022, 0o077], ids=["umask022", "umask077"])
+def umask(request) -> int:
+    """The process umask set to 0o022, then 0o077, for one test (restored afterwards)."""
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)

@@ -60,4 +60,40 @@ def lower_for_cuda(fn, *args) -> str:
         raise
 
 
+def wrong_modes(root, umask: int) -> dict[str, str]:
+    """Paths under `root` (root included) whose permission bits differ from a newly created file's
+    (0o666 & ~umask) or directory's (0o777 & ~umask): relative path -> "actual, expected" in octal."""
+    import stat
+
+    root = Path(root)
+    wrong = {}
+    for path in [root, *root.rglob("*")]:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        got = stat.S_IMODE(path.stat().st_mode)
+        if got != want:
+            wrong[str(path.relative_to(root))] = f"{got:o}, expected {want:o}"
+    return wrong
+
+
 TOL = {"float32": 1e-5, "float32_tf32": 1e-3, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def read_tensorboard_scalars(logdir) -> dict:
+    """{tag: [(step, value), ...]} of every scalar in the TensorBoard event files under `logdir`, parsed from
+    the TFRecord framing (u64 length, u32 crc, payload, u32 crc) with tensorboardX's Event proto."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict = {}
+    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

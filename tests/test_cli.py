@@ -1,9 +1,11 @@
 """The `unsloth-jax` CLI end to end on the bundled tiny model: train a few steps, generate (checked against
 transformers + peft greedy decoding of the saved adapter), export (read back by transformers and gguf), the
-errors a user can act on, and (slow) the README's default `train` then `generate` reproducing a trained fact."""
+errors a user can act on (flag values rejected before any loading), Unsloth's defaults and the tiny preset,
+TensorBoard logs, and (slow) the README's `train` then `generate` reproducing a trained fact."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import fresh_seed
-from tests.helpers import subprocess_env
-from unsloth_jax.cli import DEFAULT_DATASET, DEFAULT_MODEL, TRAINING_INFO, main
+from tests.helpers import ROOT, read_tensorboard_scalars, subprocess_env
+from unsloth_jax.cli import DEFAULT_DATASET, DEFAULT_MODEL, PRESETS, TRAINING_INFO, build_parser, main
 
 
 def _dataset(tmp_path, rng, n=24, bad_line=None) -> Path:
@@ -59,8 +61,105 @@ def test_train_writes_metrics_adapter_and_summary(trained):
     assert info["dataset_format"] == "alpaca" and info["responses_only"] and info["steps"] == 4
     summary = [line for line in stdout.splitlines() if line.startswith("unsloth-jax: 4 steps")]
     assert summary, stdout[-2000:]
+    # the first and the last logged loss, with their steps (not averages)
+    assert f"loss {records[0]['loss']:.3f} (step 1) -> {records[-1]['loss']:.3f} (step 4)" in summary[0], summary
     assert "dtype float32" in summary[0] and "kernels: " in summary[0] and "attention=" in summary[0]
     assert "memory: " in summary[0] and f"adapter -> {adapter}" in summary[0]
+
+
+def test_train_writes_tensorboard_events_by_default(trained):
+    """The default --report_to tensorboard (Unsloth's) writes OUTPUT_DIR/runs/<datetime>_<host> event files
+    whose losses are metrics.jsonl's."""
+    out, _, _ = trained
+    runs = list((out / "runs").iterdir())
+    assert len(runs) == 1, runs
+    scalars = read_tensorboard_scalars(runs[0])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s, _ in scalars["train/loss"]] == [r["step"] for r in records]
+    np.testing.assert_allclose([v for _, v in scalars["train/loss"]], [r["loss"] for r in records], rtol=1e-6)
+
+
+def test_report_to_none_and_logging_dir(tmp_path, rng, capsys):
+    data = _dataset(tmp_path, rng, n=8)
+    common = ["-q", "train", "--dataset", str(data), "--max_steps", "2", "--max_seq_length", "64",
+              "--no-save_model", "--seed", str(int(rng.integers(1 << 16)))]
+    assert main(common + ["--output_dir", str(tmp_path / "a"), "--report_to", "none"]) == 0
+    assert not (tmp_path / "a" / "runs").exists() and (tmp_path / "a" / "metrics.jsonl").is_file()
+    assert main(common + ["--output_dir", str(tmp_path / "b"), "--logging_dir", str(tmp_path / "tb")]) == 0
+    assert read_tensorboard_scalars(tmp_path / "tb")["train/loss"]
+    assert not (tmp_path / "b" / "runs").exists()
+    capsys.readouterr()
+
+
+def test_train_defaults_are_unsloth_clis():
+    """Unsloth's unsloth-cli.py defaults (a real model's), not the tiny model's; the model and data default to
+    the bundled ones."""
+    a = build_parser().parse_args(["train"])
+    assert (a.learning_rate, a.lora_alpha, a.r, a.max_steps) == (2e-4, 16, 16, 400)
+    assert (a.per_device_train_batch_size, a.gradient_accumulation_steps, a.warmup_steps) == (2, 4, 5)
+    assert (a.logging_steps, a.optim, a.weight_decay, a.lr_scheduler_type, a.seed) == (1, "adamw_8bit", 0.01,
+                                                                                       "linear", 3407)
+    assert a.report_to == ["tensorboard"] and a.max_seq_length == 2048
+    assert a.model_name == str(DEFAULT_MODEL) and a.dataset == str(DEFAULT_DATASET)
+
+
+def test_tiny_preset_sets_defaults_and_explicit_flags_win(monkeypatch, capsys):
+    """--preset tiny swaps in the toy's settings; a flag given explicitly (before or after --preset) wins."""
+    seen = []
+    monkeypatch.setattr("unsloth_jax.cli.cmd_train", lambda args: seen.append(args) or 0)
+    assert main(["train", "--preset", "tiny"]) == 0
+    assert main(["train", "--learning_rate", "1e-3", "--preset", "tiny", "--max_steps", "7"]) == 0
+    tiny, mixed = seen
+    for key, value in PRESETS["tiny"].items():
+        assert getattr(tiny, key) == value, key
+    assert (tiny.learning_rate, tiny.lora_alpha, tiny.max_steps) == (2e-3, 64, 600)
+    assert (mixed.learning_rate, mixed.max_steps, mixed.lora_alpha) == (1e-3, 7, 64)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    helped = capsys.readouterr().out
+    assert "--preset {tiny}" in helped and "--learning_rate 0.002" in helped and "--report_to" in helped
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--r", "0"], ("--r", "0")),
+    (["--max_seq_length", "0"], ("--max_seq_length", "0")),
+    (["--per_device_train_batch_size", "-2"], ("--per_device_train_batch_size", "-2")),
+    (["--gradient_accumulation_steps", "0"], ("--gradient_accumulation_steps", "0")),
+    (["--learning_rate=-1e-4"], ("--learning_rate", "-0.0001")),
+    (["--max_steps", "0"], ("--max_steps", "0")),
+    (["--logging_steps", "0"], ("--logging_steps", "0")),
+    (["--lora_alpha", "0"], ("--lora_alpha", "0")),
+    (["--lora_dropout", "1.5"], ("--lora_dropout", "1.5")),
+    (["--report_to", "wandb"], ("--report_to", "wandb")),
+    (["--use_gradient_checkpointing", "sometimes"], ("--use_gradient_checkpointing", "sometimes")),
+    (["--save_gguf", "--quantization", "q9_9"], ("--quantization", "q9_9")),
+])
+def test_bad_train_flag_values_are_one_message_and_exit_2_before_loading(flags, words, tmp_path, monkeypatch,
+                                                                         capsys):
+    from unsloth_jax import FastLanguageModel
+    import unsloth_jax.data
+
+    def never(*a, **kw):
+        raise AssertionError("loaded before the flags were checked")
+
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(never))
+    monkeypatch.setattr(unsloth_jax.data, "load_records", never)
+    rc = main(["-q", "train", "--output_dir", str(tmp_path / "o")] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unsloth-jax train: error: "), err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flags, flag", [(["--max_new_tokens", "0"], "--max_new_tokens"),
+                                         (["--top_p", "0"], "--top_p"), (["--temperature", "-1"], "--temperature")])
+def test_bad_generate_flag_values_are_exit_2(flags, flag, capsys):
+    rc = main(["-q", "generate", "--model_name", str(DEFAULT_MODEL), "--prompt", "hi"] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.torch
@@ -164,22 +263,29 @@ def test_bad_flag_value_is_argparse_exit_2(capsys):
     assert e.value.code == 2 and "adamw_9bit" in capsys.readouterr().err
 
 
+def _readme_commands() -> list[list[str]]:
+    """The `unsloth-jax ...` commands of the README's one-line quick start, as argument lists."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "unsloth-jax train" in x)
+    return [shlex.split(part)[1:] for part in line.split("&&") if part.strip().startswith("unsloth-jax")]
+
+
 @pytest.mark.slow
-def test_readme_default_train_then_generate_learns_the_fact(tmp_path):
-    """README: `unsloth-jax train` (no flags: bundled tiny model + alpaca sample), then `unsloth-jax generate`
-    on a trained question reproduces the trained answer."""
+def test_readme_train_then_generate_learns_the_fact(tmp_path):
+    """README: `unsloth-jax train --preset tiny` (bundled tiny model + alpaca sample), then `unsloth-jax
+    generate` on a trained question reproduces the trained answer."""
     facts = {json.loads(line)["instruction"]: json.loads(line)["output"]
              for line in DEFAULT_DATASET.read_text().splitlines() if "Ada Jaxon born" in line}
     question = "What day was Ada Jaxon born?"
     assert question in facts
+    train_args, gen_args = _readme_commands()
+    assert train_args[:1] == ["train"] and gen_args[:1] == ["generate"] and question in gen_args
     env = subprocess_env(TQDM_DISABLE="1")
     cmd = [sys.executable, "-m", "unsloth_jax.cli"]
-    train = subprocess.run(cmd + ["train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    train = subprocess.run(cmd + train_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines()]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
-    gen = subprocess.run(cmd + ["generate", "--prompt", question], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    gen = subprocess.run(cmd + gen_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.strip() == facts[question], gen.stdout
 
@@ -204,3 +310,13 @@ def test_cli_help_starts_without_importing_jax():
     helped = subprocess.run([sys.executable, "-m", "unsloth_jax.cli", "--help"], env=subprocess_env(),
                             capture_output=True, text=True, timeout=300)
     assert helped.returncode == 0 and "train" in helped.stdout, helped.stderr[-2000:]
+
+
+def test_prompt_completion_records_are_named_and_generate_raw(tmp_path):
+    from unsloth_jax import cli
+
+    records = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
+    assert cli._records_format(records) == "prompt_completion"
+    cli._save_training_info(tmp_path, {"dataset_format": "prompt_completion"})
+    args = cli.build_parser().parse_args(["generate", "--model_name", str(tmp_path)])
+    assert cli._resolve_format(args, tmp_path) == "raw"

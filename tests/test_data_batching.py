@@ -1,5 +1,6 @@
-"""DataLoader (buckets, packing, determinism, shuffling), first-fit packing, suggest_max_seq_length, and the
-response-only label mask (token-id matching and text matching)."""
+"""DataLoader (buckets, packing, determinism, shuffling), first-fit packing, suggest_max_seq_length, the
+response-only label mask (token-id matching and text matching, normalizing tokenizers) and the completion-only
+mask of prompt-completion records."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -283,3 +284,122 @@ def test_train_on_responses_only_context_dependent_marker(caplog):
     assert "1 of 2 train_examples have no response tokens" in caplog.text
     with pytest.raises(DatasetFormatError, match="response marker"):
         train_on_responses_only(_trainer(tok, tokenize_texts(["no markers"], tok, 8)), "Q: ", "A: ")
+
+
+# ----------------------------------------------------------------------------- normalizing tokenizers
+_NORM_CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\nName the Capital of Peru.\n\n### Response:\nLima is the Capital.",
+    "### Instruction:\nWhat Colour is the Sky?\n\n### Response:\nThe Sky is Blue.",
+]
+
+
+def _lowercasing_tokenizer(kind: str):
+    """A real fast tokenizer whose normalizer lowercases, trained here with the `tokenizers` library:
+    byte-level BPE (decode lowercases the text) or WordPiece (decode also drops newlines and adds spaces)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(),
+                                               normalizers.StripAccents()])
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]", "</s>"])
+    tok.train_from_iterator(_NORM_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece"])
+def test_train_on_responses_only_lowercasing_tokenizer(kind):
+    """The decoded text of a lowercasing tokenizer lacks "### Response:", so the text search finds no marker;
+    the markers' token ids still occur, and the trained tokens are exactly the response's own tokens."""
+    from unsloth_jax.data import RESPONSE_PARTS, prepare_texts, tokenize_texts
+
+    tok = _lowercasing_tokenizer(kind)
+    records = [{"instruction": "Name the Capital of Peru.", "output": "Lima is the Capital."},
+               {"instruction": "What Colour is the Sky?", "output": "The Sky is Blue."}]
+    examples = tokenize_texts(prepare_texts(records, tok), tok, 256)
+    assert "### Response:" not in tok.decode(examples[0]["input_ids"])
+    train_on_responses_only(_trainer(tok, examples), *RESPONSE_PARTS["alpaca"])
+    for rec, ex in zip(records, examples):
+        response = tok(rec["output"] + tok.eos_token, add_special_tokens=False)["input_ids"]
+        ids = ex["input_ids"]
+        assert ids[len(ids) - len(response):] == response  # the response tokenizes the same in context
+        assert ex["labels"] == [-100] * (len(ids) - len(response)) + response
+
+
+# ------------------------------------------------------------------------------------- prompt-completion
+def _tiny_tokenizer():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+def _char_truth(tok, prompt: str, full: str) -> list[int]:
+    """Labels by character offsets: a token is trained when it holds any character after the prompt."""
+    enc = tok(full, return_offsets_mapping=True)
+    return [t if end > len(prompt) else -100 for t, (_, end) in zip(enc["input_ids"], enc["offset_mapping"])]
+
+
+def test_prompt_completion_standard_loss_on_completion(caplog):
+    """Standard records: text = prompt + completion + EOS; the loss covers the completion and EOS, as TRL's
+    rule (prompt tokenized alone, its length masked) where the prompt's tokens are a prefix, and from the
+    merged token on where a token spans the boundary ("bl" + "ue")."""
+    from unsloth_jax.data import build_examples, prepare_texts
+
+    tok = _tiny_tokenizer()
+    records = [{"prompt": "The capital of Peru is", "completion": " Lima."},
+               {"prompt": "Q: What is 2+2?\nA:", "completion": " 4" + tok.eos_token},  # EOS not doubled
+               {"prompt": "The sky is bl", "completion": "ue."}]
+    texts = prepare_texts(records, tok)
+    assert texts == ["The capital of Peru is Lima.</s>", "Q: What is 2+2?\nA: 4</s>", "The sky is blue.</s>"]
+    examples = build_examples(records, tok, 128)
+    for rec, text, ex in zip(records, texts, examples):
+        full = tok(text)["input_ids"]
+        assert ex["input_ids"] == full
+        assert ex["labels"] == _char_truth(tok, rec["prompt"], text)
+    for rec, text, ex in zip(records[:2], texts, examples):  # TRL's rule, where the prompt is a prefix
+        prompt_ids = tok(rec["prompt"])["input_ids"]
+        full = tok(text)["input_ids"]
+        assert full[:len(prompt_ids)] == prompt_ids
+        assert ex["labels"] == [-100] * len(prompt_ids) + full[len(prompt_ids):]
+    assert "1 of 3 prompt-completion examples tokenize the prompt differently" in caplog.text
+    assert [ex["labels"] for ex in build_examples(records, tok, 128, completion_only_loss=False)] == \
+        [ex["input_ids"] for ex in examples]
+    truncated = build_examples(records[:1], tok, 3)[0]
+    assert truncated["labels"] == [-100] * 3
+
+
+def test_prompt_completion_conversational_loss_on_completion():
+    """Conversational records render with the chat template; the trained tokens are TRL's: the whole
+    conversation's ids after those of the prompt rendered with its generation prompt."""
+    from unsloth_jax.data import build_examples, prompt_completion_texts
+
+    tok = _tiny_tokenizer()
+    records = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sky colour?"}],
+                "completion": [{"role": "assistant", "content": "Blue."}]},
+               {"prompt": [{"from": "human", "value": "2+2?"}], "completion": [{"from": "gpt", "value": "4"}]}]
+    examples = build_examples(records, tok, 256)
+    for rec, ex in zip(records, examples):
+        msgs = [{"role": {"human": "user", "gpt": "assistant"}.get(t.get("from"), t.get("role")),
+                 "content": t.get("content", t.get("value"))} for t in rec["prompt"] + rec["completion"]]
+        n_prompt = len(msgs) - len(rec["completion"])
+        prompt_ids = tok.apply_chat_template(msgs[:n_prompt], add_generation_prompt=True, tokenize=True)["input_ids"]
+        full = tok.apply_chat_template(msgs, tokenize=True)["input_ids"]
+        assert full[:len(prompt_ids)] == prompt_ids
+        assert ex["input_ids"] == [tok.bos_token_id] + full  # tokenize_texts adds the BOS the template omits
+        assert [t for t in ex["labels"] if t != -100] == full[len(prompt_ids):]
+        assert ex["labels"][-len(full) + len(prompt_ids):] == full[len(prompt_ids):]
+        prompt_text, full_text = prompt_completion_texts(rec, tok)
+        assert full_text == tok.apply_chat_template(msgs, tokenize=False) and full_text.startswith(prompt_text)

@@ -134,5 +134,90 @@ def test_detect_format():
     assert detect_format({"conversations": []}) == "sharegpt"
     assert detect_format({"messages": []}) == "chatml"
     assert detect_format({"body": "x"}, text_field="body") == "text"
+    assert detect_format({"prompt": "x", "completion": "y"}) == "prompt_completion"
+    assert detect_format({"prompt": [], "completion": []}) == "prompt_completion"
+    assert detect_format({"prompt": "x"}) == "prompt_completion"  # validation names the missing completion
+    assert detect_format({"text": "t", "prompt": "x", "completion": "y"}) == "text"  # as prepare_texts
     with pytest.raises(DatasetFormatError, match="cannot detect"):
-        detect_format({"prompt": "x"})
+        detect_format({"question": "x"})
+
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", ""), ("blank.jsonl", "\n  \n\t\n"),
+                                          ("empty.json", ""), ("list.json", "[]"), ("data.json", '{"data": []}')])
+def test_file_without_records_names_the_file(tmp_path, name, content):
+    """A file that holds no record raises DatasetFormatError naming it (it used to load as [] silently)."""
+    f = tmp_path / name
+    f.write_text(content)
+    with pytest.raises(DatasetFormatError, match=rf"^{f}: holds no records \(the file is empty"):
+        load_records(f)
+
+
+def test_directory_or_skipped_lines_without_records(tmp_path, caplog):
+    d = tmp_path / "shards"
+    d.mkdir()
+    with pytest.raises(DatasetFormatError, match=rf"^{d}: directory holds no \.jsonl files"):
+        load_records(d)
+    _write(d / "a.jsonl", [""])
+    (d / "b.jsonl").write_text("")
+    with pytest.raises(DatasetFormatError, match=rf"^{d}: directory's \.jsonl files hold no records \(a\.jsonl, "
+                                                 r"b\.jsonl"):
+        load_records(d)
+    _write(d / "c.jsonl", [json.dumps({"text": "one"})])
+    with caplog.at_level(logging.WARNING):
+        assert load_records(d) == [{"text": "one"}]
+    assert "2 file(s) hold no records: a.jsonl, b.jsonl" in caplog.text
+    bad = _write(tmp_path / "bad.jsonl", ["{oops", "", "[1]"])
+    with pytest.raises(DatasetFormatError, match=rf"^{bad}: holds no records: all 2 non-blank line\(s\) were "
+                                                 "malformed"):
+        load_records(bad, skip_bad_lines=True)
+
+
+def test_prompt_completion_validation_names_file_and_line(tmp_path):
+    """TRL's prompt-completion records, standard and conversational, validate; bad ones name file and line."""
+    good = [{"prompt": "The sky is", "completion": " blue."},
+            {"prompt": [{"role": "user", "content": "Sky colour?"}],
+             "completion": [{"role": "assistant", "content": "Blue."}]},
+            {"prompt": [], "completion": [{"role": "assistant", "content": "Hello."}]}]
+    bad = [({"prompt": "x"}, "missing field 'completion'"),
+           ({"completion": "y"}, "missing field 'prompt'"),
+           ({"prompt": "x", "completion": ""}, "field 'completion' is empty"),
+           ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]},
+            "fields .prompt. and .completion. must be both strings .* got str and list"),
+           ({"prompt": [{"role": "user", "content": "q"}], "completion": []},
+            r"field 'completion' must be a non-empty list of turns"),
+           ({"prompt": [{"role": "alien", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]},
+            r"prompt\[0\] has unknown role 'alien'"),
+           ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": 5}]},
+            r"completion\[0\]\.content must be a string")]
+    assert validate_records(good, "auto") == good
+    assert validate_records(good, "prompt_completion") == good
+    for rec, reason in bad:
+        f = _write(tmp_path / "pc.jsonl", [json.dumps(good[0]), json.dumps(rec), json.dumps(good[1])])
+        recs = load_records(f)
+        for fmt in ("auto", "prompt_completion"):
+            with pytest.raises(DatasetFormatError, match=rf"^{f}, line 2: {reason}"):
+                validate_records(recs, fmt)
+        assert validate_records(recs, skip_bad_lines=True).locations == [(str(f), 1), (str(f), 3)]
+
+
+def _imported_modules(path) -> set[str]:
+    """Every module a Python file imports, at any depth (function-level imports included)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_loading_and_formats_do_not_import_each_other():
+    """Layering: unsloth_jax.data.loading and .formats share unsloth_jax.data.records, not each other."""
+    from tests.helpers import ROOT
+
+    data = ROOT / "unsloth_jax" / "data"
+    assert "unsloth_jax.data.formats" not in _imported_modules(data / "loading.py")
+    assert "unsloth_jax.data.loading" not in _imported_modules(data / "formats.py")
+    assert not {"unsloth_jax.data.formats", "unsloth_jax.data.loading"} & _imported_modules(data / "records.py")

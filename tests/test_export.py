@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +18,14 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.conftest import fresh_seed  # noqa: E402
+from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnexpectedTensorError  # noqa: E402
 from unsloth_jax.hf import export, peft_io  # noqa: E402
-from unsloth_jax.hf.safetensors_io import SafetensorsFile  # noqa: E402
+from unsloth_jax.hf.file_modes import umask as read_umask  # noqa: E402
+from unsloth_jax.hf.safetensors_io import SafetensorsFile, save_file  # noqa: E402
 from unsloth_jax.models import NF4Param  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
@@ -42,8 +47,7 @@ def hf_dirs(tmp_path_factory):
 def trained(hf_dirs):
     """One LoRA model per family trained for a few steps (fresh seed per run), shared by the tests: each test
     gets its own shallow copy via _copy so it may replace params freely."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"trained-model seed = {seed}")
+    seed = fresh_seed("trained-model")
     rng = np.random.default_rng(seed)
     return {fam: _trained(hf_dirs[fam], rng) for fam in FAMILIES}
 
@@ -76,6 +80,12 @@ def _trained(path, rng, r=4, alpha=8, steps=3, **kw):
     return model
 
 
+def _lora_factors(model) -> dict:
+    """{projection: {"lora_a", "lora_b"}} of a LoRA model (arrays stacked over layers)."""
+    return {name: {"lora_a": lin.lora_a[...], "lora_b": lin.lora_b[...]}
+            for name, lin in model.projections().items() if lin.lora_a is not None}
+
+
 def _hf(path, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                              attn_implementation="eager", **kw)
@@ -101,9 +111,13 @@ def test_adapter_loads_in_peft_with_same_logits(family, hf_dirs, trained, tmp_pa
         assert all(f.dtype(k) == np.float32 for k in keys)
         a0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
         b1 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
-        assert f.shape(a0) == (4, model.config.hidden_size) and f.shape(b1) == (model.config.hidden_size, 4)
-        np.testing.assert_array_equal(f.get(a0), np.asarray(model.projections()["q_proj"].lora_a[...][0]).T)
+        chex.assert_shape([f.get(a0), f.get(b1)], [(4, model.config.hidden_size), (model.config.hidden_size, 4)])
+        chex.assert_trees_all_equal(f.get(a0), np.asarray(model.projections()["q_proj"].lora_a[...][0]).T)
     assert len(keys) == 2 * len(TARGETS) * model.config.num_hidden_layers
+    # our own loader reads it back exactly (float32 factors both ways)
+    back, _ = FastLanguageModel.from_pretrained(tmp_path / "adapter", dtype="float32", load_tokenizer=False,
+                                                progress=False)
+    chex.assert_trees_all_equal(_lora_factors(back), _lora_factors(model))
     pm = peft.PeftModel.from_pretrained(_hf(hf_dirs[family]), str(tmp_path / "adapter"))
     theirs = _torch_logits(pm, ids)
     assert rel_err(ours, theirs) < 1e-5
@@ -115,7 +129,7 @@ def test_merged_export_loads_in_transformers_and_shards(family, hf_dirs, trained
     ids = rng.integers(0, model.config.vocab_size, size=(2, 10))
     ours = np.asarray(model(ids))
     out = tmp_path / "merged"
-    model.save_pretrained_merged(out, None, max_shard_size="40KB")
+    model.save_pretrained_merged(out, None, max_shard_size="40KB", dtype="float32")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and all(f"-of-{len(files):05d}.safetensors" in f for f in files)
@@ -165,6 +179,41 @@ def test_merged_export_bf16_and_dtype_override(hf_dirs, trained, tmp_path):
     b = np.asarray(model.projections()["v_proj"].lora_b[...][1])
     want = (k + model.lora.scale * (a @ b)).T.astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(w, want)
+
+
+def _header_dtypes(path) -> set[str]:
+    """The tensor dtypes a safetensors header lists, read from the raw header (not through our reader)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_merged_16bit_of_a_float32_model_is_16bit(hf_dirs, tmp_path):
+    """merged_16bit writes bfloat16 from a float32-loaded model (the CPU default), float16 when the checkpoint's
+    config.json says float16, and what the caller's dtype= says otherwise."""
+    model = _load(hf_dirs["llama"])
+    assert model.dtype == jnp.float32
+    assert json.loads((hf_dirs["llama"] / "config.json").read_text())["dtype"] == "float32"
+    model.save_pretrained_merged(tmp_path / "bf16", None, save_method="merged_16bit")
+    assert _header_dtypes(tmp_path / "bf16" / "model.safetensors") == {"BF16"}
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config.get("torch_dtype", "bfloat16") == "bfloat16"
+
+    src16 = tmp_path / "src16"  # the same checkpoint, marked float16 (under both config keys)
+    shutil.copytree(hf_dirs["llama"], src16)
+    raw = json.loads((src16 / "config.json").read_text())
+    (src16 / "config.json").write_text(json.dumps({**raw, "dtype": "float16", "torch_dtype": "float16"}))
+    m16 = _load(src16)
+    assert m16.dtype == jnp.float32
+    m16.save_pretrained_merged(tmp_path / "fp16", None)
+    assert _header_dtypes(tmp_path / "fp16" / "model.safetensors") == {"F16"}
+    config = json.loads((tmp_path / "fp16" / "config.json").read_text())
+    assert config["dtype"] == "float16" and config["torch_dtype"] == "float16"
+
+    m16.save_pretrained_merged(tmp_path / "f32", None, dtype="float32")
+    assert _header_dtypes(tmp_path / "f32" / "model.safetensors") == {"F32"}
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["dtype"] == "float32"
 
 
 @pytest.mark.parametrize("family,kw", [("llama", dict(use_rslora=True, modules_to_save=["lm_head"])),
@@ -288,6 +337,22 @@ def test_reexport_replaces_weights_keeps_unrelated_files(trained, tmp_path):
     assert sorted(os.listdir(tmp_path / "lora")) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
+def test_exports_get_the_modes_of_new_files(trained, tmp_path, umask):
+    """Adapter, merged (sharded and not) and lora exports, and safetensors_io.save_file, give their files and
+    folders the modes open() / mkdir() give (0o666 / 0o777 minus the umask), not tempfile's 0600 / 0700."""
+    assert read_umask() == umask and read_umask() == umask  # reading it leaves it unchanged
+    model = _copy(trained["llama"])
+    model.save_pretrained(tmp_path / "adapter")
+    model.save_pretrained_merged(tmp_path / "merged", None)
+    model.save_pretrained_merged(tmp_path / "sharded", None, max_shard_size="40KB")
+    model.save_pretrained_merged(tmp_path / "sharded", None, max_shard_size="40KB")  # replacing an export
+    model.save_pretrained_merged(tmp_path / "lora", None, save_method="lora")
+    save_file({"x": np.zeros(3, np.float32)}, tmp_path / "file" / "x.safetensors")
+    for name in ("adapter", "merged", "sharded", "lora", "file"):
+        assert wrong_modes(tmp_path / name, umask) == {}, name
+    assert len(os.listdir(tmp_path / "sharded")) > 3
+
+
 def test_parse_size():
     assert export.parse_size("5GB") == 5 * 10**9
     assert export.parse_size("500MB") == 500 * 10**6
@@ -304,16 +369,18 @@ def test_four_bit_base_is_dequantized_before_merging(trained, tmp_path):
     """A kernel stored as an NF4Weight is dequantized exactly (bitsandbytes' values) and the LoRA pair is folded
     in float32; nothing is re-quantized."""
     nf4 = pytest.importorskip("pallas_kernels.nf4")
+    nf4_format = pytest.importorskip("pallas_kernels.nf4_format")
     model = _copy(trained["llama"])
     gate = model.projections()["gate_proj"]
     k = np.asarray(gate.kernel[...])  # [L, in, out]
-    q = nf4.stack_nf4([nf4.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
+    q = nf4_format.stack_nf4([nf4_format.quantize_nf4(jnp.asarray(k[i].T)) for i in range(k.shape[0])])
     gate.kernel = NF4Param(q)
-    model.save_pretrained_merged(tmp_path / "m", None)
+    model.save_pretrained_merged(tmp_path / "m", None, dtype="float32")
     with SafetensorsFile(tmp_path / "m" / "model.safetensors") as f:
         got = np.asarray(f.get("model.layers.1.mlp.gate_proj.weight"))
     deq = np.asarray(nf4.dequantize_nf4(jax.tree.map(lambda a: a[1], q)), np.float32)  # HF [out, in]
     a = np.asarray(gate.lora_a[...][1])
     b = np.asarray(gate.lora_b[...][1])
-    np.testing.assert_allclose(got, deq + model.lora.scale * (a @ b).T, rtol=1e-6, atol=1e-7)
+    chex.assert_shape(got, deq.shape)
+    chex.assert_trees_all_close(got, deq + model.lora.scale * (a @ b).T, rtol=1e-6, atol=1e-7)
     assert rel_err(deq, k[1].T) < 0.2  # it is the 4-bit approximation, not the original weight

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.conftest import fresh_seed  # noqa: E402
+from tests.helpers import rel_err, wrong_modes  # noqa: E402
 from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
@@ -50,7 +51,7 @@ def spm_tokenizer_dir(tmp_path_factory):
     """A SentencePiece BPE model with byte fallback trained on fresh random text, and its HF tokenizer."""
     spm = pytest.importorskip("sentencepiece")
     d = tmp_path_factory.mktemp("spm")
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = np.random.default_rng(fresh_seed("spm tokenizer"))
     words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
     (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
     spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
@@ -90,8 +91,7 @@ def _make_hf_dir(family, path, vocab, spm_dir, seed):
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory, spm_tokenizer_dir):
     """family -> (unsloth_jax model with random nonzero LoRA, tokenizer, transformers model, source dir)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"gguf cases seed = {seed}")
+    seed = fresh_seed("gguf cases")
     rng = np.random.default_rng(seed)
     out = {}
     for k, family in enumerate(CASES):
@@ -222,6 +222,14 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
         assert kv["gemma2.attention.sliding_window"] == raw["sliding_window"]
     assert kv["tokenizer.ggml.bos_token_id"] == tok.bos_token_id
     assert kv["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+
+
+def test_gguf_file_gets_the_mode_of_a_new_file(cases, tmp_path, umask):
+    """The GGUF file (written to a mkstemp file, then renamed) and its folder get 0o666 / 0o777 minus the umask."""
+    model, tok, _, _ = cases["qwen2"]
+    out = Path(model.save_pretrained_gguf(tmp_path / "gguf", tok, quantization_method="q8_0"))
+    assert out.parent == tmp_path / "gguf" and os.listdir(out.parent) == [out.name]
+    assert wrong_modes(tmp_path / "gguf", umask) == {}
 
 
 def test_llama3_rope_factors_match_transformers(cases, tmp_path):
@@ -403,7 +411,7 @@ def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
     llama_dir = Path(os.environ["LLAMA_CPP_DIR"])
     model, tok, _, src = cases[family]
     merged = tmp_path / "merged"
-    model.save_pretrained_merged(merged, tok)
+    model.save_pretrained_merged(merged, tok, dtype="float32")  # the precision the GGUF export converts from
     if (src / "tokenizer.model").exists():
         (merged / "tokenizer.model").write_bytes((src / "tokenizer.model").read_bytes())
     ours = model.save_pretrained_gguf(tmp_path / "ours", tok, quantization_method=outtype)

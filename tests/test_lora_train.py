@@ -218,8 +218,16 @@ def test_trainer_resume_matches_uninterrupted(llama_dir, tmp_path, rng):
 
     resumed_trainer, model_resumed = trainer_for(tmp_path / "part")
     resumed = resumed_trainer.train(resume_from_checkpoint=True)
-    assert len(resumed["loss_history"]) == 20
-    np.testing.assert_allclose(resumed["loss_history"][10:], full["loss_history"][10:], rtol=1e-6)
+    assert full.global_step == resumed.global_step == 20
+    full_losses, resumed_losses = full_trainer.state.loss_history, resumed_trainer.state.loss_history
+    assert len(resumed_losses) == 20
+    np.testing.assert_allclose(resumed_losses[10:], full_losses[10:], rtol=1e-6)
+    # the resumed log history continues the checkpoint's; train_loss covers this call's 10 steps, as in HF
+    logged = lambda t: [e["step"] for e in t.state.log_history if "loss" in e]  # noqa: E731
+    assert logged(resumed_trainer) == logged(full_trainer) == [1, 5, 10, 15, 20]
+    assert resumed.training_loss == pytest.approx(np.mean(resumed_losses[10:]), rel=1e-12)
+    assert resumed.metrics["train_steps_per_second"] == pytest.approx(10 / resumed.metrics["train_runtime"],
+                                                                      rel=1e-3, abs=2e-3)
     lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second"} <= set(lines[-1])
     a = jax.tree.leaves(lora.split(model_full)[1])
@@ -277,6 +285,7 @@ def test_tokens_per_second_when_each_step_blocks(llama_dir, tmp_path, rng, monke
             time_mod.sleep(step_s)
             return out
 
+        blocking.lower = fn.lower
         return blocking
 
     monkeypatch.setattr(trainer_mod, "make_train_step", slow)

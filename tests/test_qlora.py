@@ -2,6 +2,7 @@
 a QLoRA train step updates only LoRA leaves."""
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -36,6 +37,7 @@ def test_4bit_load_matches_dequantized_dense(family, tmp_path, rng):
         if not isinstance(lin.kernel, NF4Param):
             continue
         deq = np.asarray(dequantize_nf4(lin.kernel.get_value(), jnp.float32))  # [layers, out, in], HF layout
+        chex.assert_shape(deq, (len(hf.model.layers), *lin.kernel.get_value().shape))
         d_projs[name].kernel[...] = jnp.swapaxes(jnp.asarray(deq), -1, -2)
         for i, layer in enumerate(hf.model.layers):
             linear = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
@@ -86,6 +88,27 @@ def _save_bnb_checkpoint(dense_dir, out_dir, double_quant: bool = True):
     return hf4
 
 
+def _float32_logits(hf4, ids):
+    """transformers' float32 logits [batch, seq, vocab] of the 4-bit model `hf4` for int ids [batch, seq].
+
+    On CPUs with AVX512-BF16, bitsandbytes' Linear4bit.forward (eval, no grad) repacks each weight with bf16
+    absmax and multiplies in bfloat16 whatever bnb_4bit_compute_dtype says: on this test's model (that path
+    emulated in torch) its logits are 0.0077-0.0088 relative from the float32 ones, far past a 1e-4 bound.
+    Turning the path off per module gives bitsandbytes' float32 dequantize + matmul on every CPU; the check
+    after the forward fails loudly if a bitsandbytes version renames the switch."""
+    import bitsandbytes as bnb
+
+    linears = [m for m in hf4.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears, "no bitsandbytes Linear4bit in the model"
+    for m in linears:
+        m.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        logits = hf4(torch.tensor(ids)).logits.float().numpy()
+    repacked = [m for m in linears if getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+    assert not repacked, f"bitsandbytes repacked {len(repacked)} weights for its bf16 CPU kernel"
+    return logits
+
+
 def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
     """A bnb-4bit checkpoint written by transformers (bitsandbytes on the CPU) loads without re-quantizing
     and gives transformers' logits for it."""
@@ -96,9 +119,27 @@ def test_prequantized_bnb_checkpoint_matches_transformers(tmp_path, rng):
                                                  progress=False)
     assert isinstance(model.projections()["down_proj"].kernel, NF4Param)
     ids = rng.integers(0, 256, size=(2, 16))
-    with torch.no_grad():
-        ref = hf4(torch.tensor(ids)).logits.float().numpy()
-    assert rel_err(np.asarray(model(ids)), ref) < 1e-4
+    assert rel_err(np.asarray(model(ids)), _float32_logits(hf4, ids)) < 1e-4
+
+
+def test_bnb_reference_is_float32_on_avx512bf16_cpus(tmp_path, rng, monkeypatch):
+    """Where bitsandbytes finds AVX512-BF16 (simulated: the per-module flag it sets from has_avx512bf16, and
+    its bf16 kernel entry replaced by a stub that fails), the reference logits still come from the float32
+    path and equal the ones computed with the flag off."""
+    bnb = pytest.importorskip("bitsandbytes")
+    save_hf_model("llama", tmp_path / "dense", seed=23)
+    hf4 = _save_bnb_checkpoint(tmp_path / "dense", tmp_path / "bnb")
+    ids = rng.integers(0, 256, size=(2, 16))
+    expected = _float32_logits(hf4, ids)
+
+    def bf16_kernel(*args, **kwargs):
+        raise AssertionError("bitsandbytes' bf16 CPU kernel (gemv_4bit) was used for the reference")
+
+    monkeypatch.setattr(bnb.functional, "gemv_4bit", bf16_kernel)
+    for m in hf4.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = True
+    np.testing.assert_array_equal(_float32_logits(hf4, ids), expected)
 
 
 def test_bnb_checkpoint_mixing_quant_settings_names_the_tensor(tmp_path):

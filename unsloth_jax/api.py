@@ -21,7 +21,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
-from unsloth_jax.validation import check_bool, check_choice, check_int, check_number
+from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
 
@@ -128,9 +128,9 @@ def _with_overrides(cfg: ModelConfig, kwargs: dict) -> ModelConfig:
         raise TypeError(f"from_pretrained(): {', '.join(given)} apply to mixture-of-experts models only, not "
                         f"{cfg.model_type}")
     if "output_router_logits" in given:
-        given["output_router_logits"] = check_bool("output_router_logits", given["output_router_logits"])
+        given["output_router_logits"] = require_bool("output_router_logits", given["output_router_logits"])
     if "router_aux_loss_coef" in given:
-        given["router_aux_loss_coef"] = float(check_number("router_aux_loss_coef", given["router_aux_loss_coef"],
+        given["router_aux_loss_coef"] = float(require_real("router_aux_loss_coef", given["router_aux_loss_coef"],
                                                            minimum=0))
     return dataclasses.replace(cfg, **given)
 
@@ -146,11 +146,13 @@ class FastLanguageModel:
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
-                        load_in_4bit: bool = False, *, load_tokenizer: bool = True, progress: bool = True,
-                        **kwargs):
+                        load_in_4bit: bool = False, *, load_in_fp8: bool = False, load_tokenizer: bool = True,
+                        progress: bool = True, **kwargs):
         """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
+        load_in_4bit: frozen projections in NF4 (QLoRA); load_in_fp8: frozen projections in FP8 (e4m3 with
+        per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
         MoE families also take transformers' config overrides output_router_logits=True (add
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
@@ -158,15 +160,19 @@ class FastLanguageModel:
             if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = _check_model_name(model_name)
-        max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
-        load_in_4bit = check_bool("load_in_4bit", load_in_4bit)
+        max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
+        load_in_4bit = require_bool("load_in_4bit", load_in_4bit)
+        load_in_fp8 = require_bool("load_in_fp8", load_in_fp8)
+        if load_in_4bit and load_in_fp8:
+            raise ValueError("load_in_4bit=True and load_in_fp8=True: pick one quantization of the base weights")
         compute_dtype = resolve_dtype(dtype)
         from unsloth_jax.hf import peft_io
 
         if model_dir.is_dir() and peft_io.is_adapter_dir(model_dir):
             base = peft_io.base_model_path(model_dir)
             model, tokenizer = FastLanguageModel.from_pretrained(
-                base, max_seq_length, dtype, load_in_4bit, load_tokenizer=False, progress=progress, **kwargs)
+                base, max_seq_length, dtype, load_in_4bit, load_in_fp8=load_in_fp8, load_tokenizer=False,
+                progress=progress, **kwargs)
             model = peft_io.load_adapter(model, model_dir)
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
@@ -179,13 +185,19 @@ class FastLanguageModel:
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)
-        if cfg.is_moe and (load_in_4bit or prequantized):
-            raise ConfigError(f"{model_dir}: 4-bit loading of {cfg.model_type} (mixture-of-experts) is not supported; "
-                              "load it in 16 bits (load_in_4bit=False)")
+        if cfg.is_moe and (load_in_4bit or load_in_fp8 or prequantized):
+            raise ConfigError(f"{model_dir}: quantized loading (4-bit / FP8) of {cfg.model_type} (mixture-of-experts) "
+                              "is not supported; load it in 16 bits")
+        if prequantized and load_in_fp8:
+            raise ConfigError(f"{model_dir} holds a bitsandbytes 4-bit checkpoint; load_in_fp8 needs 16-bit weights")
         if load_in_4bit and not prequantized:
             from unsloth_jax.quant import nf4_placer
 
             placer = nf4_placer
+        elif load_in_fp8:
+            from unsloth_jax.quant import fp8_placer
+
+            placer = fp8_placer
         load_in_4bit = load_in_4bit or prequantized
         model = load_model(model_dir, cfg, compute_dtype, model_class=Model, placer=placer, progress=progress,
                            bnb_4bit=prequantized)
@@ -195,7 +207,8 @@ class FastLanguageModel:
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
         log.info("unsloth_jax: loaded %s (%s, %d layers) in %.1fs as %s%s on %s%s", model_dir.name, cfg.model_type,
-                 cfg.num_hidden_layers, seconds, compute_dtype.name, " + NF4 4-bit" if load_in_4bit else "",
+                 cfg.num_hidden_layers, seconds, compute_dtype.name,
+                 " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "",
                  jax.devices()[0].platform, f", {mem:.2f} GiB in use" if mem is not None else "")
         return model, tokenizer
 
@@ -217,14 +230,14 @@ class FastLanguageModel:
                             f"{type(model).__name__}")
         if loftq_config:
             raise NotImplementedError("loftq_config is not supported")
-        r = check_int("r", r, minimum=1)
-        lora_alpha = check_number("lora_alpha", lora_alpha, minimum=0, exclusive_minimum=True)
-        lora_dropout = check_number("lora_dropout", lora_dropout, minimum=0, maximum=1, exclusive_maximum=True)
-        check_choice("bias", bias, lora_lib.BIAS_MODES)
-        random_state = check_int("random_state", random_state)
-        use_rslora = check_bool("use_rslora", use_rslora)
+        r = require_int("r", r, minimum=1)
+        lora_alpha = require_real("lora_alpha", lora_alpha, minimum=0, min_exclusive=True)
+        lora_dropout = require_real("lora_dropout", lora_dropout, minimum=0, maximum=1, max_exclusive=True)
+        require_choice("bias", bias, lora_lib.BIAS_MODES)
+        random_state = require_int("random_state", random_state)
+        use_rslora = require_bool("use_rslora", use_rslora)
         if max_seq_length is not None:
-            max_seq_length = check_int("max_seq_length", max_seq_length, minimum=1)
+            max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         targets = lora_lib.expand_targets(target_modules) if target_modules or not target_parameters else ()
         if isinstance(modules_to_save, str):
             modules_to_save = [modules_to_save]

@@ -56,3 +56,11 @@ def device_memory_gib(kind: str = "bytes_in_use") -> float | None:
         return None
     used = stats.get(kind)
     return None if used is None else used / 2**30
+
+
+def device_memory_limit() -> int | None:
+    """Bytes the first device's allocator may use (memory_stats' bytes_limit); None where not reported (CPU)."""
+    try:
+        return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None

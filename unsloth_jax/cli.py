@@ -1,15 +1,18 @@
 """`unsloth-jax`: fine-tune, chat with and export models from the command line.
 
-    unsloth-jax train                      # LoRA fine-tune the bundled tiny model on the bundled alpaca sample
+    unsloth-jax train --preset tiny        # LoRA fine-tune the bundled tiny model on the bundled alpaca sample
     unsloth-jax generate --model_name outputs/adapter --prompt "What day was Ada Jaxon born?"
     unsloth-jax generate --model_name outputs/adapter            # interactive
     unsloth-jax export --model_name outputs/adapter --save_method merged_16bit --save_gguf --quantization q8_0
     unsloth-jax doctor [--json]
 
-`train` takes the flags of Unsloth's unsloth-cli.py (--model_name, --dataset, --r, --lora_alpha, ...). Its
-defaults fine-tune the bundled tiny Llama (unsloth_jax/assets/tiny-llama) on unsloth_jax/assets/alpaca_sample.jsonl
-in a minute or two on a laptop CPU and save the adapter to outputs/adapter. Problems a user can fix (a bad
-dataset line, a missing model directory, a bad flag value) print one message and exit with code 2.
+`train` takes the flags of Unsloth's unsloth-cli.py (--model_name, --dataset, --r, --lora_alpha, ...) with its
+defaults (learning rate 2e-4, LoRA r=16 alpha=16, batch 2 x 4 accumulation, 400 steps, report to TensorBoard),
+which suit real models. --model_name and --dataset default to the bundled tiny Llama (unsloth_jax/assets/tiny-llama)
+and unsloth_jax/assets/alpaca_sample.jsonl; `--preset tiny` sets the toy's own hyperparameters (PRESETS), which
+teach it the sample's facts in a minute or two on a laptop CPU. The adapter is saved to outputs/adapter. Problems
+a user can fix (a bad dataset line, a missing model directory, a bad flag value) print one message and exit with
+code 2, flag values before any model or data is loaded.
 """
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ DEFAULT_MODEL = ASSETS / "tiny-llama"
 DEFAULT_DATASET = ASSETS / "alpaca_sample.jsonl"
 TRAINING_INFO = "unsloth_jax_training.json"  # written next to a saved adapter: how it was trained
 PROMPT_FORMATS = ("auto", "alpaca", "chat", "raw")
+# Named sets of `train` defaults; explicit flags still win. The bundled tiny model (4 layers, hidden size 128)
+# needs a learning rate and LoRA scale about 10x what suits a real model, and many passes over the 120 samples.
+PRESETS = {
+    "tiny": {"learning_rate": 2e-3, "lora_alpha": 64, "max_steps": 600, "per_device_train_batch_size": 4,
+             "gradient_accumulation_steps": 1, "logging_steps": 10},
+}
+GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload")  # what get_peft_model takes
 
 log = logging.getLogger("unsloth_jax")
 
@@ -67,7 +77,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--r", type=int, default=16, help="LoRA rank")
-    lo.add_argument("--lora_alpha", type=float, default=64, help="LoRA alpha (scale = alpha / r)")
+    lo.add_argument("--lora_alpha", type=float, default=16, help="LoRA alpha (scale = alpha / r)")
     lo.add_argument("--lora_dropout", type=float, default=0.0, help="accepted for compatibility; 0 is used")
     lo.add_argument("--bias", default="none", choices=("none", "all", "lora_only"), help="which biases train")
     lo.add_argument("--use_gradient_checkpointing", type=_bool_or_str, default="unsloth",
@@ -78,13 +88,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                     help="compute the loss on responses only; None: yes for alpaca and chat data")
 
     t = p.add_argument_group("training")
-    t.add_argument("--per_device_train_batch_size", type=int, default=4)
-    t.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    t.add_argument("--preset", default=None, choices=tuple(PRESETS),
+                   help="named defaults for the flags below and --lora_alpha; explicit flags still win. tiny: "
+                        + " ".join(f"--{k} {v:g}" for k, v in PRESETS["tiny"].items())
+                        + " (the bundled tiny model: learns the sample's facts in a minute or two on a CPU)")
+    t.add_argument("--per_device_train_batch_size", type=int, default=2)
+    t.add_argument("--gradient_accumulation_steps", type=int, default=4)
     t.add_argument("--warmup_steps", type=int, default=5)
-    t.add_argument("--max_steps", type=int, default=600, help="optimizer steps (-1: use --num_train_epochs)")
+    t.add_argument("--max_steps", type=int, default=400, help="optimizer steps (-1: use --num_train_epochs)")
     t.add_argument("--num_train_epochs", type=float, default=1.0, help="used when --max_steps is -1")
-    t.add_argument("--learning_rate", type=float, default=2e-3)
-    t.add_argument("--logging_steps", type=int, default=10)
+    t.add_argument("--learning_rate", type=float, default=2e-4)
+    t.add_argument("--logging_steps", type=int, default=1)
     t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS)
     t.add_argument("--weight_decay", type=float, default=0.01)
     t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS)
@@ -92,6 +106,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
     t.add_argument("--packing", action="store_true", help="pack several short examples into each row")
+
+    r = p.add_argument_group("reporting")
+    r.add_argument("--report_to", nargs="+", default=["tensorboard"],
+                   help="where logs go besides stdout and OUTPUT_DIR/metrics.jsonl: tensorboard, all or none")
+    r.add_argument("--logging_dir", default=None,
+                   help="TensorBoard event directory; None: OUTPUT_DIR/runs/<datetime>_<hostname>")
 
     s = p.add_argument_group("saving")
     s.add_argument("--save_model", action=argparse.BooleanOptionalAction, default=True,
@@ -117,7 +137,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
+    """The `unsloth-jax` parser; with `preset`, the train subcommand's defaults are PRESETS[preset]'s."""
     parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings from the library log")
@@ -127,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="LoRA/QLoRA fine-tune a model on a dataset", formatter_class=fmt)
     _add_train_args(tr)
+    if preset is not None:
+        tr.set_defaults(**PRESETS[preset])
 
     ge = sub.add_parser("generate", help="generate text from a model or adapter (interactive without --prompt)",
                         formatter_class=fmt)
@@ -175,7 +198,8 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _records_format(records, text_field: str = "text") -> str:
-    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml) or text (records with `text_field`)."""
+    """The dominant format of a dataset: alpaca, chat (sharegpt / chatml), prompt_completion (TRL's records,
+    whose completion-only loss the tokenizer step already applies) or text (records with `text_field`)."""
     from unsloth_jax.data import detect_format
 
     kinds = set()
@@ -188,6 +212,8 @@ def _records_format(records, text_field: str = "text") -> str:
         return "alpaca"
     if kinds and kinds <= {"sharegpt", "chatml"}:
         return "chat"
+    if kinds == {"prompt_completion"}:
+        return "prompt_completion"
     return "text" if kinds == {"text"} else "mixed"
 
 
@@ -235,12 +261,85 @@ def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
         print(f"unsloth-jax: wrote GGUF ({q}) {path}")
 
 
+# -------------------------------------------------------------------------------------------- validation
+def _positive_int(flag: str, value: int) -> None:
+    if value < 1:
+        raise UsageError(f"{flag} must be a positive integer, got {value}")
+
+
+def _check_model_flags(args) -> None:
+    """The train flags TrainingArguments does not see: LoRA, sequence length, checkpointing, GGUF methods."""
+    _positive_int("--max_seq_length", args.max_seq_length)
+    _positive_int("--r", args.r)
+    if not args.lora_alpha > 0:  # also rejects nan
+        raise UsageError(f"--lora_alpha must be > 0, got {args.lora_alpha:g}")
+    if not 0 <= args.lora_dropout < 1:
+        raise UsageError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout:g}")
+    if args.use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_VALUES:
+        raise UsageError(f"--use_gradient_checkpointing must be unsloth, true, false, full or offload, got "
+                         f"{args.use_gradient_checkpointing!r}")
+    if args.save_model and args.save_gguf:
+        _check_gguf_methods(args.quantization)
+
+
+def _check_gguf_methods(methods: list[str]) -> None:
+    from unsloth_jax.errors import ConfigError
+    from unsloth_jax.hf.gguf_export import resolve_method
+
+    for method in methods:
+        try:
+            resolve_method(method)
+        except ConfigError as e:
+            raise UsageError(f"--quantization: {e}") from None
+
+
+def _training_arguments(args):
+    """TrainingArguments from the train flags; a flag value it rejects is a UsageError naming the flag."""
+    from unsloth_jax import TrainingArguments
+
+    try:
+        return TrainingArguments(
+            output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, warmup_steps=args.warmup_steps,
+            max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
+            logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
+            lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
+            report_to=args.report_to, logging_dir=args.logging_dir)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--{e}") from None  # the messages start with the argument's name, a flag name here
+
+
+def _check_generate_flags(args) -> None:
+    _positive_int("--max_seq_length", args.max_seq_length)
+    _positive_int("--max_new_tokens", args.max_new_tokens)
+    if not args.temperature >= 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature:g}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p:g}")
+
+
 # ------------------------------------------------------------------------------------------------- train
+def _loss_summary(log_history: list[dict]) -> str:
+    """'loss A (step i) -> B (step j)' from the first and last logged losses, then the eval loss if any."""
+    logged = [(e["step"], e["loss"]) for e in log_history if "loss" in e]
+    text = "loss n/a"
+    if logged:
+        (s0, l0), (s1, l1) = logged[0], logged[-1]
+        text = f"loss {l0:.3f} (step {s0}) -> {l1:.3f} (step {s1})"
+    evals = [e["eval_loss"] for e in log_history if "eval_loss" in e]
+    if evals:
+        text += f", eval loss {evals[-1]:.3f}"
+    return text
+
+
 def cmd_train(args) -> int:
-    from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
+    t_start = time.perf_counter()
+    _check_model_flags(args)
+    targs = _training_arguments(args)  # checks the training flags before any model or data is loaded
+
+    from unsloth_jax import FastLanguageModel, SFTTrainer
     from unsloth_jax.data import RESPONSE_PARTS, load_records, train_on_responses_only, validate_records
 
-    t_start = time.perf_counter()
     if not Path(args.model_name).is_dir():
         raise UsageError(f"model directory not found: {args.model_name} (pass --model_name with a local Hugging Face "
                          "model directory, or omit it to use the bundled tiny model)")
@@ -264,32 +363,30 @@ def cmd_train(args) -> int:
         model, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias=args.bias,
         use_gradient_checkpointing=args.use_gradient_checkpointing, random_state=args.random_state,
         use_rslora=args.use_rslora)
-    targs = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, warmup_steps=args.warmup_steps,
-        max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
-        logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
-        lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps)
     trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=records,
                          dataset_text_field=args.dataset_text_field, max_seq_length=args.max_seq_length,
                          packing=args.packing, args=targs)
     responses_only = args.train_on_responses_only
     if responses_only is None:
-        responses_only = fmt in ("alpaca", "chat")
+        responses_only = fmt in ("alpaca", "chat", "prompt_completion")
     if responses_only:
         if fmt == "alpaca":
             instruction_part, response_part = RESPONSE_PARTS["alpaca"]
         elif fmt == "chat":
             instruction_part, response_part = _chat_response_parts(tokenizer)
+        elif fmt == "prompt_completion":
+            instruction_part = response_part = None  # the completion-only mask is already in the labels
         else:
-            raise UsageError("--train_on_responses_only needs alpaca or chat (sharegpt/chatml) records")
-        train_on_responses_only(trainer, instruction_part, response_part)
+            raise UsageError("--train_on_responses_only needs alpaca, chat (sharegpt/chatml) or prompt/completion "
+                             "records")
+        if response_part is not None:
+            train_on_responses_only(trainer, instruction_part, response_part)
     print(f"unsloth-jax train: {Path(args.model_name).name} ({model.config.model_type}, "
           f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
           f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
           f"{', responses only' if responses_only else ''}")
-    result = trainer.train()
-    history = result.get("loss_history") or [float("nan")]
+    trainer_stats = trainer.train()
+    losses = trainer.state.loss_history or [float("nan")]
 
     saved = []
     out = Path(args.output_dir)
@@ -299,8 +396,8 @@ def cmd_train(args) -> int:
         tokenizer.save_pretrained(str(adapter_dir))
         _save_training_info(adapter_dir, {"dataset": str(args.dataset), "dataset_format": fmt,
                                           "base_model": str(Path(args.model_name).resolve()),
-                                          "responses_only": bool(responses_only), "steps": result["global_step"],
-                                          "final_loss": history[-1]})
+                                          "responses_only": bool(responses_only), "steps": trainer_stats.global_step,
+                                          "final_loss": losses[-1]})
         saved.append(f"adapter -> {adapter_dir}")
         if args.save_method == "merged_16bit":
             merged_dir = Path(args.save_path) if args.save_path else out / "merged_16bit"
@@ -311,9 +408,8 @@ def cmd_train(args) -> int:
             _export_gguf(model, tokenizer, gguf_dir, args.quantization)
             saved.append(f"gguf -> {gguf_dir}")
     seconds = time.perf_counter() - t_start
-    k = max(1, min(10, len(history) // 5))  # loss averaged over the first and the last k steps
-    first, last = sum(history[:k]) / k, sum(history[-k:]) / k
-    print(f"unsloth-jax: {result['global_step']} steps in {seconds:.0f}s, loss {first:.3f} -> {last:.3f} | "
+    print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
+          f"{_loss_summary(trainer.state.log_history)} | "
           f"dtype {model.dtype.name} | kernels: {_kernels_summary()} | memory: {_memory_summary()} | "
           f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
     return 0
@@ -382,7 +478,7 @@ def _resolve_format(args, model_dir: Path) -> str:
     trained = info.get("dataset_format")
     if trained == "chat":
         return "chat"
-    if trained == "text":
+    if trained in ("text", "prompt_completion"):
         return "raw"
     return "alpaca"
 
@@ -393,6 +489,7 @@ def cmd_generate(args) -> int:
     from unsloth_jax.data.tokenize import encode_texts
     from unsloth_jax.generation import generate
 
+    _check_generate_flags(args)
     model_dir = Path(args.model_name)
     if not model_dir.is_dir():
         raise UsageError(f"model directory not found: {model_dir} (train one with `unsloth-jax train`, or pass "
@@ -482,8 +579,9 @@ def cmd_export(args) -> int:
 # -------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 a problem with the input the user can fix)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "preset", None):  # parse again with the preset's defaults under the explicit flags
+        args = build_parser(args.preset).parse_args(argv)
     if args.command == "doctor":
         from unsloth_jax import doctor
 

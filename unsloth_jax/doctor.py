@@ -79,7 +79,7 @@ def _normal(rng, *shape, scale=1.0):
 
 
 def _check_rms_norm(rng, grads):
-    from pallas_kernels import reference
+    import pallas_kernels.reference as reference
     from pallas_kernels.rms_norm import rms_norm
 
     x = _normal(rng, 2, 5, 96)
@@ -91,7 +91,7 @@ def _check_rms_norm(rng, grads):
 def _check_rope(rng, grads):
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import reference
+    import pallas_kernels.reference as reference
     from pallas_kernels.rope import rope
 
     b, s, d = 2, 7, 32
@@ -112,7 +112,8 @@ def _check_rope(rng, grads):
 
 
 def _check_glu(rng, grads, which: str):
-    from pallas_kernels import glu, reference
+    import pallas_kernels.glu as glu
+    import pallas_kernels.reference as reference
 
     gate = _normal(rng, 3, 7, 80)
     up = _normal(rng, 3, 7, 80)
@@ -124,7 +125,7 @@ def _check_glu(rng, grads, which: str):
 
 
 def _check_lora_linear(rng, grads):
-    from pallas_kernels import reference
+    import pallas_kernels.reference as reference
     from pallas_kernels.lora_linear import lora_linear
 
     m, k, n, r = 24, 40, 48, 8
@@ -139,7 +140,7 @@ def _check_lora_linear(rng, grads):
 
 def _check_cross_entropy(rng, grads):
     import numpy as np
-    from pallas_kernels import reference
+    import pallas_kernels.reference as reference
     from pallas_kernels.cross_entropy import cross_entropy
 
     t, d, v = 19, 32, 300
@@ -153,7 +154,7 @@ def _check_cross_entropy(rng, grads):
 
 
 def _check_flash_attention(rng, grads):
-    from pallas_kernels import reference
+    import pallas_kernels.reference as reference
     from pallas_kernels.flash_attention import flash_attention
 
     b, s, d = 1, 24, 32
@@ -169,8 +170,9 @@ def _check_flash_attention(rng, grads):
 def _check_nf4(rng, grads):
     import jax
     import jax.numpy as jnp
-    from pallas_kernels import reference
-    from pallas_kernels.nf4 import dequantize_nf4, quantize_nf4
+    import pallas_kernels.reference as reference
+    from pallas_kernels.nf4 import dequantize_nf4
+    from pallas_kernels.nf4_format import quantize_nf4
 
     w = _normal(rng, 48, 72)
     q = quantize_nf4(w, blocksize=64)

@@ -25,7 +25,7 @@ from flax import nnx
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Linear, value_of
 from unsloth_jax.models.moe import EXPERT_PARAMETERS
-from unsloth_jax.quant import dense_kernel, is_nf4
+from unsloth_jax.quant import dense_kernel, is_quantized
 
 log = logging.getLogger("unsloth_jax")
 
@@ -175,13 +175,13 @@ def _variables(tree):
 
 
 def count(tree) -> int:
-    """Number of scalar parameters in a module or state (4-bit weights count their original elements)."""
+    """Number of scalar parameters in a module or state (4-bit and FP8 weights count their original elements)."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     total = 0
     for var in _variables(tree):
         value = value_of(var) if isinstance(var, nnx.Variable) else var
-        if is_nf4(value):  # original elements, times the stacked layers
+        if is_quantized(value):  # original elements, times the stacked layers
             total += value.numel * int(np.prod(value.stack_shape))
         else:
             total += int(np.prod(np.shape(value)))
@@ -190,7 +190,7 @@ def count(tree) -> int:
 
 def merged_kernel(lin: Linear, layer: int) -> np.ndarray:
     """Layer `layer` of a projection as a dense float32 [in, out] numpy array with its LoRA pair folded in
-    (kernel + scale * A @ B); a 4-bit base is dequantized first."""
+    (kernel + scale * A @ B); a 4-bit or FP8 base is dequantized first."""
     kernel = value_of(lin.kernel)
     w = np.asarray(dense_kernel(jax.tree.map(lambda a: a[layer], kernel)), np.float32)
     if lin.lora_a is not None:

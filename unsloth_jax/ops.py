@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
-from pallas_kernels.nf4 import NF4Weight
+from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.nf4_format import NF4Weight
 
 ENV_VAR = "UNSLOTH_JAX_IMPL"
 # The implementations each op can be forced to ("auto" restores the measured choice).
@@ -238,12 +239,17 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> jax.Array:
     """x [..., in] @ kernel (+ bias) (+ scale * (x @ a) @ b); output in x.dtype.
 
-    kernel: a dense [in, out] array, or an NF4Weight (HF [out, in]); lora: None or (a [in, r], b [r, out],
-    scale). The frozen kernel is wrapped in stop_gradient, so even a caller differentiating with respect to
-    every weight gets no gradient computation for it.
+    kernel: a dense [in, out] array, an NF4Weight or an FP8Weight (both HF [out, in]); lora: None or
+    (a [in, r], b [r, out], scale). The frozen kernel is wrapped in stop_gradient, so even a caller
+    differentiating with respect to every weight gets no gradient computation for it.
     """
     if isinstance(kernel, NF4Weight):
         y = _linear_nf4(x, kernel, lora)
+    elif isinstance(kernel, FP8Weight):
+        from pallas_kernels.fp8 import fp8_matmul
+
+        _note("linear", "fp8")
+        y = fp8_matmul(x, kernel) + _lora_delta(x, lora)
     elif lora is not None and use_pallas("linear", x):
         from pallas_kernels.lora_linear import lora_linear
 
@@ -252,14 +258,19 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> ja
         y = lora_linear(x, jax.lax.stop_gradient(kernel).astype(x.dtype), a, b, float(scale))
     else:
         _note("linear", "xla")
-        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype))
-        if lora is not None:
-            a, b, scale = lora
-            xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype))
-            y = y + (scale * jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype))).astype(x.dtype)
+        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype)) + _lora_delta(x, lora)
     if bias is not None:
         y = y + bias.astype(x.dtype)
     return y
+
+
+def _lora_delta(x: jax.Array, lora):
+    """scale * (x @ a) @ b in x.dtype, or 0 without LoRA."""
+    if lora is None:
+        return 0
+    a, b, scale = lora
+    xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype))
+    return (scale * jnp.einsum("...r,ro->...o", xa, b.astype(x.dtype))).astype(x.dtype)
 
 
 def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
+import pallas_kernels.reference as reference
 from pallas_kernels.cross_entropy import CEConfig, cross_entropy
 from tests.helpers import TOL, fast_jit, lower_for_cuda, rel_err
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import glu as glu_mod
-from pallas_kernels import reference as ref
-from pallas_kernels import rms_norm as rms_mod
-from pallas_kernels import rope as rope_mod
+import pallas_kernels.glu as glu_mod
+import pallas_kernels.reference as ref
+from pallas_kernels.rms_norm import BwdConfig, FwdConfig, rms_norm, rms_norm_with_config
+from pallas_kernels.rope import RopeConfig, rope, rope_with_config
 from tests.helpers import TOL, lower_for_cuda, rel_err
 
 F32 = jnp.float32
@@ -71,7 +71,7 @@ def test_rms_norm_matches_reference(rng, dtype, shape, offset):
     w = _randn(rng, (d,), dtype, 0.5) + (0.0 if offset else 1.0)
     dy = _randn(rng, shape, dtype)
     eps = float(rng.uniform(1e-6, 1e-5))
-    _check_vjp(lambda a, b: rms_mod.rms_norm(a, b, eps, offset),
+    _check_vjp(lambda a, b: rms_norm(a, b, eps, offset),
                lambda a, b: ref.rms_norm(a, b, eps, offset), (x, w), dy, dtype, f"rms_norm{shape}")
 
 
@@ -80,9 +80,9 @@ def test_rms_norm_block_configs(rng):
     inside jit, with a nonlinear loss."""
     x = _randn(rng, (301, 100), F32)
     w = _randn(rng, (100,), F32)
-    fcfg = rms_mod.FwdConfig(8, 4)
-    bcfg = rms_mod.BwdConfig(4, 7, 4)  # 76 tiles -> 7 programs x 11 tiles (one tile past the end)
-    kern = lambda a, b: rms_mod.rms_norm_with_config(a, b, 1e-6, 0.0, fwd=fcfg, bwd=bcfg)
+    fcfg = FwdConfig(8, 4)
+    bcfg = BwdConfig(4, 7, 4)  # 76 tiles -> 7 programs x 11 tiles (one tile past the end)
+    kern = lambda a, b: rms_norm_with_config(a, b, 1e-6, 0.0, fwd=fcfg, bwd=bcfg)
     loss = lambda f: (lambda a, b: jnp.sum(jnp.sin(f(a, b))))
     val, grads = jax.jit(jax.value_and_grad(loss(kern), argnums=(0, 1)))(x, w)
     ref_val, ref_grads = jax.value_and_grad(loss(lambda a, b: ref.rms_norm(a, b, 1e-6, 0.0)), argnums=(0, 1))(x, w)
@@ -94,7 +94,7 @@ def test_rms_norm_block_configs(rng):
 def test_rms_norm_lowers_for_triton():
     x = jax.ShapeDtypeStruct((8192, 2304), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2304,), jnp.bfloat16)
-    fn = lambda a, b, c: jax.vjp(lambda p, q: rms_mod.rms_norm(p, q, interpret=False), a, b)[1](c)
+    fn = lambda a, b, c: jax.vjp(lambda p, q: rms_norm(p, q, interpret=False), a, b)[1](c)
     assert _lower_for_triton(fn, x, w, x) >= 3  # fwd, bwd, dweight reduction
 
 
@@ -117,7 +117,7 @@ def test_rope_matches_reference(rng, dtype, b, s, hq, hkv, d):
     k = _randn(rng, (b, s, hkv, d), dtype)
     cos, sin = _cos_sin(rng, b, s, d)
     cts = (_randn(rng, q.shape, dtype), _randn(rng, k.shape, dtype))
-    _check_vjp(lambda a, c: rope_mod.rope(a, c, cos, sin), lambda a, c: ref.rope(a, c, cos, sin),
+    _check_vjp(lambda a, c: rope(a, c, cos, sin), lambda a, c: ref.rope(a, c, cos, sin),
                (q, k), cts, dtype, f"rope{(b, s, hq, hkv, d)}")
 
 
@@ -129,8 +129,8 @@ def test_rope_block_config_general_cos_sin(rng):
     k = _randn(rng, (b, s, hkv, d), dtype)
     cos, sin = _cos_sin(rng, b, s, d, duplicated=False, dtype=jnp.bfloat16)
     cts = (_randn(rng, q.shape, dtype), _randn(rng, k.shape, dtype))
-    cfg = rope_mod.RopeConfig(block_tokens=8, max_heads=2, num_warps=4)
-    _check_vjp(lambda a, c: rope_mod.rope_with_config(a, c, cos, sin, cfg=cfg),
+    cfg = RopeConfig(block_tokens=8, max_heads=2, num_warps=4)
+    _check_vjp(lambda a, c: rope_with_config(a, c, cos, sin, cfg=cfg),
                lambda a, c: ref.rope(a, c, cos, sin), (q, k), cts, dtype, "rope cfg")
 
 
@@ -139,7 +139,7 @@ def test_rope_cos_sin_get_zero_gradients(rng):
     q = _randn(rng, (b, s, hq, d), F32)
     k = _randn(rng, (b, s, hkv, d), F32)
     cos, sin = _cos_sin(rng, b, s, d)
-    loss = lambda c, sn: sum(jnp.sum(o) for o in rope_mod.rope(q, k, c, sn))
+    loss = lambda c, sn: sum(jnp.sum(o) for o in rope(q, k, c, sn))
     gc, gs = jax.grad(loss, argnums=(0, 1))(cos, sin)
     assert not np.any(np.asarray(gc)) and not np.any(np.asarray(gs))
 
@@ -148,7 +148,7 @@ def test_rope_lowers_for_triton():
     S = jax.ShapeDtypeStruct
     q, k = S((2, 2048, 32, 128), jnp.bfloat16), S((2, 2048, 8, 128), jnp.bfloat16)
     c = S((2, 2048, 128), jnp.float32)
-    fn = lambda q, k, c, s: jax.vjp(lambda a, b: rope_mod.rope(a, b, c, s, interpret=False), q, k)[1]((q, k))
+    fn = lambda q, k, c, s: jax.vjp(lambda a, b: rope(a, b, c, s, interpret=False), q, k)[1]((q, k))
     assert _lower_for_triton(fn, q, k, c, c) >= 2
 
 
@@ -206,7 +206,7 @@ def test_gpu_rms_norm_real_shapes(rng, dtype, rows, d, offset):
     x = _randn(rng, (rows, d), dtype, 2.0)
     w = _randn(rng, (d,), dtype, 0.5) + 1.0
     dy = _randn(rng, (rows, d), dtype)
-    _gpu_check(lambda a, b: rms_mod.rms_norm(a, b, 1e-6, offset, interpret=False),
+    _gpu_check(lambda a, b: rms_norm(a, b, 1e-6, offset, interpret=False),
                lambda a, b: ref.rms_norm(a, b, 1e-6, offset), (x, w), dy, dtype, f"rms_norm[{rows},{d}]")
 
 
@@ -220,7 +220,7 @@ def test_gpu_rope_real_shapes(rng, dtype, b, s, hq, hkv, d):
     k = _randn(rng, (b, s, hkv, d), dtype)
     cos, sin = _cos_sin(rng, b, s, d)
     cts = (_randn(rng, q.shape, dtype), _randn(rng, k.shape, dtype))
-    _gpu_check(lambda a, c: rope_mod.rope(a, c, cos, sin, interpret=False),
+    _gpu_check(lambda a, c: rope(a, c, cos, sin, interpret=False),
                lambda a, c: ref.rope(a, c, cos, sin), (q, k), cts, dtype, f"rope{(b, s, hq, hkv, d)}")
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
+import pallas_kernels.reference as reference
 from pallas_kernels.flash_attention import (
     FlashConfig,
     KernelBlocks,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import reference
+import pallas_kernels.reference as reference
 from pallas_kernels.lora_linear import LoraConfig, lora_linear
 from tests.helpers import TOL, fast_jit, lower_for_cuda, rel_err
 

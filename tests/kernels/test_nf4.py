@@ -11,14 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import nf4
-from pallas_kernels import reference as ref
+import pallas_kernels.nf4 as nf4
+import pallas_kernels.nf4_format as fmt
+import pallas_kernels.reference as ref
 from tests.helpers import TOL, rel_err
 
 JAX_DT = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
-def _rand_nf4(rng, shape, dtype="bfloat16", double=True, blocksize=64, lead=()) -> nf4.NF4Weight:
+def _rand_nf4(rng, shape, dtype="bfloat16", double=True, blocksize=64, lead=()) -> fmt.NF4Weight:
     """A random NF4Weight (random codes and statistics; no quantization compile needed)."""
     numel = int(np.prod(shape))
     nb = -(-numel // blocksize)
@@ -28,9 +29,9 @@ def _rand_nf4(rng, shape, dtype="bfloat16", double=True, blocksize=64, lead=()) 
         absmax = jnp.asarray(rng.integers(0, 256, lead + (nb,), dtype=np.uint8))
         nested = jnp.asarray(rng.uniform(0.2, 1.5, lead + (nb2,)).astype(np.float32))
         offset = jnp.asarray(rng.uniform(1.0, 3.0, lead).astype(np.float32))
-        return nf4.NF4Weight(codes, absmax, nested, offset, shape=shape, dtype=dtype, blocksize=blocksize)
+        return fmt.NF4Weight(codes, absmax, nested, offset, shape=shape, dtype=dtype, blocksize=blocksize)
     absmax = jnp.asarray(rng.uniform(0.1, 3.0, lead + (nb,)).astype(np.float32))
-    return nf4.NF4Weight(codes, absmax, None, None, shape=shape, dtype=dtype, blocksize=blocksize)
+    return fmt.NF4Weight(codes, absmax, None, None, shape=shape, dtype=dtype, blocksize=blocksize)
 
 
 def _normal(rng, shape, dtype):
@@ -55,16 +56,16 @@ def _fwd_bwd(fn):
 
 
 def test_tables(rng):
-    assert nf4.NF4_CODE.dtype == np.float32 and nf4.NF4_CODE[0] == -1 and nf4.NF4_CODE[15] == 1
-    assert nf4.NF4_CODE[7] == 0 and np.all(np.diff(nf4.NF4_CODE) > 0)
-    assert nf4.DYNAMIC_MAP.shape == (256,) and nf4.DYNAMIC_MAP[-1] == 1 and nf4.DYNAMIC_MAP[127] == 0
-    t = nf4._DYN_THRESHOLDS
+    assert fmt.NF4_CODE.dtype == np.float32 and fmt.NF4_CODE[0] == -1 and fmt.NF4_CODE[15] == 1
+    assert fmt.NF4_CODE[7] == 0 and np.all(np.diff(fmt.NF4_CODE) > 0)
+    assert fmt.DYNAMIC_MAP.shape == (256,) and fmt.DYNAMIC_MAP[-1] == 1 and fmt.DYNAMIC_MAP[127] == 0
+    t = fmt._DYN_THRESHOLDS
     assert t.shape == (255,) and np.all(np.diff(t) >= 0)
     # The threshold form equals the (numpy-emulated) 65536-entry LUT rule, also right at the thresholds.
     v = np.concatenate([rng.uniform(-1, 1, 20_000), rng.standard_normal(5_000) * 1e-3]).astype(np.float32)
     v = np.concatenate([v, t, np.nextafter(t, np.float32(-2)), np.nextafter(t, np.float32(2))])
     v = np.clip(v, -1, 1).astype(np.float32)
-    assert np.array_equal(np.searchsorted(t, v, side="right"), nf4._cpu_lut_code8(v))
+    assert np.array_equal(np.searchsorted(t, v, side="right"), fmt._cpu_lut_code8(v))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,8 +78,8 @@ def test_quantize_dequantize_error(rng, shape, dtype):
     w = _normal(rng, shape, dtype) * jnp.asarray(np.exp(rng.uniform(-0.7, 0.7, (shape[0], 1))), JAX_DT[dtype])
     wf = _f32(w).reshape(-1)
     numel = wf.size
-    q = nf4.quantize_nf4(w)
-    q0 = nf4.quantize_nf4(w, double_quant=False)
+    q = fmt.quantize_nf4(w)
+    q0 = fmt.quantize_nf4(w, double_quant=False)
     assert q.shape == shape and q.dtype == dtype and q.codes.shape == ((numel + 1) // 2,)
     assert q.codes.dtype == jnp.uint8 and q.absmax.dtype == jnp.uint8 and q.nested_absmax.dtype == jnp.float32
     assert q.absmax.shape == (q.nblocks,) and q.nested_absmax.shape == (q.nblocks2,) and q.offset.shape == ()
@@ -92,11 +93,11 @@ def test_quantize_dequantize_error(rng, shape, dtype):
     b = np.asarray(q0.codes).astype(np.int64)
     codes = np.stack([b >> 4, b & 15], -1).reshape(-1)[:numel]
     scaled = np.clip(wf / np.repeat(am, 64)[:numel], -1, 1)
-    dist = np.abs(scaled[:, None] - nf4.NF4_CODE[None, :])
+    dist = np.abs(scaled[:, None] - fmt.NF4_CODE[None, :])
     assert np.all(dist[np.arange(numel), codes] <= dist.min(1) + 1e-6)
 
     # With double quant: decoded absmax within one dynamic-map step of the truth; weights within NF4 error.
-    am_dec = np.asarray(nf4._decoded_absmax_jnp(q))
+    am_dec = np.asarray(fmt.decoded_absmax(q))
     nested = np.repeat(np.asarray(q.nested_absmax), 256)[: q.nblocks]
     assert np.all(np.abs(am_dec - am) <= nested * 0.0075 + 1e-6)
     deq = _f32(jax.jit(nf4.dequantize_nf4)(q)).reshape(-1)
@@ -109,8 +110,8 @@ def test_quantize_dequantize_error(rng, shape, dtype):
 
 def test_quantize_is_idempotent_float32(rng):
     w = _normal(rng, (48, 192), "float32")
-    q = nf4.quantize_nf4(w, double_quant=False)
-    q2 = nf4.quantize_nf4(jax.jit(nf4.dequantize_nf4)(q), double_quant=False)
+    q = fmt.quantize_nf4(w, double_quant=False)
+    q2 = fmt.quantize_nf4(jax.jit(nf4.dequantize_nf4)(q), double_quant=False)
     assert np.array_equal(np.asarray(q2.codes), np.asarray(q.codes))
     assert np.array_equal(np.asarray(q2.absmax), np.asarray(q.absmax))
 
@@ -122,15 +123,15 @@ def test_host_sum_equals_float32_of_fsum(rng, monkeypatch):
 
     calls = []
     real_fsum = math.fsum
-    monkeypatch.setattr(nf4.math, "fsum", lambda xs: calls.append(1) or real_fsum(xs))
+    monkeypatch.setattr(fmt.math, "fsum", lambda xs: calls.append(1) or real_fsum(xs))
     for n in (1, 7, 1000, 200_000):
         values = np.abs(rng.standard_normal(n)) * rng.choice([1e-3, 1.0, 1e3], n)
-        assert nf4._f32_of_sum(values) == np.float32(real_fsum(values.tolist()))
+        assert fmt._f32_of_sum(values) == np.float32(real_fsum(values.tolist()))
     assert not calls  # random sums are far from a rounding boundary: no exact sum needed
     tie = np.array([1.0, 2.0**-24])  # exactly halfway between two float32s: ties to even (1.0)
-    assert nf4._f32_of_sum(tie) == np.float32(1.0) and len(calls) == 1
+    assert fmt._f32_of_sum(tie) == np.float32(1.0) and len(calls) == 1
     above = np.array([1.0, 2.0**-24, 2.0**-60])  # a hair above the tie: float64 decides nothing here either
-    assert nf4._f32_of_sum(above) == np.float32(real_fsum(above.tolist())) and len(calls) == 2
+    assert fmt._f32_of_sum(above) == np.float32(real_fsum(above.tolist())) and len(calls) == 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,12 +238,12 @@ def test_qlora_linear_grads(rng):
 def test_stacked_layers_scan(rng):
     L, D, M = 3, 64, 4
     layers = [_rand_nf4(rng, (D, D), double=True) for _ in range(L)]
-    stacked = nf4.stack_nf4(layers)
+    stacked = fmt.stack_nf4(layers)
     assert stacked.stack_shape == (L,) and stacked.shape == (D, D)
     assert stacked.codes.shape == (L, D * D // 2) and stacked.offset.shape == (L,)
     for i, layer in enumerate(layers):
         sl = jax.tree.map(lambda a: a[i], stacked)
-        assert isinstance(sl, nf4.NF4Weight) and sl.stack_shape == () and sl.shape == (D, D)
+        assert isinstance(sl, fmt.NF4Weight) and sl.stack_shape == () and sl.shape == (D, D)
         for got, want in zip(jax.tree.leaves(sl), jax.tree.leaves(layer)):
             assert np.array_equal(np.asarray(got), np.asarray(want))
 
@@ -276,25 +277,25 @@ def test_stacked_layers_scan(rng):
 @pytest.mark.parametrize("double", [True, False])
 def test_bnb_tensors_round_trip(rng, double):
     q = _rand_nf4(rng, (30, 77), dtype="bfloat16", double=double)  # odd numel
-    t = nf4.nf4_to_bnb_tensors(q)
+    t = fmt.nf4_to_bnb_tensors(q)
     assert t["weight"].shape == ((30 * 77 + 1) // 2, 1) and t["weight"].dtype == np.uint8
-    assert np.array_equal(t["weight.quant_map"], nf4.NF4_CODE)
+    assert np.array_equal(t["weight.quant_map"], fmt.NF4_CODE)
     meta = json.loads(bytes(t["weight.quant_state.bitsandbytes__nf4"]).decode())
     assert meta["quant_type"] == "nf4" and meta["blocksize"] == 64 and meta["dtype"] == "bfloat16"
     assert meta["shape"] == [30, 77]
     if double:
-        assert t["weight.absmax"].dtype == np.uint8 and np.array_equal(t["weight.nested_quant_map"], nf4.DYNAMIC_MAP)
+        assert t["weight.absmax"].dtype == np.uint8 and np.array_equal(t["weight.nested_quant_map"], fmt.DYNAMIC_MAP)
         assert meta["nested_blocksize"] == 256 and meta["nested_dtype"] == "float32"
         assert np.float32(meta["nested_offset"]) == np.float32(q.offset)
     else:
         assert t["weight.absmax"].dtype == np.float32 and "weight.nested_absmax" not in t
     prefixed = {"model.layers.0.self_attn.q_proj." + k: v for k, v in t.items()}
     for tensors in (t, prefixed):
-        q2 = nf4.nf4_from_bnb_tensors(tensors)
+        q2 = fmt.nf4_from_bnb_tensors(tensors)
         assert (q2.shape, q2.dtype, q2.blocksize, q2.double_quant) == (q.shape, q.dtype, q.blocksize, double)
         for got, want in zip(jax.tree.leaves(q2), jax.tree.leaves(q)):
             assert np.array_equal(np.asarray(got), np.asarray(want))
-        back = nf4.nf4_to_bnb_tensors(q2)
+        back = fmt.nf4_to_bnb_tensors(q2)
         assert all(back[k].tobytes() == t[k].tobytes() for k in t)
 
 
@@ -311,10 +312,10 @@ def test_gpu_quantize_matches_cpu_backend(rng, shape):
     """quantize_nf4 on the GPU gives the same bits as on the CPU backend (which test_nf4_bnb.py checks against
     bitsandbytes): no FMA contraction or reciprocal-division rewrites change the result on the GPU."""
     w = _normal(rng, shape, "bfloat16")
-    q_gpu = nf4.quantize_nf4(w)
+    q_gpu = fmt.quantize_nf4(w)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        q_cpu = nf4.quantize_nf4(jax.device_put(w, cpu))
+        q_cpu = fmt.quantize_nf4(jax.device_put(w, cpu))
     names = ("codes", "absmax", "nested_absmax", "offset")
     for name, got, want in zip(names, jax.tree.leaves(q_gpu), jax.tree.leaves(q_cpu)):
         got, want = np.asarray(got), np.asarray(want)
@@ -327,17 +328,17 @@ def test_gpu_quantize_matches_cpu_backend(rng, shape):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 def test_gpu_dequantize(rng, shape, out_dtype):
-    q = nf4.quantize_nf4(_normal(rng, shape, "bfloat16"))
+    q = fmt.quantize_nf4(_normal(rng, shape, "bfloat16"))
     out = jax.jit(lambda q: nf4.dequantize_nf4(q, out_dtype))(q)
     want = jax.jit(lambda q: ref.dequantize_nf4(q, out_dtype))(q)
     assert rel_err(_f32(out), _f32(want)) < 1e-6
     assert np.array_equal(_f32(out), _f32(want))  # bit-exact (no FMA in the scale decode)
     # and equal to a numpy decode of the stored bytes (two roundings for the double-quantized scale)
-    dyn = nf4.DYNAMIC_MAP[np.asarray(q.absmax)]
+    dyn = fmt.DYNAMIC_MAP[np.asarray(q.absmax)]
     nested = np.asarray(q.nested_absmax)[np.arange(q.nblocks) // 256]
     scale = (dyn * nested).astype(np.float32) + np.float32(q.offset)
     b = np.asarray(q.codes).astype(np.int64)
-    vals = nf4.NF4_CODE[np.stack([b >> 4, b & 15], -1).reshape(-1)]
+    vals = fmt.NF4_CODE[np.stack([b >> 4, b & 15], -1).reshape(-1)]
     want_np = (vals * np.repeat(scale, 64)).astype(np.float32)
     assert np.array_equal(_f32(jnp.asarray(want_np).astype(JAX_DT[out_dtype])).reshape(-1), _f32(out).reshape(-1))
 
@@ -346,7 +347,7 @@ def test_gpu_dequantize(rng, shape, out_dtype):
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("M,impl", [(1, None), (16, None), (64, "fused"), (16, "dequant"), (4096, None)])
 def test_gpu_nf4_matmul(rng, shape, M, impl):
-    q = nf4.quantize_nf4(_normal(rng, shape, "bfloat16"))
+    q = fmt.quantize_nf4(_normal(rng, shape, "bfloat16"))
     N, K = shape
     x = _normal(rng, (M, K), "bfloat16")
     g = _normal(rng, (M, N), "bfloat16")
@@ -372,7 +373,7 @@ def test_gpu_nf4_matmul_float32(rng, impl):
 @pytest.mark.gpu
 def test_gpu_stacked_scan_qlora(rng):
     L, D, r = 4, 1536, 16
-    stacked = nf4.stack_nf4([nf4.quantize_nf4(_normal(rng, (D, D), "bfloat16") * 0.02) for _ in range(L)])
+    stacked = fmt.stack_nf4([fmt.quantize_nf4(_normal(rng, (D, D), "bfloat16") * 0.02) for _ in range(L)])
     a = jnp.asarray(rng.standard_normal((L, D, r)).astype(np.float32) * 0.01)
     b = jnp.asarray(rng.standard_normal((L, r, D)).astype(np.float32) * 0.01)
     x = _normal(rng, (2, 8, D), "bfloat16")

@@ -15,8 +15,9 @@ F = pytest.importorskip("bitsandbytes.functional")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import nf4  # noqa: E402
-from pallas_kernels import reference as ref  # noqa: E402
+import pallas_kernels.nf4 as nf4  # noqa: E402
+import pallas_kernels.nf4_format as fmt  # noqa: E402
+import pallas_kernels.reference as ref  # noqa: E402
 
 TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 JAX_DT = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -62,8 +63,8 @@ def test_quantize_matches_bitsandbytes(rng, shape, dtype):
     packed_b, st_b = F.quantize_4bit(w_t, quant_type="nf4", blocksize=64, compress_statistics=True)
     _, st_plain = F.quantize_4bit(w_t, quant_type="nf4", blocksize=64, compress_statistics=False)
 
-    q = nf4.quantize_nf4(w_j, blocksize=64, double_quant=True)
-    q_plain = nf4.quantize_nf4(w_j, blocksize=64, double_quant=False)
+    q = fmt.quantize_nf4(w_j, blocksize=64, double_quant=True)
+    q_plain = fmt.quantize_nf4(w_j, blocksize=64, double_quant=False)
 
     # 4-bit codes (first element in the high nibble) and the float32 absmax: always identical.
     assert np.array_equal(np.asarray(q.codes), packed_b.numpy().reshape(-1))
@@ -72,7 +73,7 @@ def test_quantize_matches_bitsandbytes(rng, shape, dtype):
 
     # Double quantization. Given bitsandbytes' offset, our 8-bit codes and nested scales are identical.
     off_b = np.float32(st_b.offset.item())
-    qa, nested = nf4._double_quant(jnp.asarray(st_plain.absmax.numpy()), jnp.float32(off_b))
+    qa, nested = fmt._double_quant(jnp.asarray(st_plain.absmax.numpy()), jnp.float32(off_b))
     assert np.array_equal(np.asarray(qa), st_b.absmax.numpy())
     assert np.array_equal(np.asarray(nested).view(np.uint32), st_b.state2.absmax.numpy().view(np.uint32))
     # Our own offset is the correctly rounded float32 sum / n; torch's float32 sum (torch.mean) agrees
@@ -87,7 +88,7 @@ def test_quantize_matches_bitsandbytes(rng, shape, dtype):
     # Dequantization: ours of bitsandbytes' tensors == bitsandbytes' dequantize_4bit, bit for bit, and
     # ours of our own tensors too when the offsets agree.
     deq_b = F.dequantize_4bit(packed_b, st_b).float().numpy()
-    q_from_b = nf4.nf4_from_bnb_tensors(_bnb_tensors(packed_b, st_b))
+    q_from_b = fmt.nf4_from_bnb_tensors(_bnb_tensors(packed_b, st_b))
     deq_ours_of_b = _dequant(q_from_b)
     assert deq_ours_of_b.dtype == JAX_DT[dtype] and deq_ours_of_b.shape == tuple(shape)
     assert np.array_equal(np.asarray(deq_ours_of_b.astype(jnp.float32)), deq_b)
@@ -102,12 +103,12 @@ def test_quantize_matches_bitsandbytes(rng, shape, dtype):
 def test_quantize_float32_matches_bitsandbytes(rng):
     w_t, w_j = _weight(rng, (64, 200), "float32")
     packed_b, st_b = F.quantize_4bit(w_t, quant_type="nf4", blocksize=64, compress_statistics=True)
-    q = nf4.quantize_nf4(w_j)
+    q = fmt.quantize_nf4(w_j)
     assert np.array_equal(np.asarray(q.codes), packed_b.numpy().reshape(-1))
     if _f32_ulps(q.offset, st_b.offset.item()) == 0:
         assert np.array_equal(np.asarray(q.absmax), st_b.absmax.numpy())
     deq_b = F.dequantize_4bit(packed_b, st_b).numpy()
-    q_from_b = nf4.nf4_from_bnb_tensors(_bnb_tensors(packed_b, st_b))
+    q_from_b = fmt.nf4_from_bnb_tensors(_bnb_tensors(packed_b, st_b))
     assert np.array_equal(np.asarray(_ref_dequant(q_from_b)), deq_b)
     assert np.array_equal(np.asarray(_dequant(q_from_b)), deq_b)
 
@@ -115,7 +116,7 @@ def test_quantize_float32_matches_bitsandbytes(rng):
 def test_8bit_rule_is_bitsandbytes_cpu_rule(rng):
     """Our threshold form of the 8-bit absmax quantizer equals bitsandbytes' CPU quantize_blockwise on values
     crowded around every decision point (block absmax forced to 1 so the normalized value is exact)."""
-    t = nf4._DYN_THRESHOLDS
+    t = fmt._DYN_THRESHOLDS
     vals = [t]
     for direction in (np.float32(2), np.float32(-2)):
         x = t.copy()
@@ -130,11 +131,11 @@ def test_8bit_rule_is_bitsandbytes_cpu_rule(rng):
     a = np.concatenate([np.ones((nb, 1), np.float32), v], axis=1).reshape(-1)
     codes_b, st = F.quantize_blockwise(torch.from_numpy(a), blocksize=256)
     assert np.all(st.absmax.numpy() == 1.0)
-    codes, amax = jax.jit(nf4._quant_codes_8bit)(jnp.asarray(a))
+    codes, amax = jax.jit(fmt._quant_codes_8bit)(jnp.asarray(a))
     assert np.array_equal(np.asarray(codes), codes_b.numpy())
     # and the hard-coded dynamic map is bitsandbytes' own
-    assert np.array_equal(F.create_dynamic_map().numpy().view(np.uint32), nf4.DYNAMIC_MAP.view(np.uint32))
-    assert np.array_equal(F.get_4bit_type("nf4", device="cpu").numpy().view(np.uint32), nf4.NF4_CODE.view(np.uint32))
+    assert np.array_equal(F.create_dynamic_map().numpy().view(np.uint32), fmt.DYNAMIC_MAP.view(np.uint32))
+    assert np.array_equal(F.get_4bit_type("nf4", device="cpu").numpy().view(np.uint32), fmt.NF4_CODE.view(np.uint32))
 
 
 @pytest.mark.parametrize("double_quant", [True, False])
@@ -148,9 +149,9 @@ def test_bnb_tensor_round_trip(rng, double_quant):
     lin.weight.data = w_t.clone()
     lin = lin.to("cpu")
     sd = {"model.layers.3.mlp.down_proj." + k: v.numpy() for k, v in lin.state_dict().items()}
-    q = nf4.nf4_from_bnb_tensors(sd)
+    q = fmt.nf4_from_bnb_tensors(sd)
     assert q.shape == shape and q.dtype == "bfloat16" and q.blocksize == 64 and q.double_quant == double_quant
-    back = nf4.nf4_to_bnb_tensors(q)
+    back = fmt.nf4_to_bnb_tensors(q)
     assert set(back) == {k.replace("model.layers.3.mlp.down_proj.", "") for k in sd}
     for k, v in back.items():
         orig = sd["model.layers.3.mlp.down_proj." + k]
@@ -158,8 +159,8 @@ def test_bnb_tensor_round_trip(rng, double_quant):
         assert v.tobytes() == orig.tobytes(), k
 
     # ours -> bitsandbytes
-    q_ours = nf4.quantize_nf4(w_j, double_quant=double_quant)
-    tens = nf4.nf4_to_bnb_tensors(q_ours)
+    q_ours = fmt.quantize_nf4(w_j, double_quant=double_quant)
+    tens = fmt.nf4_to_bnb_tensors(q_ours)
     state = {k[len("weight."):]: torch.from_numpy(np.array(v)) for k, v in tens.items() if k != "weight"}
     qs = F.QuantState.from_dict(state, device=torch.device("cpu"))
     deq_b = F.dequantize_4bit(torch.from_numpy(np.array(tens["weight"])), qs).float().numpy()

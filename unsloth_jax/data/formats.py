@@ -1,10 +1,10 @@
-"""Record formats (text / alpaca / sharegpt / chatml) and rendering records to training texts."""
+"""Rendering records (text / alpaca / sharegpt / chatml / prompt-completion) to training texts."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Sequence
 
-from unsloth_jax.data.loading import ROLE_ALIASES, record_problem, where
+from unsloth_jax.data.records import ROLE_ALIASES, detect_format, record_problem, where
 from unsloth_jax.errors import DatasetFormatError
 
 logger = logging.getLogger(__name__)
@@ -20,29 +20,6 @@ ALPACA_PROMPT_NO_INPUT = (
     "Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{}\n\n### Response:\n{}"
 )
-
-
-def detect_format(record: dict, text_field: str = "text") -> str:
-    """Which format a record is in: "chatml" (has ``messages``), "sharegpt" (``conversations``),
-    "alpaca" (``instruction``) or "text" (``text_field``), checked in that order.
-
-    Raises DatasetFormatError when none fits.
-    """
-    if not isinstance(record, dict):
-        raise DatasetFormatError(f"expected a record object, got {type(record).__name__}")
-    if "messages" in record:
-        return "chatml"
-    if "conversations" in record:
-        return "sharegpt"
-    if "instruction" in record:
-        return "alpaca"
-    if text_field in record:
-        return "text"
-    raise DatasetFormatError(
-        f"cannot detect the format of a record with keys {sorted(record)[:10]}: expected {text_field!r} (text), "
-        "'instruction'/'input'/'output' (alpaca), 'conversations' (sharegpt) or 'messages' (chatml); "
-        "or pass formatting_func / dataset_text_field"
-    )
 
 
 def alpaca_prompt(instruction: str, input: str | None = "", output: str = "") -> str:
@@ -114,6 +91,29 @@ def render_messages(messages: list[dict], tokenizer: Any, add_generation_prompt:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def prompt_completion_texts(record: dict, tokenizer: Any = None) -> tuple[str, str]:
+    """(prompt text, full training text) of a TRL prompt-completion record. The full text starts with the
+    prompt text (conversational: where the template's generation prompt opens the assistant turn the way the
+    template writes it, as in every bundled template).
+
+    Standard (strings): the prompt, and prompt + completion + ``tokenizer.eos_token`` (unless the completion
+    already ends with it), as TRL's SFTTrainer adds EOS. Conversational (lists of turns): the prompt turns
+    rendered with the chat template and its generation prompt, and prompt + completion turns rendered as one
+    conversation (the template closes the assistant turn).
+    """
+    problem = record_problem(record, "prompt_completion")
+    if problem is not None:
+        raise DatasetFormatError(problem)
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str):
+        eos = getattr(tokenizer, "eos_token", None) or ""
+        return prompt, prompt + completion + ("" if completion.endswith(eos) else eos)
+    prompt_msgs = _turns_to_messages(prompt, "prompt")
+    completion_msgs = _turns_to_messages(completion, "completion")
+    prompt_text = render_messages(prompt_msgs, tokenizer, add_generation_prompt=True)
+    return prompt_text, render_messages(prompt_msgs + completion_msgs, tokenizer)
+
+
 def render_record(record: dict, tokenizer: Any = None, text_field: str = "text") -> str:
     """One training text for a record of any supported format (format auto-detected)."""
     fmt = detect_format(record, text_field=text_field)
@@ -124,6 +124,8 @@ def render_record(record: dict, tokenizer: Any = None, text_field: str = "text")
         return record[text_field]
     if fmt == "alpaca":
         return format_alpaca(record, getattr(tokenizer, "eos_token", None) or "")
+    if fmt == "prompt_completion":
+        return prompt_completion_texts(record, tokenizer)[1]
     return render_messages(record_to_messages(record), tokenizer)
 
 
@@ -134,7 +136,8 @@ def prepare_texts(records: Sequence[dict], tokenizer: Any, dataset_text_field: s
     Precedence, per record: ``formatting_func(record)`` (returning a str, or a list of str that are all
     kept); else the string field ``dataset_text_field`` when present; else the format is auto-detected:
     alpaca is rendered with :data:`ALPACA_PROMPT` (or the no-input variant) plus ``tokenizer.eos_token``;
-    sharegpt/chatml conversations with ``tokenizer.apply_chat_template`` (see :func:`get_chat_template`).
+    sharegpt/chatml conversations with ``tokenizer.apply_chat_template`` (see :func:`get_chat_template`);
+    prompt-completion records as prompt followed by completion (see :func:`prompt_completion_texts`).
     Errors name the record's file and line when ``records`` came from :func:`load_records`.
     """
     texts: list[str] = []

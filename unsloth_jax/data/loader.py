@@ -99,6 +99,13 @@ class DataLoader:
         """Real tokens / (rows * max_seq_length): how full packed rows are (1.0 = no padding)."""
         return self.num_tokens / max(1, self.num_rows * self.max_seq_length)
 
+    @property
+    def longest_bucket(self) -> int:
+        """The largest padded length S any batch of this loader has (max_seq_length when packing)."""
+        if self.packing:
+            return self.max_seq_length
+        return pick_bucket(max((int(n) for n in self.lengths), default=1), self.bucket_lengths)
+
     def order(self, epoch: int) -> np.ndarray:
         """The order of rows (examples when not packing) in ``epoch``: a permutation drawn from
         ``SeedSequence([seed, epoch])`` when shuffling, else 0..n-1."""

@@ -11,56 +11,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
+from unsloth_jax.data.records import FORMATS, Records, detect_format, record_problem, where
 from unsloth_jax.errors import DatasetFormatError
 
 logger = logging.getLogger(__name__)
-
-FORMATS = ("text", "alpaca", "sharegpt", "chatml")
-
-# Role names accepted in conversations, mapped to the chat-template roles (user / assistant / system / tool).
-ROLE_ALIASES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-    "ipython": "tool",
-}
-
-
-class Records(list):
-    """A ``list[dict]`` that also remembers where each record came from.
-
-    Attributes:
-        source: the path that was loaded (file or directory), or None.
-        locations: one ``(file, line)`` pair per record (1-based line), or None per record when unknown
-            (records of a ``.json`` file have no line of their own).
-        skipped: how many malformed lines/records were dropped (``skip_bad_lines=True``) by the call that
-            returned this object, plus those already dropped from its input (load then validate: the total).
-    """
-
-    def __init__(self, items: Iterable[dict] = (), *, source: str | None = None,
-                 locations: Sequence[tuple[str, int] | None] | None = None, skipped: int = 0):
-        super().__init__(items)
-        self.source = source
-        self.locations = list(locations) if locations is not None else [None] * len(self)
-        self.skipped = skipped
-
-
-def where(records: Sequence[dict], index: int, source: str | None = None) -> str:
-    """Human-readable location of ``records[index]``: "file, line N" when known, else "record N"."""
-    locations = getattr(records, "locations", None)
-    if locations is not None and index < len(locations) and locations[index] is not None:
-        path, line = locations[index]
-        return f"{path}, line {line}"
-    src = source if source is not None else getattr(records, "source", None)
-    return f"{src}, record {index}" if src else f"record {index}"
 
 
 def _bad(location: str, reason: str, hint: str = "") -> DatasetFormatError:
@@ -107,6 +63,8 @@ def _read_json(path: Path, skip_bad_lines: bool, out: list, locs: list) -> int:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise _bad(str(path), f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        return 0  # an empty file: load_records reports it with its name
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -129,6 +87,23 @@ def _read_json(path: Path, skip_bad_lines: bool, out: list, locs: list) -> int:
     return skipped
 
 
+def _read_file(f: Path, skip_bad_lines: bool, out: list, locs: list) -> int:
+    """Append the records of one .jsonl / .json file to ``out`` (and their locations to ``locs``); returns
+    the number of malformed lines skipped."""
+    name = f.name.lower()
+    if name.endswith(".jsonl"):
+        return _read_jsonl(f, skip_bad_lines, out, locs)
+    if name.endswith(".json"):
+        return _read_json(f, skip_bad_lines, out, locs)
+    raise _bad(str(f), "unsupported file type (expected .jsonl, .json or a directory of .jsonl files)")
+
+
+def _no_records_reason(skipped: int) -> str:
+    if skipped:
+        return f"holds no records: all {skipped} non-blank line(s) were malformed and skipped"
+    return "holds no records (the file is empty or has only blank lines)"
+
+
 def load_records(path: str | os.PathLike, skip_bad_lines: bool = False) -> Records:
     """Load a dataset as a list of dicts.
 
@@ -139,6 +114,10 @@ def load_records(path: str | os.PathLike, skip_bad_lines: bool = False) -> Recor
     line number and the reason. With ``skip_bad_lines=True`` such lines are skipped: the count is logged with
     ``logging.warning`` and stored on the result's ``.skipped`` attribute. The result is a :class:`Records`
     (a list subclass) whose ``.locations`` give each record's (file, line) for later error messages.
+
+    A file without records (empty, only blank lines, ``[]``, or every line skipped) raises DatasetFormatError
+    naming it; so does a directory whose files hold none. Empty files among non-empty ones in a directory are
+    only logged (``logging.warning``).
     """
     p = Path(path)
     if not p.exists():
@@ -152,93 +131,42 @@ def load_records(path: str | os.PathLike, skip_bad_lines: bool = False) -> Recor
     out: list[dict] = []
     locs: list = []
     skipped = 0
+    empty: list[str] = []
     for f in files:
-        name = f.name.lower()
-        if name.endswith(".jsonl"):
-            skipped += _read_jsonl(f, skip_bad_lines, out, locs)
-        elif name.endswith(".json"):
-            skipped += _read_json(f, skip_bad_lines, out, locs)
-        else:
-            raise _bad(str(f), "unsupported file type (expected .jsonl, .json or a directory of .jsonl files)")
+        before = len(out)
+        skipped_here = _read_file(f, skip_bad_lines, out, locs)
+        skipped += skipped_here
+        if len(out) == before:
+            if not p.is_dir():
+                raise _bad(str(f), _no_records_reason(skipped_here))
+            empty.append(f.name)
+    if not out:
+        raise _bad(str(p), f"directory's .jsonl files hold no records ({', '.join(empty)}: empty, blank or "
+                   "skipped lines only)")
+    if empty:
+        logger.warning("load_records(%s): %d file(s) hold no records: %s", p, len(empty), ", ".join(empty))
     if skipped:
         logger.warning("load_records(%s): skipped %d malformed line(s)", p, skipped)
     return Records(out, source=str(p), locations=locs, skipped=skipped)
 
 
 # ----------------------------------------------------------------------------------------------- validation
-def _check_turns(turns: Any, key: str, role_key: str, content_key: str) -> str | None:
-    if not isinstance(turns, list) or not turns:
-        return f"field {key!r} must be a non-empty list of turns"
-    for j, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return f"{key}[{j}] must be an object, got {type(turn).__name__}"
-        # Accept both spellings of a turn: {from, value} (sharegpt) and {role, content} (chatml).
-        if role_key in turn or content_key in turn:
-            rk, ck = role_key, content_key
-        else:
-            rk, ck = ("role", "content") if role_key == "from" else ("from", "value")
-        if rk not in turn:
-            return f"{key}[{j}] has no {rk!r} field"
-        role = turn[rk]
-        if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
-            return f"{key}[{j}] has unknown role {role!r} (expected one of {sorted(ROLE_ALIASES)})"
-        if ck not in turn:
-            return f"{key}[{j}] has no {ck!r} field"
-        if turn[ck] is not None and not isinstance(turn[ck], str):
-            return f"{key}[{j}].{ck} must be a string, got {type(turn[ck]).__name__}"
-    return None
-
-
-def record_problem(record: Any, fmt: str, text_field: str = "text") -> str | None:
-    """Why ``record`` does not fit format ``fmt`` (a short reason), or None when it fits."""
-    if not isinstance(record, dict):
-        return f"expected an object, got {type(record).__name__}"
-    if fmt == "text":
-        if text_field not in record:
-            return f"missing field {text_field!r} (text records need a string {text_field!r})"
-        if not isinstance(record[text_field], str) or not record[text_field]:
-            return f"field {text_field!r} must be a non-empty string"
-        return None
-    if fmt == "alpaca":
-        missing = [k for k in ("instruction", "output") if k not in record]
-        if missing:
-            return (f"missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
-                    "(alpaca records need 'instruction' and 'output'; 'input' may be empty or missing)")
-        for k in ("instruction", "output"):
-            if not isinstance(record[k], str):
-                return f"field {k!r} must be a string, got {type(record[k]).__name__}"
-        if not record["instruction"].strip():
-            return "field 'instruction' is empty"
-        if record.get("input") is not None and not isinstance(record["input"], str):
-            return f"field 'input' must be a string, got {type(record['input']).__name__}"
-        return None
-    if fmt == "sharegpt":
-        if "conversations" not in record:
-            return "missing field 'conversations' (sharegpt records need a list of {from, value} turns)"
-        return _check_turns(record["conversations"], "conversations", "from", "value")
-    if fmt == "chatml":
-        if "messages" not in record:
-            return "missing field 'messages' (chatml records need a list of {role, content} turns)"
-        return _check_turns(record["messages"], "messages", "role", "content")
-    raise ValueError(f"unknown format {fmt!r}; expected 'auto' or one of {FORMATS}")
-
-
 def validate_records(records: Sequence[dict], fmt: str = "auto", source: str | None = None,
                      skip_bad_lines: bool = False, text_field: str = "text") -> Records:
     """Check that every record has the fields its format needs.
 
-    ``fmt``: "text", "alpaca", "sharegpt", "chatml", or "auto" (each record's format is detected with
-    :func:`unsloth_jax.data.detect_format`). Alpaca needs ``instruction`` and ``output`` (``input`` may be empty
-    or missing); sharegpt needs ``conversations`` of {from, value}; chatml needs ``messages`` of {role,
-    content}; text needs a non-empty string ``text_field``.
+    ``fmt``: "text", "alpaca", "sharegpt", "chatml", "prompt_completion", or "auto" (each record's format is
+    detected with :func:`unsloth_jax.data.detect_format`). Alpaca needs ``instruction`` and ``output``
+    (``input`` may be empty or missing); sharegpt needs ``conversations`` of {from, value}; chatml needs
+    ``messages`` of {role, content}; text needs a non-empty string ``text_field``; prompt_completion needs
+    ``prompt`` and ``completion``, both strings (the completion non-empty) or both lists of turns (the
+    completion non-empty).
 
     A bad record raises DatasetFormatError naming "file, line N" when the records came from
     :func:`load_records`, else "<source>, record i" / "record i", and the reason. With ``skip_bad_lines=True``
     bad records are dropped, logged with ``logging.warning``, and counted in the result's ``.skipped`` (which
     also includes the input's own ``.skipped``, if any). Returns the valid records as :class:`Records`.
     """
-    from unsloth_jax.data.formats import detect_format  # local import: formats imports this module
-
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected 'auto' or one of {FORMATS}")
     locations = getattr(records, "locations", None)

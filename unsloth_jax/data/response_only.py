@@ -1,6 +1,7 @@
-"""Loss on assistant turns only ("train on responses only").
+"""Loss on assistant turns only ("train on responses only"), and on the completion of prompt-completion
+records (:func:`completion_only_labels`).
 
-Two ways to find the turns:
+Two ways to find the assistant turns:
 
 * :func:`response_only_labels` matches the markers' token ids. It is exact and fast but only finds a marker
   whose tokenization inside the text equals the given ids; a BPE can tokenize a marker differently in context
@@ -9,8 +10,9 @@ Two ways to find the turns:
   example is decoded, re-encoded with character offsets (fast tokenizers), and every token that overlaps the
   text after a response marker and before the next instruction marker is kept. This does not depend on how the
   markers tokenize. Where re-encoding does not reproduce an example's ids (non-fast tokenizers, or a tokenizer
-  whose decode is lossy), that example falls back to id matching with the marker ids and their variant without
-  trailing whitespace.
+  whose decode is lossy), or the decoded text does not contain the response marker (normalizing tokenizers:
+  a lowercasing one decodes "### Response:" as "### response:", WordPiece drops newlines), that example falls
+  back to id matching with the marker ids and their variant without trailing whitespace.
 """
 from __future__ import annotations
 
@@ -96,6 +98,28 @@ def response_only_labels(input_ids: Sequence[int], instruction_ids: Any, respons
     return [int(x) for x in out]
 
 
+def completion_only_labels(input_ids: Sequence[int], prompt_ids: Sequence[int],
+                           labels: Sequence[int] | None = None):
+    """Labels with the loss on the completion only (TRL's completion_only_loss): the tokens of ``input_ids``
+    (prompt + completion, [S] ints) that the prompt's own tokenization ``prompt_ids`` shares as a prefix become
+    -100, the rest keep their label.
+
+    Where a token merges the prompt's end with the completion's start, the shared prefix stops before it, so
+    that token is trained (it carries completion text). ``labels`` defaults to ``input_ids``; labels already
+    -100 stay -100. Returns a numpy array of input_ids' dtype when ``input_ids`` is one, else a list of ints.
+    """
+    n = 0
+    for a, b in zip(input_ids, prompt_ids):
+        if int(a) != int(b):
+            break
+        n += 1
+    base = np.asarray(input_ids if labels is None else labels, dtype=np.int64).copy()
+    base[:n] = IGNORE_INDEX
+    if isinstance(input_ids, np.ndarray):
+        return base.astype(input_ids.dtype)
+    return [int(x) for x in base]
+
+
 # ------------------------------------------------------------------------------------------- text matching
 def _find_all(text: str, part: str) -> list[int]:
     out, start = [], text.find(part)
@@ -139,7 +163,8 @@ def _mask_from_offsets(offsets: np.ndarray, regions: list[tuple[int, int]]) -> n
 
 def _text_masks(tokenizer: Any, id_lists: list[list[int]], instruction_part: str | None,
                 response_part: str) -> list[np.ndarray | None]:
-    """Per example: the mask from text matching, or None where re-encoding does not reproduce the ids."""
+    """Per example: the mask from text matching, or None where re-encoding does not reproduce the ids or the
+    decoded text does not contain ``response_part``."""
     if not getattr(tokenizer, "is_fast", False):
         return [None] * len(id_lists)
     texts = tokenizer.batch_decode(id_lists, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -154,6 +179,9 @@ def _text_masks(tokenizer: Any, id_lists: list[list[int]], instruction_part: str
             common += 1
         # A lossy tail (e.g. a multi-byte character cut by truncation) is tolerated; anything else falls back.
         if n and common < max(1, n - 4):
+            out.append(None)
+            continue
+        if response_part not in text:  # a normalizing decode (lowercase, spacing) can hide the marker text
             out.append(None)
             continue
         regions = _char_regions(text, instruction_part, response_part)
@@ -228,8 +256,8 @@ def train_on_responses_only(trainer: Any, instruction_part: str | None = "<|im_s
             continue
         empty, fallback = apply_response_only(examples, tok, instruction_part, response_part)
         if fallback:
-            logger.info("train_on_responses_only: %d %s used token-id matching (re-encoding differed)",
-                        fallback, attr)
+            logger.info("train_on_responses_only: %d %s used token-id matching (re-encoding differed, or the "
+                        "decoded text lacks the marker text)", fallback, attr)
         if examples and empty == len(examples):
             raise DatasetFormatError(
                 f"train_on_responses_only: no {attr} example contains the response marker {response_part!r}, so "

@@ -7,6 +7,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from unsloth_jax.data.formats import prepare_texts, prompt_completion_texts
+from unsloth_jax.data.records import detect_format
+from unsloth_jax.data.response_only import completion_only_labels
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1024  # texts per tokenizer call
@@ -87,10 +91,41 @@ def suggest_max_seq_length(examples_or_texts: Sequence[Any], tokenizer: Any = No
     return int(value)
 
 
-def build_examples(records: Sequence[dict], tokenizer: Any, max_seq_length: int, dataset_text_field: str = "text",
-                   formatting_func: Any = None, add_eos: bool = False) -> list[dict]:
-    """:func:`prepare_texts` then :func:`tokenize_texts`: records -> ``{"input_ids", "labels"}`` examples."""
-    from unsloth_jax.data.formats import prepare_texts
+def mask_prompts(examples: list[dict], records: Sequence[dict], tokenizer: Any,
+                 dataset_text_field: str = "text") -> int:
+    """Set the labels of each prompt-completion record's prompt tokens to -100, in place.
 
+    ``examples[i]`` must be the tokenization of ``records[i]``'s text (as :func:`build_examples` makes them
+    without a formatting_func). The prompt is tokenized alone the way :func:`tokenize_texts` tokenizes texts
+    and the tokens it shares as a prefix are masked (:func:`completion_only_labels`). Returns how many examples
+    had a prompt whose tokens are not a prefix of the whole text's (a merge at the boundary; logged).
+    """
+    picked = [i for i, rec in enumerate(records) if detect_format(rec, dataset_text_field) == "prompt_completion"]
+    if not picked:
+        return 0
+    prompts = [prompt_completion_texts(records[i], tokenizer)[0] for i in picked]
+    merged = 0
+    for i, prompt_ids in zip(picked, encode_texts(prompts, tokenizer)):
+        ex = examples[i]
+        ids = ex["input_ids"]
+        if list(ids[:len(prompt_ids)]) != list(prompt_ids) and len(ids) > len(prompt_ids):
+            merged += 1
+        ex["labels"] = completion_only_labels(ids, prompt_ids, ex["labels"])
+    if merged:
+        logger.warning("%d of %d prompt-completion examples tokenize the prompt differently alone than before "
+                       "its completion; their loss starts at the first token that differs", merged, len(picked))
+    return merged
+
+
+def build_examples(records: Sequence[dict], tokenizer: Any, max_seq_length: int, dataset_text_field: str = "text",
+                   formatting_func: Any = None, add_eos: bool = False, completion_only_loss: bool = True) -> list[dict]:
+    """:func:`prepare_texts` then :func:`tokenize_texts`: records -> ``{"input_ids", "labels"}`` examples.
+
+    With ``completion_only_loss`` (the default, as TRL's SFTTrainer) and no ``formatting_func``, the prompt
+    tokens of prompt-completion records get label -100 (:func:`mask_prompts`); other records are unchanged.
+    """
     texts = prepare_texts(records, tokenizer, dataset_text_field=dataset_text_field, formatting_func=formatting_func)
-    return tokenize_texts(texts, tokenizer, max_seq_length, add_eos=add_eos)
+    examples = tokenize_texts(texts, tokenizer, max_seq_length, add_eos=add_eos)
+    if completion_only_loss and formatting_func is None:
+        mask_prompts(examples, records, tokenizer, dataset_text_field)
+    return examples

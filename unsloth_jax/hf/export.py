@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
@@ -88,11 +89,23 @@ def parse_size(size) -> int:
     return int(value)
 
 
+def _checkpoint_dtype(model) -> str | None:
+    """The dtype the source checkpoint's config.json records ("dtype", or the older "torch_dtype"), if any."""
+    if model.model_dir is None:
+        return None
+    try:
+        raw = json.loads((Path(model.model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    name = (raw.get("dtype") or raw.get("torch_dtype")) if isinstance(raw, dict) else None
+    return name.removeprefix("torch.") if isinstance(name, str) else None
+
+
 def _resolve_out_dtype(model, dtype) -> np.dtype:
-    """The dtype merged weights are written in: `dtype` if given, else the model's compute dtype (bf16 / fp16
-    stay, float32 stays float32)."""
+    """The dtype merged weights are written in: `dtype` if given; else 16-bit whatever the model computes in
+    (a float32-loaded model too): float16 when the source checkpoint is float16, bfloat16 otherwise."""
     if dtype is None:
-        dt = jnp.dtype(model.dtype)
+        dt = jnp.dtype(jnp.float16 if _checkpoint_dtype(model) == "float16" else jnp.bfloat16)
     else:
         from unsloth_jax.backend import resolve_dtype
 
@@ -120,6 +133,7 @@ def atomic_directory(out_dir, stale: re.Pattern | None = None) -> Iterator[Path]
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=parent))
     try:
+        chmod_like_new(tmp)  # mkdtemp makes it 0700; out_dir gets a new directory's mode
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -383,8 +397,7 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
     return raw
 
 
-def _write_merged(model, directory: Path, tokenizer, max_shard_size, dtype) -> None:
-    out_dtype = _resolve_out_dtype(model, dtype)
+def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype) -> None:
     limit = parse_size(max_shard_size)
     config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
     entries = merged_entries(model, out_dtype)
@@ -432,7 +445,8 @@ def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16
     tokenizer (save_method="lora").
 
     merged_16bit: every projection becomes W + scale * A @ B, computed in float32 (a 4-bit base is dequantized
-    first) and cast to `dtype` (default: the model's dtype: bfloat16 / float16, float32 stays float32). Shards
+    first) and cast to `dtype` (default: float16 when the source checkpoint's config.json says float16, else
+    bfloat16, whatever dtype the model was loaded in; dtype="float32" keeps full precision). Shards
     above `max_shard_size` (int bytes or "5GB", "500MB", "2GiB") with model.safetensors.index.json; config.json
     from the source directory with the dtype updated; generation_config.json and tokenizer files."""
     if save_method not in SAVE_METHODS:
@@ -450,6 +464,7 @@ def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16
         return
     stale = _MERGED_ARTIFACTS if tokenizer is None else re.compile(
         _MERGED_ARTIFACTS.pattern + "|" + "|".join(re.escape(f) for f in _TOKENIZER_FILES))
+    out_dtype = _resolve_out_dtype(model, dtype)
     with atomic_directory(out_dir, stale) as tmp:
-        _write_merged(model, tmp, tokenizer, max_shard_size, dtype)
-    log.info("unsloth_jax: saved merged %s model to %s", _dtype_name(_resolve_out_dtype(model, dtype)), out_dir)
+        _write_merged(model, tmp, tokenizer, max_shard_size, out_dtype)
+    log.info("unsloth_jax: saved merged %s model to %s", _dtype_name(out_dtype), out_dir)

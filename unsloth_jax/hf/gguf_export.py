@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.hf.file_modes import chmod_like_new
 
 log = logging.getLogger("unsloth_jax")
 
@@ -152,7 +153,9 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     name_map = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     want = getattr(gguf.GGMLQuantizationType, _METHODS[method][0])
     Q = gguf.GGMLQuantizationType
-    hf_dtype = export._resolve_out_dtype(model, None)  # what the merged 16-bit checkpoint would hold
+    # The merged weights at the model's own precision (a float32 model is not rounded to 16 bits first); each
+    # tensor is then converted to its GGUF type.
+    hf_dtype = export._resolve_out_dtype(model, model.dtype)
     permute = _ARCH[cfg.model_type] == "LLAMA"
     gemma = cfg.model_type in ("gemma", "gemma2")
     plan: list[_Tensor] = []
@@ -534,6 +537,7 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=out_dir)
     os.close(fd)
     try:
+        chmod_like_new(tmp)  # mkstemp makes it 0600
         w.write_header_to_file(path=Path(tmp))
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

@@ -42,7 +42,7 @@ def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
 
 def _describe(tree, leading: int = 0) -> str:
     """A short description of one layer's value (skipping `leading` stacking axes), for error messages."""
-    from pallas_kernels.nf4 import NF4Weight
+    from pallas_kernels.nf4_format import NF4Weight
 
     if isinstance(tree, NF4Weight):
         double = "on" if tree.nested_absmax is not None else "off"
@@ -125,7 +125,7 @@ BNB_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", 
 
 def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
     """An NF4Weight from a pre-quantized bitsandbytes tensor group (`name` + its quant-state tensors)."""
-    from pallas_kernels.nf4 import nf4_from_bnb_tensors
+    from pallas_kernels.nf4_format import nf4_from_bnb_tensors
 
     group = {}
     for key in (name,) + tuple(name + s for s in BNB_SUFFIXES):

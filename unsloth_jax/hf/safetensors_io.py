@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, CorruptCheckpointError
+from unsloth_jax.hf.file_modes import chmod_like_new
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -146,6 +147,7 @@ def _atomic_write(path: Path, chunks: Iterator[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        chmod_like_new(tmp)  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
                 out.write(chunk)

@@ -4,7 +4,9 @@ Variable types say what trains (flax.nnx filters select on them):
   nnx.Param      dense weights: frozen under LoRA (the train step differentiates only the LoRA state), trained
                  in full fine-tuning;
   nnx.LoRAParam  the LoRA factors `lora_a` [in, r] and `lora_b` [r, out] (Flax's own type);
-  NF4Param       a 4-bit NF4 base weight (an `NF4Weight` pytree in HF's [out, in] layout); never trained.
+  NF4Param       a 4-bit NF4 base weight (an `NF4Weight` pytree in HF's [out, in] layout); never trained;
+  FP8Param       an FP8 base weight (an `FP8Weight`: e4m3 values [out, in], per-output-channel scales); never
+                 trained.
 
 Every module may be built with leading `stack` axes (the decoder stacks its layers on axis 0 and scans over
 them); `__call__` then runs on one slice of the stack, which the scan hands it. Names follow Hugging Face:
@@ -26,6 +28,10 @@ class NF4Param(nnx.Variable):
     """A frozen 4-bit base weight: an `NF4Weight` (bitsandbytes' NF4 format, HF [out, in] layout per layer)."""
 
 
+class FP8Param(nnx.Variable):
+    """A frozen FP8 base weight: an `FP8Weight` (float8_e4m3fn [out, in] per layer, float32 scale [out])."""
+
+
 def value_of(variable):
     """The value a Variable holds (an array, or a pytree such as an NF4Weight); None stays None."""
     return None if variable is None else variable.get_value()
@@ -34,7 +40,8 @@ def value_of(variable):
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b).
 
-    kernel: nnx.Param [*stack, in, out] in the weight dtype, or NF4Param (NF4Weight, [*stack] of [out, in]);
+    kernel: nnx.Param [*stack, in, out] in the weight dtype, NF4Param (NF4Weight, [*stack] of [out, in]) or
+    FP8Param (FP8Weight, [*stack] of [out, in]);
     bias: nnx.Param [*stack, out] or None; lora_a / lora_b: nnx.LoRAParam [*stack, in, r] / [*stack, r, out]
     (float32 master weights, cast to x.dtype in the matmul) or None; lora_scale: a static float.
     """

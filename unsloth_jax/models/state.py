@@ -3,8 +3,9 @@
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dt, rngs=nnx.Rngs(0)))   # no memory allocated
     fill(model, {"model": {"embed_tokens": {"weight": array}, ...}})
 
-A value that is an `NF4Weight` replaces the dense variable by an `NF4Param` (a 4-bit base); every other value
-must match the variable's shape and becomes its value. Every variable must be given one.
+A value that is an `NF4Weight` or an `FP8Weight` replaces the dense variable by an `NF4Param` / `FP8Param` (a
+quantized base); every other value must match the variable's shape and becomes its value. Every variable must be
+given one.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from unsloth_jax.models.layers import NF4Param
+from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.nf4_format import NF4Weight
+from unsloth_jax.models.layers import FP8Param, NF4Param
 
 
 def _flat(tree: dict, prefix: tuple = ()):
@@ -39,8 +42,6 @@ def fill(module: nnx.Module, values: dict) -> nnx.Module:
     """Set the variables of `module` (built abstractly with nnx.eval_shape, or real) from `values`, a nested dict
     keyed by attribute names. Raises KeyError naming a path that `module` lacks or a variable left unset, and
     ValueError naming a path whose shape differs."""
-    from unsloth_jax.quant import is_nf4
-
     given = set()
     for path, value in _flat(values):
         parent = module
@@ -51,8 +52,10 @@ def fill(module: nnx.Module, values: dict) -> nnx.Module:
         var = getattr(parent, path[-1], None)
         if not isinstance(var, nnx.Variable):
             raise KeyError(f"{'.'.join(path)}: the model has no variable here")
-        if is_nf4(value):
+        if isinstance(value, NF4Weight):
             setattr(parent, path[-1], NF4Param(value))
+        elif isinstance(value, FP8Weight):
+            setattr(parent, path[-1], FP8Param(value))
         else:
             want = np.shape(var.get_value())
             if tuple(np.shape(value)) != tuple(want):

@@ -1,8 +1,9 @@
 """SFTTrainer and TrainingArguments with the names TRL/Unsloth users type, over the functional train step.
 
-`SFTTrainer(...).train()` tokenizes the dataset, runs the jitted step with a progress bar, logs to stdout and
-`output_dir/metrics.jsonl`, saves orbax checkpoints every `save_steps`, resumes exactly, and finally writes the
-trained LoRA weights back into the model (in place, `nnx.update`, as HF and Unsloth do).
+`SFTTrainer(...).train()` tokenizes the dataset, runs the jitted step with a progress bar, logs to stdout,
+`output_dir/metrics.jsonl`, `trainer.state.log_history` and the `report_to` integrations (TensorBoard), saves
+orbax checkpoints every `save_steps`, resumes exactly, writes the trained LoRA weights back into the model (in
+place, `nnx.update`, as HF and Unsloth do) and returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
 """
 from __future__ import annotations
 
@@ -23,18 +24,26 @@ from tqdm.auto import tqdm
 from flax import nnx
 
 from unsloth_jax import lora
+from unsloth_jax import backend
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
+from unsloth_jax.train.reporting import Reporters, default_logging_dir, resolve_report_to
+from unsloth_jax.train.state import TrainerState, TrainOutput, planned_train_samples, train_metrics
 from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
+from unsloth_jax.train.validation import check_max_seq_length, validate_training_arguments
 
 log = logging.getLogger("unsloth_jax")
 
 
 @dataclasses.dataclass
 class TrainingArguments:
-    """The TRL/transformers training arguments unsloth_jax understands (others are rejected by name)."""
+    """The TRL/transformers training arguments unsloth_jax understands (others are rejected by name).
+
+    Values are checked here, at construction: TypeError for a wrong type (learning_rate="2e-4"), ValueError for
+    a value out of range (per_device_train_batch_size=0); report_to becomes a list, as in transformers.
+    """
 
     output_dir: str = "outputs"
     per_device_train_batch_size: int = 2
@@ -59,9 +68,74 @@ class TrainingArguments:
     bf16: bool | None = None
     fp16: bool | None = None
     dataloader_drop_last: bool = False
-    report_to: str | list | None = "none"
+    report_to: str | list | None = "none"  # "tensorboard", "none"/None/[], "all", or a list
+    logging_dir: str | None = None  # TensorBoard event files; None: OUTPUT_DIR/runs/<datetime>_<host>
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+
+    def __post_init__(self):
+        validate_training_arguments(self)
+        self.report_to = resolve_report_to(self.report_to)
+
+
+def _base_label(model) -> str:
+    """" + NF4" / " + FP8" when the frozen projections are quantized."""
+    from unsloth_jax.models import FP8Param, NF4Param
+
+    kinds = {type(lin.kernel) for lin in model.projections().values()}
+    return " + NF4" if NF4Param in kinds else " + FP8" if FP8Param in kinds else ""
+
+
+def _kernels_line() -> str:
+    from unsloth_jax import ops
+
+    chosen = ops.chosen_impls()
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none traced"
+
+
+class StepMemoryPlan(str):
+    """The one-line memory summary of a compiled train step (a str), with the byte counts as attributes."""
+
+    device_bytes: int
+    host_bytes: int
+    limit_bytes: int | None
+
+
+def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_length: int) -> StepMemoryPlan:
+    """Compile the train step for the largest batch the loader yields (sequence length `longest`) and read XLA's
+    memory analysis of it, before step 1. Raises TrainingError when the step needs more device memory than the
+    device has, naming the largest max_seq_length that would fit (estimated from the step's temporaries, which
+    grow linearly with the tokens). The jit cache keeps the compiled step, so step 1 does not compile again."""
+    shapes = {k: jax.ShapeDtypeStruct((*v.shape[:-1], longest), v.dtype) for k, v in batch.items()}
+    compiled = step_fn.lower(*state, shapes).compile()
+    ma = compiled.memory_analysis()
+    if ma is None:
+        line = StepMemoryPlan("step memory: not reported by this backend")
+        line.device_bytes = line.host_bytes = 0
+        line.limit_bytes = None
+        return line
+    fixed = ma.argument_size_in_bytes + ma.output_size_in_bytes - getattr(ma, "alias_size_in_bytes", 0)
+    device = fixed + ma.temp_size_in_bytes
+    host = getattr(ma, "host_temp_size_in_bytes", 0) + getattr(ma, "host_argument_size_in_bytes", 0)
+    limit = backend.device_memory_limit()
+    gib = 2 ** 30
+    text = f"step memory (XLA's analysis, S={longest}): {device / gib:.2f} GiB on the device"
+    if host:
+        text += f" + {host / gib:.2f} GiB pinned host (offloaded layer inputs)"
+    if limit:
+        text += f" of {limit / gib:.1f} GiB"
+        if device > 0.98 * limit:
+            per_token = ma.temp_size_in_bytes / max(longest, 1)
+            fits = int((0.95 * limit - fixed) / max(per_token, 1))
+            hint = (f"the largest max_seq_length that fits is about {fits:,d}" if fits > 0 else
+                    "even the weights and optimizer state do not fit")
+            raise TrainingError(f"the train step at sequence length {longest} (max_seq_length={max_seq_length}) "
+                                f"needs {device / gib:.1f} GiB of device memory, but the device has "
+                                f"{limit / gib:.1f} GiB; {hint} (or lower per_device_train_batch_size, use "
+                                "use_gradient_checkpointing='unsloth', or load_in_4bit=True)")
+    line = StepMemoryPlan(text)
+    line.device_bytes, line.host_bytes, line.limit_bytes = int(device), int(host), limit
+    return line
 
 
 def cast_weights(model, dtype) -> None:
@@ -103,8 +177,9 @@ class SFTTrainer:
             raise TypeError(f"SFTTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        check_max_seq_length(max_seq_length)  # 0 is an error, not "not given"
         self.args = args or TrainingArguments()
-        self.max_seq_length = int(max_seq_length or model.max_seq_length)
+        self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
         if model.lora is None:
             raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) first")
@@ -116,7 +191,7 @@ class SFTTrainer:
         if not self.train_examples:
             raise TrainingError("the training dataset is empty after tokenization")
         self._apply_precision_flags()
-        self.state: dict = {}
+        self.state = TrainerState()
 
     # ------------------------------------------------------------------------------------------ data
     def _tokenize(self, dataset, text_field, formatting_func) -> list[dict]:
@@ -170,7 +245,7 @@ class SFTTrainer:
                     found.append((int(m.group(1)), p))
         return sorted(found)
 
-    def _save_checkpoint(self, step: int, trainable, opt_state, loss_history: list) -> None:
+    def _save_checkpoint(self, step: int, trainable, opt_state) -> None:
         import orbax.checkpoint as ocp
 
         path = Path(self.args.output_dir).resolve() / f"checkpoint-{step}"
@@ -180,8 +255,7 @@ class SFTTrainer:
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(tmp / "state", {"trainable": trainable, "opt_state": opt_state})
         ckptr.wait_until_finished()
-        (tmp / "trainer_state.json").write_text(json.dumps({"global_step": step, "seed": self.args.seed,
-                                                             "loss_history": loss_history}))
+        (tmp / "trainer_state.json").write_text(json.dumps(self._state_record(step)))
         os.replace(tmp, path)
         limit = self.args.save_total_limit
         if limit:
@@ -190,14 +264,25 @@ class SFTTrainer:
             for _, old in self._checkpoints()[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def _state_record(self, step: int) -> dict:
+        """trainer_state.json of a checkpoint at `step`: what a resumed run needs to continue the history."""
+        st = self.state
+        return {"global_step": step, "seed": self.args.seed, "epoch": st.epoch, "max_steps": st.max_steps,
+                "loss_history": list(st.loss_history[:step]), "log_history": list(st.log_history)}
+
     def _restore(self, path: Path, trainable, opt_state):
+        """(trainable, opt_state, step) from a checkpoint directory; also restores self.state's histories."""
         import orbax.checkpoint as ocp
 
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"trainable": trainable,
                                                                                    "opt_state": opt_state})
         restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
         meta = json.loads((path / "trainer_state.json").read_text())
-        return restored["trainable"], restored["opt_state"], int(meta["global_step"]), meta.get("loss_history", [])
+        step = int(meta["global_step"])
+        self.state.global_step = step
+        self.state.loss_history = list(meta.get("loss_history", []))
+        self.state.log_history = list(meta.get("log_history", []))
+        return restored["trainable"], restored["opt_state"], step
 
     # ----------------------------------------------------------------------------------------- train
     def total_steps(self, loader: DataLoader) -> int:
@@ -206,11 +291,40 @@ class SFTTrainer:
         per_epoch = len(loader) / self.args.gradient_accumulation_steps
         return max(1, int(math.ceil(self.args.num_train_epochs * per_epoch)))
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> dict:
+    def _warmup_steps(self, total: int) -> int:
+        """Warmup steps of a `total`-step run; a float warmup_steps in [0, 1) is a ratio (transformers 5)."""
+        w = self.args.warmup_steps
+        if isinstance(w, float) and 0 < w < 1:
+            return int(math.ceil(w * total))
+        return optim.warmup_steps_for(total, int(w), self.args.warmup_ratio)
+
+    def _open_reporters(self) -> None:
+        """Start the report_to integrations of this train() call (closed by train() whatever happens)."""
+        args = self.args
+        logging_dir = args.logging_dir or default_logging_dir(args.output_dir)
+        self._reporters = Reporters(args.report_to, logging_dir, dataclasses.asdict(args))
+        if self._reporters.logging_dir:
+            print(f"unsloth_jax: TensorBoard logs -> {self._reporters.logging_dir}")
+
+    def _close_reporters(self) -> None:
+        reporters = getattr(self, "_reporters", None)
+        if reporters is not None:
+            reporters.close()
+        self._reporters = None
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Train for the configured steps; resume_from_checkpoint=True continues from the newest checkpoint in
+        output_dir (a path: from that checkpoint). Returns a TrainOutput; trainer.state keeps the log history."""
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            self._close_reporters()
+
+    def _train(self, resume_from_checkpoint) -> TrainOutput:
         args, model = self.args, self.model
         loader = self._loader(self.train_examples, args.per_device_train_batch_size, shuffle=True)
         total = self.total_steps(loader)
-        warmup = optim.warmup_steps_for(total, args.warmup_steps, args.warmup_ratio)
+        warmup = self._warmup_steps(total)
         schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
         optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
                                          max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
@@ -218,7 +332,10 @@ class SFTTrainer:
         graphdef, trainable, frozen = lora.split(model)
         trainable = jax.tree.map(jnp.copy, trainable)  # the step donates its input; keep the model's arrays valid
         opt_state = optimizer.init(trainable)
-        start, history = 0, []
+        self.state = TrainerState(max_steps=total, logging_steps=args.logging_steps,
+                                  num_train_epochs=args.num_train_epochs,
+                                  train_batch_size=args.per_device_train_batch_size)
+        start = 0
         if resume_from_checkpoint:
             ckpts = self._checkpoints()
             path = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, os.PathLike)) else (
@@ -227,37 +344,40 @@ class SFTTrainer:
                 log.warning("unsloth_jax: resume_from_checkpoint=True but %s holds no checkpoint; starting fresh",
                             args.output_dir)
             else:
-                trainable, opt_state, start, history = self._restore(path, trainable, opt_state)
+                trainable, opt_state, start = self._restore(path, trainable, opt_state)
                 print(f"Resuming from {path} at step {start}")
         step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
         trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
+        plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
+                                loader.longest_bucket, self.max_seq_length)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        metrics_path = Path(args.output_dir) / "metrics.jsonl"
+        self._open_reporters()
         n_train = lora.count(trainable)
         print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
               f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}, LoRA r={model.lora.r} ({n_train:,d} trainable), remat={model.gradient_checkpointing}")
+              f"{model.dtype.name}{_base_label(model)}, LoRA r={model.lora.r} ({n_train:,d} trainable), "
+              f"remat={model.gradient_checkpointing}")
+        print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}")
         bar = tqdm(total=total, initial=start, desc="Training", unit="step")
         t0 = time.perf_counter()
-        window_tokens, window_t0 = 0, time.perf_counter()
-        bad_in_row = skipped = 0
+        steplog = _StepLog(self, len(loader), schedule, bar, t0)
+        self.state.epoch = steplog.epoch_at(start)
+        bad_in_row = 0
         # (step, metrics, stamp) read one step late so the host never stalls the device. `stamp` is the wall
         # time when that step's call returned: one step period after the previous stamp both when steps run
         # ahead asynchronously and when each call blocks, so tokens / (stamp - previous stamp) is the rate
         # either way (a timestamp taken when the late metrics are read would make the last window ~0 s long
         # whenever the step was already finished).
         pending = None
-        last = {}
 
         def finish(step_idx, m, stamp):
-            nonlocal bad_in_row, skipped, window_tokens, window_t0, last
+            nonlocal bad_in_row
             m = jax.device_get(m)
-            loss, tokens = float(m["loss"]), int(m["tokens"])
+            loss = float(m["loss"])
             if int(m["skipped"]):
-                skipped += 1
                 bad_in_row += 1
                 tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
                 if bad_in_row >= args.max_nonfinite_steps:
@@ -266,27 +386,7 @@ class SFTTrainer:
                                         "untouched.")
             else:
                 bad_in_row = 0
-            history.append(loss)
-            window_tokens += tokens
-            done = step_idx + 1
-            if done % args.logging_steps == 0 or done == total or (args.logging_first_step and done == 1):
-                now = stamp
-                record = {"step": done, "loss": loss, "learning_rate": float(schedule(step_idx)),
-                          "grad_norm": float(m["grad_norm"]), "tokens_per_second": window_tokens / max(now - window_t0, 1e-9),
-                          "epoch": done * args.gradient_accumulation_steps / len(loader)}
-                if "aux_loss" in m:  # MoE families with output_router_logits (TRL's key)
-                    record["aux_loss"] = float(m["aux_loss"])
-                mem = device_memory_gib()
-                if mem is not None:
-                    record["memory_gib"] = round(mem, 3)
-                window_tokens, window_t0 = 0, now
-                with open(metrics_path, "a") as fh:
-                    fh.write(json.dumps(record) + "\n")
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['learning_rate']:.2e}",
-                                tok_s=f"{record['tokens_per_second']:.0f}",
-                                **({"mem": f"{mem:.1f}G"} if mem is not None else {}))
-                tqdm.write(json.dumps(record))
-                last = record
+            steplog.step(step_idx, m, stamp, last=step_idx + 1 == total)
 
         try:
             for step in range(start, total):
@@ -300,24 +400,32 @@ class SFTTrainer:
                 if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
                     finish(*pending)
                     pending = None
-                    self._save_checkpoint(step + 1, trainable, opt_state, history)
+                    self._save_checkpoint(step + 1, trainable, opt_state)
             if pending is not None:
                 finish(*pending)
         finally:
             bar.close()
             nnx.update(model, trainable)
-        runtime = time.perf_counter() - t0
+        t_end = time.perf_counter()
         if args.save_steps:
-            self._save_checkpoint(total, trainable, opt_state, history)
-        out = {"global_step": total, "train_loss": float(np.mean(history[-max(1, total - start):])) if history else float("nan"),
-               "final_loss": history[-1] if history else float("nan"), "train_runtime": runtime,
-               "skipped_steps": skipped, "loss_history": list(history)}
-        if last:
-            out["tokens_per_second"] = last.get("tokens_per_second")
+            self._save_checkpoint(total, trainable, opt_state)
+        return self._finish_training(steplog, loader, start, total, t0, t_end)
+
+    def _finish_training(self, steplog: "_StepLog", loader: DataLoader, start: int, total: int, t0: float,
+                         t_end: float) -> TrainOutput:
+        """Log the eval loss (with an eval_dataset) and the run summary; the TrainOutput of this call."""
+        args, state = self.args, self.state
+        state.global_step = total
+        run = total - start
+        planned = planned_train_samples(args.max_steps, args.per_device_train_batch_size,
+                                        args.gradient_accumulation_steps, loader.num_rows, args.num_train_epochs)
+        metrics = train_metrics(t0, t_end, steps_run=run, total_steps=total, planned_samples=planned,
+                                losses_run=state.loss_history[len(state.loss_history) - run:], epoch=state.epoch)
         if self.eval_examples:
-            out["eval_loss"] = self.evaluate()
-        self.state = out
-        return out
+            steplog.log({"eval_loss": self.evaluate(), "epoch": state.epoch, "step": total})
+        steplog.log({**metrics, "step": total})
+        print(json.dumps(metrics))
+        return TrainOutput(total, metrics["train_loss"], metrics)
 
     def evaluate(self) -> float:
         """Mean token loss over eval_dataset."""
@@ -330,3 +438,69 @@ class SFTTrainer:
             total += float(s)
             count += int(n)
         return total / max(count, 1)
+
+
+class _StepLog:
+    """The per-step bookkeeping of one train() call: trainer.state (global_step, epoch, loss_history) after
+    every step; every logging_steps steps (and on the first and last) a log entry averaging the loss over the
+    steps since the previous one, written to trainer.state.log_history, metrics.jsonl (with tokens/s and
+    memory), stdout, the progress bar and the report_to integrations."""
+
+    def __init__(self, trainer: SFTTrainer, steps_per_epoch: int, schedule, bar, t0: float):
+        self.args, self.state, self.reporters = trainer.args, trainer.state, trainer._reporters
+        self.metrics_path = Path(trainer.args.output_dir) / "metrics.jsonl"
+        self.steps_per_epoch = steps_per_epoch  # batches per epoch
+        self.schedule, self.bar = schedule, bar
+        self.window_losses: list[float] = []
+        self.window_aux: list[float] = []  # MoE load-balancing loss (output_router_logits), TRL's "aux_loss"
+        self.window_tokens, self.window_t0 = 0, t0
+
+    def epoch_at(self, step: int) -> float:
+        """Epochs done after `step` optimizer steps (batches consumed / batches per epoch), as transformers."""
+        return step * self.args.gradient_accumulation_steps / self.steps_per_epoch
+
+    def _logs_at(self, done: int, last: bool) -> bool:
+        a = self.args
+        return done % a.logging_steps == 0 or last or (a.logging_first_step and done == 1)
+
+    def step(self, step_idx: int, m: dict, stamp: float, last: bool) -> None:
+        """Record optimizer step `step_idx` (0-based) from its host metrics `m`, returned at time `stamp`."""
+        loss = float(m["loss"])
+        done = step_idx + 1
+        self.state.loss_history.append(loss)
+        self.state.global_step, self.state.epoch = done, self.epoch_at(done)
+        self.window_losses.append(loss)
+        if "aux_loss" in m:
+            self.window_aux.append(float(m["aux_loss"]))
+        self.window_tokens += int(m["tokens"])
+        if not self._logs_at(done, last):
+            return
+        entry = {"loss": sum(self.window_losses) / len(self.window_losses), "grad_norm": float(m["grad_norm"]),
+                 "learning_rate": float(self.schedule(step_idx)), "epoch": self.state.epoch, "step": done}
+        if self.window_aux:
+            entry["aux_loss"] = sum(self.window_aux) / len(self.window_aux)
+        tokens_per_second = self.window_tokens / max(stamp - self.window_t0, 1e-9)
+        self.window_losses, self.window_aux, self.window_tokens, self.window_t0 = [], [], 0, stamp
+        self.log(entry)
+        self._write_record(entry, tokens_per_second)
+
+    def log(self, entry: dict) -> None:
+        """Append `entry` (with its "step") to log_history and send it to the report_to integrations."""
+        self.state.log_history.append(entry)
+        if self.reporters is not None:
+            self.reporters.log(entry, entry["step"])
+
+    def _write_record(self, entry: dict, tokens_per_second: float) -> None:
+        """One metrics.jsonl line (also printed) and the progress bar's postfix."""
+        record = {"step": entry["step"], "loss": entry["loss"], "learning_rate": entry["learning_rate"],
+                  "grad_norm": entry["grad_norm"], "tokens_per_second": tokens_per_second, "epoch": entry["epoch"]}
+        if "aux_loss" in entry:
+            record["aux_loss"] = entry["aux_loss"]
+        mem = device_memory_gib()
+        if mem is not None:
+            record["memory_gib"] = round(mem, 3)
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}",
+                             tok_s=f"{tokens_per_second:.0f}", **({"mem": f"{mem:.1f}G"} if mem is not None else {}))
+        tqdm.write(json.dumps(record))

@@ -1,0 +1,159 @@
+"""FP8 frozen-base matmuls for Hopper: float8_e4m3fn weights with per-output-channel scales, activations
+quantized per row on the fly, incoming gradients in float8_e5m2, no weight gradient ever.
+
+    w = quantize_fp8_weight(kernel)            # kernel [in, out] -> FP8Weight (values e4m3 [out, in], scale [out])
+    y = fp8_matmul(x, w)                       # x [..., in] bf16 -> [..., out] bf16, differentiable in x
+
+Scaling (what keeps e4m3's 3-bit mantissa accurate enough):
+  weight      W[n, :] = values[n, :] * scale[n],      scale[n] = max_k |W[n, k]| * (1/448)
+  activation  x[m, :] = xq[m, :] * sx[m],             sx[m]    = max_k |x[m, k]| * (1/448)         (e4m3)
+  gradient    (g * scale)[m, :] = gq[m, :] * sg[m],   sg[m]    = max_n |g[m, n] scale[n]| * (1/57344) (e5m2)
+with values = round(W[n, :] * (1/scale[n])) and likewise for the rows (all float32; the reciprocals are IEEE
+divisions, so every backend rounds the same way).
+Forward y = (xq @ values^T) * sx[:, None] * scale[None, :]; backward dx = (gq @ values) * sg[:, None]: the weight
+scale sits on the contraction axis of the backward GEMM, so it is folded into g before g is quantized. Both
+GEMMs are XLA dots of float8 operands, which XLA lowers to cuBLASLt FP8 GEMMs on Hopper (float32 accumulation,
+bf16 output); elsewhere XLA upcasts them, so the same numbers come out of the CPU in tests.
+
+The HF [out, in] layout puts the forward GEMM's contraction axis innermost for both operands (the layout
+cuBLASLt's FP8 GEMM takes); the backward GEMM contracts the weight's outer axis, for which XLA transposes it.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+_TINY = 1e-12  # floor of a scale, so an all-zero row quantizes to zeros instead of NaN
+
+
+@jax.tree_util.register_pytree_node_class
+class FP8Weight:
+    """A frozen weight in FP8: `values` float8_e4m3fn [..., out, in] and `scale` float32 [..., out] (leading
+    stacking axes allowed, as for the decoder's layer stacks). Aux data: `dtype`, the original dtype's name."""
+
+    __slots__ = ("values", "scale", "dtype")
+
+    def __init__(self, values, scale, *, dtype: str = "bfloat16"):
+        self.values = values
+        self.scale = scale
+        self.dtype = str(jnp.dtype(dtype))
+
+    def tree_flatten(self):
+        return (self.values, self.scale), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        obj = object.__new__(cls)
+        obj.values, obj.scale = children
+        obj.dtype = dtype
+        return obj
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """One layer's HF shape (out, in)."""
+        return tuple(int(s) for s in np.shape(self.values)[-2:])
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.values)[:-2])
+
+    @property
+    def numel(self) -> int:
+        return int(math.prod(self.shape))
+
+    def __repr__(self) -> str:
+        lead = f"stack={self.stack_shape}, " if self.stack_shape else ""
+        return f"FP8Weight({lead}shape={self.shape}, e4m3, per-output-channel scale, dtype={self.dtype})"
+
+
+@jax.jit
+def quantize_fp8_weight(kernel: jax.Array) -> FP8Weight:
+    """kernel [..., in, out] (the decoder's layout, any float dtype) -> FP8Weight in HF [..., out, in] layout."""
+    w = jnp.swapaxes(kernel, -1, -2).astype(jnp.float32)
+    values, scale = _quantize_last_axis(w, E4M3)
+    return FP8Weight(values, scale, dtype=kernel.dtype)
+
+
+def _quantize_last_axis(x: jax.Array, dtype):
+    """(x * (1 / scale) in `dtype`, scale) with scale = max |x| * (1 / top) over the last axis (float32 x)."""
+    top = E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(E4M3) else E5M2_MAX
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) * jnp.float32(1.0 / top), jnp.float32(_TINY))
+    inv = jnp.float32(1.0) / scale
+    return (x * inv[..., None]).astype(dtype), scale
+
+
+def dequantize_fp8_weight(w: FP8Weight, dtype=None) -> jax.Array:
+    """The dense [..., out, in] weight an FP8Weight stands for, in `dtype` (default: the original dtype)."""
+    out = w.values.astype(jnp.float32) * w.scale[..., None]
+    return out.astype(dtype or w.dtype)
+
+
+def quantize_rows(x: jax.Array, dtype=E4M3) -> tuple[jax.Array, jax.Array]:
+    """Per-row quantization of x [M, K]: (xq [M, K] in `dtype`, scale [M] float32) with x ~= xq * scale[:, None]."""
+    return _quantize_last_axis(x.astype(jnp.float32), dtype)
+
+
+def _dot_nt(a, b, out_dtype):
+    """a [M, K] @ b [N, K]^T with float32 accumulation, result in out_dtype."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _dot_nn(a, b, out_dtype):
+    """a [M, N] @ b [N, K] with float32 accumulation, result in out_dtype."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _fwd_2d(x2, w: FP8Weight):
+    xq, sx = quantize_rows(x2, E4M3)
+    y = _dot_nt(xq, w.values, jnp.float32)
+    return (y * sx[:, None] * w.scale[None, :]).astype(x2.dtype)
+
+
+@jax.custom_vjp
+def _fp8_matmul_2d(x2, w):
+    return _fwd_2d(x2, w)
+
+
+def _fp8_matmul_fwd(x2, w):
+    return _fwd_2d(x2, w), w
+
+
+def _fp8_matmul_bwd(w, g):
+    gq, sg = quantize_rows(g.astype(jnp.float32) * w.scale[None, :], E5M2)
+    dx = _dot_nn(gq, w.values, jnp.float32) * sg[:, None]
+    zero_w = jax.tree.map(jnp.zeros_like, w)  # frozen: never used, so XLA removes it
+    return dx.astype(g.dtype), zero_w
+
+
+_fp8_matmul_2d.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def fp8_matmul(x: jax.Array, w: FP8Weight) -> jax.Array:
+    """x [..., in] @ W^T for an FP8Weight of HF shape [out, in] -> [..., out] in x.dtype (see the module
+    docstring for the scaling). Differentiable in x only; the weight never gets a gradient."""
+    if w.stack_shape:
+        raise ValueError(f"fp8_matmul needs one layer's weight, got {w}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x last dim {x.shape[-1]} != weight in-features {w.shape[1]}")
+    lead = x.shape[:-1]
+    y = _fp8_matmul_2d(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*lead, w.shape[0])
+
+
+def fp8_matmul_reference(x: jax.Array, w: FP8Weight) -> jax.Array:
+    """Plain-jnp twin: the quantized operands dequantized to float32, a float32 matmul, rounded to x.dtype."""
+    xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]), E4M3)
+    xd = xq.astype(jnp.float32) * sx[:, None]
+    y = xd @ dequantize_fp8_weight(w, jnp.float32).T
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+__all__ = ["FP8Weight", "quantize_fp8_weight", "dequantize_fp8_weight", "quantize_rows", "fp8_matmul",
+           "fp8_matmul_reference", "E4M3", "E5M2"]

@@ -1,0 +1,107 @@
+"""Long context: the sequence-tiled MLP and the remat/offload policies compute the same loss and gradients as
+the plain step, and the trainer plans the step's memory before step 1, refusing a length that does not fit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tests.helpers import rel_err
+from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.errors import TrainingError
+from unsloth_jax.models import CausalLM
+from unsloth_jax.train import make_train_step
+from unsloth_jax.train.step import loss_and_count
+
+CFG = {"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
+
+
+def _lora_model(seed: int) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(CFG), rngs=nnx.Rngs(seed))
+    lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
+                  jax.random.PRNGKey(seed))
+    for lin in model.projections().values():
+        lin.lora_b[...] = 0.05 * jax.random.normal(jax.random.PRNGKey(seed + 1), lin.lora_b[...].shape)
+    return model
+
+
+def _grads(model, batch, remat):
+    """(loss, LoRA gradients) of the jitted loss under `remat`, and the train step's loss as a cross-check."""
+    graphdef, t, f = lora.split(model)
+
+    def loss(t_, micro):
+        return loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]
+
+    micro = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    value, grads = jax.jit(jax.value_and_grad(loss))(t, micro)
+    step = make_train_step(graphdef, optax.sgd(1.0), remat=remat, donate=False)
+    _, _, m = step(t, f, optax.sgd(1.0).init(t), batch)
+    assert abs(float(m["loss"]) - float(value)) < 1e-6 * abs(float(value))
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def test_tiled_mlp_and_remat_policies_match_the_plain_step(rng, monkeypatch):
+    import unsloth_jax.train.step as step_mod
+
+    monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)  # the offload policy compiles on CPU
+    seed = int(rng.integers(1 << 30))
+    ids = rng.integers(0, CFG["vocab_size"], size=(1, 2, 37)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, 1, 30:] = 0
+    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    plain = _lora_model(seed)
+    plain.model.layers.mlp.chunk_tokens = None
+    want_loss, want = _grads(plain, batch, "none")
+    for chunk, remat in ((16, "none"), (16, "full"), (None, "full"), (16, "offload"), (7, "offload")):
+        model = _lora_model(seed)
+        model.model.layers.mlp.chunk_tokens = chunk  # 74 tokens: tiles of 16 (5, padded) or 7 (11)
+        loss, got = _grads(model, batch, remat)
+        assert abs(loss - want_loss) / abs(want_loss) < 1e-6, (chunk, remat)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5, (chunk, remat)
+
+
+def _trainer(tmp_path, max_seq_length, rng):
+    model, _ = FastLanguageModel.from_pretrained("unsloth_jax/assets/tiny-llama", dtype="float32",
+                                                 load_tokenizer=False, progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True)
+    data = [{"input_ids": rng.integers(1, 2000, size=max_seq_length).tolist()} for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, save_steps=0,
+                             logging_steps=1)
+    trainer = SFTTrainer(model=model, train_dataset=data, args=args, max_seq_length=max_seq_length)
+    trainer._pad_id = lambda: 0
+    return trainer
+
+
+def test_trainer_plans_memory_and_refuses_a_length_that_does_not_fit(tmp_path, rng, monkeypatch, capsys):
+    from unsloth_jax import backend
+    from unsloth_jax.train import trainer as trainer_mod
+
+    trainer = _trainer(tmp_path / "a", 256, rng)
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "step memory (XLA's analysis, S=256)" in out and "kernels: " in out
+    # the same run on a device with less memory than the step needs: refused before step 1, with a length that fits
+    plans = []
+    real_plan = trainer_mod.plan_step_memory
+    monkeypatch.setattr(trainer_mod, "plan_step_memory", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    trainer = _trainer(tmp_path / "b", 256, rng)
+    trainer.train()
+    need = plans[-1].device_bytes
+    monkeypatch.setattr(backend, "device_memory_limit", lambda: int(need * 0.9))
+    trainer = _trainer(tmp_path / "c", 256, rng)
+    with pytest.raises(TrainingError, match=r"max_seq_length=256\) needs .* the largest max_seq_length that fits is "
+                                            r"about ([\d,]+)") as e:
+        trainer.train()
+    fits = int(str(e.value).split("fits is about ")[1].split(" ")[0].replace(",", ""))
+    assert 0 < fits < 256
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()  # nothing ran
+    monkeypatch.setattr(backend, "device_memory_limit", lambda: int(need * 0.9))
+    trainer = _trainer(tmp_path / "d", fits, rng)
+    trainer.train()  # the suggested length does fit
+    assert plans[-1].device_bytes < need * 0.9

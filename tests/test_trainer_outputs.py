@@ -1,0 +1,166 @@
+"""SFTTrainer's results as transformers shapes them (TrainOutput, trainer.state.log_history), report_to
+(TensorBoard event files read back), and argument checks at construction. Runs the bundled tiny model."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import numpy as np
+import pytest
+
+from tests.helpers import TINY_MODEL, read_tensorboard_scalars
+from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
+from unsloth_jax.train import TrainerState, TrainOutput
+from unsloth_jax.train.reporting import resolve_report_to
+
+
+def _model():
+    model, _ = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", load_tokenizer=False, progress=False)
+    return FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+
+
+def _dataset(rng, n=12):
+    return [{"input_ids": [int(x) for x in rng.integers(4, 200, size=int(rng.integers(8, 30)))]} for _ in range(n)]
+
+
+def _trainer(tmp_path, rng, eval_dataset=None, **kw):
+    kw = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "max_steps": 6,
+          "learning_rate": 1e-3, "save_steps": 0, "logging_steps": 2, **kw}
+    return SFTTrainer(model=_model(), train_dataset=_dataset(rng), eval_dataset=eval_dataset, max_seq_length=32,
+                      args=TrainingArguments(**kw))
+
+
+def test_train_returns_train_output_with_hf_metrics(tmp_path, rng):
+    """train() returns TrainOutput(global_step, training_loss, metrics); metrics follow transformers'
+    speed_metrics (samples = max_steps x batch x accumulation) and train_loss is the mean step loss."""
+    trainer = _trainer(tmp_path, rng, gradient_accumulation_steps=2)
+    out = trainer.train()
+    assert isinstance(out, TrainOutput) and out.global_step == 6
+    m = out.metrics
+    assert set(m) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
+    runtime = m["train_runtime"]
+    assert runtime > 0
+    # recomputed from the rounded runtime, so allow the rounding of both
+    assert m["train_steps_per_second"] == pytest.approx(6 / runtime, rel=1e-3, abs=2e-3)
+    assert m["train_samples_per_second"] == pytest.approx(6 * 2 * 2 / runtime, rel=1e-3, abs=2e-3)
+    state = trainer.state
+    assert isinstance(state, TrainerState)
+    assert state.global_step == 6 and state.max_steps == 6 and len(state.loss_history) == 6
+    assert out.training_loss == m["train_loss"] == pytest.approx(np.mean(state.loss_history), rel=1e-12)
+    batches_per_epoch = math.ceil(12 / 2)
+    assert m["epoch"] == state.epoch == pytest.approx(6 * 2 / batches_per_epoch)
+
+
+def test_log_history_entries(tmp_path, rng):
+    """Logged steps (1, then every logging_steps) average the loss since the previous entry; an eval entry
+    and the final summary follow, as in transformers."""
+    trainer = _trainer(tmp_path, rng, eval_dataset=_dataset(rng, n=4))
+    out = trainer.train()
+    hist, losses = trainer.state.log_history, trainer.state.loss_history
+    steps = [e for e in hist if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2, 4, 6]
+    for e in steps:
+        assert set(e) == {"loss", "grad_norm", "learning_rate", "epoch", "step"}
+    windows = [(0, 1), (1, 2), (2, 4), (4, 6)]
+    for e, (a, b) in zip(steps, windows):
+        assert e["loss"] == pytest.approx(np.mean(losses[a:b]), rel=1e-12)
+    evals = [e for e in hist if "eval_loss" in e]
+    assert len(evals) == 1 and set(evals[0]) == {"eval_loss", "epoch", "step"} and evals[0]["step"] == 6
+    assert np.isfinite(evals[0]["eval_loss"])
+    assert hist[-1] == {**out.metrics, "step": 6}
+    jsonl = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in jsonl] == [(e["step"], e["loss"]) for e in steps]
+
+
+def test_tensorboard_events_match_metrics_jsonl(tmp_path, rng):
+    logdir = tmp_path / "tb"
+    trainer = _trainer(tmp_path, rng, report_to="tensorboard", logging_dir=str(logdir))
+    out = trainer.train()
+    scalars = read_tensorboard_scalars(logdir)
+    jsonl = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    # event files store float32
+    np.testing.assert_allclose([v for _, v in scalars["train/loss"]], [r["loss"] for r in jsonl], rtol=1e-6)
+    assert [s for s, _ in scalars["train/loss"]] == [r["step"] for r in jsonl]
+    np.testing.assert_allclose([v for _, v in scalars["train/learning_rate"]], [r["learning_rate"] for r in jsonl],
+                               rtol=1e-6)
+    assert scalars["train/train_runtime"][0][1] == pytest.approx(out.metrics["train_runtime"], rel=1e-6)
+
+
+def test_tensorboard_default_logging_dir(tmp_path, rng):
+    """Without logging_dir, events go to OUTPUT_DIR/runs/<datetime>_<hostname> (transformers' default)."""
+    trainer = _trainer(tmp_path, rng, max_steps=2, report_to=["tensorboard"])
+    trainer.train()
+    runs = list((tmp_path / "out" / "runs").iterdir())
+    assert len(runs) == 1 and runs[0].name.endswith("_" + socket.gethostname())
+    assert read_tensorboard_scalars(runs[0])["train/loss"]
+
+
+def test_report_to_none_writes_no_events(tmp_path, rng):
+    trainer = _trainer(tmp_path, rng, max_steps=2, report_to="none")
+    trainer.train()
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize("value, expected", [(None, []), ("none", []), ([], []), (["none"], []),
+                                             ("tensorboard", ["tensorboard"]), ("all", ["tensorboard"]),
+                                             (["tensorboard", "tensorboard"], ["tensorboard"])])
+def test_report_to_values(value, expected):
+    assert resolve_report_to(value) == expected
+    assert TrainingArguments(report_to=value).report_to == expected
+
+
+def test_report_to_unknown_names_the_value():
+    with pytest.raises(ValueError, match="'wandb'"):
+        TrainingArguments(report_to="wandb")
+    with pytest.raises(ValueError, match="'mlflow'"):
+        TrainingArguments(report_to=["tensorboard", "mlflow"])
+    with pytest.raises(TypeError, match="report_to"):
+        TrainingArguments(report_to=3)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"learning_rate": "2e-4"}, TypeError, ("learning_rate", "'2e-4'")),
+    ({"learning_rate": -1e-4}, ValueError, ("learning_rate", "-0.0001")),
+    ({"learning_rate": float("nan")}, ValueError, ("learning_rate", "nan")),
+    ({"per_device_train_batch_size": 0}, ValueError, ("per_device_train_batch_size", "0")),
+    ({"per_device_train_batch_size": 2.0}, TypeError, ("per_device_train_batch_size", "2.0")),
+    ({"gradient_accumulation_steps": -2}, ValueError, ("gradient_accumulation_steps", "-2")),
+    ({"max_steps": 0}, ValueError, ("max_steps", "0")),
+    ({"max_steps": "60"}, TypeError, ("max_steps", "'60'")),
+    ({"logging_steps": 0}, ValueError, ("logging_steps", "0")),
+    ({"save_steps": -5}, ValueError, ("save_steps", "-5")),
+    ({"warmup_ratio": 1.5}, ValueError, ("warmup_ratio", "1.5")),
+    ({"warmup_steps": -1}, ValueError, ("warmup_steps", "-1")),
+    ({"optim": "adamw_9bit"}, ValueError, ("optim", "adamw_9bit")),
+    ({"lr_scheduler_type": "polynomial"}, ValueError, ("lr_scheduler_type", "polynomial")),
+    ({"weight_decay": -0.1}, ValueError, ("weight_decay", "-0.1")),
+    ({"adam_beta2": 1.0}, ValueError, ("adam_beta2", "1")),
+    ({"bf16": "yes"}, TypeError, ("bf16", "'yes'")),
+])
+def test_training_arguments_checked_at_construction(kwargs, error, words):
+    with pytest.raises(error) as e:
+        TrainingArguments(**kwargs)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_training_arguments_accepts_hf_style_values():
+    assert TrainingArguments(learning_rate=0, max_steps=-1, num_train_epochs=2).learning_rate == 0
+    assert TrainingArguments(warmup_steps=0.1).warmup_steps == 0.1  # a ratio, as transformers 5 reads it
+    assert TrainingArguments(per_device_train_batch_size=np.int64(4)).per_device_train_batch_size == 4
+
+
+def test_float_warmup_steps_is_a_ratio(tmp_path, rng):
+    trainer = _trainer(tmp_path, rng, max_steps=10, warmup_steps=0.25)
+    assert trainer._warmup_steps(10) == 3  # ceil(0.25 x 10)
+
+
+def test_sft_trainer_max_seq_length_zero_is_an_error(rng):
+    model = _model()
+    with pytest.raises(ValueError, match="max_seq_length must be >= 1, got 0"):
+        SFTTrainer(model=model, train_dataset=_dataset(rng), max_seq_length=0)
+    with pytest.raises(TypeError, match="max_seq_length"):
+        SFTTrainer(model=model, train_dataset=_dataset(rng), max_seq_length="128")
+    trainer = SFTTrainer(model=model, train_dataset=_dataset(rng), max_seq_length=None)  # None: the model's
+    assert trainer.max_seq_length == model.max_seq_length
