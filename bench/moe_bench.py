@@ -9,7 +9,9 @@ LoRA r=16 alpha=16 on q/k/v/o and on both expert weights (target_parameters), Ad
 step time after the warm-up steps. One JSON line per measurement:
 
   moe_train_step   tokens/s, step ms, peak GiB (memory_stats, or XLA's buffer analysis where the backend has
-                   no memory_stats) for --experts-impl grouped (the library path: tokens sorted by expert,
+                   no memory_stats), how XLA lowered the ragged dots (counts in the optimized HLO), the expert
+                   GEMM FLOPs of the step / step time / 989e12 (a lower bound of their MFU, as if the step did
+                   nothing else; the loop's counts the grouped path's FLOPs) for --experts-impl grouped (the library path: tokens sorted by expert,
                    jax.lax.ragged_dot) and loop (bench-only reference: a Python loop over the experts, each
                    expert on every token weighted by its routing weight -- the math of transformers' loop without
                    its data-dependent gather, E / top_k times the expert FLOPs). "both" runs each in its own
@@ -93,12 +95,13 @@ def sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def expert_gemm_flops(tokens: int, cfg: ModelConfig, r: int) -> float:
-    """Forward + backward (dX, LoRA dA/dB; no frozen dW) FLOPs of one layer's expert GEMMs."""
+def expert_gemm_flops(tokens: int, cfg: ModelConfig, r: int, recompute: bool = False) -> float:
+    """Forward + backward (dX, LoRA dA/dB; no frozen dW) FLOPs of one layer's expert GEMMs; recompute adds the
+    forward once more (rematerialisation in the backward pass)."""
     n, d, f = tokens * cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     base = 2 * n * d * 2 * f + 2 * n * f * d
     lora_fwd = 2 * n * r * (d + 2 * f) + 2 * n * r * (f + d)
-    return 2 * base + 3 * lora_fwd
+    return 2 * base + 3 * lora_fwd + (base + lora_fwd if recompute else 0)
 
 
 def random_model(cfg: ModelConfig, dtype) -> CausalLM:
@@ -182,12 +185,16 @@ def train_step(a, p: dict) -> dict:
     peak = round(stats["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in stats else facts.get(
         "buffer_peak_gib")
     tokens = p["batch"] * p["seq"]
+    # the expert GEMMs' FLOPs of the whole step over its time: a lower bound of their MFU inside the step
+    step_flops = a.layers * expert_gemm_flops(tokens, cfg, a.rank, recompute=a.remat != "none")
     return {"name": "moe_train_step", "experts_impl": a.experts_impl, "preset": a.preset, "layers": a.layers,
             "batch": p["batch"], "seq": p["seq"], "rank": a.rank, "remat": a.remat, "dtype": a.dtype,
             "step_ms": round(ms, 2), "tokens_per_s": round(tokens / (ms / 1e3), 1), "peak_gib": peak,
             "peak_source": "memory_stats" if "peak_bytes_in_use" in stats else "xla_buffer_analysis",
             "compile_s": round(compile_s, 1), "init_s": round(init_s, 1), "final_loss": loss,
-            "steps_timed": len(times) - a.warmup, "step_ms_all": [round(x * 1e3, 1) for x in times], **facts,
+            "steps_timed": len(times) - a.warmup, "step_ms_all": [round(x * 1e3, 1) for x in times],
+            "expert_gemm_flops_per_step": step_flops,
+            "expert_gemm_mfu_989_lower_bound": sig(step_flops / (ms / 1e3) / PEAK_BF16), **facts,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
             "device": jax.devices()[0].device_kind}
 

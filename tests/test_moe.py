@@ -151,44 +151,58 @@ def _dense_reference(x, weights, experts, block, cfg):
     return jnp.einsum("te,ted->td", comb, y)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_grouped_experts_match_dense_reference_with_gradients(family, seed):
-    """expert_ffn (sorted rows, ragged_dot grouped GEMMs, LoRA on both expert weights) equals the dense
-    reference, forward and the gradients of x and every LoRA factor; some experts get no token."""
+def _check_grouped_against_dense(family: str, seed: int, dtype, tol: float) -> None:
+    """expert_ffn (sorted rows, ragged_dot grouped GEMMs, LoRA on both expert weights) against the dense
+    reference (float32, on the same dtype-rounded inputs), forward and the gradients of x and every LoRA
+    factor; some experts get no token."""
     cfg = ModelConfig.from_dict(make_hf_moe_model(family).config.to_dict())
     key = jax.random.PRNGKey(seed)
-    block = Experts(cfg, rngs=nnx.Rngs(seed))
+    block = Experts(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     ks = iter(jax.random.split(key, 12))
     for g in (block.gate_up_proj, block.down_proj):
         g.lora_a = nnx.LoRAParam(0.3 * jax.random.normal(next(ks), g.kernel[...].shape[:-1] + (3,)))
         g.lora_b = nnx.LoRAParam(0.3 * jax.random.normal(next(ks), (cfg.num_experts, 3, g.out_features)))
         g.lora_scale = 0.7
-        g.kernel[...] = 0.3 * jax.random.normal(next(ks), g.kernel[...].shape)
+        g.kernel[...] = (0.3 * jax.random.normal(next(ks), g.kernel[...].shape)).astype(dtype)
         if g.bias is not None:
-            g.bias[...] = 0.3 * jax.random.normal(next(ks), g.bias[...].shape)
+            g.bias[...] = (0.3 * jax.random.normal(next(ks), g.bias[...].shape)).astype(dtype)
     t = 37
-    x = jax.random.normal(next(ks), (t, cfg.hidden_size))
+    x = jax.random.normal(next(ks), (t, cfg.hidden_size)).astype(dtype)
     logits = 2.0 * jax.random.normal(next(ks), (t, cfg.num_experts))
     logits = logits.at[:, 0].add(-50.0)  # expert 0 is never chosen: an empty group
     weights, experts = route(logits, cfg)
     graphdef, lora_state, rest = nnx.split(block, nnx.LoRAParam, ...)
+    rest32 = jax.tree.map(lambda a: a.astype(jnp.float32), rest)
 
     def ours(x, lora_state):
-        return expert_ffn(x, weights, experts, nnx.merge(graphdef, lora_state, rest), cfg)
+        return expert_ffn(x, weights, experts, nnx.merge(graphdef, lora_state, rest), cfg).astype(jnp.float32)
 
     def ref(x, lora_state):
-        return _dense_reference(x, weights, experts, nnx.merge(graphdef, lora_state, rest), cfg)
+        return _dense_reference(x.astype(jnp.float32), weights, experts, nnx.merge(graphdef, lora_state, rest32), cfg)
 
-    out, want = ours(x, lora_state), ref(x, lora_state)
-    assert rel_err(out, want) < 1e-5
+    out, want = jax.jit(ours)(x, lora_state), jax.jit(ref)(x, lora_state)
+    assert rel_err(out, want) < tol
     cot = jax.random.normal(next(ks), out.shape)
-    g_ours = jax.grad(lambda *a: jnp.sum(ours(*a) * cot), argnums=(0, 1))(x, lora_state)
-    g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1))(x, lora_state)
+    g_ours = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * cot), argnums=(0, 1)))(x, lora_state)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1)))(x, lora_state)
     for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
-        assert rel_err(a, b) < 1e-5
+        assert rel_err(a, b) < tol
     if family == "gpt_oss":  # the clamps are hit
-        h = jnp.einsum("td,edo->teo", x, block.gate_up_proj.kernel[...])
+        h = jnp.einsum("td,edo->teo", x.astype(jnp.float32), block.gate_up_proj.kernel[...].astype(jnp.float32))
         assert float(jnp.mean(jnp.abs(h) > cfg.swiglu_limit)) > 0.05
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_experts_match_dense_reference_with_gradients(family, seed):
+    _check_grouped_against_dense(family, seed, jnp.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 2e-2)], ids=["fp32_tf32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_experts_on_gpu(family, dtype, tol, seed):
+    """The same check where XLA's GPU compiler lowers the ragged dots (cuDNN grouped GEMM or its dense rewrite)."""
+    _check_grouped_against_dense(family, seed, dtype, tol)
 
 
 def test_grouped_weight_grad_and_ragged_matmul(rng):
@@ -196,7 +210,7 @@ def test_grouped_weight_grad_and_ragged_matmul(rng):
     N not a multiple of the tile), and ragged_matmul's gradients equal jax's own ragged_dot gradients."""
     from unsloth_jax.models.moe import grouped_weight_grad, ragged_matmul
 
-    for _ in range(4):
+    for _ in range(3):
         n, e, tile = int(rng.integers(1, 300)), int(rng.integers(2, 9)), int(rng.choice([4, 16, 128]))
         gs = rng.multinomial(n, np.ones(e) / e).astype(np.int32)
         gs[int(rng.integers(e))] = 0
@@ -209,8 +223,9 @@ def test_grouped_weight_grad_and_ragged_matmul(rng):
         assert rel_err(got, want) < 1e-5, (n, e, tile, gs)
         w = rng.normal(size=(e, 6, 5)).astype(np.float32)
         cot = rng.normal(size=(n + extra, 5)).astype(np.float32)
-        ours = jax.grad(lambda x, w: jnp.sum(ragged_matmul(x, w, jnp.asarray(gs)) * cot), (0, 1))(x, w)
-        theirs = jax.grad(lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, jnp.asarray(gs)) * cot), (0, 1))(x, w)
+        ours = jax.jit(jax.grad(lambda x, w: jnp.sum(ragged_matmul(x, w, jnp.asarray(gs)) * cot), (0, 1)))(x, w)
+        theirs = jax.jit(jax.grad(lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, jnp.asarray(gs)) * cot),
+                                  (0, 1)))(x, w)
         for a, b in zip(ours, theirs):
             assert rel_err(a, b) < 1e-5
 
@@ -311,9 +326,11 @@ def _peft_model(path, r=4, alpha=8, targets=("q_proj", "o_proj"), experts=tuple(
     return model
 
 
-@pytest.mark.parametrize("experts", [EXPERTS, EXPERTS[:1], EXPERTS[1:]], ids=["both", "gate_up", "down"])
-@pytest.mark.parametrize("family", ["qwen3_moe_all", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family,experts", [("qwen3_moe_all", EXPERTS), ("mixtral", EXPERTS), ("gpt_oss", EXPERTS),
+                                             ("mixtral", EXPERTS[:1]), ("qwen3_moe_all", EXPERTS[1:])],
+                         ids=["qwen3_moe-both", "mixtral-both", "gpt_oss-both", "mixtral-gate_up", "qwen3_moe-down"])
 def test_adapter_loads_in_peft_and_merged_in_transformers(family, experts, checkpoints, tmp_path, rng):
+    """LoRA on attention and the experts (both expert weights, or one: PEFT's wrappers then do not nest)."""
     path, hf = checkpoints[family, "original"]
     model = _peft_model(path, experts=experts, seed=int(rng.integers(1 << 30)))
     ids, mask = _right_padded(rng)
@@ -327,7 +344,7 @@ def test_adapter_loads_in_peft_and_merged_in_transformers(family, experts, check
     wrapped = pm.base_model.model.model.layers[0].mlp.experts
     assert type(wrapped).__name__ == "ParamWrapper"  # PEFT put its LoRA on the fused expert weights
     assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
-    model.save_pretrained_merged(tmp_path / "merged", None)
+    model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     assert rel_err(ours[real], _torch_logits(_hf(tmp_path / "merged"), ids, mask)[real]) < 1e-5
     back = _load(tmp_path / "adapter")  # and our own import of the adapter
     assert back.lora.target_parameters == tuple(experts)
@@ -373,7 +390,7 @@ def test_mixed_dense_layers_lora_and_the_peft_limit(checkpoints, tmp_path, rng):
     with pytest.raises(ConfigError, match="dense MLP projections"):
         dense.save_pretrained(tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
-    dense.save_pretrained_merged(tmp_path / "merged", None)
+    dense.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     got = _torch_logits(_hf(tmp_path / "merged"), ids, mask)
     assert rel_err(np.asarray(dense(ids, attention_mask=mask))[real], got[real]) < 1e-5
 
@@ -401,6 +418,31 @@ def test_moe_lora_training_loss_falls(checkpoints, rng):
     nnx.update(model, trainable)
     b = model.expert_projections()["mlp.experts.down_proj"].lora_b[...]
     assert float(jnp.abs(b).max()) > 0  # the experts' LoRA trained
+
+
+def test_trainer_logs_aux_loss(checkpoints, tmp_path, rng):
+    """SFTTrainer on a MoE model with output_router_logits: log_history and metrics.jsonl carry TRL's
+    aux_loss (the window mean of the steps' load-balancing losses); without the switch they do not."""
+    from unsloth_jax import SFTTrainer, TrainingArguments
+
+    path, _ = checkpoints["mixtral", "original"]
+    data = [{"input_ids": [int(x) for x in rng.integers(4, 250, size=int(rng.integers(8, 20)))]} for _ in range(8)]
+    for switch in (True, False):
+        model = _load(path, output_router_logits=switch)
+        FastLanguageModel.get_peft_model(model, r=2, lora_alpha=4, target_modules=["q_proj"],
+                                         target_parameters=EXPERTS[1:], use_gradient_checkpointing=False)
+        out = tmp_path / f"out_{switch}"
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                                 save_steps=0, learning_rate=1e-3)
+        trainer = SFTTrainer(model=model, train_dataset=data, max_seq_length=24, args=args)
+        trainer.train()
+        steps = [e for e in trainer.state.log_history if "loss" in e and "step" in e and "train_loss" not in e]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert steps and records
+        if switch:
+            assert all(e["aux_loss"] > 0 for e in steps) and all(r["aux_loss"] > 0 for r in records)
+        else:
+            assert not any("aux_loss" in e for e in steps + records)
 
 
 # ------------------------------------------------------------------------------------ refusals, ops
