@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx moe
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo fullft
+# speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
+# one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
+# (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
-# ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, MOE_LAYERS,
-# MOE_FULL, MOE_TIMEOUT.
+# ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
+# GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
+# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,6 +41,14 @@ if ! $PY -c "import flax, sys; v = tuple(int(x) for x in flax.__version__.split(
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 $PY -c "import flax, jax; print('flax', flax.__version__, 'jax', jax.__version__)" 2>&1 | tee -a "$OUT/session.log"
+# Compiled programs and GEMM autotuning results are cached on disk for the later runs of this call (FP8 GEMMs
+# autotune for about two minutes at 8B); the autotune-cache flag is used only if this XLA knows it.
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+if XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/autotune" \
+   $PY -c "import jax.numpy as jnp; jnp.ones(2).block_until_ready()" >/dev/null 2>&1; then
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=/tmp/autotune"
+fi
+log "XLA_FLAGS=${XLA_FLAGS:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/session.log"
 $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
 for st in $stages; do
@@ -71,6 +83,13 @@ for st in $stages; do
       # TRAIN8B_FLAGS: extra train_bench flags joined with + (e.g. --load-in-4bit)
       timeout ${TRAIN8B_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 2 --seq 2048 --remat ${TRAIN8B_REMAT:-unsloth} \
         ${TRAIN8B_FLAGS:+${TRAIN8B_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl" ;;
+    grpo)
+      # GRPO on Qwen2-1.5B: 8 generations of 256 tokens per prompt, beside the SFT step (bench/grpo_bench.py)
+      $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>&1 | tail -1
+      log "grpo qwen2-1.5b ${GRPO_FLAGS:-}"
+      timeout ${GRPO_TIMEOUT:-420} $PY bench/grpo_bench.py $CK/qwen2-1.5b --prompts 2 --generations 8 \
+        --completion 256 --prompt-len 64 --steps 6 --warmup 2 ${GRPO_FLAGS:+${GRPO_FLAGS//+/ }} \
+        2>>"$OUT/grpo_err.txt" | grep '^{"name' | tee -a "$OUT/grpo.jsonl" ;;
     ab)
       # old (.bench_old) vs new (working tree), same checkpoint, same flags, alternating
       for m in qwen2-1.5b llama3-8b; do
@@ -91,11 +110,55 @@ for st in $stages; do
     longctx)
       # Llama-3-8B QLoRA batch 1 at LONGCTX_SEQS (one warm-up step, one timed), XLA's memory analysis included
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
-      for s in ${LONGCTX_SEQS:-16384 32768}; do
-        log "longctx seq $s ${LONGCTX_FLAGS:-}"
-        timeout ${LONGCTX_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat unsloth \
-          --load-in-4bit --steps 2 --warmup 1 --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} \
-          2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/longctx.jsonl"
+      # a length given as SEQ:1 runs one step only (its time is pure execution: the trainer compiles the step
+      # before step 1); a run that prints nothing (out of host or device memory) is retried with on-device remat
+      for spec in ${LONGCTX_SEQS:-16384 32768}; do
+        s=${spec%%:*}; steps="--steps 2 --warmup 1"; [[ $spec == *:1 ]] && steps="--steps 1 --warmup 0"
+        for r in unsloth true; do
+          log "longctx seq $s remat $r ${LONGCTX_FLAGS:-}"
+          line=$(timeout ${LONGCTX_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat $r \
+            --load-in-4bit $steps --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)
+          echo "$line" | tee -a "$OUT/longctx.jsonl"
+          [[ $line == "{"* ]] && break
+        done
+      done ;;
+    fullft)
+      # Qwen2-1.5B: LoRA beside full fine-tuning (AdamW, float32 moments; and 8-bit AdamW), one JSON line each.
+      train_variants qwen2-1.5b ${FULLFT_VARIANTS:-"unsloth||" "unsloth||--full-finetuning" \
+        "unsloth||--full-finetuning+--optim+adamw_8bit"}
+      # XLA's buffer estimate of full fine-tuning for larger shapes (compiled abstractly, no weights allocated).
+      for o in ${FULLFT_FIT_OPTIMS:-adamw_torch adamw_8bit}; do
+        log "full_ft_fit $o"
+        timeout ${FIT_TIMEOUT:-300} $PY bench/full_ft_fit.py --shapes ${FULLFT_FIT_SHAPES:-qwen2.5-7b,llama3-8b,qwen2.5-14b} \
+          --optim $o 2>>"$OUT/fit_err.txt" | tee -a "$OUT/fullft_fit.jsonl"
+      done
+      # Then train the largest shape the estimate says fits, for real (peak memory and tokens/s).
+      if [ "${FULLFT_RUN_LARGEST:-1}" = 1 ]; then
+        pick=$($PY -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; ok=[r for r in rows if r.get('fits')]; best=max(ok, key=lambda r: (r['params'], r['optim']=='adamw_torch'), default=None); print(f\"{best['shape']} {best['optim']}\" if best else '')" "$OUT/fullft_fit.jsonl")
+        if [ -n "$pick" ]; then
+          read -r shape optim <<< "$pick"
+          $PY bench/make_checkpoint.py $shape $CK/$shape 2>&1 | tail -1
+          log "train $shape full fine-tuning, $optim"
+          timeout ${FULLFT_BIG_TIMEOUT:-420} $PY bench/train_bench.py $CK/$shape --batch 4 --seq 2048 --remat unsloth \
+            --full-finetuning --optim $optim --memory-analysis 2>>"$OUT/train_err.txt" | tail -1 | tee -a "$OUT/train.jsonl"
+        fi
+      fi ;;
+    speed)
+      # SPEED_ROWS: "model|batch|remat|flags+joined" ...; all-XLA = every Pallas kernel off (cuDNN attention kept)
+      allxla="rms_norm=xla,rope=xla,glu=xla,linear=xla,nf4_matmul=xla,cross_entropy=xla"
+      first=1
+      for row in ${SPEED_ROWS:-"llama3-8b|2|save_attention|--load-in-fp8" "llama3-8b|2|unsloth|--load-in-4bit" \
+          "qwen2-1.5b|4|true|" "qwen2-1.5b|4|unsloth|--load-in-4bit" "gemma2-2b|4|true|"}; do
+        IFS='|' read -r m b r fl <<< "$row"; fl=${fl//+/ }
+        $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+        for impl in "" "$allxla"; do
+          prof=""; [ $first = 1 ] && [ -z "$impl" ] && prof="--profile /tmp/prof_speed --steps 13"
+          log "speed $m batch $b remat $r $fl impl=${impl:-auto}"
+          UNSLOTH_JAX_IMPL=$impl timeout ${SPEED_TIMEOUT:-200} $PY bench/train_bench.py $CK/$m --batch $b --seq 2048 \
+            --remat $r $fl $prof 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" \
+            | tee -a "$OUT/speed.jsonl"
+        done
+        first=0
       done ;;
     moe)
       # Qwen3-30B-A3B-shaped MoE LoRA step: MOE_LAYERS layers, grouped vs per-expert loop + expert-GEMM MFU;

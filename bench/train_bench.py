@@ -1,10 +1,12 @@
 """Headline benchmark: LoRA fine-tuning of an ANCHORS.md shape through the public API (SFTTrainer).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python bench/train_bench.py /tmp/ckpt/qwen2-1.5b --batch 4 --seq 2048 \
-        --remat unsloth [--steps 13] [--load-in-4bit]
+        --remat unsloth [--steps 13] [--load-in-4bit] [--full-finetuning] [--optim adamw_8bit]
 
 Configuration as ANCHORS.md: LoRA r=16, alpha=16, dropout 0, all seven projections, AdamW, bf16, random token
-ids, median step time of the steps after 3 warm-up steps. Prints one JSON line.
+ids, median step time of the steps after 3 warm-up steps. --full-finetuning trains every weight instead
+(from_pretrained(full_finetuning=True): bf16 weights, AdamW moments float32, or 8-bit with --optim adamw_8bit).
+Prints one JSON line (with the trainable parameter count and the optimizer state's dtypes and size).
 """
 import argparse
 import json
@@ -19,6 +21,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments  # noqa: E402
+from unsloth_jax.train.optim import state_dtype  # noqa: E402
+
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+    """6 x (matmul weights per token) + causal attention (6 S Hq hd per layer): the usual MFU numerator,
+    without rematerialisation (recomputed work is not useful work)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
+    return 6.0 * (n * per_layer + cfg.vocab_size * d) + n * 6.0 * seq * hq * hd
 
 
 def main() -> None:
@@ -26,11 +41,12 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false"])
+    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention"])
     ap.add_argument("--steps", type=int, default=13)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--load-in-4bit", action="store_true")
     ap.add_argument("--load-in-fp8", action="store_true", help="FP8 (e4m3) frozen projections")
+    ap.add_argument("--full-finetuning", action="store_true", help="train every weight (no LoRA)")
     ap.add_argument("--optim", default="adamw_torch")
     ap.add_argument("--memory-analysis", action="store_true",
                     help="also compile the step once more and report XLA's device/host buffer sizes for it")
@@ -39,14 +55,16 @@ def main() -> None:
                          "and add bench/trace_summary.py's per-step GPU time breakdown to the JSON line")
     ap.add_argument("--profile-steps", type=int, default=2)
     a = ap.parse_args()
-    remat = {"unsloth": "unsloth", "true": True, "false": False}[a.remat]
+    remat = {"unsloth": "unsloth", "true": True, "false": False, "save_attention": "save_attention"}[a.remat]
     t0 = time.time()
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_in_4bit=a.load_in_4bit,
                                                  load_in_fp8=a.load_in_fp8, load_tokenizer=False,
-                                                 max_seq_length=a.seq)
+                                                 max_seq_length=a.seq, full_finetuning=a.full_finetuning,
+                                                 use_gradient_checkpointing=remat)
     load_s = time.time() - t0
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0,
-                                             use_gradient_checkpointing=remat)
+    if not a.full_finetuning:
+        model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0,
+                                                 use_gradient_checkpointing=remat)
     rng = np.random.default_rng(0)
     n = a.batch * a.steps
     data = [{"input_ids": rng.integers(0, model.config.vocab_size, a.seq).tolist()} for _ in range(n)]
@@ -97,8 +115,9 @@ def main() -> None:
     stats = jax.devices()[0].memory_stats() or {}
     line = {"name": "train_step", "model_dir": os.path.basename(a.model_dir.rstrip("/")), "batch": a.batch,
             "seq": a.seq, "remat": a.remat, "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
-            "optim": a.optim,
+            "optim": a.optim, "full_finetuning": a.full_finetuning, "optimizer_state": state_dtype(a.optim),
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
+            "mfu": round(a.batch * a.seq / (ms / 1e3) * model_flops_per_token(model.config, a.seq) / PEAK_BF16_FLOPS, 4),
             "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 3), "load_s": round(load_s, 1),
             # peak before the first step (loading, LoRA init): if it equals peak_gib, the step is not the peak
             "peak_gib_before_train": round(stats0.get("peak_bytes_in_use", 0) / 2**30, 3),
@@ -107,6 +126,11 @@ def main() -> None:
             "step_ms_all": [round(t * 1e3, 1) for t in step_times],
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if arg_specs is not None:  # the step's (trainable, frozen, opt_state, batch) as the first call saw them
+        line["trainable_params"] = int(sum(np.prod(x.shape) for x in jax.tree.leaves(arg_specs[0])))
+        line["optimizer_state_dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(arg_specs[2]) if x.ndim})
+        line["optimizer_state_gib"] = round(sum(np.prod(x.shape) * x.dtype.itemsize
+                                                for x in jax.tree.leaves(arg_specs[2])) / 2**30, 3)
     if a.memory_analysis and real_step is not None and arg_specs is not None:
         ma = real_step.lower(*arg_specs).compile().memory_analysis()
         line["step_program_gib"] = {k: round(getattr(ma, k) / 2**30, 3) for k in (

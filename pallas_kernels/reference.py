@@ -107,28 +107,58 @@ def cross_entropy(hidden, lm_head, labels, softcap=None, ignore_index=-100, chun
     Chunked over T (`chunk_size` tokens per chunk, lax.map) with jax.checkpoint per chunk, so the forward
     and the backward each hold one [chunk, V] f32 logits block at a time.
     """
-    hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).astype(jnp.int32)
-    T, D = hidden.shape
     n = jnp.sum(labels != ignore_index).astype(jnp.float32)
-    chunk = int(min(chunk_size, T))
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    if pad:
-        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-        labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
 
     @jax.checkpoint
     def chunk_sum(h_c, y_c):
         return _ce_token_losses_sum(h_c, lm_head, y_c, softcap, ignore_index)
 
-    if n_chunks == 1:
-        total = chunk_sum(hidden, labels)
-    else:
-        sums = jax.lax.map(lambda hy: chunk_sum(*hy),
-                           (hidden.reshape(n_chunks, chunk, D), labels.reshape(n_chunks, chunk)))
-        total = jnp.sum(sums)
+    total = jnp.sum(_map_token_chunks(chunk_sum, hidden, labels, chunk_size, ignore_index))
     return total / jnp.maximum(n, 1.0)
+
+
+def _map_token_chunks(fn, hidden, labels, chunk_size, ignore_index):
+    """fn(h_c [c, D], y_c [c]) over chunks of at most chunk_size tokens of hidden [T, D] (leading dims
+    flattened) and labels [T]; the last chunk is padded with ignore_index labels. Returns fn's results stacked
+    on a leading [n_chunks] axis (lax.map, so one chunk is live at a time)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).astype(jnp.int32)
+    T, D = hidden.shape
+    chunk = int(max(1, min(chunk_size, T)))
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+        labels = jnp.pad(labels, (0, pad), constant_values=ignore_index)
+    if n_chunks == 1:
+        return fn(hidden, labels)[None]
+    return jax.lax.map(lambda hy: fn(*hy), (hidden.reshape(n_chunks, chunk, D), labels.reshape(n_chunks, chunk)))
+
+
+def token_logprobs(hidden, lm_head, labels, softcap=None, temperature=1.0, ignore_index=-100, chunk_size=1024):
+    """Per-token log-probabilities log softmax(z / temperature)[label] [T] f32, never holding [T, V].
+
+    The per-token variant of `cross_entropy` (same layout: hidden [T, D], lm_head [V, D], labels [T] already
+    shifted; softcap as there, applied before the temperature): preference and RL losses need each token's
+    value, not the mean. Tokens whose label == ignore_index get 0.0. Chunked over T like `cross_entropy`
+    (lax.map of jax.checkpoint'ed chunks), so the forward and the backward hold one [chunk, V] f32 block.
+    No Pallas kernel computes this; it is the XLA path of `unsloth_jax.ops.token_logprobs`.
+    """
+    T = labels.size
+
+    @jax.checkpoint
+    def chunk_logprobs(h_c, y_c):
+        z = _ce_logits(h_c, lm_head, softcap)
+        if temperature != 1.0:
+            z = z / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        hit = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y_c[:, None]
+        tgt = jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+        return jnp.where(y_c != ignore_index, tgt - lse, 0.0)
+
+    return _map_token_chunks(chunk_logprobs, hidden, labels, chunk_size, ignore_index).reshape(-1)[:T]
+
 
 # ---- flash_attention (owned by pallas_kernels/flash_attention.py) ----
 def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):

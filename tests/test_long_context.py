@@ -57,7 +57,8 @@ def test_tiled_mlp_and_remat_policies_match_the_plain_step(rng, monkeypatch):
     plain = _lora_model(seed)
     plain.model.layers.mlp.chunk_tokens = None
     want_loss, want = _grads(plain, batch, "none")
-    for chunk, remat in ((16, "none"), (16, "full"), (None, "full"), (16, "offload"), (7, "offload")):
+    for chunk, remat in ((16, "none"), (16, "full"), (None, "full"), (16, "offload"), (7, "offload"),
+                         (None, "save_attention")):
         model = _lora_model(seed)
         model.model.layers.mlp.chunk_tokens = chunk  # 74 tokens: tiles of 16 (5, padded) or 7 (11)
         loss, got = _grads(model, batch, remat)

@@ -130,6 +130,33 @@ def test_greedy_generation_matches_transformers(checkpoints, rng):
         np.testing.assert_array_equal(got[:, :want.shape[1]], want, err_msg=family)
 
 
+def test_layer_pattern_with_a_tail_matches_transformers(tmp_path, rng):
+    """A Qwen3-MoE whose MoE/dense pattern does not divide the depth (layers MoE, dense, MoE: period 2, a tail
+    of 1 run as the second scan): logits equal transformers', and the router statistics come back in layer
+    order, each MoE layer's equal to what transformers' router of that layer gives (its recorded logits)."""
+    hf = save_hf_moe_model("qwen3_moe", tmp_path, seed=int(rng.integers(1 << 20)), num_hidden_layers=3,
+                           mlp_only_layers=[1], decoder_sparse_step=1)
+    model = _load(tmp_path)
+    cfg = model.config
+    assert cfg.layer_sparse == (True, False, True) and cfg.layer_period == 2  # 3 = 1 x 2 + a tail of 1
+    ids, mask = _right_padded(rng)
+    real = mask.astype(bool)
+    err = rel_err(np.asarray(model(ids, attention_mask=mask))[real], _torch_logits(hf, ids, mask)[real])
+    assert err < 1e-5, err
+    from unsloth_jax.models.decoder import make_batch
+
+    batch = make_batch(jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), right_padded=True)
+    _, stats = model.hidden_states(jnp.asarray(ids, jnp.int32), batch, router_stats=True)
+    with torch.no_grad():
+        out = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), output_router_logits=True)
+    assert len(out.router_logits) == 2 and stats.prob_sum.shape == (2, cfg.num_experts)
+    w = mask.reshape(-1, 1).astype(np.float64)
+    for layer, logits in enumerate(out.router_logits):  # HF records the MoE layers in order: 0, then 2
+        want = (torch.softmax(logits.double(), -1).numpy() * w).sum(0)
+        np.testing.assert_allclose(np.asarray(stats.prob_sum[layer]), want, rtol=1e-5, err_msg=f"MoE layer {layer}")
+    assert np.asarray(stats.rows).tolist() == [mask.sum()] * 2
+
+
 # ------------------------------------------------------------------------------------ grouped experts
 def _dense_reference(x, weights, experts, block, cfg):
     """Every expert on every token (one-hot einsum), combined with the routing weights: [T, D]."""
@@ -453,6 +480,11 @@ def test_moe_refusals(checkpoints, tmp_path):
         model.save_pretrained_gguf(tmp_path / "gguf", None)
     with pytest.raises(ConfigError, match="4-bit"):
         _load(path, load_in_4bit=True)
+    # full fine-tuning: the router, expert and sink weights have no gradient path, so it is refused
+    with pytest.raises(ConfigError, match="full_finetuning=True is not supported for qwen3_moe"):
+        _load(path, full_finetuning=True)
+    with pytest.raises(ValueError, match="full fine-tuning of qwen3_moe"):
+        lora.enable_full_finetuning(_load(path))
     with pytest.raises(ValueError, match="name no expert weight"):
         FastLanguageModel.get_peft_model(_load(path), target_parameters=["mlp.experts.w1"])
     with pytest.raises(ValueError, match="bias='none'"):

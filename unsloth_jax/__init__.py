@@ -19,6 +19,15 @@ _EXPORTS = {
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",
+    "DPOTrainer": "unsloth_jax.train.preference",
+    "DPOConfig": "unsloth_jax.train.preference",
+    "ORPOTrainer": "unsloth_jax.train.preference",
+    "ORPOConfig": "unsloth_jax.train.preference",
+    "GRPOTrainer": "unsloth_jax.train.grpo",
+    "GRPOConfig": "unsloth_jax.train.grpo",
+    "UnslothTrainer": "unsloth_jax.train",
+    "UnslothTrainingArguments": "unsloth_jax.train",
+    "add_new_tokens": "unsloth_jax.vocab",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

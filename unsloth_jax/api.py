@@ -1,8 +1,10 @@
 """User API: `FastLanguageModel` (the names Unsloth users type) and `Model`, the NNX module it returns.
 
 `Model` is the decoder (`unsloth_jax.models.CausalLM`, an `nnx.Module`) with Unsloth's methods on it:
-`save_pretrained` (PEFT adapter), `save_pretrained_merged`, `save_pretrained_gguf`, `generate`. Calling it
-gives logits; `nnx.split(model, nnx.LoRAParam, ...)` gives the trainable LoRA state and the frozen rest.
+`save_pretrained` (PEFT adapter; after full fine-tuning, the whole model), `save_pretrained_merged`,
+`save_pretrained_gguf`, `generate`. Calling it gives logits; `nnx.split(model, nnx.LoRAParam, ...)` gives the
+trainable LoRA state and the frozen rest (`unsloth_jax.lora.split(model)` picks the model's own filter: every
+nnx.Param in full fine-tuning).
 """
 from __future__ import annotations
 
@@ -44,14 +46,19 @@ class Model(CausalLM):
 
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
-        return lora_lib.trainable_filter(self.lora)
+        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
 
     # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
     def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+        """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors); after full
+        fine-tuning, the whole model as a transformers checkpoint in its own dtype (hf.export.save_full;
+        kwargs: tokenizer, max_shard_size)."""
         from unsloth_jax.hf import export
 
-        export.save_adapter(self, save_directory, **kwargs)
+        if self.full_finetuning:
+            export.save_full(self, save_directory, **kwargs)
+        else:
+            export.save_adapter(self, save_directory, **kwargs)
 
     def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
                                max_shard_size="5GB", **kwargs) -> None:
@@ -83,7 +90,7 @@ class Model(CausalLM):
 
     def __repr__(self) -> str:
         c = self.config
-        lora = f", lora r={self.lora.r}" if self.lora else ""
+        lora = f", lora r={self.lora.r}" if self.lora else ", full fine-tuning" if self.full_finetuning else ""
         return (f"Model({c.model_type}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
                 f"vocab={c.vocab_size}, dtype={self.dtype.name}{lora})")
 
@@ -135,10 +142,78 @@ def _with_overrides(cfg: ModelConfig, kwargs: dict) -> ModelConfig:
     return dataclasses.replace(cfg, **given)
 
 
+def _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs: dict, model_name) -> bool:
+    """full_finetuning as a bool; ConfigError when it is asked for together with a quantized base."""
+    full_finetuning = require_bool("full_finetuning", full_finetuning)
+    if full_finetuning:
+        quantized = [k for k, v in (("load_in_4bit", load_in_4bit), ("load_in_8bit", kwargs.get("load_in_8bit")),
+                                    ("load_in_fp8", load_in_fp8)) if v]
+        if quantized:
+            raise ConfigError(f"from_pretrained({str(model_name)!r}): full_finetuning=True trains every weight, which "
+                              f"needs the dense 16/32-bit model, but {' and '.join(quantized)}=True asks for a "
+                              "quantized base; drop it (or train LoRA / QLoRA with get_peft_model instead)")
+    return full_finetuning
+
+
+def _setup_full_finetuning(model: Model, use_gradient_checkpointing) -> None:
+    """Mark every weight of a freshly loaded model trainable and set its remat mode (see from_pretrained)."""
+    from unsloth_jax.train.step import resolve_remat
+
+    lora_lib.enable_full_finetuning(model)
+    model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
+    weights = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    print(f"unsloth_jax: full fine-tuning: {lora_lib.count(model):,d} trainable parameters in "
+          f"{'/'.join(sorted(weights))}; AdamW moments in float32 (8-bit with optim='adamw_8bit')")
+
+
+def _saved_modules(model: CausalLM, modules_to_save) -> tuple[str, ...] | None:
+    """get_peft_model's modules_to_save as a tuple. After add_new_tokens, embed_tokens and lm_head are added
+    (as Unsloth does: the new rows must train). With tied embeddings the output head is the embedding table, so
+    "lm_head" names the embedding ("embed_tokens"), as PEFT's ensure_weight_tying does."""
+    from unsloth_jax.hf.peft_io import SAVED_MODULE_KEYS
+
+    if isinstance(modules_to_save, str):
+        modules_to_save = [modules_to_save]
+    saved = list(modules_to_save or ())
+    if getattr(model, "need_to_train_embeddings", False) and not {"embed_tokens", "lm_head"} <= set(saved):
+        print("unsloth_jax: new tokens were added, so embed_tokens and lm_head train too (modules_to_save)")
+        saved += ["embed_tokens", "lm_head"]
+    if not saved:
+        return None
+    unknown = [m for m in saved if m not in SAVED_MODULE_KEYS]
+    if unknown:
+        raise ValueError(f"modules_to_save {unknown} are not supported; choose from {', '.join(SAVED_MODULE_KEYS)}")
+    if model.lm_head is None and "lm_head" in saved:
+        log.info("unsloth_jax: the embeddings are tied, so modules_to_save 'lm_head' trains the embedding table "
+                 "(embed_tokens)")
+        saved = ["embed_tokens" if m == "lm_head" else m for m in saved]
+    return tuple(dict.fromkeys(saved))
+
+
 def _check_model_name(model_name) -> Path:
     if not isinstance(model_name, (str, os.PathLike)):
         raise TypeError(f"model_name must be a path to a local model directory, got {model_name!r}")
     return Path(model_name)
+
+
+def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: bool, load_in_fp8: bool,
+               load_tokenizer: bool, progress: bool):
+    """(model, tokenizer) from a llama.cpp GGUF file (unsloth_jax.hf.gguf_loading): weights dequantized to
+    compute_dtype (then NF4 with load_in_4bit, FP8 with load_in_fp8), config and tokenizer from its metadata."""
+    from unsloth_jax import quant
+    from unsloth_jax.hf import gguf_loading
+
+    start = time.perf_counter()
+    placer = quant.nf4_placer if load_in_4bit else quant.fp8_placer if load_in_fp8 else None
+    model = gguf_loading.load_gguf_model(path, compute_dtype, model_class=Model, placer=placer, progress=progress)
+    jax.block_until_ready(nnx.state(model))
+    model.max_seq_length = max_seq_length
+    tokenizer = gguf_loading.gguf_tokenizer(path) if load_tokenizer else None
+    cfg = model.config
+    log.info("unsloth_jax: loaded %s (GGUF, %s, %d layers) in %.1fs as %s%s", path.name, cfg.model_type,
+             cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,
+             " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "")
+    return model, tokenizer
 
 
 class FastLanguageModel:
@@ -146,16 +221,23 @@ class FastLanguageModel:
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
-                        load_in_4bit: bool = False, *, load_in_fp8: bool = False, load_tokenizer: bool = True,
-                        progress: bool = True, **kwargs):
-        """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
+                        load_in_4bit: bool = False, *, load_in_fp8: bool = False, full_finetuning: bool = False,
+                        use_gradient_checkpointing="unsloth", load_tokenizer: bool = True, progress: bool = True,
+                        **kwargs):
+        """Load a local Hugging Face model directory, a PEFT adapter directory, or a llama.cpp GGUF file (or a
+        directory holding exactly one .gguf and no config.json). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
         load_in_4bit: frozen projections in NF4 (QLoRA); load_in_fp8: frozen projections in FP8 (e4m3 with
         per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
+        full_finetuning=True: every weight trains (no LoRA; get_peft_model then has no effect), the weights in
+        `dtype` and AdamW's moments in float32 (or 8-bit with optim="adamw_8bit"); use_gradient_checkpointing
+        (False / True / "unsloth") is its remat mode. A 4-bit or FP8 base, or a mixture-of-experts model,
+        cannot be fully fine-tuned.
         MoE families also take transformers' config overrides output_router_logits=True (add
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
+        full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
@@ -169,6 +251,9 @@ class FastLanguageModel:
         from unsloth_jax.hf import peft_io
 
         if model_dir.is_dir() and peft_io.is_adapter_dir(model_dir):
+            if full_finetuning:
+                raise ConfigError(f"{model_dir} is a PEFT adapter directory: full_finetuning=True needs a full "
+                                  "model (merge the adapter first with save_pretrained_merged)")
             base = peft_io.base_model_path(model_dir)
             model, tokenizer = FastLanguageModel.from_pretrained(
                 base, max_seq_length, dtype, load_in_4bit, load_in_fp8=load_in_fp8, load_tokenizer=False,
@@ -176,6 +261,15 @@ class FastLanguageModel:
             model = peft_io.load_adapter(model, model_dir)
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
+            return model, tokenizer
+        from unsloth_jax.hf import gguf_loading
+
+        gguf_file = gguf_loading.find_gguf(model_dir)
+        if gguf_file is not None:
+            model, tokenizer = _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_in_fp8,
+                                          load_tokenizer, progress)
+            if full_finetuning:
+                _setup_full_finetuning(model, use_gradient_checkpointing)
             return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
@@ -188,6 +282,13 @@ class FastLanguageModel:
         if cfg.is_moe and (load_in_4bit or load_in_fp8 or prequantized):
             raise ConfigError(f"{model_dir}: quantized loading (4-bit / FP8) of {cfg.model_type} (mixture-of-experts) "
                               "is not supported; load it in 16 bits")
+        if cfg.is_moe and full_finetuning:
+            raise ConfigError(f"{model_dir}: full_finetuning=True is not supported for {cfg.model_type} "
+                              "(mixture-of-experts): its router, expert and sink weights are frozen by design; "
+                              "train LoRA with get_peft_model (target_parameters adapts the experts)")
+        if full_finetuning and prequantized:
+            raise ConfigError(f"{model_dir}/config.json: a bitsandbytes 4-bit checkpoint cannot be fully fine-tuned "
+                              "(its weights are quantized); load the 16-bit model with full_finetuning=True")
         if prequantized and load_in_fp8:
             raise ConfigError(f"{model_dir} holds a bitsandbytes 4-bit checkpoint; load_in_fp8 needs 16-bit weights")
         if load_in_4bit and not prequantized:
@@ -203,6 +304,8 @@ class FastLanguageModel:
                            bnb_4bit=prequantized)
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
+        if full_finetuning:
+            _setup_full_finetuning(model, use_gradient_checkpointing)
         seconds = time.perf_counter() - start
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
@@ -228,6 +331,9 @@ class FastLanguageModel:
         if not isinstance(model, CausalLM):
             raise TypeError(f"get_peft_model needs a model from FastLanguageModel.from_pretrained, got "
                             f"{type(model).__name__}")
+        if model.full_finetuning:  # as Unsloth: every weight already trains
+            print("unsloth_jax: full fine-tuning is enabled, so get_peft_model has no effect")
+            return model
         if loftq_config:
             raise NotImplementedError("loftq_config is not supported")
         r = require_int("r", r, minimum=1)
@@ -239,9 +345,7 @@ class FastLanguageModel:
         if max_seq_length is not None:
             max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         targets = lora_lib.expand_targets(target_modules) if target_modules or not target_parameters else ()
-        if isinstance(modules_to_save, str):
-            modules_to_save = [modules_to_save]
-        saved = tuple(modules_to_save) if modules_to_save else None
+        saved = _saved_modules(model, modules_to_save)
         if lora_dropout:
             log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
                         "(dropout 0 is what Unsloth recommends and what the fast path uses)", lora_dropout)

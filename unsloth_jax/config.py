@@ -1,20 +1,24 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
-One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2;
-the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss). Reads both spellings of RoPE settings:
-transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's `rope_parameters`.
+One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
+Gemma 3 text, Phi-3; the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss).
+Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
+`rope_parameters`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+log = logging.getLogger("unsloth_jax")
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (see _moe_fields)
 
 
@@ -32,7 +36,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -51,6 +55,11 @@ class ModelConfig:
     final_softcap: float | None = None
     query_scale: float = 0.0  # softmax scale; 0 means head_dim ** -0.5
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window size, or None for full attention
+    rope_local_theta: float = 0.0  # Gemma 3: plain-RoPE base of the sliding-window layers; 0 = all layers alike
+    rotary_dim: int = 0  # Phi-3 partial_rotary_factor: RoPE on the first rotary_dim dims of a head; 0 = head_dim
+    rope_short_factor: tuple[float, ...] = ()  # LongRoPE (Phi-3): per-frequency divisors up to the original length
+    rope_long_factor: tuple[float, ...] = ()  # ... and beyond it (chosen by the largest position of a call)
+    rope_attention_factor: float = 1.0  # LongRoPE / YaRN: cos and sin (not the local ones) are multiplied by this
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -59,7 +68,6 @@ class ModelConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
-    rope_attention_factor: float = 1.0  # cos/sin are multiplied by it (YaRN's mscale)
     # ---- mixture of experts (Qwen3-MoE, Mixtral, gpt-oss); num_experts = 0 means a dense MLP everywhere ----
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -83,13 +91,20 @@ class ModelConfig:
         return self.query_scale or self.head_dim ** -0.5
 
     @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (head_dim unless partial)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
     def layer_period(self) -> int:
-        """Smallest p dividing num_hidden_layers such that layer_windows (and layer_sparse) repeat with period p."""
+        """Smallest p such that layer_windows and layer_sparse repeat with period p (layer i has the window and
+        the MLP kind of layer i % p). p need not divide num_hidden_layers: Gemma 3's 26 layers are 4 groups of 6
+        and a tail of 2."""
         n = self.num_hidden_layers
         windows = self.layer_windows or (None,) * n
         kinds = list(zip(windows, self.layer_sparse or (False,) * n))
         for p in range(1, n + 1):
-            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+            if all(kinds[i] == kinds[i % p] for i in range(n)):
                 return p
         return n
 
@@ -182,7 +197,7 @@ def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tu
 
 
 def _activation(raw: dict, model_type: str, source: str) -> str:
-    if model_type in ("gemma", "gemma2"):
+    if model_type in ("gemma", "gemma2", "gemma3_text"):
         name = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         name = raw.get("hidden_act", "silu")
@@ -238,7 +253,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
-    fields.update(_rope(raw, source))
+    fields.update(_rope(raw, source) if model_type not in _FAMILY_FIELDS else _FAMILY_FIELDS[model_type](raw, source))
     if model_type in MOE_MODEL_TYPES:
         fields.update(_moe_fields(raw, model_type, n_layers, source))
     if not math.isfinite(fields["rope_theta"]) or fields["rope_theta"] <= 0:
@@ -325,3 +340,92 @@ def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
         router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
         attn_sinks=gpt_oss,
     )
+
+
+# ------------------------------------------------------------------------------------ Gemma 3 text, Phi-3
+def _gemma3_fields(raw: dict, source: str) -> dict:
+    """Gemma 3 text (Gemma3ForCausalLM): Gemma 2's layer shape (sandwich norms, (1 + w) norms, scaled
+    embeddings) plus q/k norms, every `sliding_window_pattern`-th layer global (or `layer_types`), and two RoPEs:
+    plain RoPE with base `rope_local_base_freq` on sliding layers, `rope_theta` + `rope_scaling` on global ones.
+    `final_logit_softcapping` applies; `attn_logit_softcapping` is ignored, as transformers' Gemma 3 does.
+    Reads transformers 4 (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) and 5 (`rope_parameters` keyed
+    by layer type) spellings; defaults are Gemma3TextConfig's."""
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention=true (an embedding model) is not supported")
+    n = int(_need(raw, "num_hidden_layers", source))
+    params = raw.get("rope_parameters") or {}
+    nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+    if nested:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(params or raw.get("rope_scaling") or {})
+        local = {}
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    if (local.get("rope_type") or local.get("type") or "default") != "default":
+        raise ConfigError(f"{source}: sliding_attention rope type {local.get('rope_type') or local.get('type')!r} "
+                          "is not supported (only default RoPE on Gemma 3's sliding layers)")
+    out = _rope({"rope_parameters": full}, source)
+    out["rope_local_theta"] = float(local["rope_theta"])
+    if not math.isfinite(out["rope_local_theta"]) or out["rope_local_theta"] <= 0:
+        raise ConfigError(f"{source}: rope_local_base_freq must be positive")
+    if not raw.get("layer_types"):
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        raw = dict(raw, sliding_window=raw.get("sliding_window", 4096),
+                   layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+    out["layer_windows"] = _layer_windows(raw, "gemma3_text", n, source)
+    if not any(out["layer_windows"]):
+        out["rope_local_theta"] = 0.0  # no sliding layer: one RoPE
+    if raw.get("attn_logit_softcapping"):
+        log.warning("unsloth_jax: %s sets attn_logit_softcapping, which transformers' Gemma 3 never applies; "
+                    "ignored here too, so the logits match transformers'", source)
+    out.update(qk_norm=True, norm_offset=1.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
+               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+               query_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5)
+    return out
+
+
+def _phi3_fields(raw: dict, source: str) -> dict:
+    """Phi-3 (Phi3ForCausalLM): Llama's layer (the checkpoint fuses qkv_proj and gate_up_proj; hf/mapping.py
+    splits them), partial RoPE (`partial_rotary_factor`) and LongRoPE (`rope_scaling` type "longrope", or the
+    older "su" / "yarn" that transformers reads as longrope): inverse frequencies divided by `short_factor` while
+    the largest position of a call is below `original_max_position_embeddings`, by `long_factor` beyond, and
+    cos/sin times `attention_factor` (default sqrt(1 + ln(factor) / ln(original)), factor = max_position /
+    original)."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    head_dim = int(raw.get("head_dim") or int(_need(raw, "hidden_size", source)) // int(
+        _need(raw, "num_attention_heads", source)))
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
+    rotary = int(head_dim * partial)
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
+                          "head; it must be even and between 2 and head_dim")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    out: dict = {"rotary_dim": 0 if rotary == head_dim else rotary}
+    if rope_type not in ("longrope", "su", "yarn"):
+        out.update(_rope({"rope_parameters": params}, source))
+        return out
+    short, long = params.get("short_factor"), params.get("long_factor")
+    for key, value in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(value, list) or len(value) != rotary // 2 or not all(
+                isinstance(x, (int, float)) and x > 0 for x in value):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be a list of {rotary // 2} positive numbers "
+                              f"(one per rotary frequency) for rope type {rope_type!r}")
+    original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if not original:
+        raise ConfigError(f"{source}: LongRoPE needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    out.update(rope_theta=float(params["rope_theta"]), rope_type="longrope", rope_factor=float(factor),
+               rope_original_max_position=original, rope_short_factor=tuple(float(x) for x in short),
+               rope_long_factor=tuple(float(x) for x in long), rope_attention_factor=float(attention))
+    return out
+
+
+# model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
+_FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}

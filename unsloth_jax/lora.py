@@ -11,6 +11,10 @@
 `lora_b` [L, E, r, out]: one rank-r pair per expert, as PEFT's ParamWrapper trains on a fused 3-D weight. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
 `modules_to_save` weights and biases the settings train) means frozen weights never get a gradient buffer or
 optimizer state. `nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)` selects the same leaves the NNX way.
+
+Full fine-tuning is the other partition: `enable_full_finetuning(model)` marks every projection's kernel as
+trained (`Linear.train_kernel`, so ops.linear no longer stops its gradient) and `split` then puts every
+`nnx.Param` in the trainable state (tied embeddings stay one variable, so they stay tied).
 """
 from __future__ import annotations
 
@@ -104,6 +108,9 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
     warning). Returns the model."""
     if settings.bias not in BIAS_MODES:
         raise ValueError(f"bias must be one of {', '.join(BIAS_MODES)}, got {settings.bias!r}")
+    if getattr(model, "full_finetuning", False):
+        raise ValueError("this model is set up for full fine-tuning (every weight trains); LoRA adapters cannot "
+                         "be added to it: load it again without full_finetuning=True to train LoRA")
     targets = (expand_targets(settings.target_modules) if settings.target_modules or not settings.target_parameters
                else ())
     expert_targets = expand_target_parameters(settings.target_parameters, model)
@@ -145,10 +152,47 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
     return model
 
 
-def trainable_filter(settings: LoraSettings | None):
-    """The nnx filter of the variables that train under `settings`: every nnx.LoRAParam; the weights of the
-    `modules_to_save` modules (e.g. "lm_head", "embed_tokens"); biases when bias="all" (every bias) or
-    "lora_only" (biases of the targeted projections). Without extras it is just nnx.LoRAParam."""
+_FULL_FT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def enable_full_finetuning(model: CausalLM) -> CausalLM:
+    """Make every weight of `model` trainable, in place: each projection's `train_kernel` is set (its gradient
+    flows through ops.linear) and `model.full_finetuning` becomes True, so `split` puts every nnx.Param in the
+    trainable state. Only dense float32/bfloat16/float16 weights can train: a 4-bit (NF4Param) or FP8 base,
+    a mixture-of-experts model, or a model that already has LoRA adapters, raises ValueError (naming the
+    variable where one is at fault)."""
+    if model.lora is not None:
+        raise ValueError("the model already has LoRA adapters; full fine-tuning trains the base weights "
+                         "themselves: load the model again with full_finetuning=True instead")
+    if model.config.is_moe:  # router, experts and sinks stop their gradients (models/moe.py): they would not train
+        raise ValueError(f"full fine-tuning of {model.config.model_type} (mixture-of-experts) is not supported: its "
+                         "router and expert weights have no gradient path; train LoRA (target_parameters for the "
+                         "experts) instead")
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Variable):
+            continue
+        name = ".".join(map(str, path))
+        value = value_of(var)
+        if not isinstance(var, nnx.Param) or is_quantized(value):
+            raise ValueError(f"{name} is a {type(var).__name__} (a quantized base weight): full fine-tuning needs "
+                             "dense weights; load the model without load_in_4bit / load_in_fp8 (a pre-quantized "
+                             "checkpoint cannot be fully fine-tuned)")
+        if jnp.dtype(value.dtype) not in _FULL_FT_DTYPES:
+            raise ValueError(f"{name} has dtype {value.dtype}: full fine-tuning trains float32, bfloat16 or "
+                             "float16 weights only")
+    for lin in model.projections().values():
+        lin.train_kernel = True
+    model.full_finetuning = True
+    return model
+
+
+def trainable_filter(settings: LoraSettings | None, full_finetuning: bool = False):
+    """The nnx filter of the variables that train: with full_finetuning, every nnx.Param; otherwise, under
+    `settings`, every nnx.LoRAParam, the weights of the `modules_to_save` modules (e.g. "lm_head",
+    "embed_tokens"), and biases when bias="all" (every bias) or "lora_only" (biases of the targeted
+    projections). Without extras it is just nnx.LoRAParam."""
+    if full_finetuning:
+        return nnx.Param
     if settings is None:
         return nnx.LoRAParam
     rules = [nnx.LoRAParam]
@@ -165,8 +209,9 @@ def trainable_filter(settings: LoraSettings | None):
 
 def split(model: CausalLM, trainable=None):
     """(graphdef, trainable state, frozen state) of `model`: nnx.split by `trainable` (default: the model's own
-    trainable_filter(model.lora)). The two states are pure pytrees with disjoint leaves."""
-    wrt = trainable_filter(model.lora) if trainable is None else trainable
+    trainable_filter(model.lora, model.full_finetuning)). The two states are pure pytrees with disjoint
+    leaves."""
+    wrt = trainable_filter(model.lora, model.full_finetuning) if trainable is None else trainable
     return nnx.split(model, wrt, ...)
 
 
@@ -212,4 +257,4 @@ def merged_expert_kernel(grouped, layer: int) -> np.ndarray:
 
 
 __all__ = ["ALL_TARGETS", "LoraSettings", "expand_targets", "expand_target_parameters", "add_lora",
-           "trainable_filter", "split", "count", "merged_kernel", "merged_expert_kernel"]
+           "enable_full_finetuning", "trainable_filter", "split", "count", "merged_kernel", "merged_expert_kernel"]

@@ -11,7 +11,8 @@ of the jit cache key: after `set_impl` the next call of any model or train step 
 Inside a trace the active policy is the one `policy_scope` set; code traced outside the project's entry
 points (a user's own `nnx.jit`) uses the policy current at trace time.
 
-Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy.
+Ops: rms_norm, rope, glu, linear (dense or 4-bit, with or without LoRA), attention, cross_entropy, and
+token_logprobs (per-token log-probabilities for preference and RL losses; XLA only).
 """
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
 from pallas_kernels.fp8 import FP8Weight
 from pallas_kernels.nf4_format import NF4Weight
+from unsloth_jax.backend import mesh_batch_axes
 
 ENV_VAR = "UNSLOTH_JAX_IMPL"
 # The implementations each op can be forced to ("auto" restores the measured choice).
@@ -123,24 +126,29 @@ def active_policy() -> Policy:
     return _active.get() or current_policy()
 
 
-def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=()):
+def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(), in_shardings=None,
+               out_shardings=None):
     """jax.jit of `fn` with the current policy as an extra static argument, active while `fn` traces.
 
     The returned function reads `current_policy()` at every call, so a changed policy means a new cache entry
-    (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too."""
+    (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too.
+    in_shardings / out_shardings are jax.jit's (a step on a device mesh); with in_shardings, jax.jit takes
+    positional arguments only. The policy is passed first, positionally, so it needs no keyword."""
 
-    def with_policy(*args, policy: Policy, **kwargs):
+    def with_policy(policy: Policy, *args, **kwargs):
         with policy_scope(policy):
             return fn(*args, **kwargs)
 
-    jitted = jax.jit(with_policy, static_argnames=("policy", *static_argnames), donate_argnums=donate_argnums,
-                     donate_argnames=donate_argnames)
+    shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
+    jitted = jax.jit(with_policy, static_argnums=(0,), static_argnames=static_argnames,
+                     donate_argnums=tuple(i + 1 for i in donate_argnums), donate_argnames=donate_argnames,
+                     **shardings)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return jitted(*args, policy=current_policy(), **kwargs)
+        return jitted(current_policy(), *args, **kwargs)
 
-    call.lower = lambda *args, **kwargs: jitted.lower(*args, policy=current_policy(), **kwargs)
+    call.lower = lambda *args, **kwargs: jitted.lower(current_policy(), *args, **kwargs)
     call.jitted = jitted  # the underlying jax.jit object (cache introspection in tests)
     return call
 
@@ -193,6 +201,27 @@ def use_pallas(op: str, probe) -> bool:
     return policy.gpu and bool(PALLAS_WINS[op](probe))
 
 
+# ------------------------------------------------------------------------------------- kernels on a mesh
+def per_batch_shard(fn, batched: tuple, whole: tuple = ()):
+    """fn(*batched, *whole), where under a mesh that splits the batch each device runs `fn` on its own rows.
+
+    A Pallas kernel is a per-device program that XLA's SPMD partitioner cannot split: given batch-sharded
+    operands it would gather them and run the whole batch on every device. Under a mesh in context
+    (`jax.set_mesh`) whose batch axes are larger than 1, `fn` therefore runs in `jax.shard_map` over those
+    axes: the `batched` arrays split on axis 0, the `whole` pytrees (weights) replicated, the output split on
+    axis 0 like the batch. Without such a mesh (or when axis 0 does not divide), just fn(*batched, *whole)."""
+    axes = mesh_batch_axes()
+    shards = 1
+    for a in axes:
+        shards *= jax.sharding.get_abstract_mesh().shape[a]
+    if not axes or any(x.shape[0] % shards for x in batched):
+        return fn(*batched, *whole)
+    rows, replicated = P(axes), P()
+    mapped = jax.shard_map(fn, in_specs=(rows,) * len(batched) + (replicated,) * len(whole), out_specs=rows,
+                           check_vma=False)
+    return mapped(*batched, *whole)
+
+
 # ----------------------------------------------------------------------------------------------- norms
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + weight); statistics in f32, output in x.dtype."""
@@ -200,7 +229,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
         from pallas_kernels.rms_norm import rms_norm as kernel
 
         _note("rms_norm", "pallas")
-        return kernel(x, weight.astype(x.dtype) if weight.dtype != x.dtype else weight, eps, offset)
+        w = weight.astype(x.dtype) if weight.dtype != x.dtype else weight
+        return per_batch_shard(lambda x, w: kernel(x, w, eps, offset), (x,), (w,))
     _note("rms_norm", "xla")
     return ref.rms_norm(x, weight, eps, offset)
 
@@ -212,7 +242,7 @@ def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[ja
         from pallas_kernels.rope import rope as kernel
 
         _note("rope", "pallas")
-        return kernel(q, k, cos, sin)
+        return per_batch_shard(kernel, (q, k, cos, sin))
     _note("rope", "xla")
     return ref.rope(q, k, cos, sin)
 
@@ -227,8 +257,8 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 
         _note("glu", "pallas")
         if activation == "silu":
-            return swiglu(gate, up)
-        return geglu(gate, up, approximate=activation == "gelu_tanh")
+            return per_batch_shard(swiglu, (gate, up))
+        return per_batch_shard(lambda g, u: geglu(g, u, approximate=activation == "gelu_tanh"), (gate, up))
     _note("glu", "xla")
     if activation == "silu":
         return ref.swiglu(gate, up)
@@ -236,13 +266,17 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------- linear
-def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> jax.Array:
+def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, kernel_grad: bool = False
+           ) -> jax.Array:
     """x [..., in] @ kernel (+ bias) (+ scale * (x @ a) @ b); output in x.dtype.
 
     kernel: a dense [in, out] array, an NF4Weight or an FP8Weight (both HF [out, in]); lora: None or
-    (a [in, r], b [r, out], scale). The frozen kernel is wrapped in stop_gradient, so even a caller
-    differentiating with respect to every weight gets no gradient computation for it.
+    (a [in, r], b [r, out], scale). A frozen kernel (kernel_grad=False, the LoRA case) is wrapped in
+    stop_gradient, so even a caller differentiating with respect to every weight gets no gradient computation
+    for it; kernel_grad=True (full fine-tuning, a dense kernel) lets its gradient through.
     """
+    if kernel_grad and (isinstance(kernel, (NF4Weight, FP8Weight)) or lora is not None):
+        raise ValueError("ops.linear: kernel_grad=True needs a dense kernel without LoRA (full fine-tuning)")
     if isinstance(kernel, NF4Weight):
         y = _linear_nf4(x, kernel, lora)
     elif isinstance(kernel, FP8Weight):
@@ -255,10 +289,12 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None) -> ja
 
         _note("linear", "pallas")
         a, b, scale = lora
-        y = lora_linear(x, jax.lax.stop_gradient(kernel).astype(x.dtype), a, b, float(scale))
+        w = jax.lax.stop_gradient(kernel).astype(x.dtype)
+        y = per_batch_shard(lambda x, w, a, b: lora_linear(x, w, a, b, float(scale)), (x,), (w, a, b))
     else:
         _note("linear", "xla")
-        y = jnp.einsum("...i,io->...o", x, jax.lax.stop_gradient(kernel).astype(x.dtype)) + _lora_delta(x, lora)
+        w = kernel if kernel_grad else jax.lax.stop_gradient(kernel)
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype)) + _lora_delta(x, lora)
     if bias is not None:
         y = y + bias.astype(x.dtype)
     return y
@@ -283,9 +319,12 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
         impl = ref
         _note("nf4_matmul", "xla")
     if lora is None:
-        return impl.nf4_matmul(x, q)
-    a, b, scale = lora
-    return impl.qlora_linear(x, q, a.astype(x.dtype), b.astype(x.dtype), float(scale))
+        fn, whole = impl.nf4_matmul, (q,)
+    else:
+        a, b, scale = lora
+        fn = lambda x, q, a, b: impl.qlora_linear(x, q, a, b, float(scale))  # noqa: E731
+        whole = (q, a.astype(x.dtype), b.astype(x.dtype))
+    return fn(x, *whole) if impl is ref else per_batch_shard(fn, (x,), whole)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -398,8 +437,11 @@ def attention(
         if kv_valid is not None:  # padding tokens get their own segment (id 0 never matches a real token's)
             valid = kv_valid.astype(jnp.int32)
             segments = valid if segments is None else jnp.where(valid > 0, segments + 1, 0)
-        return flash_attention(q, k, v, causal=causal, segment_ids=segments, sliding_window=window,
-                               softcap=softcap, sm_scale=scale)
+        def flash(q, k, v, *segments):
+            return flash_attention(q, k, v, causal=causal, segment_ids=segments[0] if segments else None,
+                                   sliding_window=window, softcap=softcap, sm_scale=scale)
+
+        return per_batch_shard(flash, (q, k, v) + (() if segments is None else (segments,)))
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
@@ -409,16 +451,43 @@ def attention(
 # --------------------------------------------------------------------------------------- cross entropy
 def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
                   ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
-    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T."""
+    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T.
+
+    Under a mesh that splits the batch, each device takes the loss of its own rows (`per_batch_shard`, for
+    the kernel and the XLA twin alike: XLA's partitioner would otherwise gather every row's hidden state to
+    every device to follow the chunked loop's reshapes, as the compiled 8-device step showed), and the
+    per-device sums and token counts are added up."""
     if use_pallas("cross_entropy", hidden):
         from pallas_kernels.cross_entropy import cross_entropy as kernel
 
         _note("cross_entropy", "pallas")
-        return kernel(hidden, lm_head.astype(hidden.dtype), labels, softcap=softcap, ignore_index=ignore_index)
-    _note("cross_entropy", "xla")
-    return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
+        lm_head = lm_head.astype(hidden.dtype)
+    else:
+        _note("cross_entropy", "xla")
+
+        def kernel(h, w, y, softcap, ignore_index):
+            return ref.cross_entropy(h, w, y, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
+
+    if not mesh_batch_axes():
+        return kernel(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index)
+
+    def shard_sum(h, y, w):  # one device's token-loss sum and token count
+        n = jnp.sum(y != ignore_index)
+        return (kernel(h, w, y, softcap=softcap, ignore_index=ignore_index) * n)[None], n[None]
+
+    sums, counts = per_batch_shard(shard_sum, (hidden, labels), (lm_head,))
+    return jnp.sum(sums) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
+
+
+def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
+                   temperature: float = 1.0, ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
+    """Per-token log-probabilities [T] (f32) of labels [T] under softmax(softcap(hidden @ lm_head.T) / temperature),
+    chunked over T so [T, V] logits never exist; 0.0 where label == ignore_index. XLA only (no kernel yet)."""
+    _note("token_logprobs", "xla")
+    return ref.token_logprobs(hidden, lm_head, labels, softcap=softcap, temperature=float(temperature),
+                              ignore_index=ignore_index, chunk_size=chunk)
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask", "cross_entropy",
-           "use_pallas", "PALLAS_WINS"]
+           "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask",
+           "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

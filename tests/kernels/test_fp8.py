@@ -66,7 +66,9 @@ def test_fp8_matmul_forward_and_input_gradient(rng, dtype):
     g2 = np.asarray(jnp.asarray(g, dtype), np.float32).reshape(m, n)
     gq, sg = _np_quant_rows((g2 * np.asarray(w.scale)[None, :]).astype(np.float32), E5M2_MAX, ml_dtypes.float8_e5m2)
     want_dx = (gq.astype(np.float64) @ values) * sg[:, None]
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # float32 accumulation either way; bf16 output rounding
+    # float32 accumulation on the CPU; Hopper's FP8 MMA accumulates with fewer mantissa bits (9.4e-5 measured on
+    # the H200, BENCHMARKS.md); bf16 outputs add their own rounding
+    tol = (5e-4 if jax.default_backend() == "gpu" else 1e-5) if dtype == jnp.float32 else 1e-2
     assert _rel(np.asarray(y, np.float32).reshape(m, n), want_y) < tol
     assert _rel(np.asarray(dx, np.float32).reshape(m, k), want_dx) < tol
     # and against the unquantized math: e4m3 forward within a few percent, e5m2 gradient within ~10%

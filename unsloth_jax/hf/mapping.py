@@ -14,6 +14,13 @@ layer index dropped because decoder layers are stacked on a leading axis L (for 
 <parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
 layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does). The mixture-of-experts
 families (Qwen3-MoE, Mixtral, gpt-oss) add the router and the expert stacks: see the last section.
+
+Fused checkpoint tensors (Phi-3) hold several of the decoder's projections stacked on the output axis, in order:
+
+    model.layers.{i}.self_attn.qkv_proj.weight [q + 2 kv, D]  -> q_proj, k_proj, v_proj kernels (rows split)
+    model.layers.{i}.mlp.gate_up_proj.weight   [2 F, D]       -> gate_proj, up_proj kernels
+
+Their spec has kind "fused" and `parts`: one kernel spec per projection, in row order (`fused_parts`).
 """
 from __future__ import annotations
 
@@ -40,6 +47,19 @@ _SANDWICH = [
     ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm", "weight"), "norm"),
 ]
 
+# Phi-3: (fused HF suffix, parent module, the projections it holds in row order)
+FUSED_PROJS = {
+    "phi3": (("self_attn.qkv_proj.weight", "self_attn", ("q_proj", "k_proj", "v_proj")),
+             ("mlp.gate_up_proj.weight", "mlp", ("gate_proj", "up_proj"))),
+}
+_PHI3 = [
+    ("input_layernorm.weight", ("input_layernorm", "weight"), "norm"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), "norm"),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "kernel"),
+    ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "kernel"),
+    *[(suffix, (parent, suffix.split(".")[1], "kernel"), "fused") for suffix, parent, _ in FUSED_PROJS["phi3"]],
+]
+
 FAMILY_LAYER_TENSORS = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -47,6 +67,8 @@ FAMILY_LAYER_TENSORS = {
     "qwen3": _LLAMA + _QK_NORM,
     "gemma": _LLAMA,
     "gemma2": _LLAMA + _SANDWICH,
+    "gemma3_text": _LLAMA + _SANDWICH + _QK_NORM,
+    "phi3": _PHI3,
 }
 # MoE families: attention and norms here; the MLP tensors (router, experts, dense layers) come from moe_specs.
 _ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
@@ -61,8 +83,9 @@ class TensorSpec:
     hf_name: str
     path: tuple[str, ...]
     layer: int | None
-    kind: str  # "embed" | "norm" | "kernel" | "bias", and for MoE families MOE_KINDS
+    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused", and for MoE families MOE_KINDS
     hf_shape: tuple[int, ...]
+    parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
     expert: int | None = None  # kind "expert": the expert this tensor is
     column: int = 0  # kind "expert": first column of the fused output axis it fills (gate 0, up F)
 
@@ -113,6 +136,9 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
             name = f"model.layers.{i}.{suffix}"
+            if kind == "fused":
+                specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
+                continue
             if kind == "kernel":
                 shape = shapes[sub[1]]
             elif kind == "bias":
@@ -125,6 +151,28 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
     if cfg.is_moe:
         specs.update(moe_specs(cfg, expert_layout))
     return specs
+
+
+def fused_groups(cfg: ModelConfig) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """(fused HF module name, parent, projections in row order) of the family, e.g. ("qkv_proj", "self_attn",
+    ("q_proj", "k_proj", "v_proj")) for Phi-3; empty for families whose checkpoints keep projections apart."""
+    return tuple((suffix.split(".")[1], parent, projs) for suffix, parent, projs in FUSED_PROJS.get(cfg.model_type, ()))
+
+
+def _fused_spec(cfg: ModelConfig, name: str, suffix: str, layer: int, shapes: dict) -> TensorSpec:
+    parent, projs = next((p, pr) for s, p, pr in FUSED_PROJS[cfg.model_type] if s == suffix)
+    parts = tuple(TensorSpec(name, LAYERS + (parent, p, "kernel"), layer, "kernel", shapes[p]) for p in projs)
+    rows = sum(part.hf_shape[0] for part in parts)
+    return TensorSpec(name, LAYERS + (parent, suffix.split(".")[1]), layer, "fused", (rows, shapes[projs[0]][1]),
+                      parts)
+
+
+def fused_parts(spec: TensorSpec):
+    """(part spec, first row, end row) of each projection held by a fused spec, in row order."""
+    start = 0
+    for part in spec.parts:
+        yield part, start, start + part.hf_shape[0]
+        start += part.hf_shape[0]
 
 
 # ------------------------------------------------------------------------------- mixture-of-experts families

@@ -8,7 +8,9 @@ PEFT stores, per targeted projection of layer N,
     base_model.model.model.layers.N.<self_attn|mlp>.<proj>.lora_B.weight  [out, r]  = lora_b[N].T
 
 plus, when configured, `modules_to_save` copies (`base_model.model.lm_head.weight`,
-`base_model.model.model.embed_tokens.weight`, `base_model.model.model.norm.weight`) and trained biases
+`base_model.model.model.embed_tokens.weight`, `base_model.model.model.norm.weight`: PEFT 0.21 drops the
+`modules_to_save.default.` its live parameters carry; tables with more rows than the base, from add_new_tokens,
+grow the model's vocabulary to match) and trained biases
 (`...<proj>.base_layer.bias` for targeted projections, `...<proj>.bias` otherwise). LoRA factors are kept in
 float32 whatever the file's dtype. Features this package cannot reproduce (DoRA, per-layer rank/alpha patterns,
 layer subsets, ...) raise `ConfigError` naming the field; tensors it does not understand raise
@@ -28,7 +30,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -108,7 +110,7 @@ def base_model_path(adapter_dir) -> str:
     p = Path(os.path.expanduser(str(name)))
     candidates = [p] if p.is_absolute() else [adapter_dir / p, Path.cwd() / p]
     for c in candidates:
-        if c.is_dir():
+        if c.is_dir() or (c.is_file() and c.suffix.lower() == ".gguf"):
             return str(c)
     looked = ", ".join(str(c) for c in candidates)
     raise CheckpointNotFoundError(
@@ -172,12 +174,70 @@ def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, 
     return tuple(p for p in ALL_TARGETS if p in projs)
 
 
+def _embedding_layer_key(key: str) -> tuple[str, str | None]:
+    """(key without the wrapper part, the part) for the whole-module keys PEFT adds when the vocabulary was
+    resized (save_embedding_layers): `X.modules_to_save.weight` (the trained copy again) and
+    `X.original_module.weight` (the base table); other keys come back as (key, None)."""
+    for part in ("modules_to_save", "original_module"):
+        suffix = f".{part}.weight"
+        if key.endswith(suffix):
+            return key[:-len(suffix)] + ".weight", part
+    return key, None
+
+
+def _saved_modules(value, cfg_path: Path) -> tuple[str, ...] | None:
+    """adapter_config.json's modules_to_save as the short names of SAVED_MODULE_KEYS; PEFT's longer spellings
+    ("model.embed_tokens", written with ensure_weight_tying) map to the short ones."""
+    if not value:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    short = [n.removeprefix("model.") if n.removeprefix("model.") in SAVED_MODULE_KEYS else n for n in names]
+    unknown = [n for n, s in zip(names, short) if s not in SAVED_MODULE_KEYS]
+    if unknown:
+        raise ConfigError(f"{cfg_path}: modules_to_save {unknown} are not supported "
+                          f"(supported: {', '.join(SAVED_MODULE_KEYS)})")
+    return tuple(dict.fromkeys(short))
+
+
+def _tied_tables(top: dict, ensure_weight_tying: bool, cfg_path: Path) -> dict:
+    """The saved tables of an adapter for a model with tied embeddings, as one "embed_tokens" table. PEFT's
+    head follows the trained table only with ensure_weight_tying (or when it saved an identical head copy);
+    an untied head cannot be represented here and raises ConfigError."""
+    head, embed = top.get("lm_head"), top.get("embed_tokens")
+    if head is None:
+        if embed is not None and not ensure_weight_tying:
+            raise ConfigError(f"{cfg_path}: the adapter trains embed_tokens of a model with tied embeddings without "
+                              "ensure_weight_tying, so in PEFT its output head keeps the base weights (untied); "
+                              "unsloth_jax cannot untie the head")
+        return top
+    if embed is None or head.shape != embed.shape or not np.array_equal(head, embed):
+        raise ConfigError(f"{cfg_path}: the adapter holds an lm_head that differs from embed_tokens, but this model "
+                          "ties its embeddings (one table); untying the head is not supported")
+    return {k: v for k, v in top.items() if k != "lm_head"}
+
+
+def _saved_vocab_size(model, top: dict, weights: Path) -> int:
+    """The vocabulary size of the adapter's saved tables (they may be larger than the base's after
+    add_new_tokens); the model's own when none is saved. Tables that disagree raise ShapeMismatchError."""
+    rows = {mod: int(v.shape[0]) for mod, v in top.items() if mod in ("embed_tokens", "lm_head") and v.ndim == 2}
+    if len(set(rows.values())) > 1:
+        raise ShapeMismatchError(f"{weights}: the saved embed_tokens and lm_head have different row counts {rows}")
+    vocab = next(iter(rows.values()), model.config.vocab_size)
+    if vocab < model.config.vocab_size:
+        raise ShapeMismatchError(f"{weights}: the saved tables have {vocab} rows, fewer than the base model's "
+                                 f"{model.config.vocab_size}; shrinking the vocabulary is not supported")
+    return vocab
+
+
 def load_adapter(model, adapter_dir):
     """Add the LoRA factors (and any modules_to_save / trained biases) of the PEFT adapter in `adapter_dir` to
     `model` and set `model.lora` from its adapter_config.json. Returns the model."""
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / CONFIG_NAME
     raw = read_adapter_config(adapter_dir)
+    split = None
+    if fused_groups(model.config):
+        raw, split = split_fused_adapter(raw, adapter_dir, model)
     _check_supported(raw, cfg_path)
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -201,14 +261,8 @@ def load_adapter(model, adapter_dir):
     bias = raw.get("bias", "none") or "none"
     if bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{cfg_path}: bias {bias!r} is not supported (none, all, lora_only)")
-    saved = raw.get("modules_to_save") or None
-    if saved is not None:
-        saved = [saved] if isinstance(saved, str) else list(saved)
-        unknown = [m for m in saved if m not in SAVED_MODULE_KEYS]
-        if unknown:
-            raise ConfigError(f"{cfg_path}: modules_to_save {unknown} are not supported "
-                              f"(supported: {', '.join(SAVED_MODULE_KEYS)})")
-        saved = tuple(saved)
+    saved = _saved_modules(raw.get("modules_to_save"), cfg_path)
+    tied = model.lm_head is None
 
     weights = adapter_dir / WEIGHTS_NAME
     if not weights.is_file():
@@ -230,14 +284,24 @@ def load_adapter(model, adapter_dir):
     key_of_saved = {v: k for k, v in SAVED_MODULE_KEYS.items()}
     with SafetensorsFile(weights) as f:
         expert_factors = moe_io.read_expert_adapter(model, f, expert_targets, r, weights) if expert_targets else {}
+        if split is not None:
+            f = _SplitTensors(f, split)
         for key in f.keys():
             if expert_targets and moe_io.is_expert_key(key):
                 continue  # read above
             m = _LAYER_KEY.match(key)
             if m is None:
-                mod = key_of_saved.get(key)
-                if mod is not None and saved and mod in saved:
-                    top[mod] = np.array(f.get(key))
+                plain, part = _embedding_layer_key(key)
+                mod = key_of_saved.get(plain)
+                # with tied embeddings PEFT also writes the head's key beside the trained table
+                if mod is not None and saved and (mod in saved or (tied and mod == "lm_head"
+                                                                   and "embed_tokens" in saved)):
+                    if part == "original_module":
+                        continue  # the untrained base table: only used with the adapter disabled
+                    value = np.array(f.get(key))
+                    if mod in top and not np.array_equal(top[mod], value):
+                        raise UnexpectedTensorError(f"{weights}: '{key}' differs from the '{plain}' saved beside it")
+                    top[mod] = value
                 else:
                     unexpected.append(key)
                 continue
@@ -288,17 +352,23 @@ def load_adapter(model, adapter_dir):
                                          f"expected {list(b.shape[1:])}")
             b[i] = value
         new_biases[proj] = jnp.asarray(b, current.dtype)
+    if tied:
+        top = _tied_tables(top, bool(raw.get("ensure_weight_tying")), cfg_path)
+        saved = tuple("embed_tokens" if m == "lm_head" else m for m in saved) if saved else saved
+    vocab = _saved_vocab_size(model, top, weights)
     saved_values = {}
     for mod, value in top.items():
-        if mod == "lm_head" and model.lm_head is None:
-            raise ConfigError(f"{cfg_path}: modules_to_save holds {mod} but this model has no separate {mod} "
-                              "(tied embeddings); untying the head is not supported")
         ref = variable_at(model, SAVED_MODULE_PATHS[mod])
-        if tuple(value.shape) != tuple(ref[...].shape):
+        want = ref[...].shape if mod == "norm" else (vocab, ref[...].shape[1])
+        if tuple(value.shape) != tuple(want):
             raise ShapeMismatchError(f"{weights}: '{SAVED_MODULE_KEYS[mod]}' has shape {list(value.shape)}, "
-                                     f"expected {list(ref[...].shape)}")
+                                     f"expected {list(want)}")
         saved_values[mod] = jnp.asarray(value, ref[...].dtype)
     # Everything is checked: now change the model.
+    if vocab != cfg.vocab_size:
+        from unsloth_jax.vocab import resize_token_embeddings
+
+        resize_token_embeddings(model, vocab)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
                             use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved,
@@ -316,3 +386,135 @@ def load_adapter(model, adapter_dir):
     for mod, value in saved_values.items():
         variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model
+
+
+# ------------------------------------------------------------------- adapters of fused modules (Phi-3)
+class _SplitTensors:
+    """An adapter file seen with its fused modules' LoRA tensors replaced by the split per-projection ones."""
+
+    def __init__(self, f: SafetensorsFile, split: tuple[dict[str, np.ndarray], set[str]]):
+        self._f = f
+        self._split, self._fused = split
+
+    def keys(self):
+        return [k for k in self._f.keys() if k not in self._fused] + list(self._split)
+
+    def get(self, key):
+        return self._split[key] if key in self._split else self._f.get(key)
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key k with module matching (.*\\.)?(k)$."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key, value
+    return None, default
+
+
+def split_fused_adapter(raw: dict, adapter_dir, model):
+    """A PEFT adapter of a model whose checkpoint fuses projections (Phi-3: qkv_proj, gate_up_proj) in the form
+    load_adapter reads: (adapter_config with the split projection names as targets, and None when no fused
+    module is targeted, else ({PEFT key: array} of the split LoRA tensors, the fused keys they replace)).
+    Two layouts split exactly, per fused module of n projections and rank R:
+
+      R = r (PEFT trained the fused module): every projection gets A [r, in] and its rows of B;
+      R = n r with alpha giving the same scale (what save_pretrained writes, see hf/export.py): B is block
+        diagonal, projection k gets A rows and B columns k r .. (k + 1) r; a projection whose A block is zero
+        in every layer was not targeted.
+
+    Other ranks, or a non-block-diagonal B at R = n r, raise ConfigError naming the tensor."""
+    adapter_dir = Path(adapter_dir)
+    cfg_path, weights = adapter_dir / CONFIG_NAME, adapter_dir / WEIGHTS_NAME
+    groups = {name: (parent, projs) for name, parent, projs in fused_groups(model.config)}
+    targets = raw.get("target_modules")
+    n_layers = model.config.num_hidden_layers
+    names = [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(n_layers)
+             for p in ALL_TARGETS if not any(p in projs for _, projs in groups.values())]
+    names += [f"model.layers.{i}.{parent}.{name}" for i in range(n_layers) for name, (parent, _) in groups.items()]
+    if targets == "all-linear" or targets is None or not weights.is_file():
+        hit = names if targets == "all-linear" else []
+    elif isinstance(targets, str):
+        try:
+            hit = [n for n in names if re.fullmatch(targets, n)]
+        except re.error as e:
+            raise ConfigError(f"{cfg_path}: target_modules regex {targets!r} is invalid ({e})") from None
+    else:
+        hit = [n for n in names if any(n == str(t) or n.endswith("." + str(t)) for t in targets)]
+        known = {n.rsplit(".", 1)[1] for n in names}
+        unknown = [str(t) for t in targets if not any(n == str(t) or n.endswith("." + str(t)) for n in names)]
+        if unknown:
+            raise ConfigError(f"{cfg_path}: target_modules {unknown} name no module of this {model.config.model_type} "
+                              f"checkpoint (it has {', '.join(sorted(known))})")
+    fused_hit = sorted({n.rsplit(".", 1)[1] for n in hit} & set(groups))
+    if not fused_hit:
+        return raw, None
+    try:
+        r = int(raw["r"])
+        alpha = float(raw.get("lora_alpha", 8))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{cfg_path}: 'r' (int) and 'lora_alpha' (number) are required") from None
+    rslora = bool(raw.get("use_rslora", False))
+    scale = alpha / (r ** 0.5 if rslora else r)
+    projs_now = model.projections()
+    split: dict[str, np.ndarray] = {}
+    consumed: set[str] = set()
+    used_patterns: set[str] = set()
+    targeted: set[str] = set()
+    with SafetensorsFile(weights) as f:
+        for name in fused_hit:
+            parent, projs = groups[name]
+            outs = [projs_now[p].out_features for p in projs]
+            d_in = projs_now[projs[0]].in_features
+            n = len(projs)
+            blocks_used = [False] * n
+            per_layer = []
+            for i in range(n_layers):
+                module = f"model.layers.{i}.{parent}.{name}"
+                key_a = f"base_model.model.{module}.lora_A.weight"
+                key_b = f"base_model.model.{module}.lora_B.weight"
+                if key_a not in f.keys() or key_b not in f.keys():
+                    raise MissingTensorError(f"{weights}: adapter targets {name} but '{key_a}' or '{key_b}' is missing")
+                a, b = np.asarray(f.get(key_a), np.float32), np.asarray(f.get(key_b), np.float32)
+                consumed |= {key_a, key_b}
+                rank = a.shape[0]
+                if a.shape != (rank, d_in) or b.shape != (sum(outs), rank):
+                    raise ShapeMismatchError(f"{weights}: '{key_a}' {list(a.shape)} / '{key_b}' {list(b.shape)} do not "
+                                             f"fit {name} [{sum(outs)}, {d_in}]")
+                rkey, _ = _pattern_value(raw.get("rank_pattern"), module, r)
+                akey, alpha_f = _pattern_value(raw.get("alpha_pattern"), module, alpha)
+                used_patterns |= {k for k in (rkey, akey) if k is not None}
+                scale_f = float(alpha_f) / (rank ** 0.5 if rslora else rank)
+                if rank not in (r, n * r) or abs(scale_f - scale) > 1e-6 * abs(scale):
+                    raise ConfigError(
+                        f"{weights}: '{key_a}' has rank {rank} and scale {scale_f:g}; unsloth_jax splits a fused {name} "
+                        f"adapter only at rank r={r} (shared A) or {n}*r={n * r} (block diagonal) with the scale of "
+                        f"r and lora_alpha ({scale:g})")
+                per_layer.append((i, a, b, rank))
+                if rank == n * r:
+                    row = 0
+                    for k, out in enumerate(outs):
+                        cols = slice(k * r, (k + 1) * r)
+                        off = np.delete(b[row:row + out], np.s_[k * r:(k + 1) * r], axis=1)
+                        if np.any(off):
+                            raise ConfigError(f"{weights}: '{key_b}' is not block diagonal (rows of {projs[k]} use "
+                                              f"other projections' ranks), so it cannot be split into per-projection "
+                                              "LoRA pairs exactly")
+                        blocks_used[k] |= bool(np.any(a[cols]))
+                        row += out
+                else:
+                    blocks_used = [True] * n
+            for i, a, b, rank in per_layer:
+                row = 0
+                for k, (p, out) in enumerate(zip(projs, outs)):
+                    if blocks_used[k]:
+                        cols = slice(None) if rank == r else slice(k * r, (k + 1) * r)
+                        prefix = f"base_model.model.model.layers.{i}.{parent}.{p}"
+                        split[f"{prefix}.lora_A.weight"] = a[cols]
+                        split[f"{prefix}.lora_B.weight"] = b[row:row + out, cols]
+                    row += out
+            targeted |= {p for p, used in zip(projs, blocks_used) if used}
+    plain = sorted({n.rsplit(".", 1)[1] for n in hit} - set(groups))
+    out = dict(raw, target_modules=plain + [p for p in ALL_TARGETS if p in targeted])
+    for field in ("rank_pattern", "alpha_pattern"):
+        out[field] = {k: v for k, v in (raw.get(field) or {}).items() if k not in used_patterns}
+    return out, (split, consumed)

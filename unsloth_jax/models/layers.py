@@ -2,7 +2,7 @@
 
 Variable types say what trains (flax.nnx filters select on them):
   nnx.Param      dense weights: frozen under LoRA (the train step differentiates only the LoRA state), trained
-                 in full fine-tuning;
+                 in full fine-tuning (unsloth_jax.lora.enable_full_finetuning);
   nnx.LoRAParam  the LoRA factors `lora_a` [in, r] and `lora_b` [r, out] (Flax's own type);
   NF4Param       a 4-bit NF4 base weight (an `NF4Weight` pytree in HF's [out, in] layout); never trained;
   FP8Param       an FP8 base weight (an `FP8Weight`: e4m3 values [out, in], per-output-channel scales); never
@@ -32,6 +32,19 @@ class FP8Param(nnx.Variable):
     """A frozen FP8 base weight: an `FP8Weight` (float8_e4m3fn [out, in] per layer, float32 scale [out])."""
 
 
+def gathered(tree):
+    """`tree`'s arrays constrained to be whole on every device when a mesh is set (`jax.set_mesh`), else
+    `tree` itself. The decoder applies it to one layer's slice of the stacked weights inside the layer scan,
+    and `Embedding` to its table: weights sharded over an FSDP mesh axis are then all-gathered where they are
+    used, one layer at a time (also in the backward pass's recomputation), and the batch-sharded activations
+    never are."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree
+    whole = jax.sharding.PartitionSpec()
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
+
+
 def value_of(variable):
     """The value a Variable holds (an array, or a pytree such as an NF4Weight); None stays None."""
     return None if variable is None else variable.get_value()
@@ -43,7 +56,9 @@ class Linear(nnx.Module):
     kernel: nnx.Param [*stack, in, out] in the weight dtype, NF4Param (NF4Weight, [*stack] of [out, in]) or
     FP8Param (FP8Weight, [*stack] of [out, in]);
     bias: nnx.Param [*stack, out] or None; lora_a / lora_b: nnx.LoRAParam [*stack, in, r] / [*stack, r, out]
-    (float32 master weights, cast to x.dtype in the matmul) or None; lora_scale: a static float.
+    (float32 master weights, cast to x.dtype in the matmul) or None; lora_scale: a static float;
+    train_kernel: a static bool, True in full fine-tuning (the kernel's gradient is then not stopped, see
+    ops.linear).
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, stack: tuple[int, ...] = (),
@@ -56,6 +71,7 @@ class Linear(nnx.Module):
         self.lora_a = nnx.data(None)
         self.lora_b = nnx.data(None)
         self.lora_scale: float | None = None
+        self.train_kernel = False
 
     @property
     def has_lora(self) -> bool:
@@ -66,7 +82,7 @@ class Linear(nnx.Module):
         lora = None
         if self.lora_a is not None:
             lora = (self.lora_a[...], self.lora_b[...], self.lora_scale)
-        return ops.linear(x, value_of(self.kernel), value_of(self.bias), lora)
+        return ops.linear(x, value_of(self.kernel), value_of(self.bias), lora, kernel_grad=self.train_kernel)
 
 
 class RMSNorm(nnx.Module):
@@ -93,5 +109,7 @@ class Embedding(nnx.Module):
                                                               jnp.float32)).astype(dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """ids [...] int -> [..., dim] rows of the table."""
-        return jnp.take(self.weight[...], ids, axis=0)
+        """ids [...] int -> [..., dim] rows of the table (whole on every device under a mesh, see `gathered`:
+        a table split over the devices would make XLA look the ids up in every shard and all-reduce the
+        activations of the whole batch)."""
+        return jnp.take(gathered(self.weight[...]), ids, axis=0)

@@ -1,8 +1,10 @@
 """Optimizers and learning-rate schedules with the names HF/TRL users pass (`optim`, `lr_scheduler_type`).
 
 Schedules follow transformers' definitions exactly (the rate used for update number t, counting from 0), so a
-run here and an HF Trainer run see the same learning rates. `adamw_8bit` keeps both Adam moments in 8 bits,
-block-wise (see `scale_by_adam_8bit`).
+run here and an HF Trainer run see the same learning rates. AdamW keeps its moments in float32 whatever the
+weights' dtype (bf16 weights in full fine-tuning get float32 moments); `adamw_8bit` keeps both moments in 8
+bits, block-wise (see `scale_by_adam_8bit`). `embedding_schedule` gives the embedding table and the output head
+their own learning rate (Unsloth's embedding_learning_rate), through optax.multi_transform on the last step.
 """
 from __future__ import annotations
 
@@ -108,22 +110,72 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) ->
     return optax.GradientTransformation(init, update)
 
 
+def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` run on float32 copies of the updates and params: its state (Adam's moments) is float32 even for
+    bf16/fp16 weights, and its updates come out float32 (optax.apply_updates casts the sum to the weight's
+    dtype)."""
+
+    def f32(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return tx.init(f32(params))
+
+    def update(updates, state, params=None):
+        return tx.update(f32(updates), state, None if params is None else f32(params))
+
+    return optax.GradientTransformation(init, update)
+
+
+def state_dtype(optim: str) -> str:
+    """What the optimizer state of `optim` is stored in, for run summaries."""
+    if optim == "sgd":
+        return "none (SGD keeps no state)"
+    if optim in ("adamw_8bit", "paged_adamw_8bit"):
+        return "8-bit (int8/uint8 blocks of 256 + float32 scales)"
+    return "float32"
+
+
+EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+def embedding_labels(params) -> object:
+    """A pytree like `params` labelling each leaf "embedding" (under embed_tokens or lm_head) or "default"."""
+
+    def label(path, _):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return "embedding" if names & set(EMBEDDING_MODULES) else "default"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _learning_rate(schedule: optax.Schedule, embedding_schedule: optax.Schedule | None):
+    """The last step of the chain: -lr(t) * update, with the embedding leaves on their own schedule."""
+    if embedding_schedule is None:
+        return optax.scale_by_learning_rate(schedule)
+    return optax.multi_transform({"default": optax.scale_by_learning_rate(schedule),
+                                  "embedding": optax.scale_by_learning_rate(embedding_schedule)}, embedding_labels)
+
+
 def make_optimizer(optim: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-                   adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_epsilon: float = 1e-8
-                   ) -> optax.GradientTransformation:
-    """The optax chain for an HF `optim` name: clip by global norm (when max_grad_norm > 0), then the optimizer."""
+                   adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_epsilon: float = 1e-8,
+                   embedding_schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
+    """The optax chain for an HF `optim` name: clip by global norm (when max_grad_norm > 0), then the optimizer
+    (AdamW: torch.optim.AdamW's math, moments in float32). With `embedding_schedule`, the embedding and head
+    leaves (embedding_labels) step with it instead of `schedule`; weight decay and clipping are shared, as in
+    Unsloth's two torch param groups."""
     if optim not in OPTIMIZERS:
         raise ValueError(f"optim {optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
     parts = []
     if max_grad_norm and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
+    lr = _learning_rate(schedule, embedding_schedule)
     if optim == "sgd":
-        parts += [optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-                  optax.scale_by_learning_rate(schedule)]
+        parts += [optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(), lr]
     elif optim in ("adamw_8bit", "paged_adamw_8bit"):
-        parts += [scale_by_adam_8bit(adam_beta1, adam_beta2, adam_epsilon),
-                  optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-                  optax.scale_by_learning_rate(schedule)]
-    else:
-        parts.append(optax.adamw(schedule, b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon, weight_decay=weight_decay))
+        parts += [in_float32(scale_by_adam_8bit(adam_beta1, adam_beta2, adam_epsilon)),
+                  optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(), lr]
+    else:  # optax.adamw's own chain, with float32 moments
+        parts.append(optax.chain(in_float32(optax.scale_by_adam(adam_beta1, adam_beta2, adam_epsilon)),
+                                 optax.add_decayed_weights(weight_decay), lr))
     return optax.chain(*parts)

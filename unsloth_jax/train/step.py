@@ -25,6 +25,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -38,8 +39,9 @@ log = logging.getLogger("unsloth_jax")
 # optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
 _global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
+# Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
-                          "unsloth": "offload", "offload": "offload"}
+                          "unsloth": "offload", "offload": "offload", "save_attention": "save_attention"}
 
 
 def host_offload_supported() -> bool:
@@ -57,7 +59,8 @@ def resolve_remat(use_gradient_checkpointing) -> str:
     """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
     fallback (plain remat, one notice) where the backend has no pinned host memory."""
     if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"use_gradient_checkpointing must be False, True or 'unsloth', got {use_gradient_checkpointing!r}")
+        raise ValueError(f"use_gradient_checkpointing must be False, True, 'unsloth' or 'save_attention', got "
+                         f"{use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
     if mode == "offload" and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
@@ -102,7 +105,7 @@ def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat: str = "full",
-                    loss_chunk: int = 1024, donate: bool = True):
+                    loss_chunk: int = 1024, donate: bool = True, mesh=None):
     """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
 
     graphdef, trainable, frozen: the three parts of `nnx.split(model, <trainable filter>, ...)`; trainable and
@@ -112,6 +115,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     call is a static argument (see unsloth_jax.ops.policy_jit).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
+
+    mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several
+    devices: the step then has in/out shardings from `unsloth_jax.distributed`'s rules (batch rows split over
+    both axes, large frozen weights over fsdp, the rest replicated) and places its arguments there (a no-op
+    for arguments already placed, e.g. by `distributed.shard_state`). `batch` is the global batch.
     """
 
     def micro_loss(trainable, frozen, micro):
@@ -135,22 +143,80 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, trainable)
+        grads = jax.tree.map(lambda g: g / denom, g_sum)
         loss = l_sum / denom
-        grad_norm = _global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-        updates, new_opt = optimizer.update(grads, opt_state, trainable)
-        new_params = optax.apply_updates(trainable, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, trainable)
-        new_opt = jax.tree.map(keep, new_opt, opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": n_sum, "skipped": (~finite).astype(jnp.int32)}
+        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
+        metrics = {"loss": loss, "tokens": n_sum, **update_metrics}
         if aux_loss_enabled(nnx.merge(graphdef, trainable, frozen)):
             metrics["aux_loss"] = a_sum / denom
         return new_params, new_opt, metrics
 
-    return ops.policy_jit(step, donate_argnums=(0, 2) if donate else ())
+    donate_argnums = (0, 2) if donate else ()
+    if mesh is None:
+        return ops.policy_jit(step, donate_argnums=donate_argnums)
+    return _on_mesh(step, mesh, donate_argnums)
+
+
+def _on_mesh(step, mesh, donate_argnums):
+    """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
+    the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
+    the kernels' per-shard calls read it there."""
+    from unsloth_jax import distributed
+
+    built: dict = {}
+
+    def shardings(trainable, frozen, opt_state, batch):
+        t = distributed.state_shardings(mesh, trainable, trainable=True)
+        o = distributed.state_shardings(mesh, opt_state, trainable=True)
+        ins = (t, distributed.state_shardings(mesh, frozen), o,
+               jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), batch))
+        return ins, (t, o, distributed.replicated(mesh))
+
+    def jitted_for(args):
+        key = (jax.tree.structure(args), tuple(np.shape(x) for x in jax.tree.leaves(args[:3])),
+               tuple(np.ndim(x) for x in jax.tree.leaves(args[3])))
+        if key not in built:
+            ins, outs = shardings(*args)
+            built[key] = (ops.policy_jit(step, donate_argnums=donate_argnums, in_shardings=ins,
+                                         out_shardings=outs), ins)
+        return built[key]
+
+    def placed(args):
+        fn, ins = jitted_for(args)
+        return fn, distributed.put(args[:3], ins[:3]) + (args[3],)
+
+    def call(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    def lower(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    call.lower = lower
+    call.mesh = mesh
+    return call
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):
+    """One guarded optimizer update inside a jitted step -> (new trainable, new opt_state, metrics).
+
+    grads: float32 gradients shaped like `trainable` (cast to each parameter's dtype here). When `loss` or the
+    gradients' global norm is not finite, params and optimizer state stay as they were. metrics: grad_norm (of
+    the unclipped gradients) and skipped (1 when the update was dropped). Every trainer's step ends here.
+    """
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
+    grad_norm = _global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = optimizer.update(grads, opt_state, trainable)
+    new_params = optax.apply_updates(trainable, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_params = jax.tree.map(keep, new_params, trainable)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    return new_params, new_opt, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
 
 
 def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):

@@ -2,8 +2,15 @@
 
 `SFTTrainer(...).train()` tokenizes the dataset, runs the jitted step with a progress bar, logs to stdout,
 `output_dir/metrics.jsonl`, `trainer.state.log_history` and the `report_to` integrations (TensorBoard), saves
-orbax checkpoints every `save_steps`, resumes exactly, writes the trained LoRA weights back into the model (in
-place, `nnx.update`, as HF and Unsloth do) and returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
+orbax checkpoints every `save_steps`, resumes exactly, writes the trained weights (LoRA, or every weight after
+from_pretrained(full_finetuning=True)) back into the model (in place, `nnx.update`, as HF and Unsloth do) and
+returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
+
+Several devices: `TrainingArguments(mesh="data=2,fsdp=4")` (see unsloth_jax.distributed) runs the same step
+sharded over a device mesh; `per_device_train_batch_size` is per device, so a step sees per_device * data *
+fsdp rows (times gradient_accumulation_steps). After training the model's weights stay on the mesh. On
+several hosts each process loads its own rows of each batch and only process 0 logs, writes metrics.jsonl and
+TensorBoard events.
 """
 from __future__ import annotations
 
@@ -23,10 +30,10 @@ from tqdm.auto import tqdm
 
 from flax import nnx
 
-from unsloth_jax import lora
-from unsloth_jax import backend
+from unsloth_jax import backend, distributed, lora
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
+from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train import optim
 from unsloth_jax.train.reporting import Reporters, default_logging_dir, resolve_report_to
@@ -72,6 +79,9 @@ class TrainingArguments:
     logging_dir: str | None = None  # TensorBoard event files; None: OUTPUT_DIR/runs/<datetime>_<host>
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+    # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
+    # {"data": 2, "fsdp": 4}; None trains on one device. Checked (and built) when train() starts.
+    mesh: object = None
 
     def __post_init__(self):
         validate_training_arguments(self)
@@ -138,6 +148,12 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
     return line
 
 
+def _mesh_note(mesh) -> str:
+    if mesh is None:
+        return ""
+    return f" per device on {distributed.describe(mesh)} (global batch x{distributed.batch_shards(mesh)})"
+
+
 def cast_weights(model, dtype) -> None:
     """Cast the model's floating dense weights (nnx.Param, not the float32 LoRA masters) to `dtype`, in place."""
     for _, var in nnx.iter_graph(model):
@@ -146,6 +162,12 @@ def cast_weights(model, dtype) -> None:
         value = var.get_value()
         if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating):
             var.set_value(value.astype(dtype))
+
+
+def _trained_what(model, n_train: int, optim_name: str) -> str:
+    """The run summary's account of what trains and where the optimizer state lives."""
+    what = "full fine-tuning" if model.full_finetuning else f"LoRA r={model.lora.r}"
+    return f"{what} ({n_train:,d} trainable, optimizer state {optim.state_dtype(optim_name)})"
 
 
 def _as_records(dataset) -> list[dict]:
@@ -181,8 +203,9 @@ class SFTTrainer:
         self.args = args or TrainingArguments()
         self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
-        if model.lora is None:
-            raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) first")
+        if model.lora is None and not model.full_finetuning:
+            raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) "
+                                "first (or load it with full_finetuning=True to train every weight)")
         if train_dataset is None:
             raise TrainingError("SFTTrainer needs a train_dataset")
         self.train_examples = self._tokenize(train_dataset, dataset_text_field, formatting_func)
@@ -196,8 +219,8 @@ class SFTTrainer:
     # ------------------------------------------------------------------------------------------ data
     def _tokenize(self, dataset, text_field, formatting_func) -> list[dict]:
         records = _as_records(dataset)
-        if records and "input_ids" in records[0]:
-            return [{"input_ids": list(r["input_ids"]), "labels": list(r.get("labels", r["input_ids"]))} for r in records]
+        if is_pretokenized(records):
+            return pretokenized_examples(records, self.model.config.vocab_size)
         if self.tokenizer is None:
             raise TrainingError("a tokenizer is needed to tokenize a text dataset")
         return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func)
@@ -214,17 +237,32 @@ class SFTTrainer:
         return DataLoader(examples, batch_size, self.max_seq_length, self._pad_id(), packing=self.packing,
                           shuffle=shuffle, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
-    def _step_batch(self, loader: DataLoader, step: int) -> dict:
-        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step."""
+    def _step_batch(self, loader: DataLoader, step: int, rows: slice | None = None) -> dict:
+        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step
+        (only `rows` of each micro-batch when given: one host's share)."""
         accum = self.args.gradient_accumulation_steps
         micro = []
         for j in range(accum):
             g = step * accum + j
-            micro.append(loader.batch(g // len(loader), g % len(loader)))
+            micro.append(loader.batch(g // len(loader), g % len(loader), rows))
         length = max(m["input_ids"].shape[1] for m in micro)
         micro = [_pad_to(m, length, self._pad_id()) for m in micro]
         keys = [k for k in micro[0] if self.packing or k != "segment_ids"]  # unpacked rows: right padding only
         return {k: np.stack([m[k] for m in micro]) for k in keys}
+
+    def _device_batch(self, loader: DataLoader, step: int, mesh):
+        """The step's batch on the device(s): on a mesh, the global batch assembled from this host's rows."""
+        if mesh is None:
+            return jax.device_put(self._step_batch(loader, step))
+        rows = distributed.host_rows(mesh, loader.batch_size)
+        return distributed.global_batch(mesh, self._step_batch(loader, step, rows), loader.batch_size)
+
+    def _to_mesh(self, mesh, trainable, frozen, opt_state):
+        """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
+        replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+        nnx.update(self.model, frozen)
+        return trainable, frozen, opt_state
 
     def _apply_precision_flags(self) -> None:
         want = jnp.bfloat16 if self.args.bf16 else jnp.float16 if self.args.fp16 else None
@@ -252,11 +290,15 @@ class SFTTrainer:
         if path.exists():
             return  # never overwrite a saved state
         tmp = path.with_name(f".tmp-{path.name}")
-        ckptr = ocp.StandardCheckpointer()
+        ckptr = ocp.StandardCheckpointer()  # every process saves its shards (one shared directory)
         ckptr.save(tmp / "state", {"trainable": trainable, "opt_state": opt_state})
         ckptr.wait_until_finished()
+        if not distributed.is_main_process():
+            distributed.sync(f"checkpoint-{step}")
+            return
         (tmp / "trainer_state.json").write_text(json.dumps(self._state_record(step)))
         os.replace(tmp, path)
+        distributed.sync(f"checkpoint-{step}")
         limit = self.args.save_total_limit
         if limit:
             import shutil
@@ -271,11 +313,12 @@ class SFTTrainer:
                 "loss_history": list(st.loss_history[:step]), "log_history": list(st.log_history)}
 
     def _restore(self, path: Path, trainable, opt_state):
-        """(trainable, opt_state, step) from a checkpoint directory; also restores self.state's histories."""
+        """(trainable, opt_state, step) from a checkpoint directory, placed like `trainable` / `opt_state` (a
+        checkpoint saved on N devices restores on today's M); also restores self.state's histories."""
         import orbax.checkpoint as ocp
 
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"trainable": trainable,
-                                                                                   "opt_state": opt_state})
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              {"trainable": trainable, "opt_state": opt_state})
         restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
         meta = json.loads((path / "trainer_state.json").read_text())
         step = int(meta["global_step"])
@@ -285,6 +328,19 @@ class SFTTrainer:
         return restored["trainable"], restored["opt_state"], step
 
     # ----------------------------------------------------------------------------------------- train
+    def make_optimizer(self, total: int, warmup: int, embedding_learning_rate: float | None = None):
+        """(optax optimizer, learning-rate schedule) of a run of `total` steps with `warmup` warmup steps; with
+        embedding_learning_rate, the embedding and head leaves follow the same schedule from that rate."""
+        args = self.args
+        schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
+        embedding_schedule = None if embedding_learning_rate is None else optim.make_schedule(
+            args.lr_scheduler_type, embedding_learning_rate, total, warmup)
+        optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
+                                         max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
+                                         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
+                                         embedding_schedule=embedding_schedule)
+        return optimizer, schedule
+
     def total_steps(self, loader: DataLoader) -> int:
         if self.args.max_steps and self.args.max_steps > 0:
             return int(self.args.max_steps)
@@ -299,10 +355,12 @@ class SFTTrainer:
         return optim.warmup_steps_for(total, int(w), self.args.warmup_ratio)
 
     def _open_reporters(self) -> None:
-        """Start the report_to integrations of this train() call (closed by train() whatever happens)."""
+        """Start the report_to integrations of this train() call (closed by train() whatever happens); none on
+        the processes other than 0 of a multi-host run."""
         args = self.args
         logging_dir = args.logging_dir or default_logging_dir(args.output_dir)
-        self._reporters = Reporters(args.report_to, logging_dir, dataclasses.asdict(args))
+        names = args.report_to if distributed.is_main_process() else []
+        self._reporters = Reporters(names, logging_dir, dataclasses.asdict(args))
         if self._reporters.logging_dir:
             print(f"unsloth_jax: TensorBoard logs -> {self._reporters.logging_dir}")
 
@@ -322,16 +380,21 @@ class SFTTrainer:
 
     def _train(self, resume_from_checkpoint) -> TrainOutput:
         args, model = self.args, self.model
-        loader = self._loader(self.train_examples, args.per_device_train_batch_size, shuffle=True)
+        mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
+        main = distributed.is_main_process()
+        shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
+        loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         total = self.total_steps(loader)
         warmup = self._warmup_steps(total)
-        schedule = optim.make_schedule(args.lr_scheduler_type, args.learning_rate, total, warmup)
-        optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
-                                         max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
-                                         adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon)
+        optimizer, schedule = self.make_optimizer(total, warmup)
         graphdef, trainable, frozen = lora.split(model)
-        trainable = jax.tree.map(jnp.copy, trainable)  # the step donates its input; keep the model's arrays valid
+        if not model.full_finetuning:  # the step donates its input; keep the model's arrays valid
+            trainable = jax.tree.map(jnp.copy, trainable)
+        # (full fine-tuning donates the model's own weights instead of holding them twice; the trained ones are
+        # written back into the model when train() returns or raises)
         opt_state = optimizer.init(trainable)
+        if mesh is not None:
+            trainable, frozen, opt_state = self._to_mesh(mesh, trainable, frozen, opt_state)
         self.state = TrainerState(max_steps=total, logging_steps=args.logging_steps,
                                   num_train_epochs=args.num_train_epochs,
                                   train_batch_size=args.per_device_train_batch_size)
@@ -345,23 +408,26 @@ class SFTTrainer:
                             args.output_dir)
             else:
                 trainable, opt_state, start = self._restore(path, trainable, opt_state)
-                print(f"Resuming from {path} at step {start}")
-        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing)
+                if main:
+                    print(f"Resuming from {path} at step {start}")
+        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
-        trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
+        if mesh is None:
+            trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
         plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
                                 loader.longest_bucket, self.max_seq_length)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
-        print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
-              f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}{_base_label(model)}, LoRA r={model.lora.r} ({n_train:,d} trainable), "
-              f"remat={model.gradient_checkpointing}")
-        print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}")
-        bar = tqdm(total=total, initial=start, desc="Training", unit="step")
+        if main:
+            print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
+                  f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation"
+                  f"{_mesh_note(mesh)}, {model.dtype.name}{_base_label(model)}, "
+                  f"{_trained_what(model, n_train, args.optim)}, remat={model.gradient_checkpointing}")
+            print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}" + (" (per device)" if mesh is not None else ""))
+        bar = tqdm(total=total, initial=start, desc="Training", unit="step", disable=not main)
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
@@ -379,7 +445,8 @@ class SFTTrainer:
             loss = float(m["loss"])
             if int(m["skipped"]):
                 bad_in_row += 1
-                tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
+                if main:
+                    tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
                 if bad_in_row >= args.max_nonfinite_steps:
                     raise TrainingError(f"{bad_in_row} non-finite steps in a row (last at step {step_idx + 1}); "
                                         "stopping. Lower the learning rate or check the data; saved checkpoints are "
@@ -390,7 +457,7 @@ class SFTTrainer:
 
         try:
             for step in range(start, total):
-                batch = jax.device_put(self._step_batch(loader, step))
+                batch = self._device_batch(loader, step, mesh)
                 trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
                 stamp = time.perf_counter()
                 if pending is not None:
@@ -424,7 +491,8 @@ class SFTTrainer:
         if self.eval_examples:
             steplog.log({"eval_loss": self.evaluate(), "epoch": state.epoch, "step": total})
         steplog.log({**metrics, "step": total})
-        print(json.dumps(metrics))
+        if distributed.is_main_process():
+            print(json.dumps(metrics))
         return TrainOutput(total, metrics["train_loss"], metrics)
 
     def evaluate(self) -> float:
@@ -499,6 +567,8 @@ class _StepLog:
         mem = device_memory_gib()
         if mem is not None:
             record["memory_gib"] = round(mem, 3)
+        if not distributed.is_main_process():  # process 0 writes metrics.jsonl and the console log
+            return
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}",

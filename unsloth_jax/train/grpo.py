@@ -1,0 +1,544 @@
+"""GRPO: reinforcement learning of a LoRA model from reward functions, with TRL's names, generating in-process.
+
+    def short(prompts, completions, **kwargs):            # TRL's reward signature; kwargs: the other columns
+        return [-len(c) / 10 for c in completions]
+    trainer = GRPOTrainer(model=model, reward_funcs=[short], args=GRPOConfig(num_generations=8,
+                          max_completion_length=64, output_dir="out"), train_dataset=prompts,
+                          processing_class=tokenizer)
+    trainer.train()
+
+Each optimizer step, as TRL's GRPOTrainer with its default batching (generation_batch_size =
+per_device_train_batch_size x gradient_accumulation_steps completions, num_generations per prompt):
+  1. generate: the next prompts (a seeded permutation per epoch) are repeated num_generations times and
+     sampled with `unsloth_jax.generation.generate` (the project's KV cache, in this process, with the current
+     LoRA weights: the model the step trains is the model that samples; no server, no weight copy);
+  2. score: every reward function on the decoded completions; rewards (weighted sum) normalised within each
+     prompt's group (scale_rewards "group"; "batch"; "none") into advantages;
+  3. train: the completions as right-padded [A, B, S] micro-batches through one jitted step: per-token
+     log-probabilities (chunked, logits / temperature as TRL), the clipped surrogate
+     -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) with r = exp(logp - logp_old), plus beta x the k3 KL
+     estimate exp(ref - logp) - (ref - logp) - 1 to the reference (the base with the adapters dropped, from the
+     same frozen arrays), aggregated per loss_type ("dapo", "grpo", "bnpo", "dr_grpo").
+With num_iterations > 1 a generation batch serves that many optimizer steps, and logp_old is computed once after
+generation; otherwise logp_old = stop_gradient(logp). The log has TRL's keys (loss, reward, reward_std,
+rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length, min/max_length, clipped_ratio, kl,
+clip_ratio/low_mean, high_mean, region_mean, num_tokens) plus time/generation, time/rewards, time/train
+(seconds per step); TrainOutput.metrics holds the totals of that split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from unsloth_jax import ops
+from unsloth_jax.errors import DatasetFormatError, TrainingError
+from unsloth_jax.generation import default_eos_ids, generate
+from unsloth_jax.train.logprobs import reference_model, token_logps
+from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
+from unsloth_jax.train.preference import encode_prompt, is_conversational
+from unsloth_jax.train.step import apply_gradients, commit_to_devices
+from unsloth_jax.train.trainer import TrainingArguments
+from unsloth_jax.validation import require_choice, require_int, require_real
+
+log = logging.getLogger("unsloth_jax")
+
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclasses.dataclass
+class GRPOConfig(TrainingArguments):
+    """TRL's GRPOConfig (the fields that apply in-process), with TRL's defaults.
+
+    per_device_train_batch_size counts completions, as in TRL; a step's completions
+    (per_device_train_batch_size x gradient_accumulation_steps) must be a multiple of num_generations.
+    beta: the KL coefficient (0: no reference pass). epsilon / epsilon_high: the clipping range (epsilon_high
+    None: epsilon). delta: optional upper clamp of the ratio (two-sided GRPO). scale_rewards: "group" (True),
+    "batch" or "none" (False). importance_sampling_level "token" or "sequence" (GSPO).
+    max_prompt_length (older TRL's): prompts cut to their last tokens; None keeps them whole.
+    """
+
+    per_device_train_batch_size: int = 8  # transformers' default, which TRL's GRPO defaults assume
+    learning_rate: float = 1e-6
+    logging_steps: int = 10
+    num_generations: int = 8
+    max_completion_length: int = 512
+    max_prompt_length: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    beta: float = 0.0
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    reward_weights: list | None = None
+    scale_rewards: str | bool = "group"
+    loss_type: str = "dapo"
+    mask_truncated_completions: bool = False
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+    shuffle_dataset: bool = True
+    remove_unused_columns: bool = False
+    disable_dropout: bool = False
+    use_vllm: bool = False
+    log_completions: bool = False
+    dataset_num_proc: int | None = None
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        require_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        require_choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        require_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        require_int("num_generations", self.num_generations, minimum=2)
+        require_int("max_completion_length", self.max_completion_length, minimum=1)
+        if self.max_prompt_length is not None:
+            require_int("max_prompt_length", self.max_prompt_length, minimum=1)
+        require_int("num_iterations", self.num_iterations, minimum=1)
+        require_real("temperature", self.temperature, minimum=0, min_exclusive=True)
+        require_real("top_p", self.top_p, minimum=0, maximum=1, min_exclusive=True)
+        require_real("beta", self.beta, minimum=0)
+        require_real("epsilon", self.epsilon, minimum=0)
+        if self.epsilon_high is not None:
+            require_real("epsilon_high", self.epsilon_high, minimum=0)
+        if self.delta is not None:
+            require_real("delta", self.delta, minimum=1, min_exclusive=True)
+        for name, value, default in (("top_k", self.top_k, (0, None)), ("min_p", self.min_p, (None,)),
+                                     ("repetition_penalty", self.repetition_penalty, (1.0,)),
+                                     ("use_vllm", self.use_vllm, (False,))):
+            if value not in default:
+                raise ValueError(f"{name}={value!r} is not supported by the in-process generation (use "
+                                 f"{default[0]!r}); temperature and top_p are")
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        spg = self.steps_per_generation
+        if (self.generation_batch_size not in (None, batch)) or (spg not in (None, self.gradient_accumulation_steps)):
+            raise ValueError(f"generation_batch_size / steps_per_generation other than one optimizer step's "
+                             f"completions (per_device_train_batch_size x gradient_accumulation_steps = {batch}) "
+                             "are not supported")
+        self.generation_batch_size, self.steps_per_generation = batch, self.gradient_accumulation_steps
+        if batch % self.num_generations:
+            raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions per "
+                             f"step must be a multiple of num_generations={self.num_generations}")
+        if self.reward_weights is not None:
+            self.reward_weights = [float(w) for w in self.reward_weights]
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+
+# ------------------------------------------------------------------------------------------ advantages
+def _nanmean(x: np.ndarray, axis=None) -> np.ndarray:
+    """Mean ignoring NaNs (NaN where every value is NaN), without numpy's empty-slice warning."""
+    x = np.asarray(x, np.float64)
+    count = np.sum(~np.isnan(x), axis=axis)
+    total = np.sum(np.where(np.isnan(x), 0.0, x), axis=axis)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+    """Standard deviation ignoring NaNs with Bessel's correction (NaN for fewer than 2 values), as TRL's."""
+    x = np.asarray(x, np.float64)
+    count = np.sum(~np.isnan(x), axis=axis, keepdims=True)
+    mean = np.sum(np.where(np.isnan(x), 0.0, x), axis=axis, keepdims=True) / np.maximum(count, 1)
+    squares = np.sum(np.where(np.isnan(x), 0.0, (x - mean) ** 2), axis=axis, keepdims=True)
+    std = np.sqrt(np.where(count > 1, squares / np.maximum(count - 1, 1), np.nan))
+    return np.squeeze(std, axis=axis) if axis is not None else std.reshape(())
+
+
+def grpo_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_generations: int,
+                    scale_rewards: str = "group"):
+    """TRL's advantages ("sum_then_normalize") from rewards [N, F] (NaN: no reward) of N = groups x
+    num_generations completions (each group's completions consecutive) and F reward functions.
+
+    Returns (advantages [N], rewards [N] (weighted sums), std [N] (the scale used: group or batch std))."""
+    r = np.asarray(rewards_per_func, np.float64)
+    unscorable = np.all(np.isnan(r), axis=1)
+    rewards = np.nansum(r * np.asarray(weights, np.float64)[None], axis=1)
+    rewards[unscorable] = np.nan
+    grouped = rewards.reshape(-1, num_generations)
+    mean = np.repeat(_nanmean(grouped, axis=1), num_generations)
+    if scale_rewards == "batch":
+        std = np.full_like(rewards, _nanstd(rewards) if rewards.size > 1 else 0.0)
+    else:
+        std = np.repeat(_nanstd(grouped, axis=1), num_generations)
+    adv = rewards - mean
+    if scale_rewards != "none":
+        adv = adv / (std + 1e-4)
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), rewards, std
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, epsilon_low: float,
+              epsilon_high: float, loss_type: str, max_completion_length: int, num_items, accumulation_steps: int,
+              delta: float | None = None, importance_sampling_level: str = "token"):
+    """One micro-batch's share of TRL's GRPO loss, and its statistics.
+
+    logps, old_logps [B, T] f32 (old: the sampling policy's; equal to logps' values when num_iterations = 1),
+    ref_logps [B, T] or None (beta = 0), advantages [B], mask [B, T] (completion tokens). The value returned
+    sums over a step's micro-batches to TRL's loss: "grpo" (per-sequence token means, averaged) and "bnpo"
+    (the micro-batch's token mean) and "dr_grpo" (token sum / (B x max_completion_length)) are divided by
+    accumulation_steps; "dapo" divides the token sum by num_items, the completion tokens of the whole step.
+    stats: sums over masked tokens (kl, clip_low, clip_high, clip_region) and their count "n_tokens".
+    """
+    mask = mask.astype(jnp.float32)
+    adv = advantages[:, None]
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":
+        log_ratio = (jnp.sum(log_ratio * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))[:, None]
+    coef_1 = jnp.exp(log_ratio)
+    coef_2 = jnp.clip(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = jnp.minimum(coef_1, delta)
+    per_token = -jnp.minimum(coef_1 * adv, coef_2 * adv)
+    kl = None
+    if beta != 0.0:
+        kl = jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        per_token = per_token + beta * kl
+    per_token = jnp.broadcast_to(per_token, mask.shape)
+    if loss_type == "grpo":
+        value = jnp.mean(jnp.sum(per_token * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0)) / accumulation_steps
+    elif loss_type == "bnpo":
+        value = jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0) / accumulation_steps
+    elif loss_type == "dr_grpo":
+        value = jnp.sum(per_token * mask) / (mask.shape[0] * max_completion_length) / accumulation_steps
+    elif loss_type == "dapo":
+        value = jnp.sum(per_token * mask) / jnp.maximum(num_items, 1.0)
+    else:
+        raise ValueError(f"unknown GRPO loss_type {loss_type!r}; use one of {GRPO_LOSS_TYPES}")
+    full = lambda x: jnp.broadcast_to(x, mask.shape)  # noqa: E731  (sequence level: one ratio per row)
+    low = full((coef_1 < 1 - epsilon_low) & (adv < 0)).astype(jnp.float32)
+    high = full((coef_1 > 1 + epsilon_high) & (adv > 0)).astype(jnp.float32)
+    stats = {"n_tokens": jnp.sum(mask), "clip_low": jnp.sum(low * mask), "clip_high": jnp.sum(high * mask),
+             "clip_region": jnp.sum(jnp.maximum(low, high) * mask)}
+    if kl is not None:
+        stats["kl"] = jnp.sum(full(kl) * mask)
+    return value, stats
+
+
+def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat: str = "full",
+                   chunk: int = 1024):
+    """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
+    micro-batches: input_ids, attention_mask, completion_mask (int32), advantages [A, B] f32, and when needed
+    old_logps / ref_logps [A, B, S-1] f32; num_items (completion tokens of the step) f32 scalar."""
+    accum = cfg.gradient_accumulation_steps
+
+    def micro(trainable, frozen, mb, num_items):
+        model = nnx.merge(graphdef, trainable, frozen)
+        lp = token_logps(model, mb["input_ids"], mb["attention_mask"], remat=remat, temperature=cfg.temperature,
+                         chunk=chunk)
+        old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(lp)
+        return grpo_loss(lp, old, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"][:, 1:],
+                         beta=cfg.beta, epsilon_low=cfg.epsilon_low,
+                         epsilon_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high,
+                         loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+                         num_items=num_items, accumulation_steps=accum, delta=cfg.delta,
+                         importance_sampling_level=cfg.importance_sampling_level)
+
+    def step(trainable, frozen, opt_state, batch):
+        num_items = batch.pop("num_items")
+        fn = lambda params, mb: micro(params, frozen, mb, num_items)  # noqa: E731
+        loss, sums, grads = scan_micro_batches(fn, trainable, batch, with_grad=True)
+        new_params, new_opt, upd = apply_gradients(optimizer, trainable, opt_state, grads, loss)
+        n = jnp.maximum(sums.pop("n_tokens"), 1.0)
+        metrics = {"loss": loss, "tokens": jnp.sum(batch["attention_mask"]), **upd,
+                   "clip_ratio/low_mean": sums["clip_low"] / n, "clip_ratio/high_mean": sums["clip_high"] / n,
+                   "clip_ratio/region_mean": sums["clip_region"] / n}
+        if "kl" in sums:
+            metrics["kl"] = sums["kl"] / n
+        return new_params, new_opt, metrics
+
+    return ops.policy_jit(step, donate_argnums=(0, 2))
+
+
+def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool, want_ref: bool,
+                     chunk: int = 1024):
+    """A jitted score(trainable, frozen, ref_trainable, batch) -> {"old_logps", "ref_logps"} [A, B, S-1] f32
+    (the ones asked for), computed once per generation batch without gradients."""
+
+    def score(trainable, frozen, ref_trainable, batch):
+        def one(mb):
+            out = {}
+            if want_old:
+                out["old_logps"] = token_logps(nnx.merge(graphdef, trainable, frozen), mb["input_ids"],
+                                               mb["attention_mask"], temperature=cfg.temperature, chunk=chunk)
+            if want_ref:
+                out["ref_logps"] = token_logps(reference_model(graphdef, trainable, frozen, ref_trainable),
+                                               mb["input_ids"], mb["attention_mask"], temperature=cfg.temperature,
+                                               chunk=chunk)
+            return out
+
+        return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "attention_mask")})
+
+    return ops.policy_jit(score)
+
+
+# -------------------------------------------------------------------------------------------- the trainer
+def _reward_name(func) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class GRPOTrainer(RLTrainerBase):
+    """TRL's GRPOTrainer for a LoRA model, generating with the project's KV cache in this process (see the
+    module docstring). reward_funcs: a callable or a list of callables f(prompts, completions, **kwargs) ->
+    list of floats (None: no reward for that completion); kwargs hold completion_ids, trainer_state and every
+    other column of the dataset, one entry per completion."""
+
+    name = "GRPO"
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, tokenizer=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"GRPOTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
+        args = args if args is not None else GRPOConfig()
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"GRPOTrainer: args must be a GRPOConfig, got {type(args).__name__}")
+        super().__init__(model, args, tokenizer, processing_class)
+        if eval_dataset is not None or reward_processing_classes is not None:
+            raise NotImplementedError("GRPOTrainer: eval_dataset and reward_processing_classes (reward models) are "
+                                      "not supported; pass reward functions")
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        for f in funcs:
+            if not callable(f):
+                raise TypeError(f"GRPOTrainer: reward_funcs must be callables f(prompts, completions, **kwargs), got "
+                                f"{f!r} (reward models by name are not supported)")
+            if inspect.iscoroutinefunction(f):
+                raise TypeError(f"GRPOTrainer: async reward function {_reward_name(f)} is not supported")
+        if not funcs:
+            raise TypeError("GRPOTrainer needs at least one reward function")
+        self.reward_funcs = list(funcs)
+        self.reward_func_names = [_reward_name(f) for f in funcs]
+        weights = args.reward_weights or [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions")
+        self.reward_weights = np.asarray(weights, np.float64)
+        self.records = records_of(train_dataset)
+        if not self.records:
+            raise TrainingError("GRPOTrainer needs a non-empty train_dataset of records with a 'prompt'")
+        self.prompt_ids = []
+        for i, rec in enumerate(self.records):
+            if not isinstance(rec, dict) or "prompt" not in rec:
+                got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
+                raise DatasetFormatError(f"train_dataset[{i}]: GRPO records need a 'prompt' (a string or a list of "
+                                         f"messages), got {got}")
+            ids = encode_prompt(self.tokenizer, rec["prompt"])
+            if args.max_prompt_length is not None:
+                ids = ids[-args.max_prompt_length:]
+            if not ids:
+                raise DatasetFormatError(f"train_dataset[{i}]: the prompt is empty after tokenization")
+            self.prompt_ids.append(ids)
+        self.conversational = is_conversational(self.records[0])
+        self.pad_id = pad_token_id(self.tokenizer, model)
+        eos = {int(e) for e in default_eos_ids(model)}
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = sorted(eos)
+        self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
+        self._tokens_seen = 0
+        self._compiled = None
+
+    # ---------------------------------------------------------------------------------------- pieces
+    @property
+    def prompts_per_step(self) -> int:
+        return self.args.generation_batch_size // self.args.num_generations
+
+    def _prompt_indices(self, generation: int) -> np.ndarray:
+        """Dataset rows of generation batch `generation`: a stream of seeded per-epoch permutations."""
+        n, k = len(self.records), self.prompts_per_step
+        start = generation * k
+        out = []
+        for pos in range(start, start + k):
+            epoch, i = divmod(pos, n)
+            perm = (np.random.default_rng([self.args.seed, epoch]).permutation(n) if self.args.shuffle_dataset
+                    else np.arange(n))
+            out.append(int(perm[i]))
+        return np.asarray(out)
+
+    def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the rows,
+        each repeated num_generations times, sampled with the model's current weights."""
+        g = self.args.num_generations
+        prompts = [self.prompt_ids[r] for r in rows for _ in range(g)]
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), self.pad_id, np.int32)
+        mask = np.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = p
+            mask[i, width - len(p):] = 1
+        out = generate(self.model, ids, mask, max_new_tokens=self.args.max_completion_length, do_sample=True,
+                       temperature=self.args.temperature, top_p=self.args.top_p, eos_token_id=self.eos_ids,
+                       pad_token_id=self.pad_id, seed=seed)
+        completions, truncated = [], []
+        eos = set(self.eos_ids)
+        for row in out[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), None)
+            completions.append(row[:cut] if cut is not None else row)
+            truncated.append(cut is None)
+        return prompts, completions, truncated
+
+    def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
+        """rewards [N, F] (float64, NaN where a function returned None) of the completions of `rows`."""
+        g = self.args.num_generations
+        recs = [self.records[r] for r in rows for _ in range(g)]
+        prompts = [rec["prompt"] for rec in recs]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        keys = [k for k in recs[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [rec.get(k) for rec in recs] for k in keys}
+        out = np.full((len(recs), len(self.reward_funcs)), np.nan)
+        for j, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                          trainer_state=self.state, **kwargs)
+            values = list(values)
+            if len(values) != len(recs):
+                raise TrainingError(f"reward function {name} returned {len(values)} rewards for {len(recs)} "
+                                    "completions")
+            out[:, j] = [np.nan if v is None else float(v) for v in values]
+        if np.any(np.all(np.isnan(out), axis=1)):
+            log.warning("unsloth_jax: every reward function returned None for some completions; their advantage is 0")
+        return out
+
+    def build_batch(self, prompts, completions, truncated, advantages, rng) -> dict:
+        """The step's [A, B, S] micro-batches (rows shuffled, as TRL does): prompt + completion right padded to a
+        multiple of loop.SEQUENCE_MULTIPLE, completion_mask on the completion tokens (zeroed for truncated ones with
+        mask_truncated_completions), advantages [A, B], num_items."""
+        a, b = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
+        n = len(prompts)
+        length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)))
+        ids = np.full((n, length), self.pad_id, np.int32)
+        mask = np.zeros((n, length), np.int32)
+        cmask = np.zeros((n, length), np.int32)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, :len(p) + len(c)] = list(p) + list(c)
+            mask[i, :len(p) + len(c)] = 1
+            if not (self.args.mask_truncated_completions and truncated[i]):
+                cmask[i, len(p):len(p) + len(c)] = 1
+        order = rng.permutation(n)
+        batch = {"input_ids": ids[order], "attention_mask": mask[order], "completion_mask": cmask[order],
+                 "advantages": np.asarray(advantages, np.float32)[order]}
+        batch = {k: v.reshape((a, b) + v.shape[1:]) for k, v in batch.items()}
+        batch["num_items"] = np.float32(cmask.sum())
+        return batch
+
+    def _generation_round(self, generation: int, trainable) -> tuple[dict, dict]:
+        """Generate, score and batch one generation batch -> (host batch, host metrics)."""
+        args = self.args
+        nnx.update(self.model, trainable)  # the sampler runs the weights being trained
+        t0 = time.perf_counter()
+        rows = self._prompt_indices(generation)
+        sample_seed = (args.seed * 1000003 + generation) % 2**31
+        prompts, completions, truncated = self.generate_completions(rows, seed=sample_seed)
+        t1 = time.perf_counter()
+        rewards_per_func = self.score_completions(rows, completions)
+        advantages, rewards, std = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
+                                                   args.scale_rewards)
+        t2 = time.perf_counter()
+        batch = self.build_batch(prompts, completions, truncated, advantages,
+                                 np.random.default_rng([args.seed, generation, 7]))
+        lengths = np.asarray([len(c) for c in completions], np.float64)
+        self._tokens_seen += int(sum(len(p) for p in prompts) + lengths.sum())
+        metrics = {"reward": float(_nanmean(rewards)),
+                   "reward_std": float(_nanstd(rewards)),
+                   "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0))),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(np.mean(truncated)), "num_tokens": float(self._tokens_seen)}
+        for j, name in enumerate(self.reward_func_names):
+            col = rewards_per_func[:, j]
+            metrics[f"rewards/{name}/mean"] = float(_nanmean(col))
+            metrics[f"rewards/{name}/std"] = float(_nanstd(col))
+        self.timing["generation"] += t1 - t0
+        self.timing["rewards"] += t2 - t1
+        metrics["time/generation"], metrics["time/rewards"] = t1 - t0, t2 - t1
+        return batch, metrics
+
+    def _steps(self) -> int:
+        a = self.args
+        if a.max_steps and a.max_steps > 0:
+            return int(a.max_steps)
+        rounds = math.ceil(a.num_train_epochs * len(self.records) / self.prompts_per_step)
+        return max(1, rounds * a.num_iterations)
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self, resume_from_checkpoint=None):
+        """Run GRPO; returns TrainOutput(global_step, training_loss, metrics) (metrics with the generation /
+        rewards / train time split) and keeps the log in trainer.state.log_history. The trained LoRA weights
+        are written back into the model."""
+        if resume_from_checkpoint:
+            raise NotImplementedError("GRPOTrainer does not save or resume orbax checkpoints yet; save the adapter "
+                                      "with model.save_pretrained(...) after train()")
+        args, model = self.args, self.model
+        total = self._steps()
+        want_ref = args.beta != 0.0
+        want_old = args.num_iterations > 1
+        graphdef, trainable, frozen, ref_trainable = self.split_state(want_ref)
+        # The jitted step and scorer are kept for a later train() with the same model structure, step count and
+        # arguments (the seed aside: it only steers sampling), so training again does not compile again.
+        key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)))
+        if self._compiled is None or self._compiled[0] != key:
+            schedule, optimizer = self.make_optimizer(total)
+            step_fn = make_grpo_step(graphdef, optimizer, args, remat=model.gradient_checkpointing)
+            scorer = (make_grpo_scorer(graphdef, args, want_old=want_old, want_ref=want_ref)
+                      if (want_old or want_ref) else None)
+            self._compiled = (key, schedule, optimizer, step_fn, scorer)
+        _, schedule, optimizer, step_fn, scorer = self._compiled
+        opt_state = commit_to_devices(optimizer.init(trainable))
+        self.summary_line(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of up to "
+                          f"{args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
+                          f"beta={args.beta}")
+        self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
+        self._tokens_seen = 0
+        carry = {"trainable": trainable, "opt_state": opt_state, "batch": None, "gen_metrics": None}
+
+        def run_step(step):
+            if step % args.num_iterations == 0:
+                host_batch, gen_metrics = self._generation_round(step // args.num_iterations, carry["trainable"])
+                t0 = time.perf_counter()
+                batch = jax.device_put(host_batch)
+                if scorer is not None:
+                    batch.update(scorer(carry["trainable"], frozen, ref_trainable, batch))
+                carry["batch"], carry["gen_metrics"] = batch, gen_metrics
+                score_s = time.perf_counter() - t0
+            else:
+                score_s = 0.0
+                gen_metrics = {**carry["gen_metrics"], "time/generation": 0.0, "time/rewards": 0.0}
+            t0 = time.perf_counter()
+            carry["trainable"], carry["opt_state"], metrics = step_fn(carry["trainable"], frozen, carry["opt_state"],
+                                                                     dict(carry["batch"]))
+            jax.block_until_ready(metrics)
+            train_s = time.perf_counter() - t0 + score_s
+            self.timing["train"] += train_s
+            return {**metrics, **gen_metrics, "time/train": train_s}
+
+        def time_split():
+            t = self.timing
+            busy = max(sum(t.values()), 1e-9)
+            print(f"unsloth_jax GRPO time: generation {t['generation']:.1f}s ({100 * t['generation'] / busy:.0f}%), "
+                  f"rewards {t['rewards']:.1f}s, training {t['train']:.1f}s ({100 * t['train'] / busy:.0f}%)")
+            return {"generation_runtime": round(t["generation"], 4), "reward_runtime": round(t["rewards"], 4),
+                    "update_runtime": round(t["train"], 4)}
+
+        try:
+            return self.run_steps(total, schedule, run_step,
+                                  lambda done: done / args.num_iterations * self.prompts_per_step / len(self.records),
+                                  planned_samples=total * args.generation_batch_size, extra_summary=time_split)
+        finally:
+            nnx.update(model, carry["trainable"])
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "GRPO_LOSS_TYPES", "grpo_advantages", "grpo_loss", "make_grpo_step",
+           "make_grpo_scorer"]
