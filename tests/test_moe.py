@@ -6,6 +6,7 @@ grouped-GEMM path and its gradients.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -178,11 +179,13 @@ def _dense_reference(x, weights, experts, block, cfg):
     return jnp.einsum("te,ted->td", comb, y)
 
 
-def _check_grouped_against_dense(family: str, seed: int, dtype, tol: float) -> None:
-    """expert_ffn (sorted rows, ragged_dot grouped GEMMs, LoRA on both expert weights) against the dense
-    reference (float32, on the same dtype-rounded inputs), forward and the gradients of x and every LoRA
-    factor; some experts get no token."""
+def _check_grouped_against_dense(family: str, seed: int, dtype, tol: float, clamp: bool = True) -> None:
+    """expert_ffn (sorted rows, grouped GEMMs, LoRA on both expert weights) against the dense reference
+    (float32, on the same dtype-rounded inputs), forward and the gradients of x and every LoRA factor; some
+    experts get no token. clamp=False lifts gpt-oss's SwiGLU clamp (limit = inf), so the function is smooth."""
     cfg = ModelConfig.from_dict(make_hf_moe_model(family).config.to_dict())
+    if not clamp:
+        cfg = dataclasses.replace(cfg, swiglu_limit=float("inf"))
     key = jax.random.PRNGKey(seed)
     block = Experts(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     ks = iter(jax.random.split(key, 12))
@@ -214,7 +217,7 @@ def _check_grouped_against_dense(family: str, seed: int, dtype, tol: float) -> N
     g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * cot), argnums=(0, 1)))(x, lora_state)
     for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
         assert rel_err(a, b) < tol
-    if family == "gpt_oss":  # the clamps are hit
+    if family == "gpt_oss" and clamp:  # the clamps are hit
         h = jnp.einsum("td,edo->teo", x.astype(jnp.float32), block.gate_up_proj.kernel[...].astype(jnp.float32))
         assert float(jnp.mean(jnp.abs(h) > cfg.swiglu_limit)) > 0.05
 
@@ -228,8 +231,11 @@ def test_grouped_experts_match_dense_reference_with_gradients(family, seed):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 2e-2)], ids=["fp32_tf32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grouped_experts_on_gpu(family, dtype, tol, seed):
-    """The same check where XLA's GPU compiler lowers the ragged dots (cuDNN grouped GEMM or its dense rewrite)."""
-    _check_grouped_against_dense(family, seed, dtype, tol)
+    """The same check where the GPU runs the grouped GEMMs (TF32 / bf16 products). gpt-oss runs without its
+    clamp here: the clamp's derivative jumps from 1 to 0 at the limit, so products rounded differently from the
+    float32 reference put a few pre-activations on the other side and their gradients differ by whole terms
+    (6% measured in TF32 on the H200); the clamp itself is checked exactly by the float32 test above."""
+    _check_grouped_against_dense(family, seed, dtype, tol, clamp=family != "gpt_oss")
 
 
 def test_grouped_weight_grad_and_ragged_matmul(rng):
