@@ -53,20 +53,26 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def train_steps(seed: int, qlora: bool, mesh, batches, optim: str):
-    """Losses, grad norms and final trainable leaves of len(batches) steps from the same initial state."""
-    graphdef, trainable, frozen = lora.split(tiny_lora_model(seed, qlora))
+def run_steps(model, mesh, batches, optim: str, keys=("loss", "grad_norm")):
+    """({metric: values per step} for `keys`, final trainable leaves) of len(batches) train steps of `model`."""
+    graphdef, trainable, frozen = lora.split(model)
     opt = make_optimizer(optim, make_schedule("constant", 0.5 if optim == "sgd" else 1e-2, 10, 0))
     opt_state = opt.init(trainable)
     step = make_train_step(graphdef, opt, remat="full", mesh=mesh)
     if mesh is not None:
         trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
-    losses, norms = [], []
+    history = {k: [] for k in keys}
     for batch in batches:
         trainable, opt_state, m = step(trainable, frozen, opt_state, batch)
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-    return losses, norms, [np.asarray(x) for x in jax.tree.leaves(trainable)]
+        for k in keys:
+            history[k].append(float(m[k]))
+    return history, [np.asarray(x) for x in jax.tree.leaves(trainable)]
+
+
+def train_steps(seed: int, qlora: bool, mesh, batches, optim: str):
+    """Losses, grad norms and final trainable leaves of len(batches) steps from the same initial state."""
+    history, leaves = run_steps(tiny_lora_model(seed, qlora), mesh, batches, optim)
+    return history["loss"], history["grad_norm"], leaves
 
 
 def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd"):
@@ -84,6 +90,43 @@ def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd"):
             "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves)),
             "param_change": min(_rel(a, b) for a, b in zip(leaves, jax.tree.leaves(
                 lora.split(tiny_lora_model(seed, kind == "qlora"))[1]))),
+        }
+    return out
+
+
+# Qwen3-MoE: layers MoE, dense, MoE (period 2 and a tail of 1), the load-balancing loss on
+MOE = dict(model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True,
+           router_aux_loss_coef=0.1)
+
+
+def moe_train_steps(seed: int, mesh, batches):
+    """Losses, aux losses and final trainable leaves of a MoE model with LoRA on q/v and on the experts."""
+    model = CausalLM(ModelConfig.from_dict(MOE), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
+                                           target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+                  jax.random.PRNGKey(seed + 1))
+    lins = list(model.projections().values()) + list(model.expert_projections().values())
+    for i, lin in enumerate(x for x in lins if x.lora_b is not None):
+        b = lin.lora_b.get_value()
+        lin.lora_b.set_value(0.05 * jax.random.normal(jax.random.PRNGKey(seed + 2 + i), b.shape, b.dtype))
+    history, leaves = run_steps(model, mesh, batches, "sgd", keys=("loss", "aux_loss"))
+    return history["loss"], history["aux_loss"], leaves
+
+
+def case_moe_equal_steps(seed: int):
+    """The MoE step (grouped expert GEMMs, router statistics of both scans) on a mesh against one device."""
+    rng = np.random.default_rng(seed)
+    batches = [random_batch(rng, 2, 4, 16, MOE["vocab_size"]) for _ in range(2)]
+    ref_losses, ref_aux, ref_leaves = moe_train_steps(seed, None, batches)
+    out = {"reference": ref_losses, "reference_aux": ref_aux}
+    for data, fsdp in ((4, 1), (2, 2)):
+        losses, aux, leaves = moe_train_steps(seed, distributed.make_mesh(data, fsdp), batches)
+        out[f"data={data},fsdp={fsdp}"] = {
+            "loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "aux_relerr": max(abs(a - b) / abs(b) for a, b in zip(aux, ref_aux)),
+            "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves)),
         }
     return out
 
@@ -260,7 +303,7 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
 
 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
-         "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer}
+         "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps}
 
 if __name__ == "__main__":
     name, seed = sys.argv[1], int(sys.argv[2])

@@ -156,6 +156,15 @@ def test_sharded_step_equals_single_device(kind, seed):
         assert r["param_change"] > 100 * TOL, r  # the steps moved every leaf far more than the tolerance
 
 
+def test_moe_sharded_step_equals_single_device(seed):
+    """A Qwen3-MoE (LoRA on q/v and the experts, the load-balancing loss, a dense layer and a tail scan) on a
+    data-only (4x1) and a mixed (2x2) mesh: two steps give the single-device losses, aux losses and leaves."""
+    result = run_case("moe_equal_steps", seed, devices=4)
+    for mesh in ("data=4,fsdp=1", "data=2,fsdp=2"):
+        r = result[mesh]
+        assert r["loss_relerr"] < TOL and r["aux_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
+
+
 def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(seed):
     result = run_case("fsdp_shards", seed)
     for kind, r in result.items():

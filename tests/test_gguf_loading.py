@@ -214,10 +214,11 @@ def test_finetune_from_gguf_and_export(files, tmp_path, rng):
 
 
 # ------------------------------------------------------------------------------------------------ errors
-def _retype(src: Path, dst: Path, pick, rng, drop_keys=(), arch=None, extra=None) -> list:
+def _retype(src: Path, dst: Path, pick, rng, drop_keys=(), arch=None, extra=None, add_keys=None) -> list:
     """Copy GGUF `src` to `dst` with metadata keys `drop_keys` left out, the architecture renamed to `arch`,
-    each 2-D weight k stored as type pick(name, k) (None: float32) and the float32 tensors `extra` added. K-quant
-    blocks are random bytes with small finite f16 scales. Returns the types used."""
+    the uint32 metadata `add_keys` added, each 2-D weight k stored as type pick(name, k) (None: float32) and the
+    float32 tensors `extra` added. K-quant blocks are random bytes with small finite f16 scales. Returns the
+    types used."""
     reader = gguf.GGUFReader(str(src))
     old_arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch or old_arch)
@@ -227,6 +228,8 @@ def _retype(src: Path, dst: Path, pick, rng, drop_keys=(), arch=None, extra=None
         new_key = key.replace(old_arch + ".", (arch or old_arch) + ".", 1) if key.startswith(old_arch + ".") else key
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(new_key, field.contents(), field.types[0], sub_type=sub)
+    for key, value in (add_keys or {}).items():
+        writer.add_uint32(key, value)
     used, k = [], 0
     for t in reader.tensors:
         data = gguf.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
@@ -262,10 +265,13 @@ def test_malformed_files_raise_naming_file_and_key(files, tmp_path, rng):
     _retype(path, missing, lambda n, k: None, rng, drop_keys=("llama.block_count",))
     with pytest.raises(ConfigError, match=r"missing\.gguf.*'llama\.block_count' is missing"):
         _ours(missing)
-    falcon = tmp_path / "falcon.gguf"
-    _retype(path, falcon, lambda n, k: None, rng, arch="falcon")
-    with pytest.raises(UnsupportedArchitectureError, match=r"falcon\.gguf.*'falcon' is not supported"):
-        _ours(falcon)
+    # an unknown architecture; Mixtral's GGUF form (llama with an expert count); a MoE architecture
+    for name, kw, pattern in (("falcon", {"arch": "falcon"}, "'falcon' is not supported"),
+                              ("experts", {"add_keys": {"llama.expert_count": 8}}, "mixture-of-experts.*expert_count=8"),
+                              ("qwen3moe", {"arch": "qwen3moe"}, "mixture-of-experts.*'qwen3moe'")):
+        _retype(path, tmp_path / f"{name}.gguf", lambda n, k: None, rng, **kw)
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{name}\.gguf.*{pattern}"):
+            _ours(tmp_path / f"{name}.gguf")
     f16 = tmp_path / "f16.gguf"  # then its first tensor's type id patched to I16 (2 bytes per value as well)
     assert _retype(path, f16, lambda n, k: Q.F16 if k == 0 else None, rng) == [Q.F16]
     blob = bytearray(f16.read_bytes())

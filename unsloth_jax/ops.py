@@ -362,7 +362,7 @@ def attention_mask(
     return mask
 
 
-def _attention_xla(q, k, v, mask, scale, softcap):
+def _attention_xla(q, k, v, mask, scale, softcap, sinks=None):
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -371,7 +371,11 @@ def _attention_xla(q, k, v, mask, scale, softcap):
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # one extra logit per head in the denominator, attending to nothing
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
@@ -394,18 +398,30 @@ def attention(
     segment_ids: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
     kv_lengths: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
 
     kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
-    the length are padding. On a GPU: cuDNN when the call needs only causal/window masking and right padding
-    (16-bit, head_dim <= 128), the Pallas flash kernel for the other full-sequence calls, XLA for decoding.
+    the length are padding. sinks [Hq] (gpt-oss): a learned logit per head added to every softmax denominator
+    (softmax over [scores, sink], the sink's share dropped). On a GPU: cuDNN when the call needs only
+    causal/window masking and right padding (16-bit, head_dim <= 128), the Pallas flash kernel for the other
+    full-sequence calls, XLA for decoding and for every call with sinks.
     """
     policy = active_policy()
     impl = policy.requested("attention")
     padding_ok = kv_valid is None or kv_lengths is not None
     full_sequence = q.shape[1] == k.shape[1] and isinstance(q_offset, int) and q_offset == 0
     simple = padding_ok and segment_ids is None and softcap is None and full_sequence
+    # TODO(sinks): neither cuDNN (jax.nn.dot_product_attention has no sink argument) nor the Pallas flash kernel
+    # (pallas_kernels/flash_attention.py) takes attention sinks, so calls with sinks run on XLA, which
+    # materialises the [B, H, S, S] scores. A flash kernel that adds exp(sink - m) to its running denominator
+    # (or returns its log-sum-exp, so out * sigmoid(lse - sink) corrects it) would serve them.
+    if sinks is not None:
+        _note("attention", "xla")
+        mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
+                              segment_ids=segment_ids, q_offset=q_offset)
+        return _attention_xla(q, k, v, mask, scale, softcap, sinks)
     if impl in ("auto", "cudnn") and policy.gpu and simple and _cudnn_serves(q):
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)

@@ -272,7 +272,7 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
         "rank_pattern": rank_pattern,
         "revision": None,
         "target_modules": targets,
-        "target_parameters": None,
+        "target_parameters": list(lo.target_parameters) if lo.target_parameters else None,
         "task_type": "CAUSAL_LM",
         "trainable_token_indices": None,
         "use_bdlora": None,
@@ -291,6 +291,11 @@ def _adapter_entries(model) -> list[_Entry]:
     n = model.config.num_hidden_layers
     entries: list[_Entry] = []
     f32 = np.dtype(np.float32)
+    if model.config.is_moe:
+        from unsloth_jax.hf.moe_io import check_adapter_expressible, expert_adapter_tensors
+
+        check_adapter_expressible(model)
+        entries += [_Entry(name, shape, f32, make) for name, shape, make in expert_adapter_tensors(model)]
     fused = {p for _, _, group in fused_groups(model.config) for p in group}
     for proj in lo.target_modules:
         if proj in fused:
@@ -426,10 +431,16 @@ def save_adapter(model, out_dir, *, base_model_name_or_path=None) -> None:
 
 # -------------------------------------------------------------------------------------------- merged
 def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
-    """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head)."""
+    """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head;
+    then the MoE tensors of MoE families)."""
+    from unsloth_jax.hf.moe_io import MergedExperts
+
     entries: list[_Entry] = []
+    experts = MergedExperts(model) if model.config.is_moe else None
     for name, spec in tensor_specs(model.config).items():
-        if spec.kind == "fused":  # Phi-3: the merged projections stacked back into one tensor
+        if spec.kind in ("router", "expert", "experts", "experts_t"):
+            make = experts.maker(spec, out_dtype)
+        elif spec.kind == "fused":  # Phi-3: the merged projections stacked back into one tensor
             lins = [variable_parent(model, part.path) for part in spec.parts]
 
             def make(lins=lins, i=spec.layer):

@@ -8,7 +8,8 @@
 Facts from transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils.py,
 integrations/gguf/gguf_tokenizer_mapping.py) and llama.cpp (convert_hf_to_gguf.py, llama-vocab.cpp):
 
-* architectures: llama, qwen2, qwen3, gemma, gemma2, phi3. Metadata `<arch>.*` keys become config.json fields
+* architectures: llama, qwen2, qwen3, gemma, gemma2, phi3 (no mixture-of-experts file: one with an
+  `<arch>.expert_count`, or qwen3moe / gpt-oss, raises UnsupportedArchitectureError). Metadata `<arch>.*` keys become config.json fields
   (embedding_length -> hidden_size, block_count -> num_hidden_layers, ...); the embeddings are tied when the
   file has no `output.weight`. Where the file is silent, llama.cpp's rule is used: Gemma 2's attention scale is
   head_dim ** -0.5, or (hidden / heads) ** -0.5 for the 46-layer 27B (transformers would take the config
@@ -56,6 +57,9 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# llama.cpp's names of the MoE families unsloth_jax loads from safetensors only (Mixtral's GGUF files are
+# "llama" with an expert_count; any file with an expert_count is refused the same way)
+MOE_ARCHS = ("qwen3moe", "gpt-oss")
 
 
 def _gguf():
@@ -118,6 +122,12 @@ def hf_config(path_or_file) -> dict:
     """The Hugging Face config.json dict of a GGUF file (what ModelConfig parses and a merged export writes)."""
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     arch = f.arch
+    experts = f.get(arch + ".expert_count", 0)
+    if arch in MOE_ARCHS or experts:
+        raise UnsupportedArchitectureError(
+            f"{f.path}: a mixture-of-experts GGUF file (architecture {arch!r}"
+            f"{f', {arch}.expert_count={experts}' if experts else ''}) is not supported as a model source; load the "
+            "Hugging Face safetensors checkpoint instead (qwen3_moe, mixtral and gpt_oss load from there)")
     if arch not in ARCHS:
         raise UnsupportedArchitectureError(f"{f.path}: GGUF architecture {arch!r} is not supported (supported: "
                                            f"{', '.join(ARCHS)})")
@@ -302,7 +312,7 @@ def load_gguf_params(f: GGUFFile, cfg: ModelConfig, dtype, *, placer: Placer | N
             w = _unpermute(w, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         if gemma_norms and name.endswith("norm.weight"):
             w = w - np.float32(1)
-        place(params, spec, w, dtype, placer, cfg.num_hidden_layers, f"{f.path}: tensor '{name}'")
+        place(params, spec, w, dtype, placer, cfg, f"{f.path}: tensor '{name}'")
     return params
 
 

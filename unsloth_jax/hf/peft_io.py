@@ -14,7 +14,8 @@ grow the model's vocabulary to match) and trained biases
 (`...<proj>.base_layer.bias` for targeted projections, `...<proj>.bias` otherwise). LoRA factors are kept in
 float32 whatever the file's dtype. Features this package cannot reproduce (DoRA, per-layer rank/alpha patterns,
 layer subsets, ...) raise `ConfigError` naming the field; tensors it does not understand raise
-`UnexpectedTensorError` naming the key and file.
+`UnexpectedTensorError` naming the key and file. MoE families: LoRA on the experts (`target_parameters`) in
+PEFT's ParamWrapper form, read by `unsloth_jax.hf.moe_io.read_expert_adapter`.
 """
 from __future__ import annotations
 
@@ -62,7 +63,6 @@ _UNSUPPORTED = {
     "layers_to_transform": (lambda v: v is not None, "a subset of layers (layers_to_transform)"),
     "layers_pattern": (lambda v: v is not None and v != [], "layers_pattern"),
     "layer_replication": (lambda v: v is not None, "layer_replication"),
-    "target_parameters": (bool, "LoRA on raw parameters (target_parameters)"),
     "lora_bias": (bool, "a trainable bias on lora_B (lora_bias=true)"),
     "use_qalora": (bool, "QA-LoRA (use_qalora=true)"),
     "trainable_token_indices": (bool, "trainable_token_indices"),
@@ -138,12 +138,15 @@ def _module_names(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
 
 
-def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME) -> tuple[str, ...]:
+def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None) -> tuple[str, ...]:
     """PEFT's target_modules -> projection short names. Accepts a list of names (matched as PEFT does: equal to,
-    or a '.'-separated suffix of, the module name), a regex string (full match), or "all-linear"."""
+    or a '.'-separated suffix of, the module name), a regex string (full match), or "all-linear". `present`:
+    the projections the model has (a MoE model may lack the dense MLP ones); default all."""
     if target_modules is None:
         raise ConfigError(f"{source}: target_modules is missing")
     names = _module_names(num_layers)
+    if present is not None:
+        names = [n for n in names if n.rsplit(".", 1)[1] in present]
     if isinstance(target_modules, str):
         if target_modules == "all-linear":
             return ALL_TARGETS
@@ -247,7 +250,14 @@ def load_adapter(model, adapter_dir):
         raise ConfigError(f"{cfg_path}: r must be positive, got {r}")
     if alpha == int(alpha):
         alpha = int(alpha)
-    targets = resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path))
+    from unsloth_jax.hf import moe_io
+
+    expert_targets = moe_io.resolve_target_parameters(raw.get("target_parameters"), str(cfg_path))
+    if expert_targets and not cfg.is_moe:
+        raise ConfigError(f"{cfg_path}: adapter uses PEFT feature(s) unsloth_jax does not support: LoRA on raw "
+                          f"parameters (target_parameters) of a {cfg.model_type} model")
+    targets = (resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path), present=model.projections())
+               if raw.get("target_modules") or not expert_targets else ())
     bias = raw.get("bias", "none") or "none"
     if bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{cfg_path}: bias {bias!r} is not supported (none, all, lora_only)")
@@ -273,9 +283,12 @@ def load_adapter(model, adapter_dir):
     unexpected: list[str] = []
     key_of_saved = {v: k for k, v in SAVED_MODULE_KEYS.items()}
     with SafetensorsFile(weights) as f:
+        expert_factors = moe_io.read_expert_adapter(model, f, expert_targets, r, weights) if expert_targets else {}
         if split is not None:
             f = _SplitTensors(f, split)
         for key in f.keys():
+            if expert_targets and moe_io.is_expert_key(key):
+                continue  # read above
             m = _LAYER_KEY.match(key)
             if m is None:
                 plain, part = _embedding_layer_key(key)
@@ -358,11 +371,16 @@ def load_adapter(model, adapter_dir):
         resize_token_embeddings(model, vocab)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
-                            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved)
+                            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved,
+                            target_parameters=expert_targets or None)
     add_lora(model, settings, jax.random.PRNGKey(0))
     for p in targets:
         projs[p].lora_a[...] = jnp.asarray(lora_a[p])
         projs[p].lora_b[...] = jnp.asarray(lora_b[p])
+    experts = model.expert_projections()
+    for name, (a, b) in expert_factors.items():
+        experts[name].lora_a[...] = jnp.asarray(a)
+        experts[name].lora_b[...] = jnp.asarray(b)
     for proj, value in new_biases.items():
         projs[proj].bias[...] = value
     for mod, value in saved_values.items():

@@ -1,5 +1,5 @@
 """Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
-first rotary_dim dims of each head: Phi-3's partial rotary), GQA attention."""
+first rotary_dim dims of each head: Phi-3's partial rotary), GQA attention, optional attention sinks (gpt-oss)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -50,6 +50,8 @@ class Attention(nnx.Module):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
         self.q_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
+        # gpt-oss: one learned softmax-denominator logit per query head [*stack, Hq] (frozen)
+        self.sinks = nnx.data(nnx.Param(jnp.zeros((*stack, hq), dtype)) if cfg.attn_sinks else None)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
                  cache: KVCache | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -66,17 +68,19 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         q, k = self.rotate(q, k, cos, sin)
         new_cache = None
+        sinks = None if self.sinks is None else jax.lax.stop_gradient(self.sinks[...])
         if cache is None:
             # names for the "save_attention" remat policy (unsloth_jax.models.decoder.remat)
             q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
             out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths)
+                                kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,
+                                sinks=sinks)
             out = checkpoint_name(out, "attn_out")
         else:
             ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.index, axis=1)
             cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.index, axis=1)
             out = ops.attention(q, ck, cv, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=cache.valid, q_offset=cache.index)
+                                kv_valid=cache.valid, q_offset=cache.index, sinks=sinks)
             new_cache = (ck, cv)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), new_cache
 

@@ -520,6 +520,7 @@ class _StepLog:
         self.steps_per_epoch = steps_per_epoch  # batches per epoch
         self.schedule, self.bar = schedule, bar
         self.window_losses: list[float] = []
+        self.window_aux: list[float] = []  # MoE load-balancing loss (output_router_logits), TRL's "aux_loss"
         self.window_tokens, self.window_t0 = 0, t0
 
     def epoch_at(self, step: int) -> float:
@@ -537,13 +538,17 @@ class _StepLog:
         self.state.loss_history.append(loss)
         self.state.global_step, self.state.epoch = done, self.epoch_at(done)
         self.window_losses.append(loss)
+        if "aux_loss" in m:
+            self.window_aux.append(float(m["aux_loss"]))
         self.window_tokens += int(m["tokens"])
         if not self._logs_at(done, last):
             return
         entry = {"loss": sum(self.window_losses) / len(self.window_losses), "grad_norm": float(m["grad_norm"]),
                  "learning_rate": float(self.schedule(step_idx)), "epoch": self.state.epoch, "step": done}
+        if self.window_aux:
+            entry["aux_loss"] = sum(self.window_aux) / len(self.window_aux)
         tokens_per_second = self.window_tokens / max(stamp - self.window_t0, 1e-9)
-        self.window_losses, self.window_tokens, self.window_t0 = [], 0, stamp
+        self.window_losses, self.window_aux, self.window_tokens, self.window_t0 = [], [], 0, stamp
         self.log(entry)
         self._write_record(entry, tokens_per_second)
 
@@ -557,6 +562,8 @@ class _StepLog:
         """One metrics.jsonl line (also printed) and the progress bar's postfix."""
         record = {"step": entry["step"], "loss": entry["loss"], "learning_rate": entry["learning_rate"],
                   "grad_norm": entry["grad_norm"], "tokens_per_second": tokens_per_second, "epoch": entry["epoch"]}
+        if "aux_loss" in entry:
+            record["aux_loss"] = entry["aux_loss"]
         mem = device_memory_gib()
         if mem is not None:
             record["memory_gib"] = round(mem, 3)
