@@ -2,14 +2,15 @@
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
 # Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
-# one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown)
+# one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
+# (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
-# largest shape that fits), FULLFT_BIG_TIMEOUT.
+# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -159,6 +160,17 @@ for st in $stages; do
         done
         first=0
       done ;;
+    moe)
+      # Qwen3-30B-A3B-shaped MoE LoRA step: MOE_LAYERS layers, grouped vs per-expert loop + expert-GEMM MFU;
+      # MOE_FULL=1 adds the 48-layer grouped step
+      log "moe bench layers=${MOE_LAYERS:-4}"
+      timeout ${MOE_TIMEOUT:-560} $PY bench/moe_bench.py --layers ${MOE_LAYERS:-4} --experts-impl both --steps 6 \
+        2>>"$OUT/bench_err.txt" | tee -a "$OUT/moe.jsonl"
+      if [ "${MOE_FULL:-0}" = 1 ]; then
+        log "moe bench 48 layers, grouped"
+        timeout ${MOE_TIMEOUT:-560} $PY bench/moe_bench.py --experts-impl grouped --steps 6 --skip-block \
+          2>>"$OUT/bench_err.txt" | tee -a "$OUT/moe.jsonl"
+      fi ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2

@@ -1,6 +1,8 @@
 """Tiny random-init transformers checkpoints of every supported family, for parity tests (needs torch)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -18,19 +20,37 @@ FAMILIES = {
     "gemma": dict(head_dim=32, hidden_activation="gelu_pytorch_tanh"),
     "gemma2": dict(head_dim=32, num_hidden_layers=4, sliding_window=8, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh"),
+    # 8 layers with every 3rd global: scan groups of 3 plus a tail of 2; global RoPE linear-scaled, local base
+    "gemma3": dict(head_dim=32, num_hidden_layers=8, sliding_window=8, sliding_window_pattern=3,
+                   query_pre_attn_scalar=24, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh"),
+    # transformers' Gemma 3 ignores attn_logit_softcapping (never passes it to attention); the final one applies
+    "gemma3_softcap": dict(head_dim=32, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=32,
+                           tie_word_embeddings=False, hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(sliding_window=8, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # LongRoPE (long factors past 16 positions) on 12 of 16 head dims
+    "phi3_longrope": dict(max_position_embeddings=64, original_max_position_embeddings=16, partial_rotary_factor=0.75,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
 }
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # family prefix -> model_type, where they differ
 
 
 def model_type_of(family: str) -> str:
-    return family.split("_")[0].replace("llama3", "llama")
+    prefix = family.split("_")[0].replace("llama3", "llama")
+    return MODEL_TYPES.get(prefix, prefix)
 
 
-def make_hf_model(family: str, seed: int = 0, dtype=torch.float32):
-    """A transformers causal LM of `family` with every parameter randomised (norms around 1, biases nonzero)."""
+def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A transformers causal LM of `family` (config fields `overrides` changed) with every parameter randomised
+    (norms around 1, biases nonzero)."""
     import transformers
 
     model_type = model_type_of(family)
-    kwargs = dict(TINY) | FAMILIES[family]
+    # a deep copy: transformers writes into the rope_scaling dict it is given (rope_theta, ...)
+    kwargs = copy.deepcopy(dict(TINY) | FAMILIES[family] | overrides)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -53,3 +73,30 @@ def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32):
     model = make_hf_model(family, seed, dtype)
     model.save_pretrained(str(path))
     return model
+
+
+def train_spm_tokenizer(out_dir, seed: int, chat_template: str | None = None):
+    """A SentencePiece BPE model with byte fallback (320 pieces; <unk> <s> </s> = 0 1 2) trained on fresh random
+    text in `out_dir`, and beside it in out_dir/"hf" the files of its transformers LlamaTokenizer. Returns that
+    directory."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import sentencepiece as spm
+
+    d = Path(out_dir)
+    rng = np.random.default_rng(seed)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
+    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
+    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (d / "hf").mkdir()
+    (d / "hf" / "tokenizer.model").write_bytes((d / "tok.model").read_bytes())
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": True, "legacy": False}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (d / "hf" / "tokenizer_config.json").write_text(json.dumps(config))
+    return d / "hf"

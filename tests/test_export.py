@@ -29,7 +29,7 @@ from unsloth_jax.hf.safetensors_io import SafetensorsFile, save_file  # noqa: E4
 from unsloth_jax.models import NF4Param  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "gemma")
+FAMILIES = ("llama", "qwen2", "gemma", "gemma3")  # Phi-3's fused modules: tests/test_phi3.py
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -1,5 +1,6 @@
 """KV-cache generation: greedy output equals transformers' greedy generate (left-padded batches, eos handling,
-Gemma 2 softcapping + sliding windows), LoRA generation equals PEFT's, bucketing avoids recompiles, sampling."""
+Gemma 2 softcapping + sliding windows, Gemma 3, Phi-3 LongRoPE), LoRA generation equals PEFT's, bucketing avoids
+recompiles, sampling."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,10 +49,12 @@ def _hf_generate(hf, ids, mask, max_new, eos, pad=0):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3", "phi3_longrope"])
 def test_greedy_matches_transformers_left_padded(tiny, family, rng):
     """A left-padded batch (rows of different lengths), then again with an eos that one row emits early: the
-    tokens, the pad fill after eos and the early stop all equal HF's. Gemma 2's window (8) is exceeded."""
+    tokens, the pad fill after eos and the early stop all equal HF's. Gemma 2's and Gemma 3's window (8) is
+    exceeded (Gemma 3: local and global RoPE, a scan tail of 2 layers); Phi-3's LongRoPE switches to the long
+    factors once positions pass 16, mid-generation, as transformers does."""
     hf, model = tiny(family)
     lengths = [int(rng.integers(6, 12)), int(rng.integers(2, 6)), int(rng.integers(1, 4))]
     ids, mask = _left_padded(rng, lengths)

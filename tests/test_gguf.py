@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.helpers import rel_err, wrong_modes  # noqa: E402
-from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of  # noqa: E402
+from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of, train_spm_tokenizer  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.hf import gguf_export  # noqa: E402
@@ -36,33 +36,34 @@ CASES = {
     "mistral": ("spm", "llama"),
     "qwen3": ("bpe", "qwen3"),
     "gemma2": ("spm", "gemma2"),
+    "phi3_longrope": ("spm", "phi3"),
 }
 HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+
+
+def _hf_rows(cfg, name: str):
+    """Where projection `name` lives in the HF state dict: (module, first row, end row); Phi-3 fuses q/k/v and
+    gate/up into one tensor each."""
+    mod = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+    if cfg.model_type != "phi3" or name in ("o_proj", "down_proj"):
+        return f"{mod}.{name}", None, None
+    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv), "gate_proj": (0, f),
+            "up_proj": (f, 2 * f)}[name]
+    return ("self_attn.qkv_proj" if mod == "self_attn" else "mlp.gate_up_proj"), *rows
 
 
 # ------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def spm_tokenizer_dir(tmp_path_factory):
     """A SentencePiece BPE model with byte fallback trained on fresh random text, and its HF tokenizer."""
-    spm = pytest.importorskip("sentencepiece")
-    d = tmp_path_factory.mktemp("spm")
-    rng = np.random.default_rng(fresh_seed("spm tokenizer"))
-    words = ["".join(rng.choice(list("abcdefghijklmnopqrst"), size=rng.integers(2, 8))) for _ in range(300)]
-    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(600)))
-    spm.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=320,
-                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0,
-                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    (d / "hf").mkdir()
-    (d / "hf" / "tokenizer.model").write_bytes((d / "tok.model").read_bytes())
-    (d / "hf" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "legacy": False}))
-    return d / "hf"
+    pytest.importorskip("sentencepiece")
+    return train_spm_tokenizer(tmp_path_factory.mktemp("spm"), fresh_seed("spm tokenizer"))
 
 
 def _tokenizer(kind, spm_dir):
@@ -115,12 +116,14 @@ def _merged_state(model, hf) -> dict[str, np.ndarray]:
     for name, lin in model.projections().items():
         if lin.lora_a is None:
             continue
-        mod = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+        mod, start, end = _hf_rows(model.config, name)
         for i in range(model.config.num_hidden_layers):
             a = torch.tensor(np.asarray(lin.lora_a[...][i]).T)  # PEFT lora_A [r, in]
             b = torch.tensor(np.asarray(lin.lora_b[...][i]).T)  # PEFT lora_B [out, r]
-            key = f"model.layers.{i}.{mod}.{name}.weight"
-            sd[key] = (torch.tensor(sd[key]) + model.lora.scale * (b @ a)).numpy()
+            key = f"model.layers.{i}.{mod}.weight"
+            w = torch.tensor(sd[key])
+            w[start:end] += model.lora.scale * (b @ a)
+            sd[key] = w.numpy()
     return sd
 
 
@@ -195,6 +198,9 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
     want = _expected_tensors(family, model, hf)
     if cfg.rope_type == "llama3":
         want["rope_freqs.weight"] = None
+    if cfg.rope_type == "longrope":  # Phi-3: the factors as F32 tensors, straight from config.json
+        want["rope_factors_long.weight"] = np.asarray(raw["rope_parameters"]["long_factor"], np.float32)
+        want["rope_factors_short.weight"] = np.asarray(raw["rope_parameters"]["short_factor"], np.float32)
     assert set(tensors) == set(want)
     for name, t in tensors.items():
         assert t.tensor_type == Q.F32, name
@@ -216,6 +222,14 @@ def test_f32_tensors_and_metadata_match_transformers(family, cases, tmp_path):
         assert kv[f"{arch}.rope.freq_base"] == pytest.approx(cfg.rope_theta)
     if arch == "llama":
         assert kv["llama.vocab_size"] == raw["vocab_size"] and kv["llama.rope.dimension_count"] == cfg.head_dim
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        original = raw["original_max_position_embeddings"]
+        assert kv["phi3.rope.dimension_count"] == int(raw["partial_rotary_factor"] * raw["hidden_size"]) // raw[
+            "num_attention_heads"] == 12
+        assert kv["phi3.rope.scaling.original_context_length"] == original
+        scale = raw["max_position_embeddings"] / original
+        assert kv["phi3.rope.scaling.attn_factor"] == pytest.approx((1 + np.log(scale) / np.log(original)) ** 0.5)
+        assert kv["phi3.attention.sliding_window"] == 0 and "phi3.vocab_size" not in kv
     if arch == "gemma2":
         assert kv["gemma2.attn_logit_softcapping"] == raw["attn_logit_softcapping"]
         assert kv["gemma2.final_logit_softcapping"] == raw["final_logit_softcapping"]
@@ -404,7 +418,7 @@ def _convert_with_llama_cpp(llama_dir: Path, model_dir: Path, outfile: Path, out
                     "compare with its convert_hf_to_gguf.py")
 @pytest.mark.parametrize("family,outtype", [("llama", "q8_0"), ("qwen2", "f16"), ("gemma", "bf16"),
                                             ("llama3_scaled", "f16"), ("mistral", "f16"), ("qwen3", "q8_0"),
-                                            ("gemma2", "f16")])
+                                            ("gemma2", "f16"), ("phi3_longrope", "f16")])
 def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
     """Our file equals what llama.cpp's converter writes for our merged 16-bit export: every key (except
     general.name, which it derives from the directory name) and every tensor byte."""

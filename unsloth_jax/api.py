@@ -29,6 +29,8 @@ log = logging.getLogger("unsloth_jax")
 
 _DEFAULT_TARGETS = lora_lib.ALL_TARGETS
 _FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling")
+# config.json fields from_pretrained(**kwargs) may override, as transformers' from_pretrained does (MoE families).
+_CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float}
 
 
 class Model(CausalLM):
@@ -69,6 +71,14 @@ class Model(CausalLM):
     def save_pretrained_gguf(self, save_directory, tokenizer, quantization_method: str = "f16") -> str:
         """Write a llama.cpp GGUF file of the merged model; returns its path."""
         from unsloth_jax.hf import gguf_export
+
+        if self.config.is_moe:
+            from unsloth_jax.errors import UnsupportedArchitectureError
+
+            raise UnsupportedArchitectureError(
+                f"GGUF export of {self.config.model_type} is not supported (mixture-of-experts); write a merged "
+                "16-bit checkpoint with save_pretrained_merged and convert it with llama.cpp's "
+                "convert_hf_to_gguf.py")
 
         return gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=quantization_method)
 
@@ -112,6 +122,24 @@ def _load_tokenizer(model_dir: Path):
     except (OSError, ValueError) as e:
         log.warning("unsloth_jax: no usable tokenizer in %s (%s); returning None", model_dir, e)
         return None
+
+
+def _with_overrides(cfg: ModelConfig, kwargs: dict) -> ModelConfig:
+    """cfg with the from_pretrained config overrides in kwargs applied (validated; MoE families only)."""
+    import dataclasses
+
+    given = {k: v for k, v in kwargs.items() if k in _CONFIG_OVERRIDES}
+    if not given:
+        return cfg
+    if not cfg.is_moe:
+        raise TypeError(f"from_pretrained(): {', '.join(given)} apply to mixture-of-experts models only, not "
+                        f"{cfg.model_type}")
+    if "output_router_logits" in given:
+        given["output_router_logits"] = require_bool("output_router_logits", given["output_router_logits"])
+    if "router_aux_loss_coef" in given:
+        given["router_aux_loss_coef"] = float(require_real("router_aux_loss_coef", given["router_aux_loss_coef"],
+                                                           minimum=0))
+    return dataclasses.replace(cfg, **given)
 
 
 def _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs: dict, model_name) -> bool:
@@ -168,6 +196,26 @@ def _check_model_name(model_name) -> Path:
     return Path(model_name)
 
 
+def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: bool, load_in_fp8: bool,
+               load_tokenizer: bool, progress: bool):
+    """(model, tokenizer) from a llama.cpp GGUF file (unsloth_jax.hf.gguf_loading): weights dequantized to
+    compute_dtype (then NF4 with load_in_4bit, FP8 with load_in_fp8), config and tokenizer from its metadata."""
+    from unsloth_jax import quant
+    from unsloth_jax.hf import gguf_loading
+
+    start = time.perf_counter()
+    placer = quant.nf4_placer if load_in_4bit else quant.fp8_placer if load_in_fp8 else None
+    model = gguf_loading.load_gguf_model(path, compute_dtype, model_class=Model, placer=placer, progress=progress)
+    jax.block_until_ready(nnx.state(model))
+    model.max_seq_length = max_seq_length
+    tokenizer = gguf_loading.gguf_tokenizer(path) if load_tokenizer else None
+    cfg = model.config
+    log.info("unsloth_jax: loaded %s (GGUF, %s, %d layers) in %.1fs as %s%s", path.name, cfg.model_type,
+             cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,
+             " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "")
+    return model, tokenizer
+
+
 class FastLanguageModel:
     """Unsloth's entry points, for JAX."""
 
@@ -176,18 +224,22 @@ class FastLanguageModel:
                         load_in_4bit: bool = False, *, load_in_fp8: bool = False, full_finetuning: bool = False,
                         use_gradient_checkpointing="unsloth", load_tokenizer: bool = True, progress: bool = True,
                         **kwargs):
-        """Load a local Hugging Face model directory (or a PEFT adapter directory). Returns (model, tokenizer).
+        """Load a local Hugging Face model directory, a PEFT adapter directory, or a llama.cpp GGUF file (or a
+        directory holding exactly one .gguf and no config.json). Returns (model, tokenizer).
 
         dtype: None (bf16 where supported, else fp32), "bfloat16", "float16", "float32" or a jnp dtype.
         load_in_4bit: frozen projections in NF4 (QLoRA); load_in_fp8: frozen projections in FP8 (e4m3 with
         per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
         full_finetuning=True: every weight trains (no LoRA; get_peft_model then has no effect), the weights in
         `dtype` and AdamW's moments in float32 (or 8-bit with optim="adamw_8bit"); use_gradient_checkpointing
-        (False / True / "unsloth") is its remat mode. A 4-bit or FP8 base cannot be fully fine-tuned.
+        (False / True / "unsloth") is its remat mode. A 4-bit or FP8 base, or a mixture-of-experts model,
+        cannot be fully fine-tuned.
+        MoE families also take transformers' config overrides output_router_logits=True (add
+        router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         for key in kwargs:
-            if key not in _FROM_PRETRAINED_IGNORED:
+            if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = _check_model_name(model_name)
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
@@ -210,14 +262,30 @@ class FastLanguageModel:
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
             return model, tokenizer
+        from unsloth_jax.hf import gguf_loading
+
+        gguf_file = gguf_loading.find_gguf(model_dir)
+        if gguf_file is not None:
+            model, tokenizer = _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_in_fp8,
+                                          load_tokenizer, progress)
+            if full_finetuning:
+                _setup_full_finetuning(model, use_gradient_checkpointing)
+            return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
-        cfg = ModelConfig.from_pretrained(model_dir)
+        cfg = _with_overrides(ModelConfig.from_pretrained(model_dir), kwargs)
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)
+        if cfg.is_moe and (load_in_4bit or load_in_fp8 or prequantized):
+            raise ConfigError(f"{model_dir}: quantized loading (4-bit / FP8) of {cfg.model_type} (mixture-of-experts) "
+                              "is not supported; load it in 16 bits")
+        if cfg.is_moe and full_finetuning:
+            raise ConfigError(f"{model_dir}: full_finetuning=True is not supported for {cfg.model_type} "
+                              "(mixture-of-experts): its router, expert and sink weights are frozen by design; "
+                              "train LoRA with get_peft_model (target_parameters adapts the experts)")
         if full_finetuning and prequantized:
             raise ConfigError(f"{model_dir}/config.json: a bitsandbytes 4-bit checkpoint cannot be fully fine-tuned "
                               "(its weights are quantized); load the 16-bit model with full_finetuning=True")
@@ -251,9 +319,11 @@ class FastLanguageModel:
     def get_peft_model(model: CausalLM, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
-                       max_seq_length: int | None = None, **kwargs):
+                       max_seq_length: int | None = None, target_parameters=None, **kwargs):
         """Add LoRA adapters in place (nnx.LoRAParam lora_a / lora_b on each targeted projection) and return the
-        model. target_modules may be PEFT's "all-linear"."""
+        model. target_modules may be PEFT's "all-linear" (the attention and dense MLP projections).
+        target_parameters (MoE families, PEFT's name and form): expert weights to adapt, e.g.
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], one rank-r pair per expert."""
         from unsloth_jax.train.step import resolve_remat
 
         if kwargs:
@@ -274,14 +344,18 @@ class FastLanguageModel:
         use_rslora = require_bool("use_rslora", use_rslora)
         if max_seq_length is not None:
             max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
-        targets = lora_lib.expand_targets(target_modules)
+        targets = lora_lib.expand_targets(target_modules) if target_modules or not target_parameters else ()
         saved = _saved_modules(model, modules_to_save)
         if lora_dropout:
             log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
                         "(dropout 0 is what Unsloth recommends and what the fast path uses)", lora_dropout)
+        expert_targets = lora_lib.expand_target_parameters(target_parameters, model)
+        if expert_targets and lora_dropout:
+            raise ValueError("lora_dropout must be 0 with target_parameters (PEFT's ParamWrapper cannot apply "
+                             "dropout to a LoRA folded into an expert weight)")
         settings = lora_lib.LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets,
                                          lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
-                                         modules_to_save=saved)
+                                         modules_to_save=saved, target_parameters=expert_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
         if isinstance(model, Model):
             model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)

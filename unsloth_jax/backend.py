@@ -1,4 +1,4 @@
-"""Facts about the JAX backend the project runs on: bf16 support, the compute dtype, device memory.
+"""Facts about the JAX backend the project runs on: bf16 support, the compute dtype, device memory, the mesh.
 
 Lower layers (checkpoint I/O, models, training) and the API all use these; this module imports only jax.
 """
@@ -64,3 +64,22 @@ def device_memory_limit() -> int | None:
         return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
         return None
+
+
+# The axes of the device mesh (unsloth_jax.distributed.make_mesh): the batch is split over both, frozen
+# weights over "fsdp". Named here so that ops and models can read the mesh in context without importing
+# the distributed module above them.
+MESH_AXES = ("data", "fsdp")
+
+
+def mesh_batch_axes() -> tuple[str, ...]:
+    """The axes of the mesh in context (`jax.set_mesh`) that split the batch (those of MESH_AXES it has), when
+    together they split it in more than one part; () otherwise (no mesh, or one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in MESH_AXES if a in mesh.axis_names)
+    parts = 1
+    for a in axes:
+        parts *= mesh.shape[a]
+    return axes if parts > 1 else ()

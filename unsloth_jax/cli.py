@@ -106,6 +106,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
     t.add_argument("--packing", action="store_true", help="pack several short examples into each row")
+    _add_mesh_args(p)
 
     r = p.add_argument_group("reporting")
     r.add_argument("--report_to", nargs="+", default=["tensorboard"],
@@ -121,6 +122,47 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--save_method", default="lora", choices=("lora", "merged_16bit"),
                    help="lora: the PEFT adapter; merged_16bit: also the merged 16-bit model")
     _add_gguf_args(s)
+
+
+def _mesh_arg(text: str) -> str:
+    from unsloth_jax.distributed import parse_mesh
+
+    try:
+        parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("several devices and hosts")
+    d.add_argument("--mesh", type=_mesh_arg, default=None,
+                   help="shard training over a device mesh, e.g. data=8 (data parallel), fsdp=8 (weights split "
+                        "over the devices), data=2,fsdp=4; -1 means the rest of the devices. "
+                        "--per_device_train_batch_size is per device")
+    d.add_argument("--coordinator_address", default=None,
+                   help="several hosts: host:port of process 0 (else JAX_COORDINATOR_ADDRESS, or SLURM/Open MPI)")
+    d.add_argument("--num_processes", type=int, default=None, help="several hosts: number of processes "
+                                                                   "(else JAX_NUM_PROCESSES)")
+    d.add_argument("--process_id", type=int, default=None, help="several hosts: this process's index "
+                                                                "(else JAX_PROCESS_ID)")
+
+
+def _start_mesh(args):
+    """jax.distributed for several hosts (flags or environment), then the --mesh over every device, or None."""
+    from unsloth_jax import distributed
+
+    try:
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        return distributed.resolve_mesh(args.mesh, "--mesh") if args.mesh else None
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _mesh_summary(mesh) -> str:
+    from unsloth_jax import distributed
+
+    return "" if mesh is None else f" | mesh {distributed.describe(mesh)}"
 
 
 def _add_gguf_args(s) -> None:
@@ -220,12 +262,19 @@ def _records_format(records, text_field: str = "text") -> str:
 def _memory_summary() -> str:
     import jax
 
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001
-        stats = {}
-    if "peak_bytes_in_use" in stats:
-        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB peak on {jax.devices()[0].device_kind}"
+    peaks = []
+    for dev in jax.local_devices():
+        try:
+            stats = dev.memory_stats() or {}
+        except Exception:  # noqa: BLE001
+            stats = {}
+        if "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"] / 2**30)
+    if len(peaks) > 1:
+        return (f"{max(peaks):.2f} GiB peak per device (max of {len(peaks)} local "
+                f"{jax.local_devices()[0].device_kind}; min {min(peaks):.2f})")
+    if peaks:
+        return f"{peaks[0]:.2f} GiB peak on {jax.devices()[0].device_kind}"
     try:
         import resource
 
@@ -293,8 +342,9 @@ def _check_gguf_methods(methods: list[str]) -> None:
             raise UsageError(f"--quantization: {e}") from None
 
 
-def _training_arguments(args):
-    """TrainingArguments from the train flags; a flag value it rejects is a UsageError naming the flag."""
+def _training_arguments(args, mesh=None):
+    """TrainingArguments from the train flags (and the --mesh, made by _start_mesh); a flag value it rejects is
+    a UsageError naming the flag."""
     from unsloth_jax import TrainingArguments
 
     try:
@@ -304,7 +354,7 @@ def _training_arguments(args):
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
             logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
             lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
-            report_to=args.report_to, logging_dir=args.logging_dir)
+            report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh)
     except (TypeError, ValueError) as e:
         raise UsageError(f"--{e}") from None  # the messages start with the argument's name, a flag name here
 
@@ -335,11 +385,16 @@ def _loss_summary(log_history: list[dict]) -> str:
 def cmd_train(args) -> int:
     t_start = time.perf_counter()
     _check_model_flags(args)
-    targs = _training_arguments(args)  # checks the training flags before any model or data is loaded
+    mesh = _start_mesh(args)  # jax.distributed first: before any jax computation
+    targs = _training_arguments(args, mesh)  # checks the training flags before any model or data is loaded
 
     from unsloth_jax import FastLanguageModel, SFTTrainer
     from unsloth_jax.data import RESPONSE_PARTS, load_records, train_on_responses_only, validate_records
+    from unsloth_jax.distributed import is_main_process
 
+    main = is_main_process()
+    if not main:  # the other processes of a multi-host run keep quiet: process 0 logs
+        logging.getLogger("unsloth_jax").setLevel(logging.WARNING)
     if not Path(args.model_name).is_dir():
         raise UsageError(f"model directory not found: {args.model_name} (pass --model_name with a local Hugging Face "
                          "model directory, or omit it to use the bundled tiny model)")
@@ -356,7 +411,8 @@ def cmd_train(args) -> int:
     fmt = _records_format(records, args.dataset_text_field)
 
     model, tokenizer = FastLanguageModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
-                                                         dtype=args.dtype, load_in_4bit=args.load_in_4bit)
+                                                         dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+                                                         progress=main)
     if tokenizer is None:
         raise UsageError(f"{args.model_name} has no usable tokenizer (tokenizer.json / tokenizer_config.json)")
     model = FastLanguageModel.get_peft_model(
@@ -381,15 +437,18 @@ def cmd_train(args) -> int:
                              "records")
         if response_part is not None:
             train_on_responses_only(trainer, instruction_part, response_part)
-    print(f"unsloth-jax train: {Path(args.model_name).name} ({model.config.model_type}, "
-          f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
-          f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
-          f"{', responses only' if responses_only else ''}")
+    if main:
+        print(f"unsloth-jax train: {Path(args.model_name).name} ({model.config.model_type}, "
+              f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
+              f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
+              f"{', responses only' if responses_only else ''}")
     trainer_stats = trainer.train()
     losses = trainer.state.loss_history or [float("nan")]
 
     saved = []
     out = Path(args.output_dir)
+    if not main:  # process 0 writes the exports and the summary
+        return 0
     if args.save_model:
         adapter_dir = Path(args.save_path) if (args.save_path and args.save_method == "lora") else out / "adapter"
         model.save_pretrained(str(adapter_dir))
@@ -410,7 +469,8 @@ def cmd_train(args) -> int:
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
           f"{_loss_summary(trainer.state.log_history)} | "
-          f"dtype {model.dtype.name} | kernels: {_kernels_summary()} | memory: {_memory_summary()} | "
+          f"dtype {model.dtype.name}{_mesh_summary(mesh)} | kernels: {_kernels_summary()} | "
+          f"memory: {_memory_summary()} | "
           f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
     return 0
 

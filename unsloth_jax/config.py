@@ -1,6 +1,7 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
-One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2).
+One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
+Gemma 3 text, Phi-3; the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss).
 Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
 `rope_parameters`.
 """
@@ -8,13 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+log = logging.getLogger("unsloth_jax")
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (see _moe_fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +36,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -50,24 +55,68 @@ class ModelConfig:
     final_softcap: float | None = None
     query_scale: float = 0.0  # softmax scale; 0 means head_dim ** -0.5
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window size, or None for full attention
+    rope_local_theta: float = 0.0  # Gemma 3: plain-RoPE base of the sliding-window layers; 0 = all layers alike
+    rotary_dim: int = 0  # Phi-3 partial_rotary_factor: RoPE on the first rotary_dim dims of a head; 0 = head_dim
+    rope_short_factor: tuple[float, ...] = ()  # LongRoPE (Phi-3): per-frequency divisors up to the original length
+    rope_long_factor: tuple[float, ...] = ()  # ... and beyond it (chosen by the largest position of a call)
+    rope_attention_factor: float = 1.0  # LongRoPE / YaRN: cos and sin (not the local ones) are multiplied by this
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    # ---- YaRN RoPE (gpt-oss): rope_type "yarn" ----
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    # ---- mixture of experts (Qwen3-MoE, Mixtral, gpt-oss); num_experts = 0 means a dense MLP everywhere ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    layer_sparse: tuple[bool, ...] = ()  # per layer: True where the MLP is the routed experts block
+    router: str = "softmax_topk"  # "softmax_topk" (softmax, then top-k) | "topk_softmax" (gpt-oss)
+    norm_topk_prob: bool = False  # softmax_topk: renormalise the top-k probabilities to sum to 1
+    router_bias: bool = False  # gpt-oss: the router linear has a bias
+    router_name: str = "gate"  # HF attribute of the router under `mlp` ("gate", or "router" for gpt-oss)
+    expert_bias: bool = False  # gpt-oss: expert gate_up/down projections have biases
+    expert_activation: str = "silu"  # "silu" (SwiGLU) | "swiglu_clamp" (gpt-oss: clamped, alpha, (up + 1))
+    gate_up_interleaved: bool = False  # gpt-oss: gate and up columns alternate in gate_up_proj
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    output_router_logits: bool = False  # as in transformers: add router_aux_loss_coef * aux loss to the loss
+    router_aux_loss_coef: float = 0.001
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
 
     @property
     def scale(self) -> float:
         return self.query_scale or self.head_dim ** -0.5
 
     @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (head_dim unless partial)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
     def layer_period(self) -> int:
-        """Smallest p dividing num_hidden_layers such that layer_windows repeats with period p."""
+        """Smallest p such that layer_windows and layer_sparse repeat with period p (layer i has the window and
+        the MLP kind of layer i % p). p need not divide num_hidden_layers: Gemma 3's 26 layers are 4 groups of 6
+        and a tail of 2."""
         n = self.num_hidden_layers
         windows = self.layer_windows or (None,) * n
+        kinds = list(zip(windows, self.layer_sparse or (False,) * n))
         for p in range(1, n + 1):
-            if n % p == 0 and all(windows[i] == windows[i % p] for i in range(n)):
+            if all(kinds[i] == kinds[i % p] for i in range(n)):
                 return p
         return n
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some decoder layer routes its tokens to experts."""
+        return any(self.layer_sparse)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some decoder layer has a dense (gate/up/down) MLP."""
+        return not all(self.layer_sparse or (False,))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -104,8 +153,11 @@ def _rope(raw: dict, source: str) -> dict:
     out = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "default":
         return out
+    if rope_type == "yarn":
+        return out | _yarn(raw, params, source)
     if rope_type not in ("linear", "llama3"):
-        raise ConfigError(f"{source}: rope type '{rope_type}' is not supported (supported: default, linear, llama3)")
+        raise ConfigError(f"{source}: rope type '{rope_type}' is not supported (supported: default, linear, llama3, "
+                          "yarn)")
     out["rope_factor"] = float(_need(params, "factor", source + " rope_scaling"))
     if rope_type == "llama3":
         out["rope_low_freq_factor"] = float(params.get("low_freq_factor", 1.0))
@@ -117,7 +169,7 @@ def _rope(raw: dict, source: str) -> dict:
 def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     types = raw.get("layer_types")
-    if model_type == "qwen2" or model_type == "qwen3":
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if not raw.get("use_sliding_window", False):
             return (None,) * n_layers
     if types:
@@ -145,7 +197,7 @@ def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tu
 
 
 def _activation(raw: dict, model_type: str, source: str) -> str:
-    if model_type in ("gemma", "gemma2"):
+    if model_type in ("gemma", "gemma2", "gemma3_text"):
         name = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         name = raw.get("hidden_act", "silu")
@@ -157,10 +209,10 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
 
 def _parse(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES)}"
         )
     hidden = int(_need(raw, "hidden_size", source))
     heads = int(_need(raw, "num_attention_heads", source))
@@ -175,7 +227,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         model_type=model_type,
         vocab_size=int(_need(raw, "vocab_size", source)),
         hidden_size=hidden,
-        intermediate_size=int(_need(raw, "intermediate_size", source)),
+        intermediate_size=int(raw.get("intermediate_size") or 0) if model_type in MOE_MODEL_TYPES else
+        int(_need(raw, "intermediate_size", source)),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -186,7 +239,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         activation=_activation(raw, model_type, source),
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=gemma,
@@ -200,7 +253,179 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
-    fields.update(_rope(raw, source))
+    fields.update(_rope(raw, source) if model_type not in _FAMILY_FIELDS else _FAMILY_FIELDS[model_type](raw, source))
+    if model_type in MOE_MODEL_TYPES:
+        fields.update(_moe_fields(raw, model_type, n_layers, source))
     if not math.isfinite(fields["rope_theta"]) or fields["rope_theta"] <= 0:
         raise ConfigError(f"{source}: rope_theta must be positive")
     return ModelConfig(**fields)
+
+
+# ------------------------------------------------------------------------------------- YaRN RoPE (gpt-oss)
+def _yarn(raw: dict, params: dict, source: str) -> dict:
+    """YaRN settings as transformers' _compute_yarn_parameters reads them (factor, beta_fast/slow, truncate,
+    original_max_position_embeddings, and the cos/sin attention factor: given, or from mscale/mscale_all_dim,
+    or 0.1 * ln(factor) + 1)."""
+    where = source + " rope_parameters"
+    original = int(_need(params, "original_max_position_embeddings", where))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(_need(raw, "max_position_embeddings", source)) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor is not supported")
+    return {"rope_factor": factor, "rope_original_max_position": original,
+            "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+            "rope_truncate": bool(params.get("truncate", True)), "rope_attention_factor": float(attention)}
+
+
+# ------------------------------------------------------------------------------- mixture-of-experts families
+def _moe_layer_sparse(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[bool, ...]:
+    """Which layers route to experts: every layer for Mixtral and gpt-oss; for Qwen3-MoE the layers not in
+    mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step (transformers' rule)."""
+    if model_type != "qwen3_moe":
+        return (True,) * n_layers
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"{source}: mlp_only_layers {bad} are not layer indices below num_hidden_layers={n_layers}")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+
+
+def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
+    """The ModelConfig fields of a MoE family, from its config.json (Qwen3MoeConfig, MixtralConfig, GptOssConfig)."""
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not experts or int(experts) <= 0:
+        raise ConfigError(f"{source}: num_experts / num_local_experts is missing or not positive")
+    experts = int(experts)
+    top_k = int(_need(raw, "num_experts_per_tok", source))
+    if not 0 < top_k <= experts:
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts")
+    sparse = _moe_layer_sparse(raw, model_type, n_layers, source)
+    if model_type == "qwen3_moe":
+        expert_size = int(_need(raw, "moe_intermediate_size", source))
+        if not all(sparse):
+            _need(raw, "intermediate_size", source)  # the dense MLP layers use it
+    else:
+        expert_size = int(_need(raw, "intermediate_size", source))
+    gpt_oss = model_type == "gpt_oss"
+    if not gpt_oss and _activation(raw, model_type, source) != "silu":
+        raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported for {model_type} experts "
+                          "(only silu)")
+    if model_type == "mixtral" and float(raw.get("router_jitter_noise") or 0.0) > 0:
+        raise ConfigError(f"{source}: router_jitter_noise > 0 (random router noise in training) is not supported")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_size,
+        layer_sparse=sparse,
+        router="topk_softmax" if gpt_oss else "softmax_topk",
+        norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+        router_bias=gpt_oss,
+        router_name="router" if gpt_oss else "gate",
+        expert_bias=gpt_oss,
+        expert_activation="swiglu_clamp" if gpt_oss else "silu",
+        gate_up_interleaved=gpt_oss,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        output_router_logits=bool(raw.get("output_router_logits", False)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        attn_sinks=gpt_oss,
+    )
+
+
+# ------------------------------------------------------------------------------------ Gemma 3 text, Phi-3
+def _gemma3_fields(raw: dict, source: str) -> dict:
+    """Gemma 3 text (Gemma3ForCausalLM): Gemma 2's layer shape (sandwich norms, (1 + w) norms, scaled
+    embeddings) plus q/k norms, every `sliding_window_pattern`-th layer global (or `layer_types`), and two RoPEs:
+    plain RoPE with base `rope_local_base_freq` on sliding layers, `rope_theta` + `rope_scaling` on global ones.
+    `final_logit_softcapping` applies; `attn_logit_softcapping` is ignored, as transformers' Gemma 3 does.
+    Reads transformers 4 (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) and 5 (`rope_parameters` keyed
+    by layer type) spellings; defaults are Gemma3TextConfig's."""
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention=true (an embedding model) is not supported")
+    n = int(_need(raw, "num_hidden_layers", source))
+    params = raw.get("rope_parameters") or {}
+    nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+    if nested:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(params or raw.get("rope_scaling") or {})
+        local = {}
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    if (local.get("rope_type") or local.get("type") or "default") != "default":
+        raise ConfigError(f"{source}: sliding_attention rope type {local.get('rope_type') or local.get('type')!r} "
+                          "is not supported (only default RoPE on Gemma 3's sliding layers)")
+    out = _rope({"rope_parameters": full}, source)
+    out["rope_local_theta"] = float(local["rope_theta"])
+    if not math.isfinite(out["rope_local_theta"]) or out["rope_local_theta"] <= 0:
+        raise ConfigError(f"{source}: rope_local_base_freq must be positive")
+    if not raw.get("layer_types"):
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        raw = dict(raw, sliding_window=raw.get("sliding_window", 4096),
+                   layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+    out["layer_windows"] = _layer_windows(raw, "gemma3_text", n, source)
+    if not any(out["layer_windows"]):
+        out["rope_local_theta"] = 0.0  # no sliding layer: one RoPE
+    if raw.get("attn_logit_softcapping"):
+        log.warning("unsloth_jax: %s sets attn_logit_softcapping, which transformers' Gemma 3 never applies; "
+                    "ignored here too, so the logits match transformers'", source)
+    out.update(qk_norm=True, norm_offset=1.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
+               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+               query_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5)
+    return out
+
+
+def _phi3_fields(raw: dict, source: str) -> dict:
+    """Phi-3 (Phi3ForCausalLM): Llama's layer (the checkpoint fuses qkv_proj and gate_up_proj; hf/mapping.py
+    splits them), partial RoPE (`partial_rotary_factor`) and LongRoPE (`rope_scaling` type "longrope", or the
+    older "su" / "yarn" that transformers reads as longrope): inverse frequencies divided by `short_factor` while
+    the largest position of a call is below `original_max_position_embeddings`, by `long_factor` beyond, and
+    cos/sin times `attention_factor` (default sqrt(1 + ln(factor) / ln(original)), factor = max_position /
+    original)."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    head_dim = int(raw.get("head_dim") or int(_need(raw, "hidden_size", source)) // int(
+        _need(raw, "num_attention_heads", source)))
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
+    rotary = int(head_dim * partial)
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
+                          "head; it must be even and between 2 and head_dim")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    out: dict = {"rotary_dim": 0 if rotary == head_dim else rotary}
+    if rope_type not in ("longrope", "su", "yarn"):
+        out.update(_rope({"rope_parameters": params}, source))
+        return out
+    short, long = params.get("short_factor"), params.get("long_factor")
+    for key, value in (("short_factor", short), ("long_factor", long)):
+        if not isinstance(value, list) or len(value) != rotary // 2 or not all(
+                isinstance(x, (int, float)) and x > 0 for x in value):
+            raise ConfigError(f"{source}: rope_scaling.{key} must be a list of {rotary // 2} positive numbers "
+                              f"(one per rotary frequency) for rope type {rope_type!r}")
+    original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if not original:
+        raise ConfigError(f"{source}: LongRoPE needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    out.update(rope_theta=float(params["rope_theta"]), rope_type="longrope", rope_factor=float(factor),
+               rope_original_max_position=original, rope_short_factor=tuple(float(x) for x in short),
+               rope_long_factor=tuple(float(x) for x in long), rope_attention_factor=float(attention))
+    return out
+
+
+# model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
+_FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}

@@ -26,7 +26,7 @@ from flax import nnx
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Batch, KVCache
-from unsloth_jax.models.rope import positions_from_mask, rope_tables
+from unsloth_jax.models.rope import positions_from_mask
 
 _MIN_BUCKET = 16
 
@@ -44,9 +44,10 @@ def _layers(model, x, positions, cache_k, cache_v, valid, index):
     cache_k/cache_v: [L, B, T, Hkv, hd]; valid: [B, T] (1 where a slot holds a real token, this chunk included).
     Returns (x, cache_k, cache_v).
     """
-    cos, sin = rope_tables(model.config, positions)
+    (cos, sin), local = model.model.rope(positions)
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None)
-    x, (ck, cv) = model.model.run_layers(x, cos, sin, batch, cache=KVCache(cache_k, cache_v, valid, index))
+    x, (ck, cv) = model.model.run_layers(x, cos, sin, batch, cache=KVCache(cache_k, cache_v, valid, index),
+                                         local_rope=local)
     return x, ck, cv
 
 

@@ -6,7 +6,9 @@
     model = nnx.merge(graphdef, trainable, frozen)
 
 `add_lora` gives every targeted projection (a `Linear`) `lora_a` [L, in, r] and `lora_b` [L, r, out] as
-`nnx.LoRAParam`s. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
+`nnx.LoRAParam`s, and, for MoE families, every expert weight named in `target_parameters` (PEFT's names
+"mlp.experts.gate_up_proj", "mlp.experts.down_proj"; a `GroupedLinear`) `lora_a` [L, E, in, r] and
+`lora_b` [L, E, r, out]: one rank-r pair per expert, as PEFT's ParamWrapper trains on a fused 3-D weight. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
 `modules_to_save` weights and biases the settings train) means frozen weights never get a gradient buffer or
 optimizer state. `nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)` selects the same leaves the NNX way.
 
@@ -17,6 +19,7 @@ trained (`Linear.train_kernel`, so ops.linear no longer stops its gradient) and 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,10 @@ from flax import nnx
 
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Linear, value_of
+from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.quant import dense_kernel, is_quantized
+
+log = logging.getLogger("unsloth_jax")
 
 ALL_TARGETS = ATTN_PROJS + MLP_PROJS
 BIAS_MODES = ("none", "all", "lora_only")
@@ -43,6 +49,7 @@ class LoraSettings:
     bias: str = "none"
     use_rslora: bool = False
     modules_to_save: tuple[str, ...] | None = None
+    target_parameters: tuple[str, ...] | None = None  # MoE expert weights, PEFT's names (EXPERT_PARAMETERS)
 
     @property
     def scale(self) -> float:
@@ -68,31 +75,80 @@ def expand_targets(target_modules) -> tuple[str, ...]:
     return tuple(dict.fromkeys(targets))
 
 
+def expand_target_parameters(target_parameters, model: CausalLM) -> tuple[str, ...]:
+    """PEFT's target_parameters for a MoE model -> the expert weights' full names in EXPERT_PARAMETERS order.
+    An entry names one by its full name or a '.'-separated suffix ("experts.down_proj", "gate_up_proj").
+    Raises ValueError for a dense model or an entry naming no expert weight."""
+    if not target_parameters:
+        return ()
+    if isinstance(target_parameters, str):
+        target_parameters = [target_parameters]
+    if not model.config.is_moe:
+        raise ValueError(f"target_parameters={list(target_parameters)}: this {model.config.model_type} model has no "
+                         "expert weights (target_parameters adapts the experts of MoE models)")
+    names = tuple(EXPERT_PARAMETERS)
+    unknown = [t for t in target_parameters if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        raise ValueError(f"target_parameters {unknown} name no expert weight; choose from {list(names)}")
+    return tuple(n for n in names if any(n == t or n.endswith("." + t) for t in target_parameters))
+
+
+def _lora_pair(key, stack: tuple[int, ...], in_features: int, out_features: int, r: int):
+    """PEFT's initialisation: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0 (float32)."""
+    bound = 1.0 / np.sqrt(in_features)
+    a = jax.random.uniform(key, (*stack, in_features, r), jnp.float32, -bound, bound)
+    return nnx.LoRAParam(a), nnx.LoRAParam(jnp.zeros((*stack, r, out_features), jnp.float32))
+
+
 def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalLM:
     """Give every targeted projection a LoRA pair, in place, initialised as PEFT does: A ~ kaiming_uniform(a=sqrt(5))
-    = U(-1/sqrt(in), 1/sqrt(in)), B = 0, both float32 [L, in, r] / [L, r, out]. Existing pairs are replaced,
-    and the pairs of projections not targeted any more are removed. Returns the model."""
+    = U(-1/sqrt(in), 1/sqrt(in)), B = 0, both float32 [L, in, r] / [L, r, out] ([L, E, ...] for the expert
+    weights of settings.target_parameters). Existing pairs are replaced, and the pairs of projections not
+    targeted any more are removed. A MoE model without dense MLP layers skips gate/up/down_proj (with a
+    warning). Returns the model."""
     if settings.bias not in BIAS_MODES:
         raise ValueError(f"bias must be one of {', '.join(BIAS_MODES)}, got {settings.bias!r}")
     if getattr(model, "full_finetuning", False):
         raise ValueError("this model is set up for full fine-tuning (every weight trains); LoRA adapters cannot "
                          "be added to it: load it again without full_finetuning=True to train LoRA")
-    targets = expand_targets(settings.target_modules)
+    targets = (expand_targets(settings.target_modules) if settings.target_modules or not settings.target_parameters
+               else ())
+    expert_targets = expand_target_parameters(settings.target_parameters, model)
+    if settings.bias != "none" and model.config.expert_bias:
+        raise ValueError(f"bias={settings.bias!r} is not supported for {model.config.model_type}: its router and "
+                         "expert biases have no PEFT adapter form; use bias='none'")
     n_layers = model.config.num_hidden_layers
-    keys = jax.random.split(key, len(targets))
     projs = model.projections()
+    absent = [t for t in targets if t not in projs]
+    if absent:
+        log.warning("unsloth_jax: target_modules %s match no module of this %s model (it has no dense MLP layers); "
+                    "its experts take LoRA through target_parameters=%s (PEFT's form)", absent,
+                    model.config.model_type, list(EXPERT_PARAMETERS))
+        targets = tuple(t for t in targets if t in projs)
+    if not targets and not expert_targets:
+        raise ValueError(f"nothing to adapt: target_modules {list(settings.target_modules)} and target_parameters "
+                         f"{list(settings.target_parameters or [])} match nothing in this model")
+    keys = jax.random.split(key, len(targets)) if targets else []
     for name, lin in projs.items():
         if name not in targets:
             lin.lora_a = lin.lora_b = None
             lin.lora_scale = None
     for name, k in zip(targets, keys):
         lin = projs[name]
-        bound = 1.0 / np.sqrt(lin.in_features)
-        lin.lora_a = nnx.LoRAParam(jax.random.uniform(k, (n_layers, lin.in_features, settings.r), jnp.float32,
-                                                      -bound, bound))
-        lin.lora_b = nnx.LoRAParam(jnp.zeros((n_layers, settings.r, lin.out_features), jnp.float32))
+        lin.lora_a, lin.lora_b = _lora_pair(k, (n_layers,), lin.in_features, lin.out_features, settings.r)
         lin.lora_scale = float(settings.scale)
-    model.lora = dataclasses.replace(settings, target_modules=targets)
+    experts = model.expert_projections()
+    expert_keys = jax.random.split(jax.random.fold_in(key, 1), max(len(experts), 1))
+    for (name, grouped), k in zip(experts.items(), expert_keys):
+        if name in expert_targets:
+            stack = (n_layers, grouped.num_experts)
+            grouped.lora_a, grouped.lora_b = _lora_pair(k, stack, grouped.in_features, grouped.out_features,
+                                                        settings.r)
+            grouped.lora_scale = float(settings.scale)
+        else:
+            grouped.lora_a = grouped.lora_b = None
+            grouped.lora_scale = None
+    model.lora = dataclasses.replace(settings, target_modules=targets, target_parameters=expert_targets or None)
     return model
 
 
@@ -103,10 +159,15 @@ def enable_full_finetuning(model: CausalLM) -> CausalLM:
     """Make every weight of `model` trainable, in place: each projection's `train_kernel` is set (its gradient
     flows through ops.linear) and `model.full_finetuning` becomes True, so `split` puts every nnx.Param in the
     trainable state. Only dense float32/bfloat16/float16 weights can train: a 4-bit (NF4Param) or FP8 base,
-    or a model that already has LoRA adapters, raises ValueError naming the variable."""
+    a mixture-of-experts model, or a model that already has LoRA adapters, raises ValueError (naming the
+    variable where one is at fault)."""
     if model.lora is not None:
         raise ValueError("the model already has LoRA adapters; full fine-tuning trains the base weights "
                          "themselves: load the model again with full_finetuning=True instead")
+    if model.config.is_moe:  # router, experts and sinks stop their gradients (models/moe.py): they would not train
+        raise ValueError(f"full fine-tuning of {model.config.model_type} (mixture-of-experts) is not supported: its "
+                         "router and expert weights have no gradient path; train LoRA (target_parameters for the "
+                         "experts) instead")
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Variable):
             continue
@@ -184,5 +245,16 @@ def merged_kernel(lin: Linear, layer: int) -> np.ndarray:
     return w
 
 
-__all__ = ["ALL_TARGETS", "LoraSettings", "expand_targets", "add_lora", "enable_full_finetuning", "trainable_filter",
-           "split", "count", "merged_kernel"]
+def merged_expert_kernel(grouped, layer: int) -> np.ndarray:
+    """Layer `layer` of an expert stack (`GroupedLinear`) as a dense float32 [E, in, out] numpy array with its
+    LoRA pairs folded in (kernel[e] + scale * A[e] @ B[e])."""
+    w = np.asarray(grouped.kernel[...][layer], np.float32)
+    if grouped.lora_a is not None:
+        a = np.asarray(grouped.lora_a[...][layer], np.float32)
+        b = np.asarray(grouped.lora_b[...][layer], np.float32)
+        w = w + np.float32(grouped.lora_scale) * np.einsum("eir,ero->eio", a, b)
+    return w
+
+
+__all__ = ["ALL_TARGETS", "LoraSettings", "expand_targets", "expand_target_parameters", "add_lora",
+           "enable_full_finetuning", "trainable_filter", "split", "count", "merged_kernel", "merged_expert_kernel"]

@@ -24,11 +24,13 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
 from pallas_kernels.fp8 import FP8Weight
 from pallas_kernels.nf4_format import NF4Weight
+from unsloth_jax.backend import mesh_batch_axes
 
 ENV_VAR = "UNSLOTH_JAX_IMPL"
 # The implementations each op can be forced to ("auto" restores the measured choice).
@@ -124,24 +126,29 @@ def active_policy() -> Policy:
     return _active.get() or current_policy()
 
 
-def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=()):
+def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(), in_shardings=None,
+               out_shardings=None):
     """jax.jit of `fn` with the current policy as an extra static argument, active while `fn` traces.
 
     The returned function reads `current_policy()` at every call, so a changed policy means a new cache entry
-    (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too."""
+    (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too.
+    in_shardings / out_shardings are jax.jit's (a step on a device mesh); with in_shardings, jax.jit takes
+    positional arguments only. The policy is passed first, positionally, so it needs no keyword."""
 
-    def with_policy(*args, policy: Policy, **kwargs):
+    def with_policy(policy: Policy, *args, **kwargs):
         with policy_scope(policy):
             return fn(*args, **kwargs)
 
-    jitted = jax.jit(with_policy, static_argnames=("policy", *static_argnames), donate_argnums=donate_argnums,
-                     donate_argnames=donate_argnames)
+    shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
+    jitted = jax.jit(with_policy, static_argnums=(0,), static_argnames=static_argnames,
+                     donate_argnums=tuple(i + 1 for i in donate_argnums), donate_argnames=donate_argnames,
+                     **shardings)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return jitted(*args, policy=current_policy(), **kwargs)
+        return jitted(current_policy(), *args, **kwargs)
 
-    call.lower = lambda *args, **kwargs: jitted.lower(*args, policy=current_policy(), **kwargs)
+    call.lower = lambda *args, **kwargs: jitted.lower(current_policy(), *args, **kwargs)
     call.jitted = jitted  # the underlying jax.jit object (cache introspection in tests)
     return call
 
@@ -194,6 +201,27 @@ def use_pallas(op: str, probe) -> bool:
     return policy.gpu and bool(PALLAS_WINS[op](probe))
 
 
+# ------------------------------------------------------------------------------------- kernels on a mesh
+def per_batch_shard(fn, batched: tuple, whole: tuple = ()):
+    """fn(*batched, *whole), where under a mesh that splits the batch each device runs `fn` on its own rows.
+
+    A Pallas kernel is a per-device program that XLA's SPMD partitioner cannot split: given batch-sharded
+    operands it would gather them and run the whole batch on every device. Under a mesh in context
+    (`jax.set_mesh`) whose batch axes are larger than 1, `fn` therefore runs in `jax.shard_map` over those
+    axes: the `batched` arrays split on axis 0, the `whole` pytrees (weights) replicated, the output split on
+    axis 0 like the batch. Without such a mesh (or when axis 0 does not divide), just fn(*batched, *whole)."""
+    axes = mesh_batch_axes()
+    shards = 1
+    for a in axes:
+        shards *= jax.sharding.get_abstract_mesh().shape[a]
+    if not axes or any(x.shape[0] % shards for x in batched):
+        return fn(*batched, *whole)
+    rows, replicated = P(axes), P()
+    mapped = jax.shard_map(fn, in_specs=(rows,) * len(batched) + (replicated,) * len(whole), out_specs=rows,
+                           check_vma=False)
+    return mapped(*batched, *whole)
+
+
 # ----------------------------------------------------------------------------------------------- norms
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + weight); statistics in f32, output in x.dtype."""
@@ -201,7 +229,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
         from pallas_kernels.rms_norm import rms_norm as kernel
 
         _note("rms_norm", "pallas")
-        return kernel(x, weight.astype(x.dtype) if weight.dtype != x.dtype else weight, eps, offset)
+        w = weight.astype(x.dtype) if weight.dtype != x.dtype else weight
+        return per_batch_shard(lambda x, w: kernel(x, w, eps, offset), (x,), (w,))
     _note("rms_norm", "xla")
     return ref.rms_norm(x, weight, eps, offset)
 
@@ -213,7 +242,7 @@ def rope(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[ja
         from pallas_kernels.rope import rope as kernel
 
         _note("rope", "pallas")
-        return kernel(q, k, cos, sin)
+        return per_batch_shard(kernel, (q, k, cos, sin))
     _note("rope", "xla")
     return ref.rope(q, k, cos, sin)
 
@@ -228,8 +257,8 @@ def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
 
         _note("glu", "pallas")
         if activation == "silu":
-            return swiglu(gate, up)
-        return geglu(gate, up, approximate=activation == "gelu_tanh")
+            return per_batch_shard(swiglu, (gate, up))
+        return per_batch_shard(lambda g, u: geglu(g, u, approximate=activation == "gelu_tanh"), (gate, up))
     _note("glu", "xla")
     if activation == "silu":
         return ref.swiglu(gate, up)
@@ -260,7 +289,8 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, ke
 
         _note("linear", "pallas")
         a, b, scale = lora
-        y = lora_linear(x, jax.lax.stop_gradient(kernel).astype(x.dtype), a, b, float(scale))
+        w = jax.lax.stop_gradient(kernel).astype(x.dtype)
+        y = per_batch_shard(lambda x, w, a, b: lora_linear(x, w, a, b, float(scale)), (x,), (w, a, b))
     else:
         _note("linear", "xla")
         w = kernel if kernel_grad else jax.lax.stop_gradient(kernel)
@@ -289,9 +319,12 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
         impl = ref
         _note("nf4_matmul", "xla")
     if lora is None:
-        return impl.nf4_matmul(x, q)
-    a, b, scale = lora
-    return impl.qlora_linear(x, q, a.astype(x.dtype), b.astype(x.dtype), float(scale))
+        fn, whole = impl.nf4_matmul, (q,)
+    else:
+        a, b, scale = lora
+        fn = lambda x, q, a, b: impl.qlora_linear(x, q, a, b, float(scale))  # noqa: E731
+        whole = (q, a.astype(x.dtype), b.astype(x.dtype))
+    return fn(x, *whole) if impl is ref else per_batch_shard(fn, (x,), whole)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -329,7 +362,7 @@ def attention_mask(
     return mask
 
 
-def _attention_xla(q, k, v, mask, scale, softcap):
+def _attention_xla(q, k, v, mask, scale, softcap, sinks=None):
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -338,7 +371,11 @@ def _attention_xla(q, k, v, mask, scale, softcap):
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # one extra logit per head in the denominator, attending to nothing
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, s, hq, d).astype(q.dtype)
 
@@ -361,18 +398,30 @@ def attention(
     segment_ids: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
     kv_lengths: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
 
     kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
-    the length are padding. On a GPU: cuDNN when the call needs only causal/window masking and right padding
-    (16-bit, head_dim <= 128), the Pallas flash kernel for the other full-sequence calls, XLA for decoding.
+    the length are padding. sinks [Hq] (gpt-oss): a learned logit per head added to every softmax denominator
+    (softmax over [scores, sink], the sink's share dropped). On a GPU: cuDNN when the call needs only
+    causal/window masking and right padding (16-bit, head_dim <= 128), the Pallas flash kernel for the other
+    full-sequence calls, XLA for decoding and for every call with sinks.
     """
     policy = active_policy()
     impl = policy.requested("attention")
     padding_ok = kv_valid is None or kv_lengths is not None
     full_sequence = q.shape[1] == k.shape[1] and isinstance(q_offset, int) and q_offset == 0
     simple = padding_ok and segment_ids is None and softcap is None and full_sequence
+    # TODO(sinks): neither cuDNN (jax.nn.dot_product_attention has no sink argument) nor the Pallas flash kernel
+    # (pallas_kernels/flash_attention.py) takes attention sinks, so calls with sinks run on XLA, which
+    # materialises the [B, H, S, S] scores. A flash kernel that adds exp(sink - m) to its running denominator
+    # (or returns its log-sum-exp, so out * sigmoid(lse - sink) corrects it) would serve them.
+    if sinks is not None:
+        _note("attention", "xla")
+        mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
+                              segment_ids=segment_ids, q_offset=q_offset)
+        return _attention_xla(q, k, v, mask, scale, softcap, sinks)
     if impl in ("auto", "cudnn") and policy.gpu and simple and _cudnn_serves(q):
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
@@ -388,8 +437,11 @@ def attention(
         if kv_valid is not None:  # padding tokens get their own segment (id 0 never matches a real token's)
             valid = kv_valid.astype(jnp.int32)
             segments = valid if segments is None else jnp.where(valid > 0, segments + 1, 0)
-        return flash_attention(q, k, v, causal=causal, segment_ids=segments, sliding_window=window,
-                               softcap=softcap, sm_scale=scale)
+        def flash(q, k, v, *segments):
+            return flash_attention(q, k, v, causal=causal, segment_ids=segments[0] if segments else None,
+                                   sliding_window=window, softcap=softcap, sm_scale=scale)
+
+        return per_batch_shard(flash, (q, k, v) + (() if segments is None else (segments,)))
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
@@ -399,14 +451,32 @@ def attention(
 # --------------------------------------------------------------------------------------- cross entropy
 def cross_entropy(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
                   ignore_index: int = -100, chunk: int = 1024) -> jax.Array:
-    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T."""
+    """Mean next-token loss (f32) of hidden [T, D] against labels [T] with lm_head [V, D], chunked over T.
+
+    Under a mesh that splits the batch, each device takes the loss of its own rows (`per_batch_shard`, for
+    the kernel and the XLA twin alike: XLA's partitioner would otherwise gather every row's hidden state to
+    every device to follow the chunked loop's reshapes, as the compiled 8-device step showed), and the
+    per-device sums and token counts are added up."""
     if use_pallas("cross_entropy", hidden):
         from pallas_kernels.cross_entropy import cross_entropy as kernel
 
         _note("cross_entropy", "pallas")
-        return kernel(hidden, lm_head.astype(hidden.dtype), labels, softcap=softcap, ignore_index=ignore_index)
-    _note("cross_entropy", "xla")
-    return ref.cross_entropy(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
+        lm_head = lm_head.astype(hidden.dtype)
+    else:
+        _note("cross_entropy", "xla")
+
+        def kernel(h, w, y, softcap, ignore_index):
+            return ref.cross_entropy(h, w, y, softcap=softcap, ignore_index=ignore_index, chunk_size=chunk)
+
+    if not mesh_batch_axes():
+        return kernel(hidden, lm_head, labels, softcap=softcap, ignore_index=ignore_index)
+
+    def shard_sum(h, y, w):  # one device's token-loss sum and token count
+        n = jnp.sum(y != ignore_index)
+        return (kernel(h, w, y, softcap=softcap, ignore_index=ignore_index) * n)[None], n[None]
+
+    sums, counts = per_batch_shard(shard_sum, (hidden, labels), (lm_head,))
+    return jnp.sum(sums) / jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
 
 
 def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, softcap: float | None = None,
@@ -419,5 +489,5 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask", "cross_entropy",
-           "token_logprobs", "use_pallas", "PALLAS_WINS"]
+           "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask",
+           "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

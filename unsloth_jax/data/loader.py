@@ -129,15 +129,19 @@ class DataLoader:
         return rows + [[] for _ in range(self.batch_size - len(rows))]
 
     # --------------------------------------------------------------------------------------------- batches
-    def batch(self, epoch: int, index: int) -> dict[str, np.ndarray]:
-        """Batch ``index`` (0 <= index < len(self)) of ``epoch``: a dict of int32 arrays [batch_size, S]."""
-        rows = self.batch_rows(epoch, index)
+    def batch(self, epoch: int, index: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+        """Batch ``index`` (0 <= index < len(self)) of ``epoch``: a dict of int32 arrays [batch_size, S].
+
+        ``rows``: build only these rows of the batch (one host's share of a global batch on several hosts,
+        see unsloth_jax.distributed.host_rows); S is still the whole batch's, so every host agrees on it."""
+        every_row = self.batch_rows(epoch, index)
         if self.packing:
             S = self.max_seq_length
         else:
-            longest = max((int(self.lengths[r[0]]) for r in rows if r), default=1)
+            longest = max((int(self.lengths[r[0]]) for r in every_row if r), default=1)
             S = pick_bucket(longest, self.bucket_lengths)
-        B = self.batch_size
+        rows = every_row if rows is None else every_row[rows]
+        B = len(rows)
         out = {
             "input_ids": np.full((B, S), self.pad_token_id, dtype=np.int32),
             "labels": np.full((B, S), IGNORE_INDEX, dtype=np.int32),

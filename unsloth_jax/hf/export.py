@@ -41,7 +41,7 @@ import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.file_modes import chmod_like_new
-from unsloth_jax.hf.mapping import PROJ_MODULE, tensor_specs
+from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
@@ -237,9 +237,10 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
     alpha = lo.lora_alpha
     if isinstance(alpha, float) and alpha.is_integer():
         alpha = int(alpha)
+    targets, rank_pattern, alpha_pattern = _peft_targets(model)
     return {
         "alora_invocation_tokens": None,
-        "alpha_pattern": {},
+        "alpha_pattern": alpha_pattern,
         "arrow_config": None,
         "auto_mapping": None,
         "base_model_name_or_path": base_model_name_or_path,
@@ -268,10 +269,10 @@ def _adapter_config(model, base_model_name_or_path) -> dict:
         "peft_version": PEFT_SCHEMA_VERSION,
         "qalora_group_size": 16,
         "r": int(lo.r),
-        "rank_pattern": {},
+        "rank_pattern": rank_pattern,
         "revision": None,
-        "target_modules": list(lo.target_modules),
-        "target_parameters": None,
+        "target_modules": targets,
+        "target_parameters": list(lo.target_parameters) if lo.target_parameters else None,
         "task_type": "CAUSAL_LM",
         "trainable_token_indices": None,
         "use_bdlora": None,
@@ -290,7 +291,15 @@ def _adapter_entries(model) -> list[_Entry]:
     n = model.config.num_hidden_layers
     entries: list[_Entry] = []
     f32 = np.dtype(np.float32)
+    if model.config.is_moe:
+        from unsloth_jax.hf.moe_io import check_adapter_expressible, expert_adapter_tensors
+
+        check_adapter_expressible(model)
+        entries += [_Entry(name, shape, f32, make) for name, shape, make in expert_adapter_tensors(model)]
+    fused = {p for _, _, group in fused_groups(model.config) for p in group}
     for proj in lo.target_modules:
+        if proj in fused:
+            continue  # written below as the checkpoint's fused module
         lin = projs[proj]
         if lin.lora_a is None:
             raise ConfigError(f"model.lora targets {proj} but model.model.layers.{PROJ_MODULE[proj]}.{proj} has no "
@@ -303,6 +312,7 @@ def _adapter_entries(model) -> list[_Entry]:
                                   lambda a=a, i=i: np.asarray(a[i], np.float32).T))
             entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
                                   lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+    entries += _fused_adapter_entries(model)
     if lo.bias in ("all", "lora_only"):
         for proj, lin in projs.items():
             if lin.bias is None:
@@ -338,6 +348,63 @@ def _ties_saved_embedding(model) -> bool:
     return model.lm_head is None and "embed_tokens" in (model.lora.modules_to_save or ())
 
 
+# ------------------------------------------------------------------- adapters of fused modules (Phi-3)
+# Phi-3's checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj, so PEFT adapts those fused modules.
+# Our decoder keeps the projections apart, each with its own LoRA pair (A_p [in, r], B_p [r, out_p]). Their
+# fused equivalent, exactly, is one rank n*r pair over the n projections of the group: A = [A_1^T; ...; A_n^T]
+# [n r, in] and B = blockdiag(B_1^T, ..., B_n^T) [sum out_p, n r]. A projection of the group that is not targeted
+# gets zero blocks (so the layout, and the split on import, never depends on which were targeted).
+# adapter_config.json says so with rank_pattern {fused: n r} and alpha_pattern {fused: alpha'}, alpha' keeping
+# the scale: n * alpha (alpha / r), or sqrt(n) * alpha with rsLoRA (alpha / sqrt(r)).
+def _peft_targets(model) -> tuple[list[str], dict, dict]:
+    """adapter_config.json's target_modules, rank_pattern and alpha_pattern for the model's LoRA settings."""
+    lo = model.lora
+    targets = list(lo.target_modules)
+    rank_pattern, alpha_pattern = {}, {}
+    for name, _, group in fused_groups(model.config):
+        if not any(p in targets for p in group):
+            continue
+        targets = [t for t in targets if t not in group] + [name]
+        n = len(group)
+        rank_pattern[name] = n * lo.r
+        alpha = lo.lora_alpha * (n ** 0.5 if lo.use_rslora else n)
+        alpha_pattern[name] = int(alpha) if float(alpha).is_integer() else float(alpha)
+    return targets, rank_pattern, alpha_pattern
+
+
+def _fused_adapter_entries(model) -> list[_Entry]:
+    lo = model.lora
+    projs = model.projections()
+    f32 = np.dtype(np.float32)
+    entries: list[_Entry] = []
+    for name, parent, group in fused_groups(model.config):
+        if not any(p in lo.target_modules for p in group):
+            continue
+        lins = [projs[p] if p in lo.target_modules else None for p in group]
+        d_in = projs[group[0]].in_features
+        outs = [projs[p].out_features for p in group]
+        rank = len(group) * lo.r
+
+        def fused_a(i, lins=lins, d_in=d_in):
+            return np.concatenate([np.zeros((lo.r, d_in), np.float32) if lin is None else
+                                   np.asarray(lin.lora_a[...][i], np.float32).T for lin in lins])
+
+        def fused_b(i, lins=lins, outs=outs, rank=rank):
+            b = np.zeros((sum(outs), rank), np.float32)
+            row = 0
+            for k, (lin, out) in enumerate(zip(lins, outs)):
+                if lin is not None:
+                    b[row:row + out, k * lo.r:(k + 1) * lo.r] = np.asarray(lin.lora_b[...][i], np.float32).T
+                row += out
+            return b
+
+        for i in range(model.config.num_hidden_layers):
+            p = f"base_model.model.model.layers.{i}.{parent}.{name}"
+            entries.append(_Entry(f"{p}.lora_A.weight", (rank, d_in), f32, lambda i=i, fa=fused_a: fa(i)))
+            entries.append(_Entry(f"{p}.lora_B.weight", (sum(outs), rank), f32, lambda i=i, fb=fused_b: fb(i)))
+    return entries
+
+
 def _np_dtype(dt) -> np.dtype:
     dt = np.dtype(dt)
     return np.dtype(ml_dtypes.bfloat16) if dt == np.dtype(ml_dtypes.bfloat16) else dt
@@ -364,10 +431,21 @@ def save_adapter(model, out_dir, *, base_model_name_or_path=None) -> None:
 
 # -------------------------------------------------------------------------------------------- merged
 def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
-    """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head)."""
+    """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head;
+    then the MoE tensors of MoE families)."""
+    from unsloth_jax.hf.moe_io import MergedExperts
+
     entries: list[_Entry] = []
+    experts = MergedExperts(model) if model.config.is_moe else None
     for name, spec in tensor_specs(model.config).items():
-        if spec.kind == "kernel":
+        if spec.kind in ("router", "expert", "experts", "experts_t"):
+            make = experts.maker(spec, out_dtype)
+        elif spec.kind == "fused":  # Phi-3: the merged projections stacked back into one tensor
+            lins = [variable_parent(model, part.path) for part in spec.parts]
+
+            def make(lins=lins, i=spec.layer):
+                return np.concatenate([merged_kernel(lin, i).T for lin in lins]).astype(out_dtype)
+        elif spec.kind == "kernel":
             lin = variable_parent(model, spec.path)
 
             def make(lin=lin, i=spec.layer):
@@ -390,12 +468,27 @@ def variable_parent(model, path: tuple[str, ...]):
     return node
 
 
+def source_config(model) -> dict | None:
+    """The config.json dict of the checkpoint the model was loaded from (rebuilt from the metadata for a GGUF
+    file), or None when there is none."""
+    if model.model_dir is None:
+        return None
+    src = Path(model.model_dir)
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        from unsloth_jax.hf.gguf_loading import hf_config
+
+        return hf_config(src)
+    if (src / "config.json").is_file():
+        return json.loads((src / "config.json").read_text())
+    return None
+
+
 def _merged_config(model, out_dtype: np.dtype) -> dict:
-    if model.model_dir is None or not (Path(model.model_dir) / "config.json").is_file():
+    raw = source_config(model)
+    if raw is None:
         raise CheckpointNotFoundError(
             f"cannot write config.json for the merged model: the source directory {model.model_dir!r} has no "
             "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
-    raw = json.loads((Path(model.model_dir) / "config.json").read_text())
     raw.pop("quantization_config", None)  # the merged weights are dense
     raw["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
     name = _dtype_name(out_dtype)
@@ -426,7 +519,7 @@ def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: 
             "weight_map": weight_map})
     _write_json(directory / "config.json", config)
     src = Path(model.model_dir)
-    if (src / "generation_config.json").is_file():
+    if src.is_dir() and (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
     if tokenizer is not None or copy_tokenizer:
         _write_tokenizer(model, directory, tokenizer)
@@ -437,11 +530,17 @@ def _write_tokenizer(model, directory: Path, tokenizer) -> None:
         tokenizer.save_pretrained(str(directory))
         return
     src = Path(model.model_dir) if model.model_dir is not None else None
-    source_vocab = json.loads((src / "config.json").read_text()).get("vocab_size") if src is not None else None
+    source_vocab = (source_config(model) or {}).get("vocab_size")
     if source_vocab is not None and source_vocab != model.config.vocab_size:
         log.warning("unsloth_jax: the vocabulary grew from %s to %d tokens (add_new_tokens) but no tokenizer was "
                     "given: the tokenizer copied from %s lacks the new tokens; pass tokenizer=", source_vocab,
                     model.config.vocab_size, src)
+    if src is not None and src.is_file() and src.suffix.lower() == ".gguf":  # the tokenizer its metadata holds
+        from unsloth_jax.hf.gguf_loading import gguf_tokenizer
+
+        gguf_tokenizer(src).save_pretrained(str(directory))
+        log.info("unsloth_jax: no tokenizer given; wrote the one in %s", src)
+        return
     copied = []
     if src is not None and src.is_dir():
         for fname in _TOKENIZER_FILES:

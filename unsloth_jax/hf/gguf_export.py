@@ -5,7 +5,9 @@
 The file is what llama.cpp's convert_hf_to_gguf.py writes for the merged 16-bit checkpoint that
 `export.save_merged` produces (facts from ggml-org/llama.cpp `convert_hf_to_gguf.py` / `conversion/*.py`):
 
-* architectures: llama (Llama and Mistral), qwen2, qwen3, gemma, gemma2;
+* architectures: llama (Llama and Mistral), qwen2, qwen3, gemma, gemma2, phi3 (its fused qkv_proj / gate_up_proj
+  written back as attn_qkv / ffn_up; LongRoPE as rope_factors_long / rope_factors_short tensors plus
+  rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does); Gemma 3 is refused;
 * tensors: llama.cpp names (token_embd, blk.N.attn_q, ..., output_norm, output); a tensor that is not float16 or
   float32 in the HF checkpoint (bf16) is converted to float32 first; Llama/Mistral q_proj/k_proj rows are
   permuted from HF's rotate-half RoPE layout to llama.cpp's interleaved one; Gemma norms are stored as 1 + w;
@@ -64,7 +66,7 @@ _ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "fp16": "f16", "fl
             "float32": "f32", "fp32": "f32"}
 _LOW_BIT = ("q4_0", "q4_1", "q5_0", "q5_1")
 _ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
-         "gemma2": "GEMMA2"}
+         "gemma2": "GEMMA2", "phi3": "PHI3"}
 
 # convert_hf_to_gguf.py's pre-tokenizer check text and the hashes of the families this package supports.
 _CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ '
@@ -162,6 +164,8 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     if permute and cfg.rope_type == "llama3":
         plan.append(_Tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", (cfg.head_dim // 2,), Q.F32,
                             lambda: llama3_rope_factors(cfg)))
+    if cfg.model_type == "phi3":
+        plan += _phi3_rope_tensors(model)
     head_names = {"output.weight"} | ({"token_embd.weight"} if cfg.tie_word_embeddings else set())
     for e in export.merged_entries(model, hf_dtype):
         if gemma and e.name == "lm_head.weight":
@@ -212,9 +216,20 @@ def _quantize(data: np.ndarray, qtype) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------- metadata
 def _source_config(model) -> dict:
-    if model.model_dir is not None and (Path(model.model_dir) / "config.json").is_file():
-        return json.loads((Path(model.model_dir) / "config.json").read_text())
-    return {}
+    from unsloth_jax.hf.export import source_config
+
+    return source_config(model) or {}
+
+
+def _add_shape(w, cfg) -> None:
+    """The size keys every converter writes: context, widths, depth, heads, norm epsilon."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
 def _add_hparams(w, model, raw: dict, ftype) -> None:
@@ -222,13 +237,7 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
     gguf = _gguf()
     mt = cfg.model_type
     if mt in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model.set_gguf_parameters
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        _add_shape(w, cfg)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_file_type(ftype)
@@ -239,18 +248,15 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
             w.add_final_logit_softcapping(cfg.final_softcap)
             w.add_sliding_window(int(raw.get("sliding_window") or max([x for x in cfg.layer_windows if x] or [0])))
         return
+    if mt == "phi3":
+        _add_phi3_hparams(w, model, raw, ftype)
+        return
     # TextModel.set_gguf_parameters
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    _add_shape(w, cfg)
     if cfg.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_factor)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if raw.get("head_dim") is not None or not raw:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -258,6 +264,54 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
     if _ARCH[mt] == "LLAMA":  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
+
+
+# ---------------------------------------------------------------------------------------------- Phi-3
+def _phi3_original_context(model, raw: dict) -> int:
+    cfg = model.config
+    if cfg.rope_type == "longrope":
+        return cfg.rope_original_max_position
+    return int(raw.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+
+
+def _phi3_rope_dims(model) -> int:
+    """The converter's rope_dims: int(partial_rotary_factor * hidden) // heads."""
+    cfg = model.config
+    return cfg.rope_dim * cfg.hidden_size // (cfg.num_attention_heads * cfg.head_dim)
+
+
+def _phi3_rope_tensors(model) -> list[_Tensor]:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors, long then short, F32 [rope_dims / 2]."""
+    gguf = _gguf()
+    cfg = model.config
+    if cfg.rope_type != "longrope":
+        return []
+    if len(cfg.rope_long_factor) * 2 != _phi3_rope_dims(model):
+        raise ConfigError(f"LongRoPE factors have {len(cfg.rope_long_factor)} entries but llama.cpp's phi3 wants "
+                          f"rope_dims / 2 = {_phi3_rope_dims(model) // 2}")
+    Q = gguf.GGMLQuantizationType
+    out = []
+    for tensor, factors in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, cfg.rope_long_factor),
+                            (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, cfg.rope_short_factor)):
+        out.append(_Tensor(gguf.TENSOR_NAMES[tensor] + ".weight", (len(factors),), Q.F32,
+                           lambda f=factors: np.asarray(f, np.float32)))
+    return out
+
+
+def _add_phi3_hparams(w, model, raw: dict, ftype) -> None:
+    """Phi3MiniModel.set_gguf_parameters (it does not call TextModel's)."""
+    cfg = model.config
+    original = _phi3_original_context(model, raw)
+    _add_shape(w, cfg)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_dimension_count(_phi3_rope_dims(model))
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_file_type(ftype)
+    windows = [x for x in cfg.layer_windows if x]
+    w.add_sliding_window(int(raw.get("sliding_window") or (windows[0] if windows else 0)))
+    if cfg.rope_type == "longrope":  # the converter derives the factor from the context lengths, not the config
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -505,13 +559,21 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     method = resolve_method(quantization_method)
     cfg = model.config
     if cfg.model_type not in _ARCH:
-        raise UnsupportedArchitectureError(f"GGUF export does not support model_type {cfg.model_type!r}")
+        raise UnsupportedArchitectureError(
+            f"GGUF export does not support model_type {cfg.model_type!r} (supported: {', '.join(_ARCH)}); save "
+            "the merged 16-bit model with save_pretrained_merged and convert it with llama.cpp's "
+            "convert_hf_to_gguf.py")
     if tokenizer is None:
         if model.model_dir is None:
             raise ConfigError("save_gguf needs the tokenizer (pass the one from_pretrained returned)")
-        from transformers import AutoTokenizer
+        if str(model.model_dir).lower().endswith(".gguf"):
+            from unsloth_jax.hf.gguf_loading import gguf_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model.model_dir))
+            tokenizer = gguf_tokenizer(model.model_dir)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model.model_dir))
     ftype = getattr(gguf.LlamaFileType, _METHODS[method][1])
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, _ARCH[cfg.model_type])]
     out_dir = Path(out_dir)

@@ -23,8 +23,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
+from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from unsloth_jax.hf.mapping import TensorSpec, detect_expert_layout, fused_parts, stack_shape, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.state import fill
@@ -87,7 +87,28 @@ def get_path(tree: dict, path: tuple[str, ...]):
 
 
 def _to_param_layout(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    return array.T if spec.kind == "kernel" else array
+    if spec.kind in ("kernel", "router", "expert"):
+        return array.T
+    if spec.kind == "experts":  # a fused [E, out, in] expert stack -> [E, in, out]
+        return np.swapaxes(array, 1, 2)
+    return array
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_expert_part(buffer: jax.Array, value: jax.Array, layer, expert, column) -> jax.Array:
+    """buffer[layer, expert, :, column:column + out] = value [in, out], in place where donation is supported."""
+    start = (layer, expert, jnp.zeros((), jnp.int32), column)
+    return jax.lax.dynamic_update_slice(buffer, value.astype(buffer.dtype)[None, None], start)
+
+
+def _into_expert_stack(params: dict, spec: TensorSpec, value: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The [L, E, in, out] expert stack at spec.path with one expert's projection (kind "expert") written at
+    (spec.layer, spec.expert, spec.column); allocated (zeros) when the first part is seen."""
+    try:
+        stack = get_path(params, spec.path)
+    except KeyError:
+        stack = jnp.zeros(stack_shape(cfg, spec), value.dtype)
+    return _set_expert_part(stack, value, spec.layer, spec.expert, spec.column)
 
 
 # A weight transform hook: (spec, host array in param layout, dtype) -> the device value to store. The 4-bit
@@ -123,6 +144,25 @@ def _bnb_weight(name: str, spec: TensorSpec, handles: dict, where: dict):
     return q
 
 
+def place(params: Params, spec: TensorSpec, array: np.ndarray, dtype, placer: Placer, cfg: ModelConfig,
+          where: str) -> None:
+    """Write one tensor in HF layout (`array`, numpy, spec.hf_shape) into `params`: through `placer` (a kernel
+    transposed to [in, out] first), a layer into its slot of the stack. A fused tensor (Phi-3 qkv_proj /
+    gate_up_proj) is split by rows into its projections' kernels; one expert's projection (MoE kind "expert")
+    goes into its slot of the [L, E, in, out] expert stack. `where` names the tensor and file in errors."""
+    if spec.kind == "fused":
+        for part, start, end in fused_parts(spec):
+            place(params, part, array[start:end], dtype, placer, cfg, where)
+        return
+    value = placer(spec, _to_param_layout(array, spec), dtype)
+    if spec.layer is None:
+        set_path(params, spec.path, value)
+    elif spec.kind == "expert":
+        set_path(params, spec.path, _into_expert_stack(params, spec, value, cfg))
+    else:
+        set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers, where))
+
+
 def load_params(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -141,7 +181,6 @@ def load_params(
     weights come with their quant-state tensors and load as NF4 weights without re-quantizing.
     """
     placer = placer or default_placer
-    specs = tensor_specs(cfg)
     files = checkpoint_files(model_dir)
     params: Params = {}
     seen: set[str] = set()
@@ -149,6 +188,14 @@ def load_params(
     unexpected: list[str] = []
     handles = {path: SafetensorsFile(path) for path in files}
     where = {name: path for path, f in handles.items() for name in f.keys()}
+    specs = tensor_specs(cfg, detect_expert_layout(cfg, where) if cfg.is_moe else None)
+    fused = [name for name, spec in specs.items() if spec.kind == "fused"]
+    if bnb_4bit and fused:
+        for f in handles.values():
+            f.close()
+        raise ConfigError(f"{model_dir}: a {cfg.model_type} checkpoint pre-quantized by bitsandbytes holds fused "
+                          f"projections ({fused[0]}, ...); splitting a 4-bit tensor is not supported: load the "
+                          "16-bit checkpoint with load_in_4bit=True instead")
     bar = tqdm(total=len(where), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
     try:
         for path, f in handles.items():
@@ -167,23 +214,18 @@ def load_params(
                     continue
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
+                seen.add(name)
                 if bnb_4bit and spec.kind == "kernel":
                     value = _bnb_weight(name, spec, handles, where)
-                else:
-                    if tuple(f.shape(name)) != spec.hf_shape:
-                        raise ShapeMismatchError(
-                            f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
-                            f"{list(spec.hf_shape)}"
-                        )
-                    host = _to_param_layout(f.get(name), spec)
-                    value = placer(spec, host, dtype)
-                    del host
-                seen.add(name)
-                if spec.layer is None:
-                    set_path(params, spec.path, value)
-                else:
                     set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers,
                                                             f"{path}: tensor '{name}'"))
+                    continue
+                if tuple(f.shape(name)) != spec.hf_shape:
+                    raise ShapeMismatchError(
+                        f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                        f"{list(spec.hf_shape)}"
+                    )
+                place(params, spec, f.get(name), dtype, placer, cfg, f"{path}: tensor '{name}'")
     finally:
         bar.close()
         for f in handles.values():
@@ -208,7 +250,12 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, dtype=jnp.bfloat1
 
     Arguments as `load_params`; the model's `model_dir` is set to the directory."""
     values = load_params(model_dir, cfg, dtype, placer=placer, progress=progress, bnb_4bit=bnb_4bit)
+    return model_from_params(values, cfg, dtype, model_class, model_dir)
+
+
+def model_from_params(values: Params, cfg: ModelConfig, dtype, model_class, source) -> CausalLM:
+    """A `model_class` built abstractly (no memory) and filled with `values`; its model_dir is `source`."""
     model = nnx.eval_shape(lambda: model_class(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     fill(model, values)
-    model.model_dir = str(model_dir)
+    model.model_dir = str(source)
     return model

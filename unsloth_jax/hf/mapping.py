@@ -12,7 +12,15 @@ layer index dropped because decoder layers are stacked on a leading axis L (for 
     model.layers.<parent>.<proj>.bias [L, out]       <- model.layers.{i}.<parent>.<proj>.bias
 
 <parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
-layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does).
+layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does). The mixture-of-experts
+families (Qwen3-MoE, Mixtral, gpt-oss) add the router and the expert stacks: see the last section.
+
+Fused checkpoint tensors (Phi-3) hold several of the decoder's projections stacked on the output axis, in order:
+
+    model.layers.{i}.self_attn.qkv_proj.weight [q + 2 kv, D]  -> q_proj, k_proj, v_proj kernels (rows split)
+    model.layers.{i}.mlp.gate_up_proj.weight   [2 F, D]       -> gate_proj, up_proj kernels
+
+Their spec has kind "fused" and `parts`: one kernel spec per projection, in row order (`fused_parts`).
 """
 from __future__ import annotations
 
@@ -39,6 +47,19 @@ _SANDWICH = [
     ("post_feedforward_layernorm.weight", ("post_feedforward_layernorm", "weight"), "norm"),
 ]
 
+# Phi-3: (fused HF suffix, parent module, the projections it holds in row order)
+FUSED_PROJS = {
+    "phi3": (("self_attn.qkv_proj.weight", "self_attn", ("q_proj", "k_proj", "v_proj")),
+             ("mlp.gate_up_proj.weight", "mlp", ("gate_proj", "up_proj"))),
+}
+_PHI3 = [
+    ("input_layernorm.weight", ("input_layernorm", "weight"), "norm"),
+    ("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), "norm"),
+    ("self_attn.o_proj.weight", ("self_attn", "o_proj", "kernel"), "kernel"),
+    ("mlp.down_proj.weight", ("mlp", "down_proj", "kernel"), "kernel"),
+    *[(suffix, (parent, suffix.split(".")[1], "kernel"), "fused") for suffix, parent, _ in FUSED_PROJS["phi3"]],
+]
+
 FAMILY_LAYER_TENSORS = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -46,7 +67,12 @@ FAMILY_LAYER_TENSORS = {
     "qwen3": _LLAMA + _QK_NORM,
     "gemma": _LLAMA,
     "gemma2": _LLAMA + _SANDWICH,
+    "gemma3_text": _LLAMA + _SANDWICH + _QK_NORM,
+    "phi3": _PHI3,
 }
+# MoE families: attention and norms here; the MLP tensors (router, experts, dense layers) come from moe_specs.
+_ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
+FAMILY_LAYER_TENSORS.update({"qwen3_moe": _ATTN_NORMS + _QK_NORM, "mixtral": _ATTN_NORMS, "gpt_oss": _ATTN_NORMS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +83,20 @@ class TensorSpec:
     hf_name: str
     path: tuple[str, ...]
     layer: int | None
-    kind: str  # "embed" | "norm" | "kernel" | "bias"
+    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused", and for MoE families MOE_KINDS
     hf_shape: tuple[int, ...]
+    parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
+    expert: int | None = None  # kind "expert": the expert this tensor is
+    column: int = 0  # kind "expert": first column of the fused output axis it fills (gate 0, up F)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.hf_shape)) if self.kind == "kernel" else self.hf_shape
+        """The shape of this tensor's slot in param layout (one layer; for kind "expert" one expert's part)."""
+        if self.kind in ("kernel", "router", "expert"):
+            return tuple(reversed(self.hf_shape))
+        if self.kind == "experts":
+            return (self.hf_shape[0], self.hf_shape[2], self.hf_shape[1])
+        return self.hf_shape
 
 
 def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -87,8 +121,9 @@ def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
     return entries
 
 
-def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor the checkpoint of `cfg` must hold, keyed by HF name."""
+def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, TensorSpec]:
+    """Every tensor the checkpoint of `cfg` must hold, keyed by HF name. expert_layout (MoE families):
+    "per_expert" or "fused" (see moe_specs); None is what transformers' save_pretrained writes."""
     shapes = _proj_shapes(cfg)
     d, hd = cfg.hidden_size, cfg.head_dim
     specs = {
@@ -101,6 +136,9 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
             name = f"model.layers.{i}.{suffix}"
+            if kind == "fused":
+                specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
+                continue
             if kind == "kernel":
                 shape = shapes[sub[1]]
             elif kind == "bias":
@@ -110,4 +148,109 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
             else:
                 shape = (d,)
             specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
+    if cfg.is_moe:
+        specs.update(moe_specs(cfg, expert_layout))
     return specs
+
+
+def fused_groups(cfg: ModelConfig) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """(fused HF module name, parent, projections in row order) of the family, e.g. ("qkv_proj", "self_attn",
+    ("q_proj", "k_proj", "v_proj")) for Phi-3; empty for families whose checkpoints keep projections apart."""
+    return tuple((suffix.split(".")[1], parent, projs) for suffix, parent, projs in FUSED_PROJS.get(cfg.model_type, ()))
+
+
+def _fused_spec(cfg: ModelConfig, name: str, suffix: str, layer: int, shapes: dict) -> TensorSpec:
+    parent, projs = next((p, pr) for s, p, pr in FUSED_PROJS[cfg.model_type] if s == suffix)
+    parts = tuple(TensorSpec(name, LAYERS + (parent, p, "kernel"), layer, "kernel", shapes[p]) for p in projs)
+    rows = sum(part.hf_shape[0] for part in parts)
+    return TensorSpec(name, LAYERS + (parent, suffix.split(".")[1]), layer, "fused", (rows, shapes[projs[0]][1]),
+                      parts)
+
+
+def fused_parts(spec: TensorSpec):
+    """(part spec, first row, end row) of each projection held by a fused spec, in row order."""
+    start = 0
+    for part in spec.parts:
+        yield part, start, start + part.hf_shape[0]
+        start += part.hf_shape[0]
+
+
+# ------------------------------------------------------------------------------- mixture-of-experts families
+# Kinds of the MoE tensors: "router" (HF [E, D] -> kernel [D, E]), "expert" (one expert's [out, in] projection,
+# written transposed into columns [column, column + out) of expert `expert` of the fused stack), "experts"
+# (a fused [E, out, in] stack -> [E, in, out]), "experts_t" (a fused stack already [E, in, out]: gpt-oss) and
+# "copy" (biases, sinks: copied).
+MOE_KINDS = ("router", "expert", "experts", "experts_t", "copy")
+EXPERT_LAYOUTS = ("per_expert", "fused")
+# transformers 5's save_pretrained writes the original (per-expert) format for Qwen3-MoE and Mixtral, fused
+# 3-D expert tensors for gpt-oss; with save_original_format=False it writes Qwen3-MoE and Mixtral fused too.
+DEFAULT_EXPERT_LAYOUT = {"qwen3_moe": "per_expert", "mixtral": "per_expert", "gpt_oss": "fused"}
+# Per-expert names: (checkpoint module of the MoE block, gate, up, down) (Mixtral's Hub checkpoints: w1/w3/w2).
+_PER_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                     "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def detect_expert_layout(cfg: ModelConfig, names) -> str:
+    """The expert layout of a checkpoint holding tensor `names`: "fused" when it has fused expert stacks
+    (`...mlp.experts.gate_up_proj`), else "per_expert" (gpt-oss checkpoints are always fused)."""
+    if cfg.model_type == "gpt_oss" or any(n.endswith(".mlp.experts.gate_up_proj") for n in names):
+        return "fused"
+    return "per_expert"
+
+
+def moe_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, TensorSpec]:
+    """The per-layer MLP tensors of a MoE family: the router and experts of the sparse layers, the dense
+    gate/up/down projections of the others (Qwen3-MoE mlp_only_layers), and gpt-oss's attention sinks."""
+    layout = expert_layout or DEFAULT_EXPERT_LAYOUT[cfg.model_type]
+    if layout not in EXPERT_LAYOUTS or (cfg.model_type == "gpt_oss" and layout != "fused"):
+        raise ValueError(f"expert layout {layout!r} is not one of {cfg.model_type}'s")
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    mlp = LAYERS + ("mlp",)
+    gate_up, down = mlp + ("experts", "gate_up_proj"), mlp + ("experts", "down_proj")
+    specs: dict[str, TensorSpec] = {}
+
+    def add(name, path, layer, kind, shape, **kw):
+        specs[name] = TensorSpec(name, path, layer, kind, tuple(shape), **kw)
+
+    for i in range(cfg.num_hidden_layers):
+        if cfg.attn_sinks:
+            add(f"model.layers.{i}.self_attn.sinks", LAYERS + ("self_attn", "sinks"), i, "copy",
+                (cfg.num_attention_heads,))
+        if not cfg.layer_sparse[i]:
+            for proj, shape in (("gate_proj", (cfg.intermediate_size, d)), ("up_proj", (cfg.intermediate_size, d)),
+                                ("down_proj", (d, cfg.intermediate_size))):
+                add(f"model.layers.{i}.mlp.{proj}.weight", mlp + (proj, "kernel"), i, "kernel", shape)
+            continue
+        if cfg.model_type == "gpt_oss":
+            p = f"model.layers.{i}.mlp"
+            add(f"{p}.router.weight", mlp + ("router", "kernel"), i, "router", (e, d))
+            add(f"{p}.router.bias", mlp + ("router", "bias"), i, "copy", (e,))
+            add(f"{p}.experts.gate_up_proj", gate_up + ("kernel",), i, "experts_t", (e, d, 2 * f))
+            add(f"{p}.experts.gate_up_proj_bias", gate_up + ("bias",), i, "copy", (e, 2 * f))
+            add(f"{p}.experts.down_proj", down + ("kernel",), i, "experts_t", (e, f, d))
+            add(f"{p}.experts.down_proj_bias", down + ("bias",), i, "copy", (e, d))
+            continue
+        block, w_gate, w_up, w_down = _PER_EXPERT_NAMES[cfg.model_type]
+        if layout == "fused":
+            p = f"model.layers.{i}.mlp"
+            add(f"{p}.gate.weight", mlp + ("gate", "kernel"), i, "router", (e, d))
+            add(f"{p}.experts.gate_up_proj", gate_up + ("kernel",), i, "experts", (e, 2 * f, d))
+            add(f"{p}.experts.down_proj", down + ("kernel",), i, "experts", (e, d, f))
+            continue
+        p = f"model.layers.{i}.{block}"
+        add(f"{p}.gate.weight", mlp + ("gate", "kernel"), i, "router", (e, d))
+        for x in range(e):
+            add(f"{p}.experts.{x}.{w_gate}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=0)
+            add(f"{p}.experts.{x}.{w_up}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=f)
+            add(f"{p}.experts.{x}.{w_down}.weight", down + ("kernel",), i, "expert", (d, f), expert=x, column=0)
+    return specs
+
+
+def stack_shape(cfg: ModelConfig, spec: TensorSpec) -> tuple[int, ...]:
+    """The full layer-stacked shape of the variable a layer tensor goes into ([L, ...]; for kind "expert"
+    the whole [L, E, in, out] stack)."""
+    n = cfg.num_hidden_layers
+    if spec.kind != "expert":
+        return (n, *spec.param_shape)
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return (n, e, d, 2 * f) if spec.path[-2] == "gate_up_proj" else (n, e, f, d)

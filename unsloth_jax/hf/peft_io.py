@@ -14,7 +14,8 @@ grow the model's vocabulary to match) and trained biases
 (`...<proj>.base_layer.bias` for targeted projections, `...<proj>.bias` otherwise). LoRA factors are kept in
 float32 whatever the file's dtype. Features this package cannot reproduce (DoRA, per-layer rank/alpha patterns,
 layer subsets, ...) raise `ConfigError` naming the field; tensors it does not understand raise
-`UnexpectedTensorError` naming the key and file.
+`UnexpectedTensorError` naming the key and file. MoE families: LoRA on the experts (`target_parameters`) in
+PEFT's ParamWrapper form, read by `unsloth_jax.hf.moe_io.read_expert_adapter`.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -62,7 +63,6 @@ _UNSUPPORTED = {
     "layers_to_transform": (lambda v: v is not None, "a subset of layers (layers_to_transform)"),
     "layers_pattern": (lambda v: v is not None and v != [], "layers_pattern"),
     "layer_replication": (lambda v: v is not None, "layer_replication"),
-    "target_parameters": (bool, "LoRA on raw parameters (target_parameters)"),
     "lora_bias": (bool, "a trainable bias on lora_B (lora_bias=true)"),
     "use_qalora": (bool, "QA-LoRA (use_qalora=true)"),
     "trainable_token_indices": (bool, "trainable_token_indices"),
@@ -110,7 +110,7 @@ def base_model_path(adapter_dir) -> str:
     p = Path(os.path.expanduser(str(name)))
     candidates = [p] if p.is_absolute() else [adapter_dir / p, Path.cwd() / p]
     for c in candidates:
-        if c.is_dir():
+        if c.is_dir() or (c.is_file() and c.suffix.lower() == ".gguf"):
             return str(c)
     looked = ", ".join(str(c) for c in candidates)
     raise CheckpointNotFoundError(
@@ -138,12 +138,15 @@ def _module_names(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
 
 
-def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME) -> tuple[str, ...]:
+def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None) -> tuple[str, ...]:
     """PEFT's target_modules -> projection short names. Accepts a list of names (matched as PEFT does: equal to,
-    or a '.'-separated suffix of, the module name), a regex string (full match), or "all-linear"."""
+    or a '.'-separated suffix of, the module name), a regex string (full match), or "all-linear". `present`:
+    the projections the model has (a MoE model may lack the dense MLP ones); default all."""
     if target_modules is None:
         raise ConfigError(f"{source}: target_modules is missing")
     names = _module_names(num_layers)
+    if present is not None:
+        names = [n for n in names if n.rsplit(".", 1)[1] in present]
     if isinstance(target_modules, str):
         if target_modules == "all-linear":
             return ALL_TARGETS
@@ -232,6 +235,9 @@ def load_adapter(model, adapter_dir):
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / CONFIG_NAME
     raw = read_adapter_config(adapter_dir)
+    split = None
+    if fused_groups(model.config):
+        raw, split = split_fused_adapter(raw, adapter_dir, model)
     _check_supported(raw, cfg_path)
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -244,7 +250,14 @@ def load_adapter(model, adapter_dir):
         raise ConfigError(f"{cfg_path}: r must be positive, got {r}")
     if alpha == int(alpha):
         alpha = int(alpha)
-    targets = resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path))
+    from unsloth_jax.hf import moe_io
+
+    expert_targets = moe_io.resolve_target_parameters(raw.get("target_parameters"), str(cfg_path))
+    if expert_targets and not cfg.is_moe:
+        raise ConfigError(f"{cfg_path}: adapter uses PEFT feature(s) unsloth_jax does not support: LoRA on raw "
+                          f"parameters (target_parameters) of a {cfg.model_type} model")
+    targets = (resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path), present=model.projections())
+               if raw.get("target_modules") or not expert_targets else ())
     bias = raw.get("bias", "none") or "none"
     if bias not in ("none", "all", "lora_only"):
         raise ConfigError(f"{cfg_path}: bias {bias!r} is not supported (none, all, lora_only)")
@@ -270,7 +283,12 @@ def load_adapter(model, adapter_dir):
     unexpected: list[str] = []
     key_of_saved = {v: k for k, v in SAVED_MODULE_KEYS.items()}
     with SafetensorsFile(weights) as f:
+        expert_factors = moe_io.read_expert_adapter(model, f, expert_targets, r, weights) if expert_targets else {}
+        if split is not None:
+            f = _SplitTensors(f, split)
         for key in f.keys():
+            if expert_targets and moe_io.is_expert_key(key):
+                continue  # read above
             m = _LAYER_KEY.match(key)
             if m is None:
                 plain, part = _embedding_layer_key(key)
@@ -353,13 +371,150 @@ def load_adapter(model, adapter_dir):
         resize_token_embeddings(model, vocab)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=targets,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0), bias=bias,
-                            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved)
+                            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved,
+                            target_parameters=expert_targets or None)
     add_lora(model, settings, jax.random.PRNGKey(0))
     for p in targets:
         projs[p].lora_a[...] = jnp.asarray(lora_a[p])
         projs[p].lora_b[...] = jnp.asarray(lora_b[p])
+    experts = model.expert_projections()
+    for name, (a, b) in expert_factors.items():
+        experts[name].lora_a[...] = jnp.asarray(a)
+        experts[name].lora_b[...] = jnp.asarray(b)
     for proj, value in new_biases.items():
         projs[proj].bias[...] = value
     for mod, value in saved_values.items():
         variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model
+
+
+# ------------------------------------------------------------------- adapters of fused modules (Phi-3)
+class _SplitTensors:
+    """An adapter file seen with its fused modules' LoRA tensors replaced by the split per-projection ones."""
+
+    def __init__(self, f: SafetensorsFile, split: tuple[dict[str, np.ndarray], set[str]]):
+        self._f = f
+        self._split, self._fused = split
+
+    def keys(self):
+        return [k for k in self._f.keys() if k not in self._fused] + list(self._split)
+
+    def get(self, key):
+        return self._split[key] if key in self._split else self._f.get(key)
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key k with module matching (.*\\.)?(k)$."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key, value
+    return None, default
+
+
+def split_fused_adapter(raw: dict, adapter_dir, model):
+    """A PEFT adapter of a model whose checkpoint fuses projections (Phi-3: qkv_proj, gate_up_proj) in the form
+    load_adapter reads: (adapter_config with the split projection names as targets, and None when no fused
+    module is targeted, else ({PEFT key: array} of the split LoRA tensors, the fused keys they replace)).
+    Two layouts split exactly, per fused module of n projections and rank R:
+
+      R = r (PEFT trained the fused module): every projection gets A [r, in] and its rows of B;
+      R = n r with alpha giving the same scale (what save_pretrained writes, see hf/export.py): B is block
+        diagonal, projection k gets A rows and B columns k r .. (k + 1) r; a projection whose A block is zero
+        in every layer was not targeted.
+
+    Other ranks, or a non-block-diagonal B at R = n r, raise ConfigError naming the tensor."""
+    adapter_dir = Path(adapter_dir)
+    cfg_path, weights = adapter_dir / CONFIG_NAME, adapter_dir / WEIGHTS_NAME
+    groups = {name: (parent, projs) for name, parent, projs in fused_groups(model.config)}
+    targets = raw.get("target_modules")
+    n_layers = model.config.num_hidden_layers
+    names = [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(n_layers)
+             for p in ALL_TARGETS if not any(p in projs for _, projs in groups.values())]
+    names += [f"model.layers.{i}.{parent}.{name}" for i in range(n_layers) for name, (parent, _) in groups.items()]
+    if targets == "all-linear" or targets is None or not weights.is_file():
+        hit = names if targets == "all-linear" else []
+    elif isinstance(targets, str):
+        try:
+            hit = [n for n in names if re.fullmatch(targets, n)]
+        except re.error as e:
+            raise ConfigError(f"{cfg_path}: target_modules regex {targets!r} is invalid ({e})") from None
+    else:
+        hit = [n for n in names if any(n == str(t) or n.endswith("." + str(t)) for t in targets)]
+        known = {n.rsplit(".", 1)[1] for n in names}
+        unknown = [str(t) for t in targets if not any(n == str(t) or n.endswith("." + str(t)) for n in names)]
+        if unknown:
+            raise ConfigError(f"{cfg_path}: target_modules {unknown} name no module of this {model.config.model_type} "
+                              f"checkpoint (it has {', '.join(sorted(known))})")
+    fused_hit = sorted({n.rsplit(".", 1)[1] for n in hit} & set(groups))
+    if not fused_hit:
+        return raw, None
+    try:
+        r = int(raw["r"])
+        alpha = float(raw.get("lora_alpha", 8))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{cfg_path}: 'r' (int) and 'lora_alpha' (number) are required") from None
+    rslora = bool(raw.get("use_rslora", False))
+    scale = alpha / (r ** 0.5 if rslora else r)
+    projs_now = model.projections()
+    split: dict[str, np.ndarray] = {}
+    consumed: set[str] = set()
+    used_patterns: set[str] = set()
+    targeted: set[str] = set()
+    with SafetensorsFile(weights) as f:
+        for name in fused_hit:
+            parent, projs = groups[name]
+            outs = [projs_now[p].out_features for p in projs]
+            d_in = projs_now[projs[0]].in_features
+            n = len(projs)
+            blocks_used = [False] * n
+            per_layer = []
+            for i in range(n_layers):
+                module = f"model.layers.{i}.{parent}.{name}"
+                key_a = f"base_model.model.{module}.lora_A.weight"
+                key_b = f"base_model.model.{module}.lora_B.weight"
+                if key_a not in f.keys() or key_b not in f.keys():
+                    raise MissingTensorError(f"{weights}: adapter targets {name} but '{key_a}' or '{key_b}' is missing")
+                a, b = np.asarray(f.get(key_a), np.float32), np.asarray(f.get(key_b), np.float32)
+                consumed |= {key_a, key_b}
+                rank = a.shape[0]
+                if a.shape != (rank, d_in) or b.shape != (sum(outs), rank):
+                    raise ShapeMismatchError(f"{weights}: '{key_a}' {list(a.shape)} / '{key_b}' {list(b.shape)} do not "
+                                             f"fit {name} [{sum(outs)}, {d_in}]")
+                rkey, _ = _pattern_value(raw.get("rank_pattern"), module, r)
+                akey, alpha_f = _pattern_value(raw.get("alpha_pattern"), module, alpha)
+                used_patterns |= {k for k in (rkey, akey) if k is not None}
+                scale_f = float(alpha_f) / (rank ** 0.5 if rslora else rank)
+                if rank not in (r, n * r) or abs(scale_f - scale) > 1e-6 * abs(scale):
+                    raise ConfigError(
+                        f"{weights}: '{key_a}' has rank {rank} and scale {scale_f:g}; unsloth_jax splits a fused {name} "
+                        f"adapter only at rank r={r} (shared A) or {n}*r={n * r} (block diagonal) with the scale of "
+                        f"r and lora_alpha ({scale:g})")
+                per_layer.append((i, a, b, rank))
+                if rank == n * r:
+                    row = 0
+                    for k, out in enumerate(outs):
+                        cols = slice(k * r, (k + 1) * r)
+                        off = np.delete(b[row:row + out], np.s_[k * r:(k + 1) * r], axis=1)
+                        if np.any(off):
+                            raise ConfigError(f"{weights}: '{key_b}' is not block diagonal (rows of {projs[k]} use "
+                                              f"other projections' ranks), so it cannot be split into per-projection "
+                                              "LoRA pairs exactly")
+                        blocks_used[k] |= bool(np.any(a[cols]))
+                        row += out
+                else:
+                    blocks_used = [True] * n
+            for i, a, b, rank in per_layer:
+                row = 0
+                for k, (p, out) in enumerate(zip(projs, outs)):
+                    if blocks_used[k]:
+                        cols = slice(None) if rank == r else slice(k * r, (k + 1) * r)
+                        prefix = f"base_model.model.model.layers.{i}.{parent}.{p}"
+                        split[f"{prefix}.lora_A.weight"] = a[cols]
+                        split[f"{prefix}.lora_B.weight"] = b[row:row + out, cols]
+                    row += out
+            targeted |= {p for p, used in zip(projs, blocks_used) if used}
+    plain = sorted({n.rsplit(".", 1)[1] for n in hit} - set(groups))
+    out = dict(raw, target_modules=plain + [p for p in ALL_TARGETS if p in targeted])
+    for field in ("rank_pattern", "alpha_pattern"):
+        out[field] = {k: v for k, v in (raw.get(field) or {}).items() if k not in used_patterns}
+    return out, (split, consumed)

@@ -4,7 +4,8 @@ from unsloth_jax.models.decoder import (ATTN_PROJS, MLP_PROJS, PROJ_PARENT, REMA
                                         DecoderModel, make_batch, remat)
 from unsloth_jax.models.layers import Embedding, FP8Param, Linear, NF4Param, RMSNorm, value_of
 from unsloth_jax.models.mlp import MLP
+from unsloth_jax.models.moe import Experts, GroupedLinear, Router, RouterStats, SparseMLP, load_balancing_loss
 
 __all__ = ["ATTN_PROJS", "MLP_PROJS", "PROJ_PARENT", "REMAT_MODES", "Attention", "Batch", "KVCache", "CausalLM",
            "DecoderLayer", "DecoderModel", "Embedding", "FP8Param", "Linear", "MLP", "NF4Param", "RMSNorm", "make_batch", "remat",
-           "value_of"]
+           "value_of", "Experts", "GroupedLinear", "Router", "RouterStats", "SparseMLP", "load_balancing_loss"]

@@ -1,4 +1,5 @@
-"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3), RoPE, GQA attention."""
+"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
+first rotary_dim dims of each head: Phi-3's partial rotary), GQA attention, optional attention sinks (gpt-oss)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class Attention(nnx.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
+        self.rotary_dim = cfg.rope_dim
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
         common = dict(stack=stack, dtype=dtype, rngs=rngs)
@@ -48,6 +50,8 @@ class Attention(nnx.Module):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
         self.q_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
+        # gpt-oss: one learned softmax-denominator logit per query head [*stack, Hq] (frozen)
+        self.sinks = nnx.data(nnx.Param(jnp.zeros((*stack, hq), dtype)) if cfg.attn_sinks else None)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
                  cache: KVCache | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -62,18 +66,29 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = ops.rope(q, k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         new_cache = None
+        sinks = None if self.sinks is None else jax.lax.stop_gradient(self.sinks[...])
         if cache is None:
             # names for the "save_attention" remat policy (unsloth_jax.models.decoder.remat)
             q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
             out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths)
+                                kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,
+                                sinks=sinks)
             out = checkpoint_name(out, "attn_out")
         else:
             ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.index, axis=1)
             cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.index, axis=1)
             out = ops.attention(q, ck, cv, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=cache.valid, q_offset=cache.index)
+                                kv_valid=cache.valid, q_offset=cache.index, sinks=sinks)
             new_cache = (ck, cv)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), new_cache
+
+    def rotate(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE on q [B, S, Hq, hd] and k [B, S, Hkv, hd] with cos/sin [B, S, rotary_dim]; the dims past
+        rotary_dim pass through unrotated (partial rotary)."""
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return ops.rope(q, k, cos, sin)
+        q_rot, k_rot = ops.rope(q[..., :r], k[..., :r], cos, sin)
+        return (jnp.concatenate([q_rot, q[..., r:]], axis=-1), jnp.concatenate([k_rot, k[..., r:]], axis=-1))

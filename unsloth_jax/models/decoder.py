@@ -6,15 +6,19 @@
 Module tree (attribute names follow Hugging Face, so a path reads like the HF tensor name):
 
     model.embed_tokens.weight [V, D]           model.norm.weight [D]          lm_head.weight [V, D] (untied only)
-    model.layers.input_layernorm.weight [L, D]  (+ pre/post_feedforward_layernorm: Gemma 2)
+    model.layers.input_layernorm.weight [L, D]  (+ pre/post_feedforward_layernorm: Gemma 2, Gemma 3)
     model.layers.self_attn.{q,k,v,o}_proj.kernel [L, in, out] (+ .bias, .lora_a, .lora_b)
-    model.layers.self_attn.{q,k}_norm.weight [L, hd]               (Qwen3)
+    model.layers.self_attn.{q,k}_norm.weight [L, hd]               (Qwen3, Gemma 3)
     model.layers.mlp.{gate,up,down}_proj.kernel [L, in, out]
+    model.layers.mlp.{gate|router,experts.*}                       (MoE families: see unsloth_jax.models.moe)
+    model.layers.self_attn.sinks [L, Hq]                           (gpt-oss)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
 splits it (`nnx.split`) and runs `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for
-Gemma 2, whose sliding and global layers alternate), so compile time does not grow with depth and each layer of
-a group keeps a static attention window. Each group may run under `jax.checkpoint` (remat modes below).
+Gemma 2, whose sliding and global layers alternate, 6 for Gemma 3; a Qwen3-MoE with dense layers repeats its
+pattern of expert and dense MLPs), so compile time does not grow with depth and each layer of a group keeps a
+static attention window, RoPE table (Gemma 3's sliding layers have their own RoPE base) and MLP kind. When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a
+second, one-step scan. Each group may run under `jax.checkpoint` (remat modes below).
 
 Shapes: B batch, S sequence, D hidden, V vocab. Activations are in the compute dtype; norms, softmax and RoPE
 math run in float32; logits are float32.
@@ -28,8 +32,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
+from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload", "save_attention")
@@ -41,7 +46,7 @@ PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJ
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm decoder layer (Gemma 2: with sandwich norms around attention and the MLP)."""
+    """One pre-norm decoder layer (Gemma 2, Gemma 3: with sandwich norms around attention and the MLP)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
@@ -49,21 +54,29 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.moe = cfg.is_moe
+        self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
         self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
-                 cache: KVCache | None = None):
-        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None)."""
+                 cache: KVCache | None = None, sparse: bool = False):
+        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None).
+
+        sparse (static): this layer's MLP is the routed experts block (MoE families); its router statistics
+        are returned."""
         h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
+        stats = None
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         else:
             x = x + h
-            h = self.mlp(self.post_attention_layernorm(x))
-        return x + h, new_cache
+            if self.moe:
+                h, stats = self.mlp(self.post_attention_layernorm(x), sparse=sparse, valid=batch.kv_valid)
+            else:
+                h = self.mlp(self.post_attention_layernorm(x))
+        return x + h, new_cache, stats
 
 
 def remat(fn, mode: str):
@@ -120,53 +133,102 @@ class DecoderModel(nnx.Module):
         cfg = self.config
         return (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:cfg.layer_period]
 
-    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: str = "none",
-                   cache: KVCache | None = None):
-        """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers.
+    def layer_sparse(self) -> tuple[bool, ...]:
+        """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
+        cfg = self.config
+        return (cfg.layer_sparse or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
 
+    def rope(self, positions: jax.Array):
+        """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global
+        RoPE, and `local` the (cos, sin) of the sliding-window layers when they have their own base (Gemma 3),
+        else None."""
+        cfg = self.config
+        local = rope_tables(cfg, positions, local=True) if cfg.rope_local_theta else None
+        return rope_tables(cfg, positions), local
+
+    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: str = "none",
+                   cache: KVCache | None = None, local_rope=None, router_stats: bool = False):
+        """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step
+        scan over the remaining L mod period layers, if any). Layer i has the window and MLP kind of layer
+        i % period, so the tail's layers are those of the first `tail` layers of a group.
+
+        cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
+        (Gemma 3, from `rope`), or None.
         cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index.
-        Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches.
+        Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
+        router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
         """
         cfg = self.config
         period = cfg.layer_period
-        groups = cfg.num_hidden_layers // period
+        groups, tail = divmod(cfg.num_hidden_layers, period)
         windows = self.layer_windows()
+        sparse = self.layer_sparse()
+        ropes = tuple(local_rope if (local_rope is not None and w is not None) else (cos, sin) for w in windows)
         graphdef, state = nnx.split(self.layers)
-
-        def grouped(a):
-            return a.reshape((groups, period) + a.shape[1:])
-
-        xs = jax.tree.map(grouped, state)
-        if cache is not None:
-            xs = (xs, grouped(cache.k), grouped(cache.v))
 
         def group_body(h, xs_group):
             h = checkpoint_name(h, "layer_input")
             layer_states = xs_group if cache is None else xs_group[0]
-            new_k, new_v = [], []
-            for j in range(period):
-                layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], layer_states))
+            size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
+            new_k, new_v, stats = [], [], []
+            for j in range(size):
+                layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
                 layer_cache = None
                 if cache is not None:
                     layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)
-                h, kv = layer(h, cos, sin, batch, windows[j], layer_cache)
+                h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j])
                 if kv is not None:
                     new_k.append(kv[0])
                     new_v.append(kv[1])
-            return h, ((jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
+            kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
+            stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
+            return h, (kv_out, stats_out)
 
         body = remat(group_body, remat_mode)
-        x, ys = jax.lax.scan(body, x, xs)
-        if cache is None:
-            return x, None
-        k, v = ys
-        return x, (k.reshape(cache.k.shape), v.reshape(cache.v.shape))
 
-    def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none", dtype=None) -> jax.Array:
-        """Final-normed hidden states [B, S, D] for input_ids [B, S]."""
+        def scan(h, start, count, size):
+            """Scan `body` over `count` groups of `size` layers starting at layer `start`."""
+            def grouped(a):
+                if tail:
+                    a = a[start:start + count * size]
+                return a.reshape((count, size) + a.shape[1:])
+
+            xs = jax.tree.map(grouped, state)
+            if cache is not None:
+                xs = (xs, grouped(cache.k), grouped(cache.v))
+            return jax.lax.scan(body, h, xs)
+
+        def flat(y):  # [groups, per group, ...] -> [groups * per group, ...], in layer order
+            return y.reshape((-1,) + y.shape[2:])
+
+        x, (kv, stats) = scan(x, 0, groups, period)
+        kv = None if kv is None else tuple(flat(y) for y in kv)
+        stats = None if stats is None else jax.tree.map(flat, stats)
+        if tail:  # the tail's layers come after every group's: concatenate in that order
+            x, (kv_tail, stats_tail) = scan(x, groups * period, 1, tail)
+            if kv is not None:
+                kv = tuple(jnp.concatenate([a, flat(b)]) for a, b in zip(kv, kv_tail))
+            if stats_tail is not None:
+                stats_tail = jax.tree.map(flat, stats_tail)
+                stats = stats_tail if stats is None else jax.tree.map(
+                    lambda a, b: jnp.concatenate([a, b]), stats, stats_tail)
+        if cache is not None:
+            kv = (kv[0].reshape(cache.k.shape), kv[1].reshape(cache.v.shape))
+        return (x, kv, stats) if router_stats else (x, kv)
+
+    def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none", dtype=None,
+                 router_stats: bool = False):
+        """Final-normed hidden states [B, S, D] for input_ids [B, S]; with router_stats=True (MoE families)
+        (hidden states, RouterStats of the MoE layers)."""
         x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
-        cos, sin = rope_tables(self.config, batch.positions)
-        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode)
+        (cos, sin), local = self.rope(batch.positions)
+        if router_stats:
+            x, _, stats = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local,
+                                          router_stats=True)
+            return self.norm(x), stats
+        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local)
         return self.norm(x)
 
 
@@ -190,9 +252,21 @@ class CausalLM(nnx.Module):
                                 Embedding(cfg.vocab_size, cfg.hidden_size, dtype=param_dtype, rngs=rngs))
 
     def projections(self) -> dict:
-        """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj."""
+        """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj (the
+        dense MLP ones only where the model has dense MLP layers)."""
         layers = self.model.layers
-        return {name: getattr(getattr(layers, parent), name) for name, parent in PROJ_PARENT.items()}
+        found = {name: getattr(getattr(layers, parent), name, None) for name, parent in PROJ_PARENT.items()}
+        return {name: lin for name, lin in found.items() if lin is not None}
+
+    def expert_projections(self) -> dict:
+        """The stacked expert projections (`GroupedLinear`s) of a MoE model by PEFT parameter name
+        ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"); {} for dense models."""
+        from unsloth_jax.models.moe import EXPERT_PARAMETERS
+
+        if not self.config.is_moe:
+            return {}
+        experts = self.model.layers.mlp.experts
+        return {name: getattr(experts, proj) for name, proj in EXPERT_PARAMETERS.items()}
 
     def head_weight(self) -> jax.Array:
         """The [V, D] output projection (the embedding table when tied)."""
@@ -208,9 +282,11 @@ class CausalLM(nnx.Module):
             logits = cap * jnp.tanh(logits / cap)
         return logits
 
-    def hidden_states(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none") -> jax.Array:
-        """Final-normed hidden states [B, S, D] in the compute dtype."""
-        return self.model(input_ids, batch, remat_mode=remat_mode, dtype=self.dtype)
+    def hidden_states(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none",
+                      router_stats: bool = False):
+        """Final-normed hidden states [B, S, D] in the compute dtype; with router_stats=True (MoE families)
+        (hidden states, RouterStats [MoE layers, E] for unsloth_jax.models.moe.load_balancing_loss)."""
+        return self.model(input_ids, batch, remat_mode=remat_mode, dtype=self.dtype, router_stats=router_stats)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         """Logits [B, S, V] (float32) for input_ids [B, S] (or [S]) of ints; attention_mask [B, S] 1 = real."""

@@ -32,6 +32,19 @@ class FP8Param(nnx.Variable):
     """A frozen FP8 base weight: an `FP8Weight` (float8_e4m3fn [out, in] per layer, float32 scale [out])."""
 
 
+def gathered(tree):
+    """`tree`'s arrays constrained to be whole on every device when a mesh is set (`jax.set_mesh`), else
+    `tree` itself. The decoder applies it to one layer's slice of the stacked weights inside the layer scan,
+    and `Embedding` to its table: weights sharded over an FSDP mesh axis are then all-gathered where they are
+    used, one layer at a time (also in the backward pass's recomputation), and the batch-sharded activations
+    never are."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree
+    whole = jax.sharding.PartitionSpec()
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), tree)
+
+
 def value_of(variable):
     """The value a Variable holds (an array, or a pytree such as an NF4Weight); None stays None."""
     return None if variable is None else variable.get_value()
@@ -96,5 +109,7 @@ class Embedding(nnx.Module):
                                                               jnp.float32)).astype(dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """ids [...] int -> [..., dim] rows of the table."""
-        return jnp.take(self.weight[...], ids, axis=0)
+        """ids [...] int -> [..., dim] rows of the table (whole on every device under a mesh, see `gathered`:
+        a table split over the devices would make XLA look the ids up in every shard and all-reduce the
+        activations of the whole batch)."""
+        return jnp.take(gathered(self.weight[...]), ids, axis=0)

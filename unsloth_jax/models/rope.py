@@ -1,5 +1,8 @@
-"""Rotary position embeddings: inverse frequencies (with linear / llama3 scaling) and the cos/sin tables."""
+"""Rotary position embeddings: inverse frequencies (linear / llama3 / LongRoPE / YaRN scaling, Gemma 3's local
+base, partial rotary dims) and the cos/sin tables."""
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +11,20 @@ import numpy as np
 from unsloth_jax.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies [hd/2] (float32 numpy, computed in float32 as transformers does), with linear or
-    llama3 scaling applied."""
-    hd = cfg.head_dim
+def inv_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False) -> np.ndarray:
+    """RoPE inverse frequencies [rope_dim/2] (float32 numpy, computed in float32 as transformers does), with
+    linear or llama3 scaling applied. local=True: Gemma 3's sliding layers (plain RoPE, base rope_local_theta).
+    LongRoPE: divided by the short factors, or by the long ones with long=True."""
+    hd = cfg.rope_dim
     f32 = np.float32
-    inv = f32(1.0) / (f32(cfg.rope_theta) ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))
-    if cfg.rope_type == "linear":
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = f32(1.0) / (f32(theta) ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))
+    if local:
+        return inv.astype(f32)
+    if cfg.rope_type == "longrope":
+        factors = np.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, f32)
+        inv = f32(1.0) / (factors * (f32(theta) ** (np.arange(0, hd, 2).astype(f32) / f32(hd))))
+    elif cfg.rope_type == "linear":
         inv = inv / cfg.rope_factor
     elif cfg.rope_type == "llama3":
         low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
@@ -26,17 +36,51 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif cfg.rope_type == "yarn":
+        inv = yarn_inv_frequencies(cfg)
     return inv.astype(f32)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, hd] in float32 for integer positions [B, S] (HF layout: frequencies repeated twice)."""
-    inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, rope_dim] in float32 for integer positions [B, S] (HF layout: frequencies repeated twice).
+    local=True: the tables of Gemma 3's sliding-window layers. LongRoPE picks the long factors when the largest
+    position of the call reaches past the original context (as transformers does per forward call); LongRoPE
+    and YaRN scale cos and sin by rope_attention_factor (never on the local tables)."""
+    inv = jnp.asarray(inv_frequencies(cfg, local=local), jnp.float32)
+    if cfg.rope_type == "longrope" and not local:
+        use_long = jnp.max(positions) + 1 > cfg.rope_original_max_position
+        inv = jnp.where(use_long, jnp.asarray(inv_frequencies(cfg, long=True), jnp.float32), inv)
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if cfg.rope_attention_factor != 1.0 and not local:  # LongRoPE / YaRN (transformers' attention_scaling)
+        scale = jnp.float32(cfg.rope_attention_factor)
+        return jnp.cos(emb) * scale, jnp.sin(emb) * scale
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """Positions [B, S] counting real tokens only (left padding starts real tokens at 0), as HF generate does."""
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def yarn_inv_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """YaRN inverse frequencies [rope_dim/2] (float32), as transformers' _compute_yarn_parameters: interpolated
+    (divided by the factor) below the correction range, extrapolated (unchanged) above it, a linear ramp between."""
+    hd, base, f32 = cfg.rope_dim, cfg.rope_theta, np.float32
+    original = cfg.rope_original_max_position
+
+    def correction_dim(rotations: float) -> float:
+        return (hd * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001
+    pos = f32(base) ** (np.arange(0, hd, 2).astype(f32) / f32(hd))
+    extrapolation = f32(1.0) / pos
+    interpolation = f32(1.0) / (f32(cfg.rope_factor) * pos)
+    ramp = np.clip((np.arange(hd // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    keep = f32(1.0) - ramp
+    return (interpolation * (f32(1.0) - keep) + extrapolation * keep).astype(f32)

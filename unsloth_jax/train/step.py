@@ -13,6 +13,11 @@ the loss of one big batch (each micro-batch's mean is weighted by its count of t
 
 A step whose loss or gradient is not finite leaves params and optimizer state untouched and reports
 `skipped=1`.
+
+MoE families with `config.output_router_logits` (transformers' switch; from_pretrained(...,
+output_router_logits=True) sets it) add `router_aux_loss_coef` times the load-balancing loss of each
+micro-batch to its loss, as transformers' *ForCausalLM does, and report `aux_loss` (token-weighted over the
+micro-batches) in the metrics.
 """
 from __future__ import annotations
 
@@ -20,12 +25,14 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
 from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.models.moe import load_balancing_loss
 
 log = logging.getLogger("unsloth_jax")
 
@@ -62,22 +69,43 @@ def resolve_remat(use_gradient_checkpointing) -> str:
     return mode
 
 
-def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
-                   loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
-    """(mean next-token loss over target tokens, number of target tokens) of `model` on one micro-batch [B, S]."""
+def aux_loss_enabled(model: CausalLM) -> bool:
+    """Whether the training loss includes the MoE load-balancing loss (config.output_router_logits)."""
+    return model.config.is_moe and model.config.output_router_logits
+
+
+def loss_terms(model: CausalLM, batch: dict, *, remat: str = "none",
+               loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(mean next-token loss over target tokens, number of target tokens, load-balancing loss or None) of
+    `model` on one micro-batch [B, S]; the aux loss only when aux_loss_enabled(model)."""
     ids = batch["input_ids"]
     segments = batch.get("segment_ids")
     side = make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
                       right_padded=segments is None)
-    h = model.hidden_states(ids, side, remat_mode=remat)
+    aux = None
+    if aux_loss_enabled(model):
+        h, stats = model.hidden_states(ids, side, remat_mode=remat, router_stats=True)
+        aux = load_balancing_loss(stats, model.config.num_experts)
+    else:
+        h = model.hidden_states(ids, side, remat_mode=remat)
     targets = batch["labels"][:, 1:].reshape(-1)
     h = h[:, :-1].reshape(-1, h.shape[-1])
     loss = ops.cross_entropy(h, model.head_weight(), targets, softcap=model.config.final_softcap, chunk=loss_chunk)
-    return loss, jnp.sum(targets != -100)
+    return loss, jnp.sum(targets != -100), aux
+
+
+def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
+                   loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """(mean next-token loss over target tokens, number of target tokens) of `model` on one micro-batch [B, S];
+    plus router_aux_loss_coef * the load-balancing loss where aux_loss_enabled(model), as transformers adds it."""
+    loss, n, aux = loss_terms(model, batch, remat=remat, loss_chunk=loss_chunk)
+    if aux is not None:
+        loss = loss + model.config.router_aux_loss_coef * aux
+    return loss, n
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat: str = "full",
-                    loss_chunk: int = 1024, donate: bool = True):
+                    loss_chunk: int = 1024, donate: bool = True, mesh=None):
     """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
 
     graphdef, trainable, frozen: the three parts of `nnx.split(model, <trainable filter>, ...)`; trainable and
@@ -87,31 +115,89 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     call is a static argument (see unsloth_jax.ops.policy_jit).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
+
+    mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several
+    devices: the step then has in/out shardings from `unsloth_jax.distributed`'s rules (batch rows split over
+    both axes, large frozen weights over fsdp, the rest replicated) and places its arguments there (a no-op
+    for arguments already placed, e.g. by `distributed.shard_state`). `batch` is the global batch.
     """
 
     def micro_loss(trainable, frozen, micro):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss, n = loss_and_count(model, micro, remat=remat, loss_chunk=loss_chunk)
-        return loss * n, n
+        loss, n, aux = loss_terms(model, micro, remat=remat, loss_chunk=loss_chunk)
+        if aux is None:
+            aux = jnp.zeros((), jnp.float32)
+        else:
+            loss = loss + model.config.router_aux_loss_coef * aux
+        return loss * n, (n, aux * n)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(trainable, frozen, opt_state, batch):
         def accumulate(carry, micro):
-            g_sum, l_sum, n_sum = carry
-            (l, n), g = grad_fn(trainable, frozen, micro)
-            return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, n_sum + n), None
+            g_sum, l_sum, n_sum, a_sum = carry
+            (l, (n, a)), g = grad_fn(trainable, frozen, micro)
+            return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, n_sum + n, a_sum + a), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        (g_sum, l_sum, n_sum), _ = jax.lax.scan(accumulate, init, batch)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+        (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g: g / denom, g_sum)
         loss = l_sum / denom
         new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
-        return new_params, new_opt, {"loss": loss, "tokens": n_sum, **update_metrics}
+        metrics = {"loss": loss, "tokens": n_sum, **update_metrics}
+        if aux_loss_enabled(nnx.merge(graphdef, trainable, frozen)):
+            metrics["aux_loss"] = a_sum / denom
+        return new_params, new_opt, metrics
 
-    return ops.policy_jit(step, donate_argnums=(0, 2) if donate else ())
+    donate_argnums = (0, 2) if donate else ()
+    if mesh is None:
+        return ops.policy_jit(step, donate_argnums=donate_argnums)
+    return _on_mesh(step, mesh, donate_argnums)
+
+
+def _on_mesh(step, mesh, donate_argnums):
+    """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
+    the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
+    the kernels' per-shard calls read it there."""
+    from unsloth_jax import distributed
+
+    built: dict = {}
+
+    def shardings(trainable, frozen, opt_state, batch):
+        t = distributed.state_shardings(mesh, trainable, trainable=True)
+        o = distributed.state_shardings(mesh, opt_state, trainable=True)
+        ins = (t, distributed.state_shardings(mesh, frozen), o,
+               jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), batch))
+        return ins, (t, o, distributed.replicated(mesh))
+
+    def jitted_for(args):
+        key = (jax.tree.structure(args), tuple(np.shape(x) for x in jax.tree.leaves(args[:3])),
+               tuple(np.ndim(x) for x in jax.tree.leaves(args[3])))
+        if key not in built:
+            ins, outs = shardings(*args)
+            built[key] = (ops.policy_jit(step, donate_argnums=donate_argnums, in_shardings=ins,
+                                         out_shardings=outs), ins)
+        return built[key]
+
+    def placed(args):
+        fn, ins = jitted_for(args)
+        return fn, distributed.put(args[:3], ins[:3]) + (args[3],)
+
+    def call(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    def lower(*args):
+        fn, args = placed(args)
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    call.lower = lower
+    call.mesh = mesh
+    return call
 
 
 def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):

@@ -5,6 +5,12 @@
 orbax checkpoints every `save_steps`, resumes exactly, writes the trained weights (LoRA, or every weight after
 from_pretrained(full_finetuning=True)) back into the model (in place, `nnx.update`, as HF and Unsloth do) and
 returns a `TrainOutput` (`trainer_stats.metrics["train_runtime"]`).
+
+Several devices: `TrainingArguments(mesh="data=2,fsdp=4")` (see unsloth_jax.distributed) runs the same step
+sharded over a device mesh; `per_device_train_batch_size` is per device, so a step sees per_device * data *
+fsdp rows (times gradient_accumulation_steps). After training the model's weights stay on the mesh. On
+several hosts each process loads its own rows of each batch and only process 0 logs, writes metrics.jsonl and
+TensorBoard events.
 """
 from __future__ import annotations
 
@@ -24,8 +30,7 @@ from tqdm.auto import tqdm
 
 from flax import nnx
 
-from unsloth_jax import lora
-from unsloth_jax import backend
+from unsloth_jax import backend, distributed, lora
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
@@ -74,6 +79,9 @@ class TrainingArguments:
     logging_dir: str | None = None  # TensorBoard event files; None: OUTPUT_DIR/runs/<datetime>_<host>
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+    # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
+    # {"data": 2, "fsdp": 4}; None trains on one device. Checked (and built) when train() starts.
+    mesh: object = None
 
     def __post_init__(self):
         validate_training_arguments(self)
@@ -138,6 +146,12 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
     line = StepMemoryPlan(text)
     line.device_bytes, line.host_bytes, line.limit_bytes = int(device), int(host), limit
     return line
+
+
+def _mesh_note(mesh) -> str:
+    if mesh is None:
+        return ""
+    return f" per device on {distributed.describe(mesh)} (global batch x{distributed.batch_shards(mesh)})"
 
 
 def cast_weights(model, dtype) -> None:
@@ -223,17 +237,32 @@ class SFTTrainer:
         return DataLoader(examples, batch_size, self.max_seq_length, self._pad_id(), packing=self.packing,
                           shuffle=shuffle, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
-    def _step_batch(self, loader: DataLoader, step: int) -> dict:
-        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step."""
+    def _step_batch(self, loader: DataLoader, step: int, rows: slice | None = None) -> dict:
+        """The [A, B, S] batch of optimizer step `step` (A = gradient_accumulation_steps), a pure function of step
+        (only `rows` of each micro-batch when given: one host's share)."""
         accum = self.args.gradient_accumulation_steps
         micro = []
         for j in range(accum):
             g = step * accum + j
-            micro.append(loader.batch(g // len(loader), g % len(loader)))
+            micro.append(loader.batch(g // len(loader), g % len(loader), rows))
         length = max(m["input_ids"].shape[1] for m in micro)
         micro = [_pad_to(m, length, self._pad_id()) for m in micro]
         keys = [k for k in micro[0] if self.packing or k != "segment_ids"]  # unpacked rows: right padding only
         return {k: np.stack([m[k] for m in micro]) for k in keys}
+
+    def _device_batch(self, loader: DataLoader, step: int, mesh):
+        """The step's batch on the device(s): on a mesh, the global batch assembled from this host's rows."""
+        if mesh is None:
+            return jax.device_put(self._step_batch(loader, step))
+        rows = distributed.host_rows(mesh, loader.batch_size)
+        return distributed.global_batch(mesh, self._step_batch(loader, step, rows), loader.batch_size)
+
+    def _to_mesh(self, mesh, trainable, frozen, opt_state):
+        """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
+        replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+        nnx.update(self.model, frozen)
+        return trainable, frozen, opt_state
 
     def _apply_precision_flags(self) -> None:
         want = jnp.bfloat16 if self.args.bf16 else jnp.float16 if self.args.fp16 else None
@@ -261,11 +290,15 @@ class SFTTrainer:
         if path.exists():
             return  # never overwrite a saved state
         tmp = path.with_name(f".tmp-{path.name}")
-        ckptr = ocp.StandardCheckpointer()
+        ckptr = ocp.StandardCheckpointer()  # every process saves its shards (one shared directory)
         ckptr.save(tmp / "state", {"trainable": trainable, "opt_state": opt_state})
         ckptr.wait_until_finished()
+        if not distributed.is_main_process():
+            distributed.sync(f"checkpoint-{step}")
+            return
         (tmp / "trainer_state.json").write_text(json.dumps(self._state_record(step)))
         os.replace(tmp, path)
+        distributed.sync(f"checkpoint-{step}")
         limit = self.args.save_total_limit
         if limit:
             import shutil
@@ -280,11 +313,12 @@ class SFTTrainer:
                 "loss_history": list(st.loss_history[:step]), "log_history": list(st.log_history)}
 
     def _restore(self, path: Path, trainable, opt_state):
-        """(trainable, opt_state, step) from a checkpoint directory; also restores self.state's histories."""
+        """(trainable, opt_state, step) from a checkpoint directory, placed like `trainable` / `opt_state` (a
+        checkpoint saved on N devices restores on today's M); also restores self.state's histories."""
         import orbax.checkpoint as ocp
 
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), {"trainable": trainable,
-                                                                                   "opt_state": opt_state})
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                              {"trainable": trainable, "opt_state": opt_state})
         restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
         meta = json.loads((path / "trainer_state.json").read_text())
         step = int(meta["global_step"])
@@ -321,10 +355,12 @@ class SFTTrainer:
         return optim.warmup_steps_for(total, int(w), self.args.warmup_ratio)
 
     def _open_reporters(self) -> None:
-        """Start the report_to integrations of this train() call (closed by train() whatever happens)."""
+        """Start the report_to integrations of this train() call (closed by train() whatever happens); none on
+        the processes other than 0 of a multi-host run."""
         args = self.args
         logging_dir = args.logging_dir or default_logging_dir(args.output_dir)
-        self._reporters = Reporters(args.report_to, logging_dir, dataclasses.asdict(args))
+        names = args.report_to if distributed.is_main_process() else []
+        self._reporters = Reporters(names, logging_dir, dataclasses.asdict(args))
         if self._reporters.logging_dir:
             print(f"unsloth_jax: TensorBoard logs -> {self._reporters.logging_dir}")
 
@@ -344,7 +380,10 @@ class SFTTrainer:
 
     def _train(self, resume_from_checkpoint) -> TrainOutput:
         args, model = self.args, self.model
-        loader = self._loader(self.train_examples, args.per_device_train_batch_size, shuffle=True)
+        mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
+        main = distributed.is_main_process()
+        shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
+        loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         total = self.total_steps(loader)
         warmup = self._warmup_steps(total)
         optimizer, schedule = self.make_optimizer(total, warmup)
@@ -354,6 +393,8 @@ class SFTTrainer:
         # (full fine-tuning donates the model's own weights instead of holding them twice; the trained ones are
         # written back into the model when train() returns or raises)
         opt_state = optimizer.init(trainable)
+        if mesh is not None:
+            trainable, frozen, opt_state = self._to_mesh(mesh, trainable, frozen, opt_state)
         self.state = TrainerState(max_steps=total, logging_steps=args.logging_steps,
                                   num_train_epochs=args.num_train_epochs,
                                   train_batch_size=args.per_device_train_batch_size)
@@ -367,23 +408,26 @@ class SFTTrainer:
                             args.output_dir)
             else:
                 trainable, opt_state, start = self._restore(path, trainable, opt_state)
-                print(f"Resuming from {path} at step {start}")
-        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing)
+                if main:
+                    print(f"Resuming from {path} at step {start}")
+        step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
-        trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
+        if mesh is None:
+            trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
         plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
                                 loader.longest_bucket, self.max_seq_length)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
-        print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
-              f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation, "
-              f"{model.dtype.name}{_base_label(model)}, {_trained_what(model, n_train, args.optim)}, "
-              f"remat={model.gradient_checkpointing}")
-        print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}")
-        bar = tqdm(total=total, initial=start, desc="Training", unit="step")
+        if main:
+            print(f"unsloth_jax: {len(self.train_examples)} examples, {total} steps, batch "
+                  f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation"
+                  f"{_mesh_note(mesh)}, {model.dtype.name}{_base_label(model)}, "
+                  f"{_trained_what(model, n_train, args.optim)}, remat={model.gradient_checkpointing}")
+            print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}" + (" (per device)" if mesh is not None else ""))
+        bar = tqdm(total=total, initial=start, desc="Training", unit="step", disable=not main)
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
@@ -401,7 +445,8 @@ class SFTTrainer:
             loss = float(m["loss"])
             if int(m["skipped"]):
                 bad_in_row += 1
-                tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
+                if main:
+                    tqdm.write(f"step {step_idx + 1}: non-finite loss or gradient ({loss}); update skipped")
                 if bad_in_row >= args.max_nonfinite_steps:
                     raise TrainingError(f"{bad_in_row} non-finite steps in a row (last at step {step_idx + 1}); "
                                         "stopping. Lower the learning rate or check the data; saved checkpoints are "
@@ -412,7 +457,7 @@ class SFTTrainer:
 
         try:
             for step in range(start, total):
-                batch = jax.device_put(self._step_batch(loader, step))
+                batch = self._device_batch(loader, step, mesh)
                 trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
                 stamp = time.perf_counter()
                 if pending is not None:
@@ -446,7 +491,8 @@ class SFTTrainer:
         if self.eval_examples:
             steplog.log({"eval_loss": self.evaluate(), "epoch": state.epoch, "step": total})
         steplog.log({**metrics, "step": total})
-        print(json.dumps(metrics))
+        if distributed.is_main_process():
+            print(json.dumps(metrics))
         return TrainOutput(total, metrics["train_loss"], metrics)
 
     def evaluate(self) -> float:
@@ -474,6 +520,7 @@ class _StepLog:
         self.steps_per_epoch = steps_per_epoch  # batches per epoch
         self.schedule, self.bar = schedule, bar
         self.window_losses: list[float] = []
+        self.window_aux: list[float] = []  # MoE load-balancing loss (output_router_logits), TRL's "aux_loss"
         self.window_tokens, self.window_t0 = 0, t0
 
     def epoch_at(self, step: int) -> float:
@@ -491,13 +538,17 @@ class _StepLog:
         self.state.loss_history.append(loss)
         self.state.global_step, self.state.epoch = done, self.epoch_at(done)
         self.window_losses.append(loss)
+        if "aux_loss" in m:
+            self.window_aux.append(float(m["aux_loss"]))
         self.window_tokens += int(m["tokens"])
         if not self._logs_at(done, last):
             return
         entry = {"loss": sum(self.window_losses) / len(self.window_losses), "grad_norm": float(m["grad_norm"]),
                  "learning_rate": float(self.schedule(step_idx)), "epoch": self.state.epoch, "step": done}
+        if self.window_aux:
+            entry["aux_loss"] = sum(self.window_aux) / len(self.window_aux)
         tokens_per_second = self.window_tokens / max(stamp - self.window_t0, 1e-9)
-        self.window_losses, self.window_tokens, self.window_t0 = [], 0, stamp
+        self.window_losses, self.window_aux, self.window_tokens, self.window_t0 = [], [], 0, stamp
         self.log(entry)
         self._write_record(entry, tokens_per_second)
 
@@ -511,9 +562,13 @@ class _StepLog:
         """One metrics.jsonl line (also printed) and the progress bar's postfix."""
         record = {"step": entry["step"], "loss": entry["loss"], "learning_rate": entry["learning_rate"],
                   "grad_norm": entry["grad_norm"], "tokens_per_second": tokens_per_second, "epoch": entry["epoch"]}
+        if "aux_loss" in entry:
+            record["aux_loss"] = entry["aux_loss"]
         mem = device_memory_gib()
         if mem is not None:
             record["memory_gib"] = round(mem, 3)
+        if not distributed.is_main_process():  # process 0 writes metrics.jsonl and the console log
+            return
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}",

@@ -1,0 +1,311 @@
+"""Multi-device cases run in a subprocess with forced CPU devices (tests/test_distributed.py launches them).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.multidevice_cases CASE SEED [ARGS_JSON]
+
+The device count must be fixed before jax initializes, so each case runs in its own process and prints one
+JSON line (prefixed RESULT) that the test reads. The truth each case compares with is the same computation on
+one device (no mesh), in the same process.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from unsloth_jax import distributed, lora
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.quant import quantize_projections
+from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
+
+SMALL = dict(model_type="llama", vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def tiny_lora_model(seed: int, qlora: bool, cfg: dict = SMALL):
+    """A random-init decoder with LoRA on every projection (B nonzero, so the adapter matters at step 0)."""
+    model = CausalLM(ModelConfig(**cfg), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    if qlora:
+        quantize_projections(model)
+    lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
+                  jax.random.PRNGKey(seed + 1))
+    for i, lin in enumerate(model.projections().values()):
+        b = lin.lora_b.get_value()
+        lin.lora_b.set_value(0.05 * jax.random.normal(jax.random.PRNGKey(seed + 2 + i), b.shape, b.dtype))
+    return model
+
+
+def random_batch(rng, accum: int, rows: int, seq: int, vocab: int) -> dict:
+    ids = rng.integers(0, vocab, (accum, rows, seq)).astype(np.int32)
+    mask = np.ones_like(ids)
+    lengths = rng.integers(seq // 2, seq + 1, (accum, rows))
+    mask[np.arange(seq)[None, None, :] >= lengths[..., None]] = 0  # right padding of random lengths
+    return {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run_steps(model, mesh, batches, optim: str, keys=("loss", "grad_norm")):
+    """({metric: values per step} for `keys`, final trainable leaves) of len(batches) train steps of `model`."""
+    graphdef, trainable, frozen = lora.split(model)
+    opt = make_optimizer(optim, make_schedule("constant", 0.5 if optim == "sgd" else 1e-2, 10, 0))
+    opt_state = opt.init(trainable)
+    step = make_train_step(graphdef, opt, remat="full", mesh=mesh)
+    if mesh is not None:
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+    history = {k: [] for k in keys}
+    for batch in batches:
+        trainable, opt_state, m = step(trainable, frozen, opt_state, batch)
+        for k in keys:
+            history[k].append(float(m[k]))
+    return history, [np.asarray(x) for x in jax.tree.leaves(trainable)]
+
+
+def train_steps(seed: int, qlora: bool, mesh, batches, optim: str):
+    """Losses, grad norms and final trainable leaves of len(batches) steps from the same initial state."""
+    history, leaves = run_steps(tiny_lora_model(seed, qlora), mesh, batches, optim)
+    return history["loss"], history["grad_norm"], leaves
+
+
+def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd"):
+    """The sharded step's losses and updated LoRA leaves against one device, for data-only, fsdp-only, mixed."""
+    rng = np.random.default_rng(seed)
+    batches = [random_batch(rng, 2, 8, 16, SMALL["vocab_size"]) for _ in range(2)]
+    ref_losses, ref_norms, ref_leaves = train_steps(seed, kind == "qlora", None, batches, optim)
+    out = {"reference": ref_losses}
+    for data, fsdp in ((8, 1), (1, 8), (2, 4)):
+        losses, norms, leaves = train_steps(seed, kind == "qlora", distributed.make_mesh(data, fsdp), batches, optim)
+        out[f"data={data},fsdp={fsdp}"] = {
+            "losses": losses,
+            "loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "grad_norm_relerr": max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
+            "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves)),
+            "param_change": min(_rel(a, b) for a, b in zip(leaves, jax.tree.leaves(
+                lora.split(tiny_lora_model(seed, kind == "qlora"))[1]))),
+        }
+    return out
+
+
+# Qwen3-MoE: layers MoE, dense, MoE (period 2 and a tail of 1), the load-balancing loss on
+MOE = dict(model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True,
+           router_aux_loss_coef=0.1)
+
+
+def moe_train_steps(seed: int, mesh, batches):
+    """Losses, aux losses and final trainable leaves of a MoE model with LoRA on q/v and on the experts."""
+    model = CausalLM(ModelConfig.from_dict(MOE), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
+                                           target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+                  jax.random.PRNGKey(seed + 1))
+    lins = list(model.projections().values()) + list(model.expert_projections().values())
+    for i, lin in enumerate(x for x in lins if x.lora_b is not None):
+        b = lin.lora_b.get_value()
+        lin.lora_b.set_value(0.05 * jax.random.normal(jax.random.PRNGKey(seed + 2 + i), b.shape, b.dtype))
+    history, leaves = run_steps(model, mesh, batches, "sgd", keys=("loss", "aux_loss"))
+    return history["loss"], history["aux_loss"], leaves
+
+
+def case_moe_equal_steps(seed: int):
+    """The MoE step (grouped expert GEMMs, router statistics of both scans) on a mesh against one device."""
+    rng = np.random.default_rng(seed)
+    batches = [random_batch(rng, 2, 4, 16, MOE["vocab_size"]) for _ in range(2)]
+    ref_losses, ref_aux, ref_leaves = moe_train_steps(seed, None, batches)
+    out = {"reference": ref_losses, "reference_aux": ref_aux}
+    for data, fsdp in ((4, 1), (2, 2)):
+        losses, aux, leaves = moe_train_steps(seed, distributed.make_mesh(data, fsdp), batches)
+        out[f"data={data},fsdp={fsdp}"] = {
+            "loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+            "aux_relerr": max(abs(a - b) / abs(b) for a, b in zip(aux, ref_aux)),
+            "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves)),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------- HLO
+def _computations(hlo: str) -> dict[str, str]:
+    """HLO module text -> {computation name: its text}."""
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo):
+        m = re.match(r"(?:ENTRY )?%?([\w.\-]+)", block)
+        if m:
+            comps[m.group(1)] = block
+    return comps
+
+
+def _loop_computations(comps: dict[str, str]) -> set[str]:
+    """Names of the computations run inside some while loop's body (transitively)."""
+    inside = set()
+    todo = [b for text in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", text)]
+    while todo:
+        name = todo.pop()
+        if name in inside or name not in comps:
+            continue
+        inside.add(name)
+        todo += re.findall(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%?([\w.\-]+)", comps[name])
+    return inside
+
+
+def all_gathers(hlo: str) -> list[tuple[tuple[int, ...], bool]]:
+    """(result shape, inside a while loop) of every all-gather of a compiled module."""
+    comps = _computations(hlo)
+    loops = _loop_computations(comps)
+    found = []
+    for name, text in comps.items():
+        for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", text):
+            shape = tuple(int(d) for d in m.group(2).split(",") if d)
+            found.append((shape, name in loops))
+    return found
+
+
+def _squeeze(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def case_fsdp_shards(seed: int):
+    """fsdp=8: every large frozen leaf lives in 8 distinct shards; the compiled step gathers the stacked
+    weights one layer at a time inside the layer loop and never gathers a whole stack."""
+    out = {}
+    for kind in ("lora", "qlora"):
+        model = tiny_lora_model(seed, kind == "qlora")
+        graphdef, trainable, frozen = lora.split(model)
+        opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-3, 10, 0))
+        mesh = distributed.make_mesh(data=1, fsdp=8)
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt.init(trainable)))
+        leaves = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(frozen):
+            spec = leaf.sharding.spec
+            shards = leaf.addressable_shards
+            leaves.append({
+                "path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "bytes": int(leaf.nbytes),
+                "spec": str(spec), "devices": len(leaf.sharding.device_set),
+                "distinct_shard_shapes": sorted({tuple(s.data.shape) for s in shards}),
+                "shard_elems_total": int(sum(np.prod(s.data.shape) for s in shards)),
+                "elems": int(np.prod(leaf.shape)),
+                # the shards tile the array: concatenating their data in index order gives the array back
+                "reassembled": bool(np.array_equal(_reassemble(leaf), np.asarray(leaf))),
+                "stacked": "layers" in jax.tree_util.keystr(path),
+            })
+        batch = random_batch(np.random.default_rng(seed), 2, 8, 16, SMALL["vocab_size"])
+        step = make_train_step(graphdef, opt, remat="full", mesh=mesh, donate=False)
+        hlo = step.lower(trainable, frozen, opt_state, batch).compile().as_text()
+        gathers = all_gathers(hlo)
+        dense_shapes = {shape for lin in model.projections().values()
+                        for shape in ((lin.in_features, lin.out_features), (lin.out_features, lin.in_features))}
+        stacked = [tuple(x["shape"]) for x in leaves if x["stacked"] and "fsdp" in x["spec"]]
+        out[kind] = {
+            "leaves": leaves,
+            "whole_stack_gathers": [list(s) for s, _ in gathers if s in stacked],
+            "layer_gathers_in_loop": sum(1 for s, inside in gathers if inside and _squeeze(s) in
+                                         {_squeeze(t[1:]) for t in stacked}),
+            "layer_gathers_outside_loop": sum(1 for s, inside in gathers if not inside and _squeeze(s) in
+                                              {_squeeze(t[1:]) for t in stacked}),
+            "sharded_stacked_leaves": len(stacked),
+            # [rows, S, D] activations (8 rows) or their [rows * (S - 1), D] flattening for the loss (S = 16)
+            "activation_gathers": [list(s) for s, _ in gathers if s and s[0] in (8, 8 * 15)],
+            # a 4-bit base must be gathered as codes, never as dequantized [in, out] weights
+            "dense_projection_gathers": [list(s) for s, _ in gathers if _squeeze(s) in dense_shapes],
+        }
+    return out
+
+
+def _reassemble(leaf) -> np.ndarray:
+    full = np.zeros(leaf.shape, leaf.dtype)
+    for s in leaf.addressable_shards:
+        full[s.index] = np.asarray(s.data)
+    return full
+
+
+# -------------------------------------------------------------------------------------- memory
+MEMORY_CFG = dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+
+
+def case_memory(seed: int, single: bool = True):
+    """Bytes per device of the compiled step (memory_analysis) on 8 devices with fsdp 1, 2, 4, 8 (data = 8 /
+    fsdp, so one row per device), and on one device with all 8 rows when `single`."""
+    rows = []
+    for kind in ("lora", "qlora"):
+        batch = random_batch(np.random.default_rng(seed), 1, 8, 64, MEMORY_CFG["vocab_size"])
+        for fsdp in ((None,) if single else ()) + (1, 2, 4, 8):
+            model = tiny_lora_model(seed, kind == "qlora", MEMORY_CFG)
+            graphdef, trainable, frozen = lora.split(model)
+            opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-3, 10, 0))
+            opt_state = opt.init(trainable)
+            mesh = None if fsdp is None else distributed.make_mesh(data=8 // fsdp, fsdp=fsdp)
+            step = make_train_step(graphdef, opt, remat="full", mesh=mesh)
+            compiled = step.lower(trainable, frozen, opt_state, batch).compile()
+            m = compiled.memory_analysis()
+            rows.append({"kind": kind, "mesh": distributed.describe(mesh) if mesh else "1 device",
+                         "fsdp": fsdp, "per_device": distributed.compiled_memory_per_device(compiled),
+                         "arguments": int(m.argument_size_in_bytes), "temp": int(m.temp_size_in_bytes),
+                         "frozen_bytes": int(sum(x.nbytes for x in jax.tree.leaves(frozen)))})
+    return rows
+
+
+# --------------------------------------------------------------------------------- pallas on a mesh
+def case_pallas_on_mesh(seed: int):
+    """The Pallas kernels (interpret mode) inside the sharded QLoRA step run per batch shard (shard_map) and
+    give the single-device step's losses and LoRA leaves."""
+    from unsloth_jax import ops
+
+    for op in ("rms_norm", "glu", "cross_entropy", "nf4_matmul", "rope", "attention"):
+        ops.set_impl(op, "pallas")
+    rng = np.random.default_rng(seed)
+    batches = [random_batch(rng, 1, 8, 16, SMALL["vocab_size"])]
+    ref = train_steps(seed, True, None, batches, "sgd")
+    mesh = distributed.make_mesh(data=2, fsdp=4)
+    got = train_steps(seed, True, mesh, batches, "sgd")
+    graphdef, trainable, frozen = lora.split(tiny_lora_model(seed, True))
+    opt = make_optimizer("sgd", make_schedule("constant", 1e-2, 10, 0))
+    step = make_train_step(graphdef, opt, remat="full", mesh=mesh, donate=False)
+    text = step.lower(trainable, frozen, opt.init(trainable), batches[0]).as_text()
+    return {"loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0])),
+            "param_relerr": max(_rel(a, b) for a, b in zip(got[2], ref[2])), "chosen": ops.chosen_impls(),
+            # shard_map lowers to a manual computation (Shardy) or full-to-shard custom calls (GSPMD)
+            "manual_regions": text.count("sdy.manual_computation") + text.count("SPMDFullToShardShape")}
+
+
+# ---------------------------------------------------------------------------------------- trainer
+def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, max_steps: int, save_steps: int = 0,
+                 resume: bool = False, shard_trainable: bool = False):
+    """SFTTrainer on the bundled tiny Llama over random token examples; returns the loss history and where
+    the trained LoRA leaves live. shard_trainable: split even small trainable leaves (and their optimizer
+    state) over fsdp, so a checkpoint holds sharded arrays."""
+    from tests.helpers import TINY_MODEL
+    from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
+
+    if shard_trainable:
+        distributed.MIN_TRAINABLE_SHARD_BYTES = 0
+    rng = np.random.default_rng(seed)
+    data = [{"input_ids": rng.integers(4, 2048, int(rng.integers(8, 40))).tolist()} for _ in range(48)]
+    model, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, target_modules="all-linear",
+                                             use_gradient_checkpointing=True, random_state=seed)
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=per_device, max_steps=max_steps,
+                             save_steps=save_steps, logging_steps=1, learning_rate=5e-3, optim="adamw_torch",
+                             seed=seed, mesh=mesh)
+    trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=data, max_seq_length=64, args=args)
+    trainer.train(resume_from_checkpoint=resume)
+    placed = [{"spec": str(x.sharding.spec), "devices": len(x.sharding.device_set),
+               "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards})}
+              for x in jax.tree.leaves(lora.split(model)[1])]
+    return {"losses": trainer.state.loss_history, "trainable": placed, "devices": jax.device_count()}
+
+
+CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
+         "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps}
+
+if __name__ == "__main__":
+    name, seed = sys.argv[1], int(sys.argv[2])
+    kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    print("RESULT " + json.dumps(CASES[name](seed, **kwargs)), flush=True)

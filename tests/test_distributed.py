@@ -1,0 +1,293 @@
+"""Several devices (unsloth_jax.distributed): the mesh, the sharding rules, the sharded step, checkpoints across
+meshes, two jax.distributed processes and memory per device.
+
+The argument checks and rules run in this process. Everything that needs several devices runs in a subprocess
+(tests/multidevice_cases.py) with XLA_FLAGS=--xla_force_host_platform_device_count=N, because that flag only
+takes effect before jax initializes. The truth there is the same step on one device, in the same subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from tests.helpers import ROOT, subprocess_env
+from unsloth_jax import distributed
+from unsloth_jax.data import DataLoader
+
+TOL = 1e-5  # float32 relative error bound of sharded against single-device results
+
+
+def run_case(case: str, seed: int, devices: int = 8, timeout: int = 1200, **kwargs) -> dict:
+    """tests.multidevice_cases CASE in a fresh process with `devices` forced CPU devices; its RESULT JSON."""
+    env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices))
+    cmd = [sys.executable, "-m", "tests.multidevice_cases", case, str(seed), json.dumps(kwargs)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{case} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n" \
+                                           f"{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _xla_flags(devices: int) -> str:
+    # LLVM optimisation off: the same partitioned programs, compiled several times faster on the CPU
+    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+
+
+# ---------------------------------------------------------------------------------- in this process
+def test_parse_mesh():
+    assert distributed.parse_mesh("data=2,fsdp=4") == {"data": 2, "fsdp": 4}
+    assert distributed.parse_mesh(" fsdp=8 ") == {"fsdp": 8}
+    assert distributed.parse_mesh("data=-1,fsdp=2") == {"data": -1, "fsdp": 2}
+    for bad, words in (("data=2,tp=2", "'tp=2'"), ("data=two", "data='two' is not an integer"),
+                       ("data=0", "positive"), ("data=2,data=4", "given twice"), ("", "give data=N"),
+                       ("data", "'data'")):
+        with pytest.raises(ValueError) as err:
+            distributed.parse_mesh(bad)
+        assert "--mesh" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_make_mesh_checks_the_device_count():
+    dev = jax.devices()[0]
+    eight = [dev] * 8  # the arithmetic is checked before any Mesh is built
+    with pytest.raises(ValueError, match=r"fsdp=3 does not divide the 8 devices"):
+        distributed.make_mesh(fsdp=3, devices=eight)
+    with pytest.raises(ValueError, match=r"data=3 does not divide the 8 devices"):
+        distributed.make_mesh(data=3, fsdp=-1, devices=eight)
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=2 = 4 devices, but 8 are available"):
+        distributed.make_mesh(data=2, fsdp=2, devices=eight)
+    with pytest.raises(ValueError, match="at most one"):
+        distributed.make_mesh(data=-1, fsdp=-1, devices=eight)
+    with pytest.raises(ValueError, match="data must be >= 1"):
+        distributed.make_mesh(data=0, devices=eight)
+    with pytest.raises(TypeError, match="fsdp must be an integer"):
+        distributed.make_mesh(fsdp="2", devices=eight)
+    mesh = distributed.make_mesh()
+    assert mesh.axis_names == ("data", "fsdp") and mesh.devices.size == jax.device_count()
+    assert distributed.resolve_mesh({"fsdp": 1}).shape == mesh.shape
+    with pytest.raises(ValueError, match="TrainingArguments.mesh"):
+        distributed.resolve_mesh("data=x", "TrainingArguments.mesh")
+    with pytest.raises(TypeError, match="mesh must be"):
+        distributed.resolve_mesh(8)
+
+
+def test_leaf_spec_rules(rng):
+    fsdp = 8
+    layer_path = (jax.tree_util.DictKey("model"), jax.tree_util.DictKey("layers"), jax.tree_util.DictKey("w"))
+    flat_path = (jax.tree_util.DictKey("lm_head"),)
+    # the stacked layer axis (0) is never split, even when it is the largest divisible one
+    assert distributed.leaf_spec(layer_path, (64, 16, 24), 2, fsdp, 0) == P(None, None, "fsdp")
+    assert distributed.leaf_spec(layer_path, (64, 24, 16), 2, fsdp, 0) == P(None, "fsdp", None)
+    assert distributed.leaf_spec(layer_path, (64, 7, 9), 2, fsdp, 0) == P()  # nothing divisible
+    assert distributed.leaf_spec(flat_path, (4096, 128), 2, fsdp, 0) == P("fsdp", None)
+    # small leaves stay whole; one device along fsdp means nothing to split
+    assert distributed.leaf_spec(flat_path, (16, 8), 4, fsdp, 4096) == P()
+    assert distributed.leaf_spec(flat_path, (32, 32), 4, fsdp, 4096) == P("fsdp", None)
+    assert distributed.leaf_spec(flat_path, (4096, 128), 2, 1, 0) == P()
+    n = int(rng.integers(1, 5)) * fsdp
+    assert distributed.leaf_spec(flat_path, (3, n), 4, fsdp, 0) == P(None, "fsdp")
+
+
+def test_loader_rows_are_a_slice_of_the_whole_batch(rng):
+    examples = [{"input_ids": rng.integers(1, 100, int(rng.integers(3, 90))).tolist()} for _ in range(40)]
+    loader = DataLoader(examples, batch_size=8, max_seq_length=128, pad_token_id=0, seed=int(rng.integers(1 << 30)))
+    for index in range(len(loader)):
+        whole = loader.batch(1, index)
+        for rows in (slice(0, 4), slice(4, 8), slice(2, 6)):
+            part = loader.batch(1, index, rows)
+            for key in whole:  # same S (the whole batch's bucket), same rows
+                np.testing.assert_array_equal(part[key], whole[key][rows])
+
+
+def test_host_rows_and_global_batch_on_one_process(rng):
+    mesh = distributed.make_mesh()
+    rows = 4 * distributed.batch_shards(mesh)
+    assert distributed.host_rows(mesh, rows) == slice(0, rows)
+    local = {"input_ids": rng.integers(0, 9, (2, rows, 5)).astype(np.int32)}
+    batch = distributed.global_batch(mesh, local, rows)
+    np.testing.assert_array_equal(np.asarray(batch["input_ids"]), local["input_ids"])
+    assert batch["input_ids"].sharding.spec == P(None, ("data", "fsdp"), None)
+
+
+def test_initialize_is_a_no_op_for_one_process_and_checks_its_arguments(monkeypatch):
+    for name in (distributed.ENV_ADDRESS, distributed.ENV_COUNT, distributed.ENV_ID, "SLURM_NTASKS",
+                 "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.initialize() is False
+    with pytest.raises(ValueError, match="missing: num_processes, process_id"):
+        distributed.initialize(coordinator_address="localhost:1234")
+    monkeypatch.setenv(distributed.ENV_COUNT, "two")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+        distributed.initialize(coordinator_address="localhost:1234", process_id=0)
+    monkeypatch.setenv(distributed.ENV_COUNT, "2")
+    with pytest.raises(ValueError, match="process_id must be <= 1"):
+        distributed.initialize(coordinator_address="localhost:1234", process_id=2)
+
+
+def test_cli_mesh_flag_is_validated(capsys):
+    from unsloth_jax import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.build_parser().parse_args(["train", "--mesh", "data=2,fsdp=four"])
+    assert err.value.code == 2
+    assert "--mesh='data=2,fsdp=four': fsdp='four' is not an integer" in capsys.readouterr().err
+    # well-formed, but the product does not match this process's devices: exit 2 before any model loads
+    n = jax.device_count()
+    assert cli.main(["train", "--mesh", f"data={n + 1}", "--output_dir", os.devnull]) == 2
+    assert f"data={n + 1} x fsdp=1 = {n + 1} devices, but {n} are available" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ several CPU devices
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_sharded_step_equals_single_device(kind, seed):
+    """Data-only (8x1), fsdp-only (1x8) and mixed (2x4) meshes: two steps of 2 accumulated micro-batches give
+    the single-device losses, gradient norms and updated LoRA leaves (SGD, so the update is the gradient's)."""
+    result = run_case("equal_steps", seed, kind=kind)
+    for mesh in ("data=8,fsdp=1", "data=1,fsdp=8", "data=2,fsdp=4"):
+        r = result[mesh]
+        assert r["loss_relerr"] < TOL and r["grad_norm_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
+        assert r["param_change"] > 100 * TOL, r  # the steps moved every leaf far more than the tolerance
+
+
+def test_moe_sharded_step_equals_single_device(seed):
+    """A Qwen3-MoE (LoRA on q/v and the experts, the load-balancing loss, a dense layer and a tail scan) on a
+    data-only (4x1) and a mixed (2x2) mesh: two steps give the single-device losses, aux losses and leaves."""
+    result = run_case("moe_equal_steps", seed, devices=4)
+    for mesh in ("data=4,fsdp=1", "data=2,fsdp=2"):
+        r = result[mesh]
+        assert r["loss_relerr"] < TOL and r["aux_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
+
+
+def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(seed):
+    result = run_case("fsdp_shards", seed)
+    for kind, r in result.items():
+        sharded = 0
+        for leaf in r["leaves"]:
+            assert leaf["reassembled"], leaf
+            assert leaf["devices"] == 8
+            big = leaf["bytes"] >= distributed.MIN_SHARD_BYTES
+            axes = [a for a in range(1 if leaf["stacked"] else 0, len(leaf["shape"])) if leaf["shape"][a] % 8 == 0]
+            if big and axes:
+                sharded += 1
+                assert "fsdp" in leaf["spec"], leaf
+                assert leaf["shard_elems_total"] == leaf["elems"], leaf  # each element on exactly one device
+                (shard_shape,) = leaf["distinct_shard_shapes"]
+                assert int(np.prod(shard_shape)) * 8 == leaf["elems"], leaf
+            else:
+                assert leaf["spec"] == "P()", leaf
+        assert sharded >= 9, (kind, sharded)  # embeddings, lm_head and the 7 projections of the layers
+        # the compiled step: one layer's slice gathered inside the layer loop (forward and recomputation),
+        # never a whole stacked weight, never the batch-sharded activations
+        assert r["whole_stack_gathers"] == [], r["whole_stack_gathers"]
+        assert r["layer_gathers_outside_loop"] == 0
+        assert r["layer_gathers_in_loop"] >= 2 * r["sharded_stacked_leaves"] >= 14, r
+        assert r["activation_gathers"] == [], r["activation_gathers"]
+        if kind == "qlora":
+            assert r["dense_projection_gathers"] == [], "a 4-bit weight was gathered dequantized"
+
+
+def test_pallas_kernels_run_per_batch_shard(seed):
+    """With every kernel forced to Pallas (interpret mode on the CPU) the QLoRA step on a 2x4 mesh runs them
+    in shard_map over the batch and matches one device."""
+    r = run_case("pallas_on_mesh", seed)
+    assert set(r["chosen"].values()) == {"pallas"}, r["chosen"]
+    assert r["manual_regions"] > 0
+    assert r["loss_relerr"] < TOL and r["param_relerr"] < TOL, r
+
+
+def test_checkpoint_saved_on_8_devices_restores_on_4(seed, tmp_path):
+    """SFTTrainer on fsdp=8 saves at step 2 (LoRA leaves and optimizer state split 8 ways); a 4-device process
+    resumes on data=2 x fsdp=2 and its steps 3-4 give the uninterrupted 8-device run's losses."""
+    out = str(tmp_path / "run")
+    common = dict(output_dir=out, max_steps=4, shard_trainable=True)
+    full = run_case("trainer", seed, devices=8, mesh="fsdp=8", per_device=1, save_steps=2, **common)
+    assert all(x["devices"] == 8 and "fsdp" in x["spec"] for x in full["trainable"]), full["trainable"]
+    resumed = run_case("trainer", seed, devices=4, mesh="data=2,fsdp=2", per_device=2,
+                       resume=str(tmp_path / "run" / "checkpoint-2"), **common)
+    assert resumed["devices"] == 4
+    assert all(x["devices"] == 4 and "fsdp" in x["spec"] for x in resumed["trainable"]), resumed["trainable"]
+    assert len(resumed["losses"]) == 4
+    np.testing.assert_allclose(resumed["losses"][2:], full["losses"][2:], rtol=TOL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_one_process_losses(seed, tmp_path):
+    """`unsloth-jax train --mesh data=4,fsdp=2` as two jax.distributed processes of 4 CPU devices each (gloo
+    collectives) against one process of 8 devices and against one device: the same losses; only process 0
+    writes metrics, the summary and the adapter; the checkpoint is written once by both."""
+    rng = np.random.default_rng(seed)
+    words = "alpha beta gamma delta mesh shard device token layer scan".split()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(5, 30))))}) + "\n"
+                            for _ in range(40)))
+    common = [sys.executable, "-m", "unsloth_jax.cli", "train", "--dataset", str(data), "--max_steps", "3",
+              "--max_seq_length", "64", "--optim", "adamw_torch", "--logging_steps", "1", "--seed", str(seed % 10000)]
+
+    def launch(out, devices, extra):
+        env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices))
+        return subprocess.Popen(common + ["--output_dir", str(out)] + extra, cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    port = _free_port()
+    two = [launch(tmp_path / "two", 4, ["--per_device_train_batch_size", "1", "--mesh", "data=4,fsdp=2",
+                                        "--save_steps", "2", "--coordinator_address", f"localhost:{port}",
+                                        "--num_processes", "2", "--process_id", str(i)]) for i in range(2)]
+    logs = [p.communicate(timeout=1200)[0] for p in two]
+    for p, log in zip(two, logs):
+        assert p.returncode == 0, log[-5000:]
+    for name, devices, extra in (("one", 8, ["--per_device_train_batch_size", "1", "--mesh", "data=4,fsdp=2"]),
+                                 ("single", 1, ["--per_device_train_batch_size", "8"])):
+        p = launch(tmp_path / name, devices, extra + ["--no-save_model"])
+        log = p.communicate(timeout=1200)[0]
+        assert p.returncode == 0, log[-5000:]
+
+    def losses(name):
+        return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("two")) == 3  # written once, by process 0
+    np.testing.assert_allclose(losses("two"), losses("one"), rtol=TOL)
+    np.testing.assert_allclose(losses("two"), losses("single"), rtol=TOL)
+    assert "mesh data=4 x fsdp=2 (8 cpu devices, 2 processes)" in logs[0]
+    assert "unsloth-jax: 3 steps" not in logs[1] and "saved LoRA adapter" not in logs[1]
+    assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "two" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+
+
+def test_memory_per_device_falls_as_fsdp_grows(seed):
+    """compiled.memory_analysis() of the step on 8 CPU devices (data = 8 / fsdp, one row per device): the
+    bytes per device fall at every doubling of fsdp, LoRA and QLoRA (BENCHMARKS.md has the table)."""
+    rows = run_case("memory", seed, single=False)
+    for kind in ("lora", "qlora"):
+        per_device = [r["per_device"] for r in rows if r["kind"] == kind]
+        assert len(per_device) == 4 and all(a > b for a, b in zip(per_device, per_device[1:])), (kind, per_device)
+
+
+def test_multi_gpu_bench_runs_on_the_cpu(tmp_path):
+    """bench/multi_gpu.py with tiny shapes on forced CPU devices: 1 device and fsdp=2 train the same steps."""
+    from tests.helpers import TINY_MODEL
+
+    cmd = [sys.executable, "bench/multi_gpu.py", str(TINY_MODEL), "--cpu-devices", "2", "--gpus", "1,2",
+           "--methods", "lora", "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--seq", "32"]
+    env = subprocess_env(XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    runs = [x for x in lines if x["name"] == "multi_gpu"]
+    summary = [x for x in lines if x["name"] == "multi_gpu_summary"]
+    assert [(x["strategy"], x["gpus"]) for x in runs] == [("single", 1), ("fsdp", 2)], lines
+    assert runs[1]["accumulation"] == 1 and runs[0]["accumulation"] == 2 and runs[0]["rows_per_step"] == 2
+    assert summary[1]["max_loss_relerr_vs_1gpu"] < TOL and summary[1]["steps_compared"] == 2, summary
+    assert summary[1]["scaling_efficiency"] > 0 and summary[1]["step_program_gib_per_device"] > 0
+    assert runs[1]["nccl_nvls_enable"] == "0"
