@@ -53,7 +53,8 @@ def check_training_outputs(name: str, book) -> None:
     """The executed notebook `book` plotted its loss, its logged training loss fell and did not end going up,
     its held-out loss fell, and it asked the model held-out questions."""
     outputs = _outputs(book)
-    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    # stdout only: a progress bar (stderr) may share a line with the trainer's log records
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stdout")
     assert any("image/png" in o.get("data", {}) for o in outputs), f"{name}: no loss plot (image/png output)"
 
     summaries = [tuple(map(float, m.groups())) for m in HELD_OUT_LINE.finditer(text)]
