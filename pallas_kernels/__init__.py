@@ -1,12 +1,13 @@
 """pallas_kernels: fused Pallas kernels (Triton lowering on NVIDIA GPUs, interpret mode on CPU).
 
-    from pallas_kernels import rms_norm, flash_attention, quantize_nf4, nf4_matmul
+    from pallas_kernels import rms_norm, flash_attention, quantize_nf4, nf4_matmul, grouped_matmul
 
 Each kernel is a `jax.custom_vjp` whose forward and backward are `pl.pallas_call`s, with a plain-jnp twin in
 `pallas_kernels.reference`; each function's docstring gives its shapes and dtypes.
 
 The names below are imported on first use (PEP 562), so `import pallas_kernels` does not import jax.
-Five submodules carry their function's name (rms_norm, rope, lora_linear, cross_entropy, flash_attention);
+Six submodules carry their function's name (rms_norm, rope, lora_linear, cross_entropy, flash_attention,
+grouped_matmul);
 the package attribute is always the function. Reach such a module's other names with
 `from pallas_kernels.rms_norm import rms_norm_with_config` (`import pallas_kernels.rms_norm as m` reads the
 package attribute, so it binds the function).
@@ -34,6 +35,7 @@ _EXPORTS = {
     "FP8Weight": "pallas_kernels.fp8",
     "quantize_fp8_weight": "pallas_kernels.fp8",
     "fp8_matmul": "pallas_kernels.fp8",
+    "grouped_matmul": "pallas_kernels.grouped_matmul",
     "resolve_interpret": "pallas_kernels._common",
 }
 __all__ = list(_EXPORTS)

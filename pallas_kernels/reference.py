@@ -243,3 +243,15 @@ def qlora_linear(x, q, a, b, scale):
     base = nf4_matmul(x, q)
     lora = jnp.dot(jnp.dot(x, a.astype(x.dtype)), b.astype(x.dtype))
     return base + (scale * lora).astype(x.dtype)
+
+
+# ---- grouped_matmul (owned by pallas_kernels/grouped_matmul.py) ----
+
+
+def grouped_matmul(x, w, group_sizes, transpose_rhs=False, out_dtype=None):
+    """jax.lax.ragged_dot(x [N, K], w [E, K, M] (or [E, M, K] with transpose_rhs), group_sizes [E]) -> [N, M]
+    in out_dtype or x.dtype, float32 accumulation; rows past sum(group_sizes) are zero. (XLA's GPU lowering of
+    ragged_dot is a dense product against every group: the kernel's speed baseline, not a fast path.)"""
+    w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)

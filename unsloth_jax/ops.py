@@ -42,6 +42,7 @@ IMPLS = {
     "nf4_matmul": ("xla", "pallas"),
     "attention": ("xla", "pallas", "cudnn"),
     "cross_entropy": ("xla", "pallas"),
+    "grouped_matmul": ("xla", "pallas"),
 }
 OPS = tuple(IMPLS)
 
@@ -187,6 +188,9 @@ PALLAS_WINS = {
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # NF4 projections: the Pallas dequantize, then XLA's matmul.
     "nf4_matmul": lambda x: x.dtype == _BF16,
+    # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
+    # work, and an E-times padded copy that does not fit at Qwen3-30B-A3B's shape).
+    "grouped_matmul": lambda x: x.dtype in (_BF16, jnp.float16),
 }
 
 
@@ -329,6 +333,20 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
 
 # ------------------------------------------------------------------------------------------- attention
 NEG_INF = -1e30
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot's grouped GEMM: x [N, K] (rows sorted by group), w [E, K, M], group_sizes [E] int32
+    -> [N, M] in x.dtype (float32 accumulation; rows past sum(group_sizes) are zero). Differentiable in x and
+    w (w's gradient is formed only when asked for). Pallas (pallas_kernels.grouped_matmul) or XLA's ragged_dot.
+    Under a mesh the kernel runs on gathered rows (the rows are sorted across the whole batch)."""
+    if use_pallas("grouped_matmul", x):
+        from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
+
+        _note("grouped_matmul", "pallas")
+        return pallas_grouped_matmul(x, w.astype(x.dtype), group_sizes, interpret=not active_policy().gpu)
+    _note("grouped_matmul", "xla")
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
 
 
 def attention_mask(
@@ -489,5 +507,5 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "linear", "attention", "attention_mask",
+           "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "linear", "grouped_matmul", "attention", "attention_mask",
            "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

@@ -18,15 +18,16 @@ Compute of one MoE layer over T tokens (N = T * top_k rows, no [T, E, D] buffer 
 
     logits = x @ router (float32)  ->  top-k weights [T, k] (float32) and experts [T, k]
     rows sorted by expert (stable argsort of the T*k assignments), group_sizes [E] = rows per expert
-    h = ragged_dot(x[token of row], gate_up[E, D, 2F], group_sizes)  (+ LoRA: two more ragged_dots, rank r)
-    y = ragged_dot(act(h), down[E, F, D], group_sizes) * weight of row
+    h = grouped_matmul(x[token of row], gate_up[E, D, 2F], group_sizes)  (+ LoRA: two more, rank r)
+    y = grouped_matmul(act(h), down[E, F, D], group_sizes) * weight of row
     out[t] = sum of the k rows of token t (gathered back in token order)
 
-The frozen expert weights get no gradient (stop_gradient), so their ragged_dots are differentiated for dX only
-(XLA's forward / data-gradient grouped GEMMs). The LoRA factors need weight gradients, dW[e] = x_e^T g_e, a
-ragged contraction that XLA's GPU compiler rewrites into a dense dot over a zero-padded [E, N, K] copy of x
-(E times the memory and FLOPs); `ragged_matmul` computes them instead as one batched GEMM over row tiles
-(`grouped_weight_grad`).
+`ops.grouped_matmul` is the grouped GEMM: the Pallas kernel (pallas_kernels.grouped_matmul) for 16-bit rows on
+a GPU, jax.lax.ragged_dot elsewhere (XLA's GPU lowering of ragged_dot is a dense product against every expert).
+The frozen expert weights get no gradient (stop_gradient), so their grouped GEMMs are differentiated for dX
+only. The LoRA factors need weight gradients, dW[e] = x_e^T g_e; `ragged_matmul` computes them as one batched
+GEMM over row tiles (`grouped_weight_grad`) rather than a ragged contraction, which XLA's GPU compiler rewrites
+into a dense dot over a zero-padded [E, N, K] copy of x.
 
 The router statistics of each layer (`RouterStats`) give transformers' load-balancing loss
 (`load_balancing_loss`).
@@ -111,18 +112,19 @@ def grouped_weight_grad(x: jax.Array, g: jax.Array, group_sizes: jax.Array, tile
 
 @jax.custom_vjp
 def ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """jax.lax.ragged_dot(x [N, K], w [E, K, M], group_sizes) -> [N, M], whose gradient for w comes from
-    grouped_weight_grad (tiles) instead of XLA's dense rewrite of the ragged contraction; dX is a ragged_dot."""
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    """ops.grouped_matmul(x [N, K], w [E, K, M], group_sizes) -> [N, M] (the LoRA factors' grouped GEMMs),
+    whose gradient for w comes from grouped_weight_grad (tiles) instead of XLA's dense rewrite of the ragged
+    contraction; dX is a grouped GEMM too."""
+    return ops.grouped_matmul(x, w, group_sizes)
 
 
 def _ragged_matmul_fwd(x, w, group_sizes):
-    return jax.lax.ragged_dot(x, w, group_sizes), (x, w, group_sizes)
+    return ops.grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _ragged_matmul_bwd(res, g):
     x, w, group_sizes = res
-    dx = jax.lax.ragged_dot(g, jnp.swapaxes(w, 1, 2), group_sizes)
+    dx = ops.grouped_matmul(g, jnp.swapaxes(w, 1, 2), group_sizes)
     dw = grouped_weight_grad(x, g, group_sizes).astype(w.dtype)
     return dx, dw, None
 
@@ -138,7 +140,7 @@ def grouped_linear(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *, b
     b [E, r, out], scale) adds scale * (x @ a[e]) @ b[e] as two rank-r grouped GEMMs (ragged_matmul, so the
     factors' gradients are tiled batched GEMMs); bias [E, out] is added per row (row_expert [N] names each
     row's expert)."""
-    y = jax.lax.ragged_dot(x, jax.lax.stop_gradient(kernel).astype(x.dtype), group_sizes)
+    y = ops.grouped_matmul(x, jax.lax.stop_gradient(kernel).astype(x.dtype), group_sizes)
     if lora is not None:
         a, b, scale = lora
         xa = ragged_matmul(x, a.astype(x.dtype), group_sizes)
