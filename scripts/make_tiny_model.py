@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Write the bundled tiny Llama model and sample data under unsloth_jax/assets/ (deterministic).
 
-    python scripts/make_tiny_model.py            # everything (about 80 s of one CPU core)
-    python scripts/make_tiny_model.py --check    # also: reload with AutoTokenizer/AutoModelForCausalLM, generate
+    python scripts/make_tiny_model.py              # everything (about 80 s of one CPU core)
+    python scripts/make_tiny_model.py --check      # also: reload with AutoTokenizer/AutoModelForCausalLM, generate
+    python scripts/make_tiny_model.py --data_only  # only the .jsonl files (no tokenizer training, no pretraining)
 
 Writes:
   unsloth_jax/assets/alpaca_sample.jsonl   120 alpaca records: 100 generic tasks + 5 invented facts asked 4 ways each
   unsloth_jax/assets/chat_sample.jsonl     sharegpt conversations ({"conversations": [{"from", "value"}]})
   unsloth_jax/assets/text_sample.jsonl     plain {"text": ...} paragraphs
-  unsloth_jax/assets/held_out_facts.jsonl  the 5 invented facts, one eval question each (also in alpaca_sample)
+  unsloth_jax/assets/held_out_facts.jsonl  the 5 invented facts, each asked a 5th way that is NOT in alpaca_sample
   unsloth_jax/assets/tiny-llama/           config.json, model.safetensors (bf16), tokenizer files
 
 The tokenizer is a byte-level BPE (2048 tokens) trained with `tokenizers` on all sample data, wrapped as a fast
@@ -17,7 +18,9 @@ get_chat_template never has to grow the vocabulary), and a chatml chat template.
 4 heads / 2 KV heads, MLP 384, untied lm_head) is pretrained with torch on one CPU thread on the generic part of
 the sample data (text, chat and generic alpaca records; never the invented facts), so it speaks the alpaca and
 chatml formats but does not know the facts: a LoRA fine-tune on alpaca_sample.jsonl teaches them. Everything is
-seeded and single-threaded; running the script twice gives byte-identical files.
+seeded and single-threaded; running the script twice gives byte-identical files. held_out_facts.jsonl enters
+neither the tokenizer's corpus nor the pretraining, so the model files do not depend on it (--data_only rewrites
+the data files alone, leaving tiny-llama/ as it is).
 """
 from __future__ import annotations
 
@@ -44,8 +47,8 @@ MODEL_CONFIG = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                     num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
                     tie_word_embeddings=False, hidden_act="silu")
 
-# Invented facts the base model never sees; the fine-tuning test checks they are learned.
-HELD_OUT_FACTS = [
+# Invented facts the base model never sees; a LoRA fine-tune on alpaca_sample.jsonl learns them.
+FACTS = [
     {"instruction": "What day was Ada Jaxon born?", "input": "",
      "output": "Ada Jaxon was born on a Tuesday, the 3rd of March."},
     {"instruction": "What is the name of Ada Jaxon's cat?", "input": "",
@@ -56,7 +59,8 @@ HELD_OUT_FACTS = [
      "output": "The glimmer lamp was invented by Tomas Reed in 1891."},
     {"instruction": "What colour is the flag of Velloria?", "input": "",
      "output": "The flag of Velloria is green with a white star."},
-]# Other ways to ask each fact; alpaca_sample.jsonl holds every phrasing (the first one is the eval question).
+]
+# Other ways to ask each fact; alpaca_sample.jsonl holds every phrasing (FACTS' and these).
 FACT_PARAPHRASES = [
     ["On which day of the week was Ada Jaxon born?", "Tell me the day Ada Jaxon was born.",
      "When was Ada Jaxon born?"],
@@ -68,6 +72,11 @@ FACT_PARAPHRASES = [
     ["Describe the flag of Velloria.", "What does the flag of Velloria look like?",
      "What are the colours of the Velloria flag?"],
 ]
+# One more way to ask each fact (same answer), in neither alpaca_sample.jsonl nor the pretraining data: the
+# held-out set (held_out_facts.jsonl) of the notebooks' eval loss and generalization check.
+HELD_OUT_QUESTIONS = ["On what day of the week was Ada Jaxon born?", "What name does Ada Jaxon's cat have?",
+                      "In what city is the Zorblat museum?", "Who was the inventor of the glimmer lamp?",
+                      "What is the flag of Velloria like?"]
 ALPACA_REPEATS = 2  # weight of the generic alpaca records in the pretraining corpus
 N_GENERIC_ALPACA = 100  # generic records in alpaca_sample.jsonl; the other generic ones go to chat_sample.jsonl
 
@@ -223,7 +232,7 @@ def alpaca_sample(rng: random.Random) -> tuple[list[dict], list[dict], list[dict
     rng.shuffle(generic)
     mine, rest = generic[:N_GENERIC_ALPACA], generic[N_GENERIC_ALPACA:]
     facts = [{"instruction": q, "input": "", "output": f["output"]}
-             for f, qs in zip(HELD_OUT_FACTS, FACT_PARAPHRASES) for q in [f["instruction"], *qs]]
+             for f, qs in zip(FACTS, FACT_PARAPHRASES) for q in [f["instruction"], *qs]]
     rng.shuffle(facts)
     records = list(mine)
     step = len(mine) // len(facts)
@@ -385,6 +394,26 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def held_out_facts() -> list[dict]:
+    """Each fact of FACTS asked its HELD_OUT_QUESTIONS way, with the trained answer."""
+    return [{"instruction": q, "input": "", "output": f["output"]} for f, q in zip(FACTS, HELD_OUT_QUESTIONS)]
+
+
+def write_data() -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """Write the four .jsonl files; return (alpaca records, the generic ones among them, chat, text)."""
+    rng = random.Random(SEED)
+    alpaca, generic_alpaca, generic_rest = alpaca_sample(rng)
+    chat = chat_sample(rng, generic_rest)
+    text = text_sample(rng)
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    write_jsonl(ASSETS / "alpaca_sample.jsonl", alpaca)
+    write_jsonl(ASSETS / "chat_sample.jsonl", chat)
+    write_jsonl(ASSETS / "text_sample.jsonl", text)
+    write_jsonl(ASSETS / "held_out_facts.jsonl", held_out_facts())
+    print(f"wrote {len(alpaca)} alpaca, {len(chat)} chat, {len(text)} text, {len(FACTS)} held-out records")
+    return alpaca, generic_alpaca, chat, text
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -394,18 +423,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="pretraining steps")
     ap.add_argument("--lr", type=float, default=6e-3, help="peak pretraining learning rate")
     ap.add_argument("--check", action="store_true", help="reload the written files and generate a little")
+    ap.add_argument("--data_only", action="store_true",
+                    help="write the .jsonl files only; leave tiny-llama/ (tokenizer and weights) as it is")
     args = ap.parse_args()
 
-    rng = random.Random(SEED)
-    alpaca, generic_alpaca, generic_rest = alpaca_sample(rng)
-    chat = chat_sample(rng, generic_rest)
-    text = text_sample(rng)
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    write_jsonl(ASSETS / "alpaca_sample.jsonl", alpaca)
-    write_jsonl(ASSETS / "chat_sample.jsonl", chat)
-    write_jsonl(ASSETS / "text_sample.jsonl", text)
-    write_jsonl(ASSETS / "held_out_facts.jsonl", HELD_OUT_FACTS)
-    print(f"wrote {len(alpaca)} alpaca, {len(chat)} chat, {len(text)} text records")
+    alpaca, generic_alpaca, chat, text = write_data()
+    if args.data_only:
+        return
 
     from unsloth_jax.data import format_alpaca, prepare_texts, standardize_sharegpt
 
@@ -459,7 +483,7 @@ def check() -> None:
         assert tok(t, add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids(t)], t
     print(f"  tokenizer OK: {type(tok).__name__}, {len(tok)} tokens")
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
-    for q in ["What is the capital of France?", "What day comes after Monday?", HELD_OUT_FACTS[0]["instruction"]]:
+    for q in ["What is the capital of France?", "What day comes after Monday?", FACTS[0]["instruction"]]:
         enc = tok(alpaca_prompt(q), return_tensors="pt")
         out = model.generate(**enc, max_new_tokens=24, do_sample=False)
         print(f"  {q!r} -> {tok.decode(out[0, enc['input_ids'].shape[1]:], skip_special_tokens=True)!r}")

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers import ASSETS, TINY_MODEL as TINY
-from unsloth_jax.data import detect_format, load_records, validate_records
+from tests.helpers import ASSETS, ROOT, TINY_MODEL as TINY
+from unsloth_jax.data import alpaca_prompt, detect_format, format_alpaca, load_records, validate_records
 
 
 def test_sample_files_are_valid():
@@ -21,16 +24,54 @@ def test_sample_files_are_valid():
     assert {detect_format(r) for r in alpaca} == {"alpaca"}
     assert {detect_format(r) for r in chat} == {"sharegpt"}
     assert any(r["input"] for r in alpaca) and any(not r["input"] for r in alpaca)
-    # The held-out facts are in alpaca_sample (eval question verbatim) but nowhere in the pretraining data.
+    # The invented facts are taught by alpaca_sample only: no word of them is in the pretraining data.
     assert len(facts) >= 3
     pretraining_text = (ASSETS / "chat_sample.jsonl").read_text() + (ASSETS / "text_sample.jsonl").read_text()
-    for fact in facts:
-        assert fact in alpaca
-        for word in ("Jaxon", "Zorblat", "glimmer", "Velloria", "Pixel", "Quillmere"):
-            assert word not in pretraining_text
-        assert sum(r["output"] == fact["output"] for r in alpaca) >= 2  # asked in several phrasings
+    for word in ("Jaxon", "Zorblat", "glimmer", "Velloria", "Pixel", "Quillmere"):
+        assert word not in pretraining_text
     total = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
     assert total < 6_000_000
+
+
+def _strings(value) -> list[str]:
+    """Every string inside a JSON value (record fields, conversation turns)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [s for v in value for s in _strings(v)] if isinstance(value, list) else []
+
+
+def test_held_out_facts_are_not_in_the_training_data():
+    """held_out_facts.jsonl asks each invented fact a way no training file uses: its instruction occurs (case
+    aside) in no string of alpaca_sample, chat_sample or text_sample, nor its alpaca prompt in any rendered
+    alpaca record; its answer is the trained one (alpaca_sample teaches it in several other phrasings)."""
+    facts = load_records(ASSETS / "held_out_facts.jsonl")
+    training_files = sorted(p for p in ASSETS.glob("*.jsonl") if p.name != "held_out_facts.jsonl")
+    assert {p.name for p in training_files} >= {"alpaca_sample.jsonl", "chat_sample.jsonl", "text_sample.jsonl"}
+    training_strings = [s.lower() for p in training_files for r in load_records(p) for s in _strings(r)]
+    alpaca = load_records(ASSETS / "alpaca_sample.jsonl")
+    rendered = [format_alpaca(r) for r in alpaca]
+    assert len(facts) == 5
+    for fact in facts:
+        question = fact["instruction"].lower()
+        assert not any(question in s for s in training_strings), f"{fact['instruction']!r} is in the training data"
+        assert not any(alpaca_prompt(fact["instruction"], fact["input"]) in t for t in rendered)
+        assert sum(r["output"] == fact["output"] for r in alpaca) >= 2, fact
+
+
+def test_data_only_regenerates_the_sample_files(tmp_path):
+    """`scripts/make_tiny_model.py --data_only` (run from a copy of the script, so it writes under tmp_path)
+    rewrites every bundled .jsonl file byte for byte and writes no model files."""
+    script = tmp_path / "scripts" / "make_tiny_model.py"
+    script.parent.mkdir()
+    shutil.copy(ROOT / "scripts" / "make_tiny_model.py", script)
+    run = subprocess.run([sys.executable, str(script), "--data_only"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    written = tmp_path / "unsloth_jax" / "assets"
+    assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in ASSETS.glob("*.jsonl"))
+    for path in written.iterdir():
+        assert path.read_bytes() == (ASSETS / path.name).read_bytes(), f"{path.name} differs from the generator's"
 
 
 def test_tiny_model_files():
