@@ -283,6 +283,7 @@ def test_readme_train_then_generate_learns_the_fact(tmp_path):
     cmd = [sys.executable, "-m", "unsloth_jax.cli"]
     train = subprocess.run(cmd + train_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    assert "Training:" not in train.stderr  # TQDM_DISABLE=1 (tqdm's own switch) hides the progress bar
     losses = [json.loads(line)["loss"] for line in (tmp_path / "outputs" / "metrics.jsonl").read_text().splitlines()]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
     gen = subprocess.run(cmd + gen_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

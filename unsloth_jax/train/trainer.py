@@ -427,7 +427,8 @@ class SFTTrainer:
                   f"{_mesh_note(mesh)}, {model.dtype.name}{_base_label(model)}, "
                   f"{_trained_what(model, n_train, args.optim)}, remat={model.gradient_checkpointing}")
             print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}" + (" (per device)" if mesh is not None else ""))
-        bar = tqdm(total=total, initial=start, desc="Training", unit="step", disable=not main)
+        # only process 0 shows a bar; on it tqdm's own defaults (TQDM_DISABLE, ...) apply
+        bar = tqdm(total=total, initial=start, desc="Training", unit="step", **({} if main else {"disable": True}))
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
