@@ -7,6 +7,8 @@ clamps of its activation are hit.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -39,7 +41,8 @@ def make_hf_moe_model(family: str, seed: int = 0, dtype=torch.float32, **overrid
     from ties."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type_of(family), **(TINY_MOE | MOE_FAMILIES[family] | overrides))
+    config = transformers.AutoConfig.for_model(model_type_of(family),
+                                               **copy.deepcopy(TINY_MOE | MOE_FAMILIES[family] | overrides))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)

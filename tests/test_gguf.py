@@ -4,6 +4,7 @@ interleaving, Gemma 1 + w norms, Llama 3 rope factors from transformers' rope in
 llama.cpp itself: its converter (LLAMA_CPP_DIR=<llama.cpp checkout>) and its runtime (llama_cpp importable)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -73,7 +74,9 @@ def _tokenizer(kind, spm_dir):
 
 def _make_hf_dir(family, path, vocab, spm_dir, seed):
     model_type = model_type_of(family)
-    config = transformers.AutoConfig.for_model(model_type, **(dict(TINY) | HF_FAMILIES[family] | {"vocab_size": vocab}))
+    # deep copy: transformers writes into the rope_scaling dict it is given, which would leak into later tests
+    config = transformers.AutoConfig.for_model(
+        model_type, **copy.deepcopy(dict(TINY) | HF_FAMILIES[family] | {"vocab_size": vocab}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
