@@ -240,17 +240,17 @@ def test_grouped_experts_on_gpu(family, dtype, tol, seed):
 
 def test_grouped_experts_pallas_kernel_equals_ragged_dot(seed):
     """The experts with ops.grouped_matmul on the Pallas kernel (interpret mode here) equal the ragged_dot path:
-    forward and the gradients of x and every LoRA factor, bf16 rows (the dtype the kernel serves on a GPU)."""
+    forward and the gradients of x and every LoRA factor (float32, so both paths round alike)."""
     from unsloth_jax import ops
 
     cfg = ModelConfig.from_dict(make_hf_moe_model("qwen3_moe").config.to_dict())
-    block = Experts(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    block = Experts(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
     for g in (block.gate_up_proj, block.down_proj):
         g.lora_a = nnx.LoRAParam(0.3 * jax.random.normal(next(ks), g.kernel[...].shape[:-1] + (3,)))
         g.lora_b = nnx.LoRAParam(0.3 * jax.random.normal(next(ks), (cfg.num_experts, 3, g.out_features)))
         g.lora_scale = 0.7
-    x = jax.random.normal(next(ks), (29, cfg.hidden_size)).astype(jnp.bfloat16)
+    x = jax.random.normal(next(ks), (29, cfg.hidden_size))
     logits = (2.0 * jax.random.normal(next(ks), (29, cfg.num_experts))).at[:, 1].add(-50.0)
     weights, experts = route(logits, cfg)
     graphdef, lora_state, rest = nnx.split(block, nnx.LoRAParam, ...)
@@ -267,9 +267,9 @@ def test_grouped_experts_pallas_kernel_equals_ragged_dot(seed):
             results[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, lora_state)
         assert ops.chosen_impls(policy)["grouped_matmul"] == impl
     (v_x, g_x), (v_p, g_p) = results["xla"], results["pallas"]
-    assert rel_err(v_p, v_x) < 1e-2
+    assert rel_err(v_p, v_x) < 1e-5
     for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_x)):
-        assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 2e-2
+        assert rel_err(a, b) < 1e-5
 
 
 def test_grouped_weight_grad_and_ragged_matmul(rng):
