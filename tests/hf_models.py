@@ -43,16 +43,23 @@ def model_type_of(family: str) -> str:
     return MODEL_TYPES.get(prefix, prefix)
 
 
+def tiny_config(model_type: str, fields: dict):
+    """A transformers config of `model_type` from a deep copy of `fields` (transformers writes into the nested
+    dicts it is given, e.g. rope_theta into rope_scaling, which would leak into later tests), eager attention."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **copy.deepcopy(fields))
+    config._attn_implementation = "eager"
+    return config
+
+
 def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     """A transformers causal LM of `family` (config fields `overrides` changed) with every parameter randomised
     (norms around 1, biases nonzero)."""
     import transformers
 
     model_type = model_type_of(family)
-    # a deep copy: transformers writes into the rope_scaling dict it is given (rope_theta, ...)
-    kwargs = copy.deepcopy(dict(TINY) | FAMILIES[family] | overrides)
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    config._attn_implementation = "eager"
+    config = tiny_config(model_type, dict(TINY) | FAMILIES[family] | overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)

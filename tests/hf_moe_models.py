@@ -7,9 +7,9 @@ clamps of its activation are hit.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
+
+from tests.hf_models import tiny_config
 
 TINY_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -41,9 +41,7 @@ def make_hf_moe_model(family: str, seed: int = 0, dtype=torch.float32, **overrid
     from ties."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type_of(family),
-                                               **copy.deepcopy(TINY_MOE | MOE_FAMILIES[family] | overrides))
-    config._attn_implementation = "eager"
+    config = tiny_config(model_type_of(family), TINY_MOE | MOE_FAMILIES[family] | overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -4,7 +4,6 @@ interleaving, Gemma 1 + w norms, Llama 3 rope factors from transformers' rope in
 llama.cpp itself: its converter (LLAMA_CPP_DIR=<llama.cpp checkout>) and its runtime (llama_cpp importable)."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.helpers import rel_err, wrong_modes  # noqa: E402
-from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of, train_spm_tokenizer  # noqa: E402
+from tests.hf_models import FAMILIES as HF_FAMILIES, TINY, model_type_of, tiny_config, train_spm_tokenizer  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.hf import gguf_export  # noqa: E402
@@ -74,9 +73,7 @@ def _tokenizer(kind, spm_dir):
 
 def _make_hf_dir(family, path, vocab, spm_dir, seed):
     model_type = model_type_of(family)
-    # deep copy: transformers writes into the rope_scaling dict it is given, which would leak into later tests
-    config = transformers.AutoConfig.for_model(
-        model_type, **copy.deepcopy(dict(TINY) | HF_FAMILIES[family] | {"vocab_size": vocab}))
+    config = tiny_config(model_type, dict(TINY) | HF_FAMILIES[family] | {"vocab_size": vocab})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
