@@ -1,19 +1,24 @@
 """Optimizers and learning-rate schedules with the names HF/TRL users pass (`optim`, `lr_scheduler_type`).
 
 Schedules follow transformers' definitions exactly (the rate used for update number t, counting from 0), so a
-run here and an HF Trainer run see the same learning rates. AdamW keeps its moments in float32 whatever the
-weights' dtype (bf16 weights in full fine-tuning get float32 moments); `adamw_8bit` keeps both moments in 8
-bits, block-wise (see `scale_by_adam_8bit`). `embedding_schedule` gives the embedding table and the output head
-their own learning rate (Unsloth's embedding_learning_rate), through optax.multi_transform on the last step.
+run here and an HF Trainer run see the same learning rates. AdamW (`adamw`, a FusedAdamW) keeps its moments in
+float32 whatever the weights' dtype (bf16 weights in full fine-tuning get float32 moments); `adamw_8bit` keeps
+both in 8 bits, block-wise (`_quantize`). The train step applies AdamW with `FusedAdamW.apply`: leaf by leaf and,
+for big leaves, piece by piece along the layer axis, in place, so its float32 temporaries are those of one piece
+(the plain optax `update` is there too). `embedding_schedule` gives the embedding table and the output head
+their own learning rate (Unsloth's embedding_learning_rate).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+# optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
+global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
 OPTIMIZERS = ("adamw_torch", "adamw", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "sgd")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -84,25 +89,31 @@ class Adam8bitState(NamedTuple):
     nu: optax.Updates
 
 
+def _zero_codes(p, signed: bool) -> _Q8:
+    """_quantize(zeros like p), built directly (no float32 array of p's size is made)."""
+    n_blocks = -(-math.prod(p.shape) // _BLOCK)
+    return _Q8(jnp.zeros((n_blocks, _BLOCK), jnp.int8 if signed else jnp.uint8), jnp.zeros((n_blocks,), jnp.float32))
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
-    """Adam's update direction with both moments stored block-wise in 8 bits (a quarter of fp32 Adam's state)."""
+    """Adam's update direction with both moments stored block-wise in 8 bits (a quarter of fp32 Adam's state),
+    as an optax transformation for custom chains (make_optimizer's "adamw_8bit" is `adamw` with eight_bit)."""
 
     def init(params):
-        mu = jax.tree.map(lambda p: _quantize(jnp.zeros(p.shape, jnp.float32), True), params)
-        nu = jax.tree.map(lambda p: _quantize(jnp.zeros(p.shape, jnp.float32), False), params)
+        mu = jax.tree.map(lambda p: _zero_codes(p, True), params)
+        nu = jax.tree.map(lambda p: _zero_codes(p, False), params)
         return Adam8bitState(jnp.zeros((), jnp.int32), mu, nu)
 
     def update(updates, state, params=None):
         del params
-        count = state.count + 1
+        count = optax.safe_increment(state.count)
         is_q = lambda x: isinstance(x, _Q8)  # noqa: E731
-        mu = jax.tree.map(lambda g, q: b1 * _dequantize(q, g, True) + (1 - b1) * g.astype(jnp.float32),
+        mu = jax.tree.map(lambda g, q: _moment(g.astype(jnp.float32), _dequantize(q, g, True), b1, 1),
                           updates, state.mu, is_leaf=is_q)
-        nu = jax.tree.map(lambda g, q: b2 * _dequantize(q, g, False) + (1 - b2) * jnp.square(g.astype(jnp.float32)),
+        nu = jax.tree.map(lambda g, q: _moment(g.astype(jnp.float32), _dequantize(q, g, False), b2, 2),
                           updates, state.nu, is_leaf=is_q)
-        c1 = 1 - b1 ** count.astype(jnp.float32)
-        c2 = 1 - b2 ** count.astype(jnp.float32)
-        direction = jax.tree.map(lambda m, v, g: ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype), mu, nu, updates)
+        c1, c2 = _bias_corrections(b1, b2, count)
+        direction = jax.tree.map(lambda m, v, g: _direction(m, v, c1, c2, eps).astype(g.dtype), mu, nu, updates)
         new_state = Adam8bitState(count, jax.tree.map(lambda m: _quantize(m, True), mu),
                                   jax.tree.map(lambda v: _quantize(v, False), nu))
         return direction, new_state
@@ -110,21 +121,177 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) ->
     return optax.GradientTransformation(init, update)
 
 
-def in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`tx` run on float32 copies of the updates and params: its state (Adam's moments) is float32 even for
-    bf16/fp16 weights, and its updates come out float32 (optax.apply_updates casts the sum to the weight's
-    dtype)."""
+# ------------------------------------------------------------------------------ AdamW, fused per chunk
+def _moment(g: jax.Array, prev: jax.Array, decay: float, order: int) -> jax.Array:
+    """Adam's moment update in float32: (1 - decay) * g**order + decay * prev (optax's formula)."""
+    return (1 - decay) * (g ** order) + decay * prev
 
-    def f32(tree):
-        return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+def _bias_corrections(b1: float, b2: float, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(1 - b1**t, 1 - b2**t) in float32 for update number t = count (counting from 1)."""
+    return (1 - b1 ** count).astype(jnp.float32), (1 - b2 ** count).astype(jnp.float32)
+
+
+def _direction(m, v, c1, c2, eps: float) -> jax.Array:
+    """Adam's step direction m_hat / (sqrt(v_hat) + eps) from the bias-corrected moments."""
+    return (m / c1) / (jnp.sqrt(v / c2) + eps)
+
+
+def scale_gradient(g: jax.Array, divisor: jax.Array | None) -> jax.Array:
+    """g / divisor in float32 (g unchanged without a divisor): a summed gradient made a mean."""
+    return g if divisor is None else g.astype(jnp.float32) / divisor
+
+
+CHUNK_ELEMENTS = 1 << 26  # elements of a leaf the fused update holds at once (256 MiB per float32 temporary)
+_MAX_CHUNKS = 4096        # more pieces than this: the leaf is updated whole (a leading axis with no fitting divisor)
+
+
+def chunk_count(shape: tuple[int, ...], limit: int = CHUNK_ELEMENTS) -> int:
+    """How many equal pieces along its leading axis (the layer axis of a stacked leaf, the rows of an
+    embedding) the fused update splits a leaf of `shape` into: the fewest whose pieces hold at most `limit`
+    elements, else one row each, each piece a whole number of 8-bit blocks (256 elements); 1 (the whole leaf)
+    when the leaf holds at most `limit` elements or no split qualifies."""
+    n = math.prod(shape)
+    if n <= limit or len(shape) == 0:
+        return 1
+    rows, row = shape[0], n // shape[0]
+    fits = [k for k in range(2, rows + 1) if rows % k == 0 and (rows // k) * row % _BLOCK == 0]
+    small = [k for k in fits if (rows // k) * row <= limit]
+    k = min(small) if small else max(fits, default=1)
+    return k if k <= _MAX_CHUNKS else 1
+
+
+class AdamWState(NamedTuple):
+    count: jax.Array    # int32 []: updates applied so far
+    mu: optax.Updates   # per parameter leaf: float32 array of its shape, or _Q8 (8-bit)
+    nu: optax.Updates
+
+
+class FusedAdamW(NamedTuple):
+    """AdamW (clip by global norm, Adam, decoupled weight decay, -lr(t)) as one transformation.
+
+    init(params) -> AdamWState (zeros, built without float32 copies of the params).
+    update(grads, state, params) -> (float32 updates, state): the optax interface (add with
+        optax.apply_updates).
+    apply(grads, state, params, grad_norm=, finite=, grad_divisor=None, in_chunks=True) -> (new params, new
+        state): the same update added to the params and cast to their dtype, leaf by leaf and, for leaves of
+        more than chunk_elements, piece by piece along the leading (layer) axis (`chunk_count`; a
+        lax.fori_loop writing each piece back in place), so the float32 temporaries (dequantized moments,
+        direction) of one piece are live at a time.
+        grads: any float dtype; the gradient is scale_gradient(grads, grad_divisor) cast to each param's dtype
+        (as apply_gradients computes it); grad_norm: its global norm (the clipping norm); where `finite` is
+        false params and state stay as they were.
+    """
+    init: Callable
+    update: Callable
+    apply: Callable
+
+
+def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 0.0, max_grad_norm: float = 0.0, eight_bit: bool = False,
+          embedding_schedule: optax.Schedule | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> FusedAdamW:
+    """torch.optim.AdamW's update (optax.chain(clip_by_global_norm, scale_by_adam with float32 moments,
+    add_decayed_weights, scale_by_learning_rate) computed element by element the same way), with moments in
+    float32 or, with eight_bit, block-wise 8-bit (`_quantize`). embedding_schedule: the rate of the leaves
+    under embed_tokens / lm_head (embedding_labels) instead of `schedule`."""
+    if chunk_elements < _BLOCK:
+        raise ValueError(f"chunk_elements must be at least {_BLOCK}, got {chunk_elements}")
 
     def init(params):
-        return tx.init(f32(params))
+        if eight_bit:
+            mu = jax.tree.map(lambda p: _zero_codes(p, True), params)
+            nu = jax.tree.map(lambda p: _zero_codes(p, False), params)
+        else:
+            mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return AdamWState(jnp.zeros((), jnp.int32), mu, nu)
+
+    def rates(params, count):
+        """-lr(count) per leaf (float32 scalars)."""
+        lr = -schedule(count)
+        if embedding_schedule is None:
+            return jax.tree.map(lambda _: lr, params)
+        lr_embedding = -embedding_schedule(count)
+        return jax.tree.map(lambda label: lr_embedding if label == "embedding" else lr, embedding_labels(params))
+
+    def leaf_update(g, p, m_prev, v_prev, grad_norm, c1, c2, rate):
+        """(float32 update of p, new m, new v) for one leaf or one piece of it; m_prev, v_prev float32."""
+        if max_grad_norm and max_grad_norm > 0:
+            g = jax.lax.select(grad_norm < max_grad_norm, g, (g / grad_norm.astype(g.dtype)) * max_grad_norm)
+        g = g.astype(jnp.float32)
+        m, v = _moment(g, m_prev, b1, 1), _moment(g, v_prev, b2, 2)
+        u = _direction(m, v, c1, c2, eps)
+        if weight_decay:
+            u = u + weight_decay * p
+        return jnp.asarray(rate, jnp.float32) * u, m, v
+
+    def load(q, like, signed):
+        return _dequantize(q, like, signed) if eight_bit else q.reshape(like.shape)
+
+    def store(x, signed):
+        return _quantize(x, signed) if eight_bit else x
+
+    is_q = lambda x: isinstance(x, _Q8)  # noqa: E731
 
     def update(updates, state, params=None):
-        return tx.update(f32(updates), state, None if params is None else f32(params))
+        if params is None:
+            raise ValueError("adamw's update needs params (weight decay reads them)")
+        count = optax.safe_increment(state.count)
+        c1, c2 = _bias_corrections(b1, b2, count)
+        grad_norm = global_norm(updates)
+        outs = jax.tree.map(lambda g, p, mq, vq, r: leaf_update(g, p, load(mq, g, True), load(vq, g, False),
+                                                                grad_norm, c1, c2, r),
+                            updates, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
+        treedef = jax.tree.structure(params)
+        u, m, v = (treedef.unflatten([o[i] for o in treedef.flatten_up_to(outs)]) for i in range(3))
+        return u, AdamWState(count, jax.tree.map(lambda x: store(x, True), m),
+                             jax.tree.map(lambda x: store(x, False), v))
 
-    return optax.GradientTransformation(init, update)
+    def apply(grads, state, params, *, grad_norm, finite, grad_divisor=None, in_chunks: bool = True):
+        count = optax.safe_increment(state.count)
+        c1, c2 = _bias_corrections(b1, b2, count)
+
+        def piece(g, p, mq, vq, rate):
+            g = scale_gradient(g, grad_divisor).astype(p.dtype)  # the gradient apply_gradients would pass
+            u, m, v = leaf_update(g, p, load(mq, p, True), load(vq, p, False), grad_norm, c1, c2, rate)
+            return (p + u).astype(p.dtype), store(m, True), store(v, False)
+
+        def one_leaf(g, p, mq, vq, rate):
+            k = chunk_count(p.shape, chunk_elements) if in_chunks else 1
+            return _in_pieces(piece, k, finite, g, p, mq, vq, rate)
+
+        outs = jax.tree.map(one_leaf, grads, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
+        treedef = jax.tree.structure(params)
+        new_p, mu, nu = (treedef.unflatten([o[i] for o in treedef.flatten_up_to(outs)]) for i in range(3))
+        return new_p, AdamWState(jnp.where(finite, count, state.count), mu, nu)
+
+    return FusedAdamW(init, update, apply)
+
+
+def _in_pieces(piece, k: int, finite, g, p, mq, vq, rate):
+    """`piece(g, p, mq, vq, rate) -> (p, mq, vq)` where `finite` (else the old values), over k equal pieces of
+    one leaf along its leading axis -> (new p, new mq, new vq). g, p: the leaf's arrays; mq, vq: its moments,
+    float32 like p, or _Q8 whose rows are 256-element blocks (chunk_count splits at block boundaries, so piece
+    i is the i-th k-th of every array's rows). k > 1: a lax.fori_loop that reads piece i and writes its
+    results back into the carried arrays (dynamic_update_slice, in place).
+
+    The guard is a lax.cond, not a select: a cond's results are buffers computed from the old values before
+    anything is written. With the elementwise math fused into each write instead, XLA reads old moments again
+    after another array's write (the param's update recomputes m and v) and copies whole arrays to keep them.
+    """
+    def guarded(g_i, old):
+        return jax.lax.cond(finite, lambda g_i, old: piece(g_i, *old, rate), lambda g_i, old: old, g_i, old)
+
+    if k == 1:
+        return guarded(g, (p, mq, vq))
+    rows = lambda x: x.shape[0] // k  # noqa: E731
+
+    def body(i, carry):
+        at = lambda x: jax.lax.dynamic_slice_in_dim(x, i * rows(x), rows(x))  # noqa: E731
+        new = guarded(at(g), jax.tree.map(at, carry))
+        return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, i * rows(x), 0), carry, new)
+
+    return jax.lax.fori_loop(0, k, body, (p, mq, vq))
 
 
 def state_dtype(optim: str) -> str:
@@ -159,23 +326,22 @@ def _learning_rate(schedule: optax.Schedule, embedding_schedule: optax.Schedule 
 
 def make_optimizer(optim: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                    adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_epsilon: float = 1e-8,
-                   embedding_schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
-    """The optax chain for an HF `optim` name: clip by global norm (when max_grad_norm > 0), then the optimizer
-    (AdamW: torch.optim.AdamW's math, moments in float32). With `embedding_schedule`, the embedding and head
-    leaves (embedding_labels) step with it instead of `schedule`; weight decay and clipping are shared, as in
-    Unsloth's two torch param groups."""
+                   embedding_schedule: optax.Schedule | None = None,
+                   chunk_elements: int = CHUNK_ELEMENTS) -> optax.GradientTransformation | FusedAdamW:
+    """The optimizer for an HF `optim` name: AdamW variants are `adamw` (clip by global norm when
+    max_grad_norm > 0, torch.optim.AdamW's math with float32 moments, or 8-bit ones for adamw_8bit; applied in
+    pieces of at most `chunk_elements` by the train step); "sgd" is an optax chain (clip, weight decay, -lr).
+    With `embedding_schedule`, the embedding and head leaves (embedding_labels) step with it instead of
+    `schedule`; weight decay and clipping are shared, as in Unsloth's two torch param groups."""
     if optim not in OPTIMIZERS:
         raise ValueError(f"optim {optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+    if optim != "sgd":
+        return adamw(schedule, b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon, weight_decay=weight_decay,
+                     max_grad_norm=max_grad_norm, eight_bit=optim in ("adamw_8bit", "paged_adamw_8bit"),
+                     embedding_schedule=embedding_schedule, chunk_elements=chunk_elements)
     parts = []
     if max_grad_norm and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    lr = _learning_rate(schedule, embedding_schedule)
-    if optim == "sgd":
-        parts += [optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(), lr]
-    elif optim in ("adamw_8bit", "paged_adamw_8bit"):
-        parts += [in_float32(scale_by_adam_8bit(adam_beta1, adam_beta2, adam_epsilon)),
-                  optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(), lr]
-    else:  # optax.adamw's own chain, with float32 moments
-        parts.append(optax.chain(in_float32(optax.scale_by_adam(adam_beta1, adam_beta2, adam_epsilon)),
-                                 optax.add_decayed_weights(weight_decay), lr))
+    parts += [optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+              _learning_rate(schedule, embedding_schedule)]
     return optax.chain(*parts)

@@ -33,11 +33,9 @@ from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
 from unsloth_jax.models.decoder import CausalLM, make_batch
 from unsloth_jax.models.moe import load_balancing_loss
+from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
 
 log = logging.getLogger("unsloth_jax")
-
-# optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
-_global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
 # Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
@@ -132,6 +130,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return loss * n, (n, aux * n)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    unsharded = mesh is None or mesh.shape["fsdp"] == 1  # the fused update splits only leaves not sharded
 
     def step(trainable, frozen, opt_state, batch):
         def accumulate(carry, micro):
@@ -139,13 +138,18 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             (l, (n, a)), g = grad_fn(trainable, frozen, micro)
             return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, n_sum + n, a_sum + a), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
-        (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(accumulate, init, batch)
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            # one micro-batch: its gradients as the backward pass gives them (each param's dtype); summing them
+            # into float32 zeros would be exact and only cost a float32 copy of every gradient
+            (l_sum, (n_sum, a_sum)), g_sum = grad_fn(trainable, frozen, jax.tree.map(lambda x: x[0], batch))
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+            (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(accumulate, init, batch)
         denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g / denom, g_sum)
         loss = l_sum / denom
-        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads, loss)
+        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, g_sum, loss,
+                                                              grad_divisor=denom, in_chunks=unsharded)
         metrics = {"loss": loss, "tokens": n_sum, **update_metrics}
         if aux_loss_enabled(nnx.merge(graphdef, trainable, frozen)):
             metrics["aux_loss"] = a_sum / denom
@@ -200,23 +204,33 @@ def _on_mesh(step, mesh, donate_argnums):
     return call
 
 
-def apply_gradients(optimizer: optax.GradientTransformation, trainable, opt_state, grads, loss):
+def apply_gradients(optimizer: optax.GradientTransformation | FusedAdamW, trainable, opt_state, grads, loss, *,
+                    grad_divisor=None, in_chunks: bool = True):
     """One guarded optimizer update inside a jitted step -> (new trainable, new opt_state, metrics).
 
-    grads: float32 gradients shaped like `trainable` (cast to each parameter's dtype here). When `loss` or the
-    gradients' global norm is not finite, params and optimizer state stay as they were. metrics: grad_norm (of
-    the unclipped gradients) and skipped (1 when the update was dropped). Every trainer's step ends here.
+    grads: gradients shaped like `trainable`, float32 or in the params' dtypes; with `grad_divisor` (a float32
+    scalar, e.g. the token count) the gradient is grads / grad_divisor computed in float32. Either way it is
+    cast to each parameter's dtype before the update. When `loss` or the gradients' global norm is not finite,
+    params and optimizer state stay as they were. metrics: grad_norm (of the unclipped gradients) and skipped
+    (1 when the update was dropped). A FusedAdamW (make_optimizer's AdamW) is applied by its `apply`, piece
+    by piece and in place when `in_chunks` (off where leaves are sharded over devices); any other optax
+    transformation by update + optax.apply_updates. Every trainer's step ends here.
     """
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
-    grad_norm = _global_norm(grads)
+    cast = lambda g, p: scale_gradient(g, grad_divisor).astype(p.dtype)  # noqa: E731
+    grad_norm = global_norm(jax.tree.map(cast, grads, trainable))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    metrics = {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
+    if isinstance(optimizer, FusedAdamW):
+        new_params, new_opt = optimizer.apply(grads, opt_state, trainable, grad_norm=grad_norm, finite=finite,
+                                              grad_divisor=grad_divisor, in_chunks=in_chunks)
+        return new_params, new_opt, metrics
+    grads = jax.tree.map(lambda g, p: jnp.where(finite, cast(g, p), 0.0), grads, trainable)
     updates, new_opt = optimizer.update(grads, opt_state, trainable)
     new_params = optax.apply_updates(trainable, updates)
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
     new_params = jax.tree.map(keep, new_params, trainable)
     new_opt = jax.tree.map(keep, new_opt, opt_state)
-    return new_params, new_opt, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
+    return new_params, new_opt, metrics
 
 
 def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):
