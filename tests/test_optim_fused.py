@@ -96,17 +96,33 @@ def _tree(fn):
     return jax.tree.map(fn, SHAPES, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _moments_f32(tree, like):
+def _check_8bit_close(new_p, old_p, new_s, old_moments, like, where):
+    """8-bit: float32 rounding differences can move a moment across a code boundary, and that element's later
+    steps then differ by about one code. So: every dequantized moment within 3 codes of its block's scale of the
+    reference, all but 1% of moments and params equal to float32 rounding, and params within 3e-3."""
     is_q = lambda x: isinstance(x, _Q8)  # noqa: E731
-    return jax.tree.map(lambda q, p: np.asarray(_dequantize(q, p, q.codes.dtype == jnp.int8)) if is_q(q)
-                        else np.asarray(q), tree, like, is_leaf=is_q)
+    same, total = 0, 0
+    for new_m, old_m, signed, top in ((new_s.mu, old_moments[0], True, 127), (new_s.nu, old_moments[1], False, 255)):
+        for qa, qb, p in zip(jax.tree.leaves(new_m, is_leaf=is_q), jax.tree.leaves(old_m, is_leaf=is_q),
+                             jax.tree.leaves(like)):
+            a, b = np.asarray(_dequantize(qa, p, signed)), np.asarray(_dequantize(qb, p, signed))
+            step = np.repeat(np.asarray(qb.scale), 256)[: a.size].reshape(a.shape) / top
+            assert np.all(np.abs(a - b) <= 3 * step + 1e-30), where
+            close = np.isclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+            same, total = same + close.sum(), total + close.size
+    for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(old_p)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, atol=3e-3, err_msg=where)
+        close = np.isclose(a, b, rtol=2e-6, atol=1e-7)
+        same, total = same + close.sum(), total + close.size
+    assert same > 0.99 * total, f"{where}: {same} of {total} equal"
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_8bit"])
 def test_fused_update_equals_tree_map_update(optim, rng):
     """Four float32 steps (no clipping, clipping, a non-finite loss that must be skipped, clipping) with weight
     decay, a separate embedding rate and a token-count divisor: params, moments and counts after each step
-    match the previous tree.map chain (8-bit: the same codes up to float32 rounding at a code boundary)."""
+    match the previous tree.map chain (8-bit: up to float32 rounding at a code boundary, _check_8bit_close)."""
     assert chunk_count(SHAPES["model"]["layers"]["mlp"], CHUNK) == 4
     assert chunk_count(SHAPES["model"]["embed_tokens"]["weight"], CHUNK) == 3
     sched = make_schedule("linear", 3e-2, 10, 2)
@@ -129,23 +145,14 @@ def test_fused_update_equals_tree_map_update(optim, rng):
         finite_steps += int(np.isfinite(loss))
         count, mu, nu = _adam_moments(old_s)
         assert int(new_s.count) == int(count) == finite_steps
-        for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(old_p)):
-            a, b = np.asarray(a), np.asarray(b)
-            if optim == "adamw_8bit":  # where a moment code differs by one step, that element's update differs
-                assert np.isclose(a, b, rtol=2e-6, atol=1e-7).mean() > 0.999, f"step {k}"
-                np.testing.assert_allclose(a, b, atol=3e-3, err_msg=f"step {k}")
-            else:
-                np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7, err_msg=f"step {k}")
-        for new_m, old_m in ((new_s.mu, mu), (new_s.nu, nu)):
-            for a, b in zip(jax.tree.leaves(_moments_f32(new_m, params)), jax.tree.leaves(_moments_f32(old_m, params))):
-                # float32 rounding (the global norm summed in another order) relative to the moment's scale; 8-bit:
-                # a code may differ by one step where that rounding meets a code boundary
-                atol = 1e-6 * np.abs(b).max()
-                if optim == "adamw_8bit":
-                    close = np.isclose(a, b, rtol=1e-5, atol=atol)
-                    assert close.mean() > 0.999, f"step {k}: {close.mean()}"
-                else:
-                    np.testing.assert_allclose(a, b, rtol=2e-6, atol=atol, err_msg=f"step {k}")
+        if optim == "adamw_8bit":
+            _check_8bit_close(new_p, old_p, new_s, (mu, nu), params, f"step {k}")
+        else:
+            for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(old_p)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7, err_msg=f"step {k}")
+            for a, b in zip(jax.tree.leaves((new_s.mu, new_s.nu)), jax.tree.leaves((mu, nu))):
+                # float32 rounding (the global norm summed in another order), relative to the moment's scale
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6 * np.abs(b).max(), err_msg=f"step {k}")
     moved = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(new_p),
                                                                                jax.tree.leaves(params))]
     assert all(moved)
@@ -231,3 +238,43 @@ def test_8bit_train_step_temporaries_stay_near_sgd():
           f"float32 weights {f32_params / 2**20:.1f} MiB")
     assert new - sgd < 0.5 * f32_params
     assert old - sgd > f32_params
+
+
+def test_8bit_full_finetuning_resume_matches_uninterrupted(tmp_path, rng):
+    """The optimizer state (AdamWState with 8-bit codes) survives an orbax checkpoint: full fine-tuning with
+    adamw_8bit interrupted after its step-3 checkpoint and resumed ends with the uninterrupted run's losses and
+    weights."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_hf_model
+    from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora
+
+    save_hf_model("llama", tmp_path / "hf", seed=int(rng.integers(1 << 30)))
+    data = [{"input_ids": rng.integers(1, 256, int(rng.integers(8, 24))).tolist()} for _ in range(12)]
+
+    def trainer_for(out):
+        model, _ = FastLanguageModel.from_pretrained(tmp_path / "hf", dtype="float32", full_finetuning=True,
+                                                     load_tokenizer=False, progress=False)
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=6, save_steps=3,
+                                 learning_rate=1e-3, optim="adamw_8bit", weight_decay=0.01, logging_steps=1, seed=1)
+        trainer = SFTTrainer(model=model, train_dataset=data, args=args, max_seq_length=32)
+        trainer._pad_id = lambda: 0
+        return trainer, model
+
+    full_trainer, model_full = trainer_for(tmp_path / "full")
+    full_trainer.train()
+    crashing, _ = trainer_for(tmp_path / "part")
+    real_batch = crashing._step_batch
+
+    def crash_at_4(loader, step):
+        if step == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return real_batch(loader, step)
+
+    crashing._step_batch = crash_at_4
+    with pytest.raises(KeyboardInterrupt):
+        crashing.train()
+    resumed_trainer, model_resumed = trainer_for(tmp_path / "part")
+    resumed_trainer.train(resume_from_checkpoint=True)
+    np.testing.assert_allclose(resumed_trainer.state.loss_history[3:], full_trainer.state.loss_history[3:], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(lora.split(model_full)[1]), jax.tree.leaves(lora.split(model_resumed)[1])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
