@@ -80,7 +80,7 @@ def test_fused_glu_quantization_gives_the_same_step(tmp_path, rng, monkeypatch, 
     import jax
     import optax
 
-    from tests.helpers import rel_err
+    from tests.helpers import padded_batch, rel_err
     from tests.hf_models import save_hf_model
     from unsloth_jax import FastLanguageModel, lora, ops
     from unsloth_jax.train import make_train_step
@@ -92,10 +92,7 @@ def test_fused_glu_quantization_gives_the_same_step(tmp_path, rng, monkeypatch, 
     for lin in model.projections().values():  # non-zero B, so down_proj's LoRA path carries a gradient into h
         lin.lora_b[...] = lin.lora_b[...] + 0.05 * rng.standard_normal(lin.lora_b[...].shape)
     graphdef, t, f = lora.split(model)
-    ids = rng.integers(0, 256, size=(1, 2, 16)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[0, 1, 11:] = 0
-    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    batch = padded_batch(rng, 256, (1, 2, 16), pad_from=11)
     opt = optax.sgd(1.0)
 
     def run(impl):
