@@ -10,7 +10,7 @@
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
-# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT.
+# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -144,14 +144,17 @@ for st in $stages; do
         fi
       fi ;;
     speed)
-      # SPEED_ROWS: "model|batch|remat|flags+joined" ...; all-XLA = every Pallas kernel off (cuDNN attention kept)
-      allxla="rms_norm=xla,rope=xla,glu=xla,linear=xla,nf4_matmul=xla,cross_entropy=xla"
+      # SPEED_ROWS: "model|batch|remat|flags+joined" ...; all-XLA = every Pallas kernel off (cuDNN attention kept).
+      # SPEED_IMPLS: the UNSLOTH_JAX_IMPL of each run of a row, space-separated; "auto" = the defaults, "allxla" =
+      # all-XLA (default "auto allxla"; e.g. "auto glu_fp8=pallas" for a one-op A/B).
+      allxla="rms_norm=xla,rope=xla,glu=xla,glu_fp8=xla,linear=xla,nf4_matmul=xla,cross_entropy=xla"
       first=1
       for row in ${SPEED_ROWS:-"llama3-8b|2|save_attention|--load-in-fp8" "llama3-8b|2|unsloth|--load-in-4bit" \
           "qwen2-1.5b|4|true|" "qwen2-1.5b|4|unsloth|--load-in-4bit" "gemma2-2b|4|true|"}; do
         IFS='|' read -r m b r fl <<< "$row"; fl=${fl//+/ }
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
-        for impl in "" "$allxla"; do
+        for impl in ${SPEED_IMPLS:-auto allxla}; do
+          [ "$impl" = auto ] && impl=""; [ "$impl" = allxla ] && impl=$allxla
           prof=""; [ $first = 1 ] && [ -z "$impl" ] && prof="--profile /tmp/prof_speed --steps 13"
           log "speed $m batch $b remat $r $fl impl=${impl:-auto}"
           UNSLOTH_JAX_IMPL=$impl timeout ${SPEED_TIMEOUT:-200} $PY bench/train_bench.py $CK/$m --batch $b --seq 2048 \

@@ -35,6 +35,7 @@ _EXPORTS = {
     "FP8Weight": "pallas_kernels.fp8",
     "quantize_fp8_weight": "pallas_kernels.fp8",
     "fp8_matmul": "pallas_kernels.fp8",
+    "glu_fp8_matmul": "pallas_kernels.glu_fp8",
     "grouped_matmul": "pallas_kernels.grouped_matmul",
     "resolve_interpret": "pallas_kernels._common",
 }

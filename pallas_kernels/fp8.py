@@ -110,10 +110,23 @@ def _dot_nn(a, b, out_dtype):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
+def fp8_matmul_quantized(xq: jax.Array, sx: jax.Array, w: FP8Weight, out_dtype) -> jax.Array:
+    """The forward GEMM of already quantized rows: xq e4m3 [M, in], sx float32 [M] -> [M, out] in out_dtype."""
+    y = _dot_nt(xq, w.values, jnp.float32)
+    return (y * sx[:, None] * w.scale[None, :]).astype(out_dtype)
+
+
+def fp8_matmul_dx(g: jax.Array, w: FP8Weight) -> jax.Array:
+    """The backward GEMM: g [M, out] (the output's cotangent) -> dx [M, in] in g.dtype, g quantized to e5m2 with
+    the weight scale folded in (module docstring)."""
+    gq, sg = quantize_rows(g.astype(jnp.float32) * w.scale[None, :], E5M2)
+    dx = _dot_nn(gq, w.values, jnp.float32) * sg[:, None]
+    return dx.astype(g.dtype)
+
+
 def _fwd_2d(x2, w: FP8Weight):
     xq, sx = quantize_rows(x2, E4M3)
-    y = _dot_nt(xq, w.values, jnp.float32)
-    return (y * sx[:, None] * w.scale[None, :]).astype(x2.dtype)
+    return fp8_matmul_quantized(xq, sx, w, x2.dtype)
 
 
 @jax.custom_vjp
@@ -126,10 +139,8 @@ def _fp8_matmul_fwd(x2, w):
 
 
 def _fp8_matmul_bwd(w, g):
-    gq, sg = quantize_rows(g.astype(jnp.float32) * w.scale[None, :], E5M2)
-    dx = _dot_nn(gq, w.values, jnp.float32) * sg[:, None]
     zero_w = jax.tree.map(jnp.zeros_like, w)  # frozen: never used, so XLA removes it
-    return dx.astype(g.dtype), zero_w
+    return fp8_matmul_dx(g, w), zero_w
 
 
 _fp8_matmul_2d.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -156,4 +167,5 @@ def fp8_matmul_reference(x: jax.Array, w: FP8Weight) -> jax.Array:
 
 
 __all__ = ["FP8Weight", "quantize_fp8_weight", "dequantize_fp8_weight", "quantize_rows", "fp8_matmul",
+           "fp8_matmul_quantized", "fp8_matmul_dx",
            "fp8_matmul_reference", "E4M3", "E5M2"]

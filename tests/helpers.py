@@ -16,6 +16,15 @@ def subprocess_env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
+def padded_batch(rng, vocab: int, shape: tuple[int, int, int], pad_from: int) -> dict:
+    """A train-step batch of random ids [accumulation, batch, seq] (int32) whose last row of the first step is
+    padding from position `pad_from` on (attention_mask 0, labels -100 there); labels are the ids elsewhere."""
+    ids = rng.integers(0, vocab, size=shape).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, -1, pad_from:] = 0
+    return {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+
+
 def rel_err(out, ref) -> float:
     """||out - ref|| / ||ref|| computed in float64 (NaN anywhere gives inf)."""
     out = np.asarray(out, dtype=np.float64)

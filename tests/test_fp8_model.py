@@ -63,3 +63,51 @@ def test_fp8_model_trains_only_lora_and_exports(tmp_path, rng):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     assert hf.config.model_type == "llama"
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_glu_quantization_gives_the_same_step(tmp_path, rng, monkeypatch, dtype):
+    """UNSLOTH_JAX_IMPL=glu_fp8=pallas (the GLU kernel writing down_proj's e4m3 rows, interpret mode here) gives
+    the loss and LoRA gradients of the default path (XLA's GLU, then fp8_matmul's own quantization).
+
+    The step is compiled with xla_allow_excess_precision off: by default XLA may fuse the gate/up projections'
+    bf16 LoRA add into the unfused GLU without rounding it to bf16, while the kernel reads the rounded gate/up,
+    so h would differ by a bf16 ulp in some elements (and the e5m2 gradients, 2 mantissa bits, turn such
+    perturbations into ~10% elementwise gradient differences). With it off, float32 and bf16 alike run the same
+    float32 operations on the same h: the forward is bit for bit; the backward (the reference GLU VJP here)
+    is bit for bit in bf16, and in float32 a few float32 roundings apart (about 1e-7 relative, measured: XLA
+    fuses the two backwards differently).
+"""
+    import jax
+    import optax
+
+    from tests.helpers import padded_batch, rel_err
+    from tests.hf_models import save_hf_model
+    from unsloth_jax import FastLanguageModel, lora, ops
+    from unsloth_jax.train import make_train_step
+
+    save_hf_model("llama", tmp_path / "ckpt", seed=int(rng.integers(1 << 30)))
+    model, _ = FastLanguageModel.from_pretrained(tmp_path / "ckpt", dtype=dtype, load_in_fp8=True,
+                                                 load_tokenizer=False, progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True)
+    for lin in model.projections().values():  # non-zero B, so down_proj's LoRA path carries a gradient into h
+        lin.lora_b[...] = lin.lora_b[...] + 0.05 * rng.standard_normal(lin.lora_b[...].shape)
+    graphdef, t, f = lora.split(model)
+    batch = padded_batch(rng, 256, (1, 2, 16), pad_from=11)
+    opt = optax.sgd(1.0)
+
+    def run(impl):
+        monkeypatch.setenv(ops.ENV_VAR, f"glu_fp8={impl}")
+        step = make_train_step(graphdef, opt, remat="full", donate=False)
+        args = (t, f, opt.init(t), batch)
+        # every bf16 rounding the program asks for is kept (see the docstring)
+        new_t, _, m = step.lower(*args).compile(compiler_options={"xla_allow_excess_precision": False})(*args)
+        assert ops.chosen_impls().get("glu_fp8") == impl
+        return float(m["loss"]), [np.asarray(a, np.float32) - np.asarray(b, np.float32)
+                                  for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(new_t))]
+
+    loss_xla, upd_xla = run("xla")
+    loss_k, upd_k = run("pallas")
+    assert any(np.any(u != 0) for u in upd_xla)
+    assert loss_k == loss_xla
+    errs = [rel_err(a, b) for a, b in zip(upd_k, upd_xla)]
+    assert max(errs) <= (1e-5 if dtype == "float32" else 0.0), errs

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import padded_batch, rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora, ops  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
@@ -52,10 +52,7 @@ def test_train_step_with_kernels_matches_xla(tmp_path, rng):
         b = projs[name].lora_b
         b[...] = b[...] + 0.05 * rng.standard_normal(b[...].shape)
     g, t, f = lora.split(model)
-    ids = rng.integers(0, 256, size=(1, 2, 16)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[0, 1, 12:] = 0
-    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    batch = padded_batch(rng, 256, (1, 2, 16), pad_from=12)
     opt = optax.sgd(1.0)
 
     def run():

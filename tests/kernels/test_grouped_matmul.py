@@ -174,23 +174,27 @@ def test_lowers_to_triton_at_model_shapes():
 QWEN3_MOE = [(n, k, m) for n in (8192, 65536) for k, m in ((2048, 1536), (768, 2048))]
 
 
+def _host_f32(v) -> np.ndarray:
+    return np.asarray(jnp.asarray(v).astype(jnp.float32))
+
+
 def _per_group_ref(a, b, gs: np.ndarray, transpose_rhs=False):
-    """out[rows of e] = a[rows of e] @ b[e] by a loop over groups (static slices), float32 HIGHEST."""
+    """out[rows of e] = a[rows of e] @ b[e], a loop over groups in numpy float32 on the host (one pass; an eager
+    jnp loop compiles a dot per distinct group size)."""
     offs = np.concatenate([[0], np.cumsum(gs)])
+    a32, b32 = _host_f32(a), _host_f32(b)
     m = b.shape[1] if transpose_rhs else b.shape[2]
-    out = jnp.zeros((a.shape[0], m), jnp.float32)
+    out = np.zeros((a.shape[0], m), np.float32)
     for e in range(len(gs)):
         if gs[e]:
-            be = _f32(b[e].T if transpose_rhs else b[e])
-            out = out.at[offs[e]:offs[e + 1]].set(jnp.dot(_f32(a[offs[e]:offs[e + 1]]), be,
-                                                          precision=jax.lax.Precision.HIGHEST))
-    return out
+            out[offs[e]:offs[e + 1]] = a32[offs[e]:offs[e + 1]] @ (b32[e].T if transpose_rhs else b32[e])
+    return jnp.asarray(out)
 
 
 def _per_group_dw(x, dy, gs: np.ndarray):
     offs = np.concatenate([[0], np.cumsum(gs)])
-    return jnp.stack([jnp.dot(_f32(x[offs[e]:offs[e + 1]]).T, _f32(dy[offs[e]:offs[e + 1]]),
-                              precision=jax.lax.Precision.HIGHEST) for e in range(len(gs))])
+    x32, dy32 = _host_f32(x), _host_f32(dy)
+    return jnp.asarray(np.stack([x32[offs[e]:offs[e + 1]].T @ dy32[offs[e]:offs[e + 1]] for e in range(len(gs))]))
 
 
 @pytest.mark.gpu

@@ -77,12 +77,16 @@ class Linear(nnx.Module):
     def has_lora(self) -> bool:
         return self.lora_a is not None
 
+    def lora_factors(self):
+        """(lora_a [*stack, in, r], lora_b [*stack, r, out], scale), as ops.linear takes it, or None."""
+        if self.lora_a is None:
+            return None
+        return (self.lora_a[...], self.lora_b[...], self.lora_scale)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> [..., out] in x.dtype."""
-        lora = None
-        if self.lora_a is not None:
-            lora = (self.lora_a[...], self.lora_b[...], self.lora_scale)
-        return ops.linear(x, value_of(self.kernel), value_of(self.bias), lora, kernel_grad=self.train_kernel)
+        return ops.linear(x, value_of(self.kernel), value_of(self.bias), self.lora_factors(),
+                          kernel_grad=self.train_kernel)
 
 
 class RMSNorm(nnx.Module):

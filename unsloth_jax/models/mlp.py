@@ -13,7 +13,7 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.models.layers import Linear
+from unsloth_jax.models.layers import Linear, value_of
 
 DEFAULT_CHUNK_TOKENS = 8192
 
@@ -33,7 +33,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, **common)
 
     def _dense(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(ops.glu(self.gate_proj(x), self.up_proj(x), self.activation))
+        down = self.down_proj
+        return ops.glu_linear(self.gate_proj(x), self.up_proj(x), self.activation, value_of(down.kernel),
+                              value_of(down.bias), down.lora_factors(), kernel_grad=down.train_kernel)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> [..., D]."""
