@@ -25,6 +25,23 @@ def padded_batch(rng, vocab: int, shape: tuple[int, int, int], pad_from: int) ->
     return {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
 
 
+def interrupted_run(trainer, at_step: int) -> None:
+    """trainer.train() interrupted (KeyboardInterrupt) when it asks for the batch of step `at_step` (0-based),
+    as a crash after the checkpoints saved before that step."""
+    import pytest
+
+    real_batch = trainer._step_batch
+
+    def crash(loader, step):
+        if step == at_step:
+            raise KeyboardInterrupt("simulated interruption")
+        return real_batch(loader, step)
+
+    trainer._step_batch = crash
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
 def rel_err(out, ref) -> float:
     """||out - ref|| / ||ref|| computed in float64 (NaN anywhere gives inf)."""
     out = np.asarray(out, dtype=np.float64)

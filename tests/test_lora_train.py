@@ -13,6 +13,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 
+from tests.helpers import interrupted_run  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora  # noqa: E402
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step  # noqa: E402
@@ -203,17 +204,7 @@ def test_trainer_resume_matches_uninterrupted(llama_dir, tmp_path, rng):
     full_trainer, model_full = trainer_for(tmp_path / "full")
     full = full_trainer.train()
 
-    crashing, _ = trainer_for(tmp_path / "part")
-    real_batch = crashing._step_batch
-
-    def crash_at_11(loader, step):
-        if step == 10:
-            raise KeyboardInterrupt("simulated interruption")
-        return real_batch(loader, step)
-
-    crashing._step_batch = crash_at_11
-    with pytest.raises(KeyboardInterrupt):
-        crashing.train()
+    interrupted_run(trainer_for(tmp_path / "part")[0], at_step=10)
     assert (tmp_path / "part" / "checkpoint-10" / "trainer_state.json").is_file()
 
     resumed_trainer, model_resumed = trainer_for(tmp_path / "part")

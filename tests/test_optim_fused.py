@@ -245,6 +245,7 @@ def test_8bit_full_finetuning_resume_matches_uninterrupted(tmp_path, rng):
     adamw_8bit interrupted after its step-3 checkpoint and resumed ends with the uninterrupted run's losses and
     weights."""
     pytest.importorskip("transformers")
+    from tests.helpers import interrupted_run
     from tests.hf_models import save_hf_model
     from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora
 
@@ -262,17 +263,7 @@ def test_8bit_full_finetuning_resume_matches_uninterrupted(tmp_path, rng):
 
     full_trainer, model_full = trainer_for(tmp_path / "full")
     full_trainer.train()
-    crashing, _ = trainer_for(tmp_path / "part")
-    real_batch = crashing._step_batch
-
-    def crash_at_4(loader, step):
-        if step == 3:
-            raise KeyboardInterrupt("simulated interruption")
-        return real_batch(loader, step)
-
-    crashing._step_batch = crash_at_4
-    with pytest.raises(KeyboardInterrupt):
-        crashing.train()
+    interrupted_run(trainer_for(tmp_path / "part")[0], at_step=3)
     resumed_trainer, model_resumed = trainer_for(tmp_path / "part")
     resumed_trainer.train(resume_from_checkpoint=True)
     np.testing.assert_allclose(resumed_trainer.state.loss_history[3:], full_trainer.state.loss_history[3:], rtol=1e-6)
