@@ -21,8 +21,8 @@ CFG = {"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate
        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
 
 
-def _lora_model(seed: int) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(CFG), rngs=nnx.Rngs(seed))
+def _lora_model(seed: int, cfg: dict = CFG) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(cfg), rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(seed))
     for lin in model.projections().values():
@@ -108,47 +108,47 @@ def test_trainer_plans_memory_and_refuses_a_length_that_does_not_fit(tmp_path, r
     assert plans[-1].device_bytes < need * 0.9
 
 
-def _tiny_lora_model(cfg: dict, seed: int) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(cfg), rngs=nnx.Rngs(seed))
-    lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
-                  jax.random.PRNGKey(seed))
-    for lin in model.projections().values():
-        lin.lora_b[...] = 0.05 * jax.random.normal(jax.random.PRNGKey(seed + 1), lin.lora_b[...].shape)
-    return model
-
-
-def _gemma3_cfg(layers: int) -> dict:
+def _gemma2_cfg(layers: int) -> dict:
     from tests.hf_models import FAMILIES, TINY, tiny_config
 
-    return tiny_config("gemma3_text", dict(TINY) | FAMILIES["gemma3"] | {"num_hidden_layers": layers}).to_dict()
+    return tiny_config("gemma2", dict(TINY) | FAMILIES["gemma2"] | {"num_hidden_layers": layers}).to_dict()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_two_level_remat_matches_the_plain_step(family, rng, monkeypatch):
     """The two-level modes ("<full|offload>_every_K") give the plain step's loss and LoRA gradients (float32),
-    as the per-layer modes do (test above), when K does not divide L (a shorter last checkpointed group) and, for Gemma 3
-    (scan groups of its period 3, 11 layers = 3 x 3 + a tail of 2), when K is not a multiple of the period."""
+    as the per-layer modes do (test above), when K does not divide L (a shorter last checkpointed group) and, for
+    Gemma 2 (scan groups of its period 2, sliding and global layers; 7 layers = 3 x 2 + a tail of 1), with
+    groups of whole periods."""
     import unsloth_jax.train.step as step_mod
 
     monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)  # the offload policy compiles on CPU
-    cfg = dict(CFG, num_hidden_layers=7) if family == "llama" else _gemma3_cfg(11)
-    # llama, 7 layers: groups 3 + 3 + 1 and 2 + 2 + 2 + 1; gemma3: 2 + 1 scan groups + the tail, and 3 + the tail
-    modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["full_every_4", "offload_every_9"]
+    cfg = dict(CFG, num_hidden_layers=7) if family == "llama" else _gemma2_cfg(7)
+    assert ModelConfig.from_dict(cfg).layer_period == (1 if family == "llama" else 2)
+    # llama, 7 layers: groups of 3 + 3 + 1 and 2 + 2 + 2 + 1 layers; gemma2: 2 + 1 scan groups of 2, then the tail
+    modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["offload_every_4"]
     seed = int(rng.integers(1 << 30))
     ids = rng.integers(0, 80, size=(1, 2, 29)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[0, 1, 23:] = 0
     batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
-    want_loss, want = _grads(_tiny_lora_model(cfg, seed), batch, "none")
+    want_loss, want = _grads(_lora_model(seed, cfg), batch, "none")
     for remat in modes:
-        loss, got = _grads(_tiny_lora_model(cfg, seed), batch, remat)
+        loss, got = _grads(_lora_model(seed, cfg), batch, remat)
         assert abs(loss - want_loss) / abs(want_loss) < 1e-6, remat
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-5, remat
 
 
-def test_two_level_remat_mode_names():
+def test_two_level_remat_mode_names(monkeypatch):
+    import unsloth_jax.train.step as step_mod
     from unsloth_jax.models.decoder import parse_remat, two_level_mode
+
+    assert step_mod.resolve_remat(True, 4) == "full_every_4"
+    monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)
+    assert step_mod.resolve_remat("unsloth", 4) == "offload_every_4" and step_mod.resolve_remat(True, 1) == "full"
+    with pytest.raises(ValueError, match="layers_per_checkpoint"):
+        step_mod.resolve_remat(False, 4)
 
     assert parse_remat("offload") == ("offload", 1) and parse_remat("full_every_4") == ("full", 4)
     assert two_level_mode("offload", 4) == "offload_every_4" and two_level_mode("full", 1) == "full"

@@ -120,6 +120,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
     skipped (1 when the update was dropped for a non-finite loss or gradient). The op policy in force at each
     call is a static argument (see unsloth_jax.ops.policy_jit).
+    remat: a mode of unsloth_jax.models.decoder.REMAT_MODES or a two-level "full_every_K" / "offload_every_K"
+    (resolve_remat builds it from use_gradient_checkpointing and layers_per_checkpoint).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 
