@@ -78,6 +78,27 @@ def test_longrope_short_sequences_use_the_short_factors(checkpoints, rng):
     assert rel_err(out[real], ref[real]) < 1e-5
 
 
+def test_longrope_factor_follows_the_longest_row_not_the_padding(checkpoints, rng):
+    """A right-padded batch 20 wide whose rows hold at most 16 tokens (a training batch padded to a bucket):
+    the short factors, as transformers uses for the same rows given their positions (0, 1, ... as the data
+    loader makes them), and for the same rows padded only to the longest (HF's collators). transformers' bare
+    forward on the 20-wide batch counts the padding as positions and would pick the long factors."""
+    path, hf = checkpoints["phi3_longrope"]
+    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
+    s, lengths = 20, np.array([16, int(rng.integers(5, 16))])
+    ids = rng.integers(0, 256, size=(2, s)).astype(np.int64)
+    mask = (np.arange(s)[None] < lengths[:, None]).astype(np.int64)
+    real = mask.astype(bool)
+    out = np.asarray(model(ids, attention_mask=mask))
+    assert rel_err(out[real], _hf_logits(hf, ids, mask, np.where(real, np.arange(s)[None], 0))[real]) < 1e-5
+    trimmed = _hf_logits(hf, ids[:, :16], mask[:, :16])
+    assert rel_err(out[:, :16][real[:, :16]], trimmed[real[:, :16]]) < 1e-5
+    positions = np.where(real, np.arange(s)[None], 0).astype(np.int32)
+    with_positions = np.asarray(model(ids, attention_mask=mask, positions=positions))
+    assert rel_err(with_positions[real], out[real]) < 1e-6
+    assert rel_err(out[real], _hf_logits(hf, ids, mask)[real]) > 1e-3  # the bare 20-wide HF forward differs
+
+
 GEMMA3_BASE = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, sliding_window=8)
 

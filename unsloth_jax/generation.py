@@ -12,6 +12,12 @@ Each layer's cache is written through `DecoderModel.run_layers(..., cache=...)`,
 layer code as training (Gemma 2's attention softcapping and alternating sliding windows included: the window
 is measured in cache slots, which differ from HF's cache positions by a constant per row). Rows that emitted
 an end-of-sequence token get `pad_token_id` afterwards; generation stops once every row has finished.
+
+LongRoPE (Phi-3) picks short or long factors per forward call from the batch's largest position, so a cache
+filled with the short factors would keep stale keys once decoding passes original_max_position_embeddings.
+As transformers' Phi3ForCausalLM.prepare_inputs_for_generation does, the step at which the sequence (prompt
+width included) reaches original_max_position_embeddings + 1 tokens is a forward over the whole sequence so
+far (`_rebuild_step`), which rewrites every cached key and value with the factors of that call.
 """
 from __future__ import annotations
 
@@ -73,12 +79,12 @@ def _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample: b
 
 
 def _next_tokens(model, x, positions, cache, index, done, key, temperature, top_p, eos_ids, pad_id,
-                 do_sample: bool):
+                 do_sample: bool, read=-1):
     """Embedded chunk x [B, S, D] through every layer (cache written at slot `index`), then the next token of
-    each row from the last position -> (tokens [B], done [B], cache)."""
+    each row from chunk position `read` (default the last) -> (tokens [B], done [B], cache)."""
     ck, cv, valid = cache
     x, ck, cv = _layers(model, x, positions, ck, cv, valid, index)
-    logits = model.logits_from_hidden(model.model.norm(x[:, -1]))
+    logits = model.logits_from_hidden(model.model.norm(x[:, read]))
     tok, done = _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample)
     return tok, done, (ck, cv, valid)
 
@@ -111,8 +117,35 @@ def _decode_step(state, cache, tokens, positions, index, done, key, temperature,
                         jax.random.fold_in(key, index), temperature, top_p, eos_ids, pad_id, do_sample)
 
 
+def _rebuild_step(state, cache, tokens, index, done, key, temperature, top_p, eos_ids, pad_id, *, graphdef,
+                  do_sample: bool):
+    """The decode step of the token at cache slot `index`, run as a forward over every slot: tokens [B, T]
+    (T = cache length) hold the prompt and every token up to slot `index` (later slots are ignored). Every cached
+    key and value is rewritten with the RoPE factors of this call (LongRoPE's switch to the long factors);
+    slots after `index` get keys that stay invalid until a decode step writes them. -> (next tokens, done,
+    cache), as `_decode_step`."""
+    model = nnx.merge(graphdef, state)
+    ck, cv, valid = cache
+    b = tokens.shape[0]
+    valid = jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((b, 1), valid.dtype), index, axis=1)
+    positions = positions_from_mask(valid)  # slots after `index` repeat the last position: the maximum holds
+    x = model.model.embed(tokens, model.dtype)
+    return _next_tokens(model, x, positions, (ck, cv, valid), 0, done, jax.random.fold_in(key, index),
+                        temperature, top_p, eos_ids, pad_id, do_sample, read=index)
+
+
+def _rebuild_step_index(cfg: ModelConfig, prompt_width: int) -> int | None:
+    """The decode step (0 = the one fed the first new token) that must rebuild the cache, or None: with LongRoPE
+    the step at which the prompt width plus the tokens fed so far reaches original_max_position_embeddings + 1,
+    when the prompt is shorter than that (transformers' Phi-3 drops its cache at that length)."""
+    if cfg.rope_type != "longrope" or prompt_width > cfg.rope_original_max_position:
+        return None
+    return cfg.rope_original_max_position - prompt_width
+
+
 _prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "do_sample"))
 _decode_step_jit = ops.policy_jit(_decode_step, static_argnames=("graphdef", "do_sample"), donate_argnums=(1,))
+_rebuild_step_jit = ops.policy_jit(_rebuild_step, static_argnames=("graphdef", "do_sample"), donate_argnums=(1,))
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -228,9 +261,18 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     tok, done, cache = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), key, temp, top, eos_arr, pad,
                                 cache_len=t, **common)
     out = []
+    rebuild_at = _rebuild_step_index(cfg, p)
     for step in range(max_new_tokens):
         nxt = None
-        if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
+        if step + 1 < max_new_tokens and step == rebuild_at:
+            fed = np.zeros((bb, t), np.int32)  # the prompt, the tokens fed so far and this step's
+            fed[:, :pb] = pids
+            fed[:b, pb:pb + step] = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
+            fed[b:, pb:pb + step] = fed[0, pb:pb + step]  # the batch's padding rows copy row 0
+            fed[:, pb + step] = np.asarray(tok)
+            nxt = _rebuild_step_jit(state, cache, jnp.asarray(fed), jnp.int32(pb + step), done, key, temp, top,
+                                    eos_arr, pad, **common)
+        elif step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
             nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done, key,
                                temp, top, eos_arr, pad, **common)
         host_tok = np.asarray(tok)[:b]

@@ -43,8 +43,10 @@ def inv_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, S, rope_dim] in float32 for integer positions [B, S] (HF layout: frequencies repeated twice).
-    local=True: the tables of Gemma 3's sliding-window layers. LongRoPE picks the long factors when the largest
-    position of the call reaches past the original context (as transformers does per forward call); LongRoPE
+    local=True: the tables of Gemma 3's sliding-window layers. LongRoPE picks the long factors for the whole
+    call when its largest position + 1 exceeds the original context, as transformers does per forward call
+    from position_ids (positions_from_mask counts real tokens only, so padding never tips the choice; cached
+    keys keep the factors they were computed with: generation rebuilds its cache at the switch). LongRoPE
     and YaRN scale cos and sin by rope_attention_factor (never on the local tables)."""
     inv = jnp.asarray(inv_frequencies(cfg, local=local), jnp.float32)
     if cfg.rope_type == "longrope" and not local:
