@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx grpo fullft
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx rematmem
+# grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step)
@@ -10,7 +11,8 @@
 # compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
-# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT.
+# largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
+# LONGCTX_SEQS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -107,6 +109,13 @@ for st in $stages; do
     fp8probe)
       log "fp8 probe"
       timeout ${FP8_TIMEOUT:-150} $PY bench/fp8_probe.py 2>>"$OUT/bench_err.txt" | tee -a "$OUT/fp8_probe.jsonl" ;;
+    rematmem)
+      # XLA's memory analysis of the Llama-3-8B-shaped LoRA step (bf16, batch 1, compiled from shapes only) per
+      # remat mode and length: per-layer vs two-level checkpointing (bench/remat_memory.py)
+      timeout ${REMATMEM_TIMEOUT:-500} $PY bench/remat_memory.py --layers 32 --hidden 4096 --intermediate 14336 \
+        --heads 32 --kv-heads 8 --vocab 128256 --batch 1 --dtype bfloat16 --seqs ${REMATMEM_SEQS:-32768 65536} \
+        --modes ${REMATMEM_MODES:-offload offload_every_4 full full_every_4} 2>>"$OUT/bench_err.txt" \
+        | tee -a "$OUT/remat_memory.jsonl" ;;
     longctx)
       # Llama-3-8B QLoRA batch 1 at LONGCTX_SEQS (one warm-up step, one timed), XLA's memory analysis included
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1

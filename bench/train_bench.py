@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention"])
+    ap.add_argument("--layers-per-checkpoint", type=int, default=1,
+                    help="two-level checkpointing with --remat unsloth/true: keep every K-th layer input only")
     ap.add_argument("--steps", type=int, default=13)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--load-in-4bit", action="store_true")
@@ -60,11 +62,13 @@ def main() -> None:
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_in_4bit=a.load_in_4bit,
                                                  load_in_fp8=a.load_in_fp8, load_tokenizer=False,
                                                  max_seq_length=a.seq, full_finetuning=a.full_finetuning,
-                                                 use_gradient_checkpointing=remat)
+                                                 use_gradient_checkpointing=remat,
+                                                 layers_per_checkpoint=a.layers_per_checkpoint)
     load_s = time.time() - t0
     if not a.full_finetuning:
         model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0,
-                                                 use_gradient_checkpointing=remat)
+                                                 use_gradient_checkpointing=remat,
+                                                 layers_per_checkpoint=a.layers_per_checkpoint)
     rng = np.random.default_rng(0)
     n = a.batch * a.steps
     data = [{"input_ids": rng.integers(0, model.config.vocab_size, a.seq).tolist()} for _ in range(n)]
@@ -114,7 +118,9 @@ def main() -> None:
     ms = float(np.median(times)) * 1e3
     stats = jax.devices()[0].memory_stats() or {}
     line = {"name": "train_step", "model_dir": os.path.basename(a.model_dir.rstrip("/")), "batch": a.batch,
-            "seq": a.seq, "remat": a.remat, "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
+            "seq": a.seq, "remat": a.remat,
+            "layers_per_checkpoint": a.layers_per_checkpoint, "remat_mode": model.gradient_checkpointing,
+            "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
             "optim": a.optim, "full_finetuning": a.full_finetuning, "optimizer_state": state_dtype(a.optim),
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
             "mfu": round(a.batch * a.seq / (ms / 1e3) * model_flops_per_token(model.config, a.seq) / PEAK_BF16_FLOPS, 4),

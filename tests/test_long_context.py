@@ -21,8 +21,8 @@ CFG = {"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate
        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
 
 
-def _lora_model(seed: int) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(CFG), rngs=nnx.Rngs(seed))
+def _lora_model(seed: int, cfg: dict = CFG) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(cfg), rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(seed))
     for lin in model.projections().values():
@@ -106,3 +106,75 @@ def test_trainer_plans_memory_and_refuses_a_length_that_does_not_fit(tmp_path, r
     trainer = _trainer(tmp_path / "d", fits, rng)
     trainer.train()  # the suggested length does fit
     assert plans[-1].device_bytes < need * 0.9
+
+
+def _gemma2_cfg(layers: int) -> dict:
+    from tests.hf_models import FAMILIES, TINY, tiny_config
+
+    return tiny_config("gemma2", dict(TINY) | FAMILIES["gemma2"] | {"num_hidden_layers": layers}).to_dict()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_two_level_remat_matches_the_plain_step(family, rng, monkeypatch):
+    """The two-level modes ("<full|offload>_every_K") give the plain step's loss and LoRA gradients (float32),
+    as the per-layer modes do (test above), when K does not divide L (a shorter last checkpointed group) and, for
+    Gemma 2 (scan groups of its period 2, sliding and global layers; 7 layers = 3 x 2 + a tail of 1), with
+    groups of whole periods."""
+    import unsloth_jax.train.step as step_mod
+
+    monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)  # the offload policy compiles on CPU
+    cfg = dict(CFG, num_hidden_layers=7) if family == "llama" else _gemma2_cfg(7)
+    assert ModelConfig.from_dict(cfg).layer_period == (1 if family == "llama" else 2)
+    # llama, 7 layers: groups of 3 + 3 + 1 and 2 + 2 + 2 + 1 layers; gemma2: 2 + 1 scan groups of 2, then the tail
+    modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["offload_every_4"]
+    seed = int(rng.integers(1 << 30))
+    ids = rng.integers(0, 80, size=(1, 2, 29)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, 1, 23:] = 0
+    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    want_loss, want = _grads(_lora_model(seed, cfg), batch, "none")
+    for remat in modes:
+        loss, got = _grads(_lora_model(seed, cfg), batch, remat)
+        assert abs(loss - want_loss) / abs(want_loss) < 1e-6, remat
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5, remat
+
+
+def test_two_level_remat_mode_names(monkeypatch):
+    import unsloth_jax.train.step as step_mod
+    from unsloth_jax.models.decoder import parse_remat, two_level_mode
+
+    assert step_mod.resolve_remat(True, 4) == "full_every_4"
+    monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)
+    assert step_mod.resolve_remat("unsloth", 4) == "offload_every_4" and step_mod.resolve_remat(True, 1) == "full"
+    with pytest.raises(ValueError, match="layers_per_checkpoint"):
+        step_mod.resolve_remat(False, 4)
+
+    assert parse_remat("offload") == ("offload", 1) and parse_remat("full_every_4") == ("full", 4)
+    assert two_level_mode("offload", 4) == "offload_every_4" and two_level_mode("full", 1) == "full"
+    for bad in ("offload_every_0", "save_attention_every_2", "full_every_", "full_every_04", "fast"):
+        with pytest.raises(ValueError, match="unknown remat mode"):
+            parse_remat(bad)
+    with pytest.raises(ValueError, match="layers_per_checkpoint"):
+        two_level_mode("save_attention", 4)
+    with pytest.raises(ValueError, match="layers_per_checkpoint must be an integer"):
+        two_level_mode("full", 0)
+
+
+def test_two_level_remat_keeps_fewer_layer_inputs():
+    """XLA's memory analysis of the compiled train step: between two sequence lengths, the step's temp bytes
+    under "full_every_4" grow by at least 90% of (L - L/4 - 4) layer inputs [B, dS, D] less than under
+    per-layer "full" (which keeps L layer inputs, where the two-level mode keeps L/4 group inputs plus the 4
+    layer inputs of the group whose backward runs). Reading the growth with the length cancels what does not
+    scale with it (the layer weights' copies), so the bound holds only if the residuals really shrink."""
+    from bench.remat_memory import lora_state_specs, small_config, step_memory
+
+    layers, hidden, batch, k = 16, 128, 8, 4
+    specs = lora_state_specs(small_config(layers, hidden, 128, heads=1, kv_heads=1), jnp.float32)
+    seqs = (128, 256)
+    temp = {mode: [step_memory(*specs, mode, batch, s)["temp_bytes"] for s in seqs]
+            for mode in ("full", "full_every_4")}
+    growth = {mode: t[1] - t[0] for mode, t in temp.items()}
+    layer_input = batch * (seqs[1] - seqs[0]) * hidden * 4
+    kept_less = layers - layers // k - k
+    assert growth["full"] - growth["full_every_4"] >= 0.9 * kept_less * layer_input, (temp, layer_input)

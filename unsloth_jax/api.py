@@ -35,8 +35,9 @@ _CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float
 
 class Model(CausalLM):
     """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
-    `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full" or
-    "offload") and `training` (False after FastLanguageModel.for_inference)."""
+    `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full",
+    "offload", "save_attention", or with layers_per_checkpoint=K "full_every_K" / "offload_every_K") and
+    `training` (False after FastLanguageModel.for_inference)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -155,12 +156,12 @@ def _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs: d
     return full_finetuning
 
 
-def _setup_full_finetuning(model: Model, use_gradient_checkpointing) -> None:
+def _setup_full_finetuning(model: Model, use_gradient_checkpointing, layers_per_checkpoint: int) -> None:
     """Mark every weight of a freshly loaded model trainable and set its remat mode (see from_pretrained)."""
     from unsloth_jax.train.step import resolve_remat
 
     lora_lib.enable_full_finetuning(model)
-    model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
+    model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
     weights = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     print(f"unsloth_jax: full fine-tuning: {lora_lib.count(model):,d} trainable parameters in "
           f"{'/'.join(sorted(weights))}; AdamW moments in float32 (8-bit with optim='adamw_8bit')")
@@ -222,8 +223,8 @@ class FastLanguageModel:
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_in_fp8: bool = False, full_finetuning: bool = False,
-                        use_gradient_checkpointing="unsloth", load_tokenizer: bool = True, progress: bool = True,
-                        **kwargs):
+                        use_gradient_checkpointing="unsloth", layers_per_checkpoint: int = 1,
+                        load_tokenizer: bool = True, progress: bool = True, **kwargs):
         """Load a local Hugging Face model directory, a PEFT adapter directory, or a llama.cpp GGUF file (or a
         directory holding exactly one .gguf and no config.json). Returns (model, tokenizer).
 
@@ -232,8 +233,8 @@ class FastLanguageModel:
         per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
         full_finetuning=True: every weight trains (no LoRA; get_peft_model then has no effect), the weights in
         `dtype` and AdamW's moments in float32 (or 8-bit with optim="adamw_8bit"); use_gradient_checkpointing
-        (False / True / "unsloth") is its remat mode. A 4-bit or FP8 base, or a mixture-of-experts model,
-        cannot be fully fine-tuned.
+        (False / True / "unsloth") and layers_per_checkpoint (see get_peft_model) are its remat mode. A 4-bit
+        or FP8 base, or a mixture-of-experts model, cannot be fully fine-tuned.
         MoE families also take transformers' config overrides output_router_logits=True (add
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
@@ -269,7 +270,7 @@ class FastLanguageModel:
             model, tokenizer = _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_in_fp8,
                                           load_tokenizer, progress)
             if full_finetuning:
-                _setup_full_finetuning(model, use_gradient_checkpointing)
+                _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
             return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
@@ -305,7 +306,7 @@ class FastLanguageModel:
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         if full_finetuning:
-            _setup_full_finetuning(model, use_gradient_checkpointing)
+            _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
         seconds = time.perf_counter() - start
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
@@ -319,11 +320,20 @@ class FastLanguageModel:
     def get_peft_model(model: CausalLM, r: int = 16, target_modules=_DEFAULT_TARGETS, lora_alpha: float = 16,
                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
-                       max_seq_length: int | None = None, target_parameters=None, **kwargs):
+                       max_seq_length: int | None = None, target_parameters=None, layers_per_checkpoint: int = 1,
+                       **kwargs):
         """Add LoRA adapters in place (nnx.LoRAParam lora_a / lora_b on each targeted projection) and return the
         model. target_modules may be PEFT's "all-linear" (the attention and dense MLP projections).
         target_parameters (MoE families, PEFT's name and form): expert weights to adapt, e.g.
-        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], one rank-r pair per expert."""
+        ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], one rank-r pair per expert.
+        use_gradient_checkpointing: "unsloth" (each layer's input kept in pinned host memory on GPUs, on the
+        device elsewhere, the layer recomputed in the backward pass), True (kept on the device), False (no
+        recomputation) or "save_attention" (also keep each layer's q, k, v and attention output).
+        layers_per_checkpoint (an unsloth_jax extension, for sequences whose L layer inputs do not fit in host
+        or device memory): with "unsloth" or True, keep only every layers_per_checkpoint-th layer input across
+        the stack (rounded up to whole groups of alternating layer kinds: Gemma 2: 2, Gemma 3: 6) and recompute
+        one group at a time in the backward pass: L / K + K layer inputs kept instead of L, for one more
+        forward pass of the layers. 1 (default): per-layer checkpointing."""
         from unsloth_jax.train.step import resolve_remat
 
         if kwargs:
@@ -358,7 +368,7 @@ class FastLanguageModel:
                                          modules_to_save=saved, target_parameters=expert_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
         if isinstance(model, Model):
-            model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing)
+            model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
             if max_seq_length:
                 model.max_seq_length = max_seq_length
         _, trainable, _ = lora_lib.split(model)

@@ -82,6 +82,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--bias", default="none", choices=("none", "all", "lora_only"), help="which biases train")
     lo.add_argument("--use_gradient_checkpointing", type=_bool_or_str, default="unsloth",
                     help='"unsloth" (offload checkpointed activations to the host on GPUs), True or False')
+    lo.add_argument("--layers_per_checkpoint", type=int, default=1,
+                    help="keep only every K-th layer input across the stack and recompute K layers at a time in "
+                         "the backward pass (long sequences: L/K + K layer inputs kept instead of L); 1: per layer")
     lo.add_argument("--random_state", type=int, default=3407, help="seed of the LoRA initialisation")
     lo.add_argument("--use_rslora", action="store_true", help="rank-stabilised LoRA (scale = alpha / sqrt(r))")
     lo.add_argument("--train_on_responses_only", action=argparse.BooleanOptionalAction, default=None,
@@ -327,6 +330,11 @@ def _check_model_flags(args) -> None:
     if args.use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_VALUES:
         raise UsageError(f"--use_gradient_checkpointing must be unsloth, true, false, full or offload, got "
                          f"{args.use_gradient_checkpointing!r}")
+    if args.layers_per_checkpoint < 1:
+        raise UsageError(f"--layers_per_checkpoint must be >= 1, got {args.layers_per_checkpoint}")
+    if args.layers_per_checkpoint > 1 and args.use_gradient_checkpointing is False:
+        raise UsageError("--layers_per_checkpoint needs gradient checkpointing (--use_gradient_checkpointing "
+                         "unsloth or true)")
     if args.save_model and args.save_gguf:
         _check_gguf_methods(args.quantization)
 
@@ -418,7 +426,7 @@ def cmd_train(args) -> int:
     model = FastLanguageModel.get_peft_model(
         model, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias=args.bias,
         use_gradient_checkpointing=args.use_gradient_checkpointing, random_state=args.random_state,
-        use_rslora=args.use_rslora)
+        use_rslora=args.use_rslora, layers_per_checkpoint=args.layers_per_checkpoint)
     trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=records,
                          dataset_text_field=args.dataset_text_field, max_seq_length=args.max_seq_length,
                          packing=args.packing, args=targs)

@@ -20,10 +20,18 @@ pattern of expert and dense MLPs), so compile time does not grow with depth and 
 static attention window, RoPE table (Gemma 3's sliding layers have their own RoPE base) and MLP kind. When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a
 second, one-step scan. Each group may run under `jax.checkpoint` (remat modes below).
 
+Two-level remat ("full_every_K", "offload_every_K", for long sequences): the scan groups are themselves grouped
+K layers at a time (K rounded up to a multiple of the period), an outer scan runs over those checkpointed
+groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and each runs
+an inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra forward
+of it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
+
 Shapes: B batch, S sequence, D hidden, V vocab. Activations are in the compute dtype; norms, softmax and RoPE
 math run in float32; logits are float32.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +46,7 @@ from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload", "save_attention")
+GROUPED_REMAT_BASES = ("full", "offload")  # the per-layer modes a two-level mode "<base>_every_<K>" builds on
 ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
 # The projections of a decoder layer by HF name, and the module holding each (layer.<parent>.<name>).
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -79,23 +88,49 @@ class DecoderLayer(nnx.Module):
         return x + h, new_cache, stats
 
 
-def remat(fn, mode: str):
+def remat(fn, mode: str, *, offloaded: str = "layer_input"):
     """`fn` under the rematerialisation policy `mode`: "none"; "full" (recompute everything in the backward
-    pass); "offload" (as full, but the values named "layer_input" go to pinned host memory instead);
+    pass); "offload" (as full, but the values named `offloaded` go to pinned host memory instead);
     "save_attention" (as full, but each layer's q, k, v after RoPE and the attention output are kept: about
-    (2 Hq + 2 Hkv) hd 16-bit values per token and layer, for no recomputation of the q/k/v projections)."""
+    (2 Hq + 2 Hkv) hd 16-bit values per token and layer, for no recomputation of the q/k/v projections).
+    The two-level modes ("full_every_K", "offload_every_K") are built by `DecoderModel.run_layers` from these."""
     if mode == "none":
         return fn
     if mode == "full":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
     if mode == "offload":
         policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
             offload_src="device", offload_dst="pinned_host")
         return jax.checkpoint(fn, policy=policy)
     if mode == "save_attention":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES))
-    raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES}")
+    raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES} or a two-level mode "
+                     f"(\"full_every_K\", \"offload_every_K\")")
+
+
+def two_level_mode(base: str, layers_per_checkpoint: int) -> str:
+    """The remat mode that keeps every `layers_per_checkpoint`-th layer input (the input of each group of that
+    many layers) on the device (base "full") or in pinned host memory (base "offload"): "full_every_4"."""
+    if base not in GROUPED_REMAT_BASES:
+        raise ValueError(f"layers_per_checkpoint needs gradient checkpointing on the device or with host "
+                         f"offload (remat mode one of {GROUPED_REMAT_BASES}), got remat mode {base!r}")
+    if isinstance(layers_per_checkpoint, bool) or not isinstance(layers_per_checkpoint, int) \
+            or layers_per_checkpoint < 1:
+        raise ValueError(f"layers_per_checkpoint must be an integer >= 1, got {layers_per_checkpoint!r}")
+    return base if layers_per_checkpoint == 1 else f"{base}_every_{layers_per_checkpoint}"
+
+
+def parse_remat(mode: str) -> tuple[str, int]:
+    """(per-layer mode, layers per checkpoint) of a remat mode: ("full", 4) for "full_every_4", (mode, 1) for
+    the modes of REMAT_MODES. Raises ValueError for anything else."""
+    if mode in REMAT_MODES:
+        return mode, 1
+    base, sep, k = mode.partition("_every_") if isinstance(mode, str) else ("", "", "")
+    if sep and base in GROUPED_REMAT_BASES and k.isdigit() and int(k) >= 1 and k == str(int(k)):
+        return base, int(k)
+    raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES} or a two-level mode "
+                     f"(\"full_every_K\", \"offload_every_K\", K >= 1)")
 
 
 def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None, right_padded: bool = False) -> Batch:
@@ -151,6 +186,9 @@ class DecoderModel(nnx.Module):
         """Every decoder layer over x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step
         scan over the remaining L mod period layers, if any). Layer i has the window and MLP kind of layer
         i % period, so the tail's layers are those of the first `tail` layers of a group.
+        remat_mode: one of REMAT_MODES, or a two-level mode "<full|offload>_every_<K>" (module docstring):
+        the scan groups then run in checkpointed groups of ceil(K / period) scan groups (the last one shorter
+        when they do not divide L // period); the L mod period tail layers keep per-layer "full" remat.
 
         cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
         (Gemma 3, from `rope`), or None.
@@ -186,36 +224,61 @@ class DecoderModel(nnx.Module):
             stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
             return h, (kv_out, stats_out)
 
-        body = remat(group_body, remat_mode)
+        base, per_checkpoint = parse_remat(remat_mode)
+        inner = -(-per_checkpoint // period)  # scan groups per checkpointed group (two-level modes)
+        two_level = inner > 1
+        body = remat(group_body, "full" if two_level else base)
 
-        def scan(h, start, count, size):
-            """Scan `body` over `count` groups of `size` layers starting at layer `start`."""
+        def outer_body(h, xs_outer):
+            """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
+            group's backward runs); only this group's input h is kept across the stack."""
+            h = checkpoint_name(h, "group_input")
+            return jax.lax.scan(body, h, xs_outer)
+
+        outer = remat(outer_body, base, offloaded="group_input") if two_level else None
+
+        def scan(h, start, count, size, per_outer=None):
+            """Scan `body` over `count` groups of `size` layers starting at layer `start`; with per_outer, scan
+            `outer` over `count` groups of `per_outer` such groups. Returns (h, (kv, stats)) with kv and stats
+            flattened to one leading layer axis (or None)."""
+            shape = (count, size) if per_outer is None else (count, per_outer, size)
+            n = math.prod(shape)
+
             def grouped(a):
-                if tail:
-                    a = a[start:start + count * size]
-                return a.reshape((count, size) + a.shape[1:])
+                if start or n != a.shape[0]:
+                    a = a[start:start + n]
+                return a.reshape(shape + a.shape[1:])
 
             xs = jax.tree.map(grouped, state)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))
-            return jax.lax.scan(body, h, xs)
+            h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs)
+            return h, jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), ys)
 
-        def flat(y):  # [groups, per group, ...] -> [groups * per group, ...], in layer order
-            return y.reshape((-1,) + y.shape[2:])
-
-        x, (kv, stats) = scan(x, 0, groups, period)
-        kv = None if kv is None else tuple(flat(y) for y in kv)
-        stats = None if stats is None else jax.tree.map(flat, stats)
-        if tail:  # the tail's layers come after every group's: concatenate in that order
-            x, (kv_tail, stats_tail) = scan(x, groups * period, 1, tail)
-            if kv is not None:
-                kv = tuple(jnp.concatenate([a, flat(b)]) for a, b in zip(kv, kv_tail))
-            if stats_tail is not None:
-                stats_tail = jax.tree.map(flat, stats_tail)
-                stats = stats_tail if stats is None else jax.tree.map(
-                    lambda a, b: jnp.concatenate([a, b]), stats, stats_tail)
-        if cache is not None:
+        # (first layer, groups, layers per scan group, scan groups per checkpointed group or None), in layer order
+        if two_level:
+            n_outer, rest = divmod(groups, inner)
+            segments = [(0, n_outer, period, inner)] if n_outer else []
+            if rest:  # fewer than `inner` scan groups left: one checkpointed group of `rest`
+                segments.append((n_outer * inner * period, 1, period, rest))
+        else:
+            segments = [(0, groups, period, None)] if groups else []
+        if tail:  # the last L mod period layers, under the per-layer policy
+            segments.append((groups * period, 1, tail, None))
+        kvs, stats_parts = [], []
+        for start, count, size, per_outer in segments:
+            x, (kv, stats) = scan(x, start, count, size, per_outer)
+            kvs.append(kv)
+            if stats is not None:
+                stats_parts.append(stats)
+        kv = None
+        if cache is not None:  # the segments' layers are consecutive: concatenate in that order
+            kv = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kvs))
             kv = (kv[0].reshape(cache.k.shape), kv[1].reshape(cache.v.shape))
+        stats = None
+        if stats_parts:
+            stats = stats_parts[0] if len(stats_parts) == 1 else jax.tree.map(
+                lambda *a: jnp.concatenate(a), *stats_parts)
         return (x, kv, stats) if router_stats else (x, kv)
 
     def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: str = "none", dtype=None,

@@ -31,7 +31,7 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.models.decoder import CausalLM, make_batch, two_level_mode
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
 
@@ -53,9 +53,14 @@ def commit_to_devices(tree):
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)
 
 
-def resolve_remat(use_gradient_checkpointing) -> str:
+def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) -> str:
     """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
-    fallback (plain remat, one notice) where the backend has no pinned host memory."""
+    fallback (plain remat, one notice) where the backend has no pinned host memory.
+
+    layers_per_checkpoint > 1 (long sequences, with True or "unsloth"): two-level checkpointing, only every
+    layers_per_checkpoint-th layer input is kept across the stack (on the device for True, in pinned host
+    memory for "unsloth") and the layers between are recomputed group by group in the backward pass
+    ("full_every_K" / "offload_every_K", see unsloth_jax.models.decoder)."""
     if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
         raise ValueError(f"use_gradient_checkpointing must be False, True, 'unsloth' or 'save_attention', got "
                          f"{use_gradient_checkpointing!r}")
@@ -64,6 +69,8 @@ def resolve_remat(use_gradient_checkpointing) -> str:
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
                     "per-layer rematerialisation on %s", jax.default_backend())
         mode = "full"
+    if layers_per_checkpoint != 1:
+        mode = two_level_mode(mode, layers_per_checkpoint)
     return mode
 
 
@@ -111,6 +118,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
     skipped (1 when the update was dropped for a non-finite loss or gradient). The op policy in force at each
     call is a static argument (see unsloth_jax.ops.policy_jit).
+    remat: a mode of unsloth_jax.models.decoder.REMAT_MODES or a two-level "full_every_K" / "offload_every_K"
+    (resolve_remat builds it from use_gradient_checkpointing and layers_per_checkpoint).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 

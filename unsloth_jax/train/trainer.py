@@ -142,7 +142,8 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
             raise TrainingError(f"the train step at sequence length {longest} (max_seq_length={max_seq_length}) "
                                 f"needs {device / gib:.1f} GiB of device memory, but the device has "
                                 f"{limit / gib:.1f} GiB; {hint} (or lower per_device_train_batch_size, use "
-                                "use_gradient_checkpointing='unsloth', or load_in_4bit=True)")
+                                "use_gradient_checkpointing='unsloth', get_peft_model(layers_per_checkpoint=4) "
+                                "for long sequences, or load_in_4bit=True)")
     line = StepMemoryPlan(text)
     line.device_bytes, line.host_bytes, line.limit_bytes = int(device), int(host), limit
     return line
