@@ -143,6 +143,7 @@ def scale_gradient(g: jax.Array, divisor: jax.Array | None) -> jax.Array:
 
 
 CHUNK_ELEMENTS = 1 << 26  # elements of a leaf the fused update holds at once (256 MiB per float32 temporary)
+SELECT_ELEMENTS = 1 << 22  # leaves up to this size are guarded by a select, not a cond (see _in_pieces)
 _MAX_CHUNKS = 4096        # more pieces than this: the leaf is updated whole (a leading axis with no fitting divisor)
 
 
@@ -282,6 +283,11 @@ def _in_pieces(piece, k: int, finite, g, p, mq, vq, rate):
     def guarded(g_i, old):
         return jax.lax.cond(finite, lambda g_i, old: piece(g_i, *old, rate), lambda g_i, old: old, g_i, old)
 
+    if k == 1 and p.size <= SELECT_ELEMENTS:
+        # a small leaf (LoRA factors, norms): a select, whose extra copies are small, instead of a cond (an XLA
+        # GPU conditional may read its predicate on the host, once per leaf per step)
+        new = piece(g, p, mq, vq, rate)
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, (p, mq, vq))
     if k == 1:
         return guarded(g, (p, mq, vq))
     rows = lambda x: x.shape[0] // k  # noqa: E731
