@@ -17,6 +17,7 @@ from tests.helpers import interrupted_run  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora  # noqa: E402
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step  # noqa: E402
+from unsloth_jax.errors import TrainingError  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -225,6 +226,23 @@ def test_trainer_resume_matches_uninterrupted(llama_dir, tmp_path, rng):
     b = jax.tree.leaves(lora.split(model_resumed)[1])
     for x, y in zip(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_resume_with_another_optimizer_state_is_a_clear_error(llama_dir, tmp_path, rng):
+    """A checkpoint whose optimizer state has another layout (saved with optim="sgd", resumed with AdamW; the same
+    holds for checkpoints of the optax-chain AdamW state older code wrote) is refused naming the checkpoint."""
+    data = _dataset(rng, n=8)
+
+    def trainer_for(optim_name):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                 save_steps=2, logging_steps=1, optim=optim_name, seed=1)
+        trainer = SFTTrainer(model=_peft_model(llama_dir, r=4), train_dataset=data, args=args, max_seq_length=32)
+        trainer._pad_id = lambda: 0
+        return trainer
+
+    trainer_for("sgd").train()
+    with pytest.raises(TrainingError, match=r"checkpoint-2: the saved training state does not match"):
+        trainer_for("adamw_torch").train(resume_from_checkpoint=True)
 
 
 def test_offload_step_compiles_once(llama_dir, tmp_path, rng, monkeypatch):

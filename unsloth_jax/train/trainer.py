@@ -320,7 +320,14 @@ class SFTTrainer:
 
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                               {"trainable": trainable, "opt_state": opt_state})
-        restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
+        try:
+            restored = ocp.StandardCheckpointer().restore(path.resolve() / "state", target)
+        except ValueError as e:  # orbax: the saved tree's structure, shapes or dtypes differ from the target's
+            raise TrainingError(
+                f"{path}: the saved training state does not match this run's (optim {self.args.optim!r}, the "
+                f"model's trainable weights): {str(e)[:300]}. It was saved with other settings, or by an "
+                "unsloth_jax older than the fused AdamW state (AdamWState, 2026-12-01), which cannot be resumed; "
+                "resume with the run's own settings, or start fresh") from e
         meta = json.loads((path / "trainer_state.json").read_text())
         step = int(meta["global_step"])
         self.state.global_step = step
