@@ -95,14 +95,28 @@ def _zero_codes(p, signed: bool) -> _Q8:
     return _Q8(jnp.zeros((n_blocks, _BLOCK), jnp.int8 if signed else jnp.uint8), jnp.zeros((n_blocks,), jnp.float32))
 
 
+def _zero_moments(params, eight_bit: bool):
+    """(mu, nu) of a fresh Adam state: float32 zeros like each leaf, or 8-bit zero codes (`_zero_codes`)."""
+    if eight_bit:
+        return (jax.tree.map(lambda p: _zero_codes(p, True), params),
+                jax.tree.map(lambda p: _zero_codes(p, False), params))
+    zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
+    return jax.tree.map(zeros, params), jax.tree.map(zeros, params)
+
+
+def _unzip3(params, outs):
+    """A tree like `params` whose leaves are 3-tuples -> three trees like `params`."""
+    treedef = jax.tree.structure(params)
+    leaves = treedef.flatten_up_to(outs)
+    return tuple(treedef.unflatten([o[i] for o in leaves]) for i in range(3))
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
     """Adam's update direction with both moments stored block-wise in 8 bits (a quarter of fp32 Adam's state),
     as an optax transformation for custom chains (make_optimizer's "adamw_8bit" is `adamw` with eight_bit)."""
 
     def init(params):
-        mu = jax.tree.map(lambda p: _zero_codes(p, True), params)
-        nu = jax.tree.map(lambda p: _zero_codes(p, False), params)
-        return Adam8bitState(jnp.zeros((), jnp.int32), mu, nu)
+        return Adam8bitState(jnp.zeros((), jnp.int32), *_zero_moments(params, True))
 
     def update(updates, state, params=None):
         del params
@@ -143,7 +157,7 @@ def scale_gradient(g: jax.Array, divisor: jax.Array | None) -> jax.Array:
 
 
 CHUNK_ELEMENTS = 1 << 26  # elements of a leaf the fused update holds at once (256 MiB per float32 temporary)
-SELECT_ELEMENTS = 1 << 22  # leaves up to this size are guarded by a select, not a cond (see _in_pieces)
+_SELECT_ELEMENTS = 1 << 22  # leaves up to this size are guarded by a select, not a cond (see _in_pieces)
 _MAX_CHUNKS = 4096        # more pieces than this: the leaf is updated whole (a leading axis with no fitting divisor)
 
 
@@ -199,13 +213,7 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
         raise ValueError(f"chunk_elements must be at least {_BLOCK}, got {chunk_elements}")
 
     def init(params):
-        if eight_bit:
-            mu = jax.tree.map(lambda p: _zero_codes(p, True), params)
-            nu = jax.tree.map(lambda p: _zero_codes(p, False), params)
-        else:
-            mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return AdamWState(jnp.zeros((), jnp.int32), mu, nu)
+        return AdamWState(jnp.zeros((), jnp.int32), *_zero_moments(params, eight_bit))
 
     def rates(params, count):
         """-lr(count) per leaf (float32 scalars)."""
@@ -243,8 +251,7 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
         outs = jax.tree.map(lambda g, p, mq, vq, r: leaf_update(g, p, load(mq, g, True), load(vq, g, False),
                                                                 grad_norm, c1, c2, r),
                             updates, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
-        treedef = jax.tree.structure(params)
-        u, m, v = (treedef.unflatten([o[i] for o in treedef.flatten_up_to(outs)]) for i in range(3))
+        u, m, v = _unzip3(params, outs)
         return u, AdamWState(count, jax.tree.map(lambda x: store(x, True), m),
                              jax.tree.map(lambda x: store(x, False), v))
 
@@ -262,8 +269,7 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
             return _in_pieces(piece, k, finite, g, p, mq, vq, rate)
 
         outs = jax.tree.map(one_leaf, grads, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
-        treedef = jax.tree.structure(params)
-        new_p, mu, nu = (treedef.unflatten([o[i] for o in treedef.flatten_up_to(outs)]) for i in range(3))
+        new_p, mu, nu = _unzip3(params, outs)
         return new_p, AdamWState(jnp.where(finite, count, state.count), mu, nu)
 
     return FusedAdamW(init, update, apply)
@@ -283,7 +289,7 @@ def _in_pieces(piece, k: int, finite, g, p, mq, vq, rate):
     def guarded(g_i, old):
         return jax.lax.cond(finite, lambda g_i, old: piece(g_i, *old, rate), lambda g_i, old: old, g_i, old)
 
-    if k == 1 and p.size <= SELECT_ELEMENTS:
+    if k == 1 and p.size <= _SELECT_ELEMENTS:
         # a small leaf (LoRA factors, norms): a select, whose extra copies are small, instead of a cond (an XLA
         # GPU conditional may read its predicate on the host, once per leaf per step)
         new = piece(g, p, mq, vq, rate)
