@@ -182,23 +182,21 @@ def glu_quantize(gate, up, kind: str = "silu", *, with_h: bool = False, interpre
     return outs[0], outs[1], (outs[2] if with_h else None)
 
 
-def glu_quantize_reference(gate, up, kind: str = "silu"):
-    """Plain-jnp twin of glu_quantize: (hq, sx, h) from reference.swiglu / geglu and fp8.quantize_rows."""
-    if kind == "silu":
-        h = reference.swiglu(gate, up)
-    else:
-        h = reference.geglu(gate, up, approximate=kind == "gelu_tanh")
-    hq, sx = fp8.quantize_rows(h, fp8.E4M3)
-    return hq, sx, h
-
-
-# ------------------------------------------------------------------------------------------ custom_vjp
 def _reference_glu(kind):
+    """The reference GLU of `kind`: h = act(gate) * up in the inputs' dtype."""
     if kind == "silu":
         return reference.swiglu
     return functools.partial(reference.geglu, approximate=kind == "gelu_tanh")
 
 
+def glu_quantize_reference(gate, up, kind: str = "silu"):
+    """Plain-jnp twin of glu_quantize: (hq, sx, h) from reference.swiglu / geglu and fp8.quantize_rows."""
+    h = _reference_glu(kind)(gate, up)
+    hq, sx = fp8.quantize_rows(h, fp8.E4M3)
+    return hq, sx, h
+
+
+# ------------------------------------------------------------------------------------------ custom_vjp
 def _outputs(g2, u2, w, kind, with_h, interpret, cfg):
     hq, sx, h = glu_quantize(g2, u2, kind, with_h=with_h, interpret=interpret, cfg=cfg)
     y = fp8.fp8_matmul_quantized(hq, sx, w, g2.dtype)
