@@ -154,6 +154,16 @@ def test_bad_train_flag_values_are_one_message_and_exit_2_before_loading(flags, 
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_checkpointing_values_are_the_apis():
+    """--use_gradient_checkpointing takes every value get_peft_model does (the CLI keeps its own copy so that
+    --help imports no jax): a value missing here would be refused by the CLI but work in Python."""
+    from unsloth_jax.cli import GRADIENT_CHECKPOINTING_VALUES, _bool_or_str
+    from unsloth_jax.train.step import GRADIENT_CHECKPOINTING
+
+    api = {_bool_or_str(str(v)) for v in GRADIENT_CHECKPOINTING if v is not None}
+    assert api == set(GRADIENT_CHECKPOINTING_VALUES)
+
+
 @pytest.mark.parametrize("flags, flag", [(["--max_new_tokens", "0"], "--max_new_tokens"),
                                          (["--top_p", "0"], "--top_p"), (["--temperature", "-1"], "--temperature")])
 def test_bad_generate_flag_values_are_exit_2(flags, flag, capsys):

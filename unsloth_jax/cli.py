@@ -35,7 +35,8 @@ PRESETS = {
     "tiny": {"learning_rate": 2e-3, "lora_alpha": 64, "max_steps": 600, "per_device_train_batch_size": 4,
              "gradient_accumulation_steps": 1, "logging_steps": 10},
 }
-GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload")  # what get_peft_model takes
+# what get_peft_model takes (unsloth_jax.train.step.GRADIENT_CHECKPOINTING; kept here so --help imports no jax)
+GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload", "save_attention")
 
 log = logging.getLogger("unsloth_jax")
 
@@ -81,7 +82,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora_dropout", type=float, default=0.0, help="accepted for compatibility; 0 is used")
     lo.add_argument("--bias", default="none", choices=("none", "all", "lora_only"), help="which biases train")
     lo.add_argument("--use_gradient_checkpointing", type=_bool_or_str, default="unsloth",
-                    help='"unsloth" (offload checkpointed activations to the host on GPUs), True or False')
+                    help='"unsloth" (offload checkpointed activations to the host on GPUs), true (recompute each '
+                         'layer), "save_attention" (as true, keeping q, k, v and the attention output), false')
     lo.add_argument("--layers_per_checkpoint", type=int, default=1,
                     help="keep only every K-th layer input across the stack and recompute K layers at a time in "
                          "the backward pass (long sequences: L/K + K layer inputs kept instead of L); 1: per layer")
@@ -328,7 +330,8 @@ def _check_model_flags(args) -> None:
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout:g}")
     if args.use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_VALUES:
-        raise UsageError(f"--use_gradient_checkpointing must be unsloth, true, false, full or offload, got "
+        names = ", ".join(str(v).lower() for v in GRADIENT_CHECKPOINTING_VALUES)
+        raise UsageError(f"--use_gradient_checkpointing must be one of {names}, got "
                          f"{args.use_gradient_checkpointing!r}")
     if args.layers_per_checkpoint < 1:
         raise UsageError(f"--layers_per_checkpoint must be >= 1, got {args.layers_per_checkpoint}")

@@ -62,8 +62,8 @@ def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) ->
     memory for "unsloth") and the layers between are recomputed group by group in the backward pass
     ("full_every_K" / "offload_every_K", see unsloth_jax.models.decoder)."""
     if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
-        raise ValueError(f"use_gradient_checkpointing must be False, True, 'unsloth' or 'save_attention', got "
-                         f"{use_gradient_checkpointing!r}")
+        names = ", ".join(repr(v) for v in GRADIENT_CHECKPOINTING if v is not None)
+        raise ValueError(f"use_gradient_checkpointing must be one of {names}, got {use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
     if mode == "offload" and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
