@@ -142,7 +142,7 @@ def test_pretokenized_records_train_as_given(llama_dir, tmp_path, rng):
             total += hf(input_ids=torch.from_numpy(np.asarray(x))[None], labels=torch.from_numpy(np.asarray(y))[None]
                         ).loss.item() * n
             count += n
-    np.testing.assert_allclose(trainer.evaluate(), total / count, rtol=1e-5)
+    np.testing.assert_allclose(trainer.evaluate()["eval_loss"], total / count, rtol=1e-5)
 
 
 @pytest.mark.parametrize("record, message", [

@@ -66,9 +66,13 @@ def test_log_history_entries(tmp_path, rng):
     for e, (a, b) in zip(steps, windows):
         assert e["loss"] == pytest.approx(np.mean(losses[a:b]), rel=1e-12)
     evals = [e for e in hist if "eval_loss" in e]
-    assert len(evals) == 1 and set(evals[0]) == {"eval_loss", "epoch", "step"} and evals[0]["step"] == 6
+    assert len(evals) == 1 and set(evals[0]) == {"eval_loss", "eval_runtime", "eval_samples_per_second",
+                                                   "eval_steps_per_second", "epoch", "step"} and evals[0]["step"] == 6
     assert np.isfinite(evals[0]["eval_loss"])
     assert hist[-1] == {**out.metrics, "step": 6}
+    again = trainer.evaluate()  # transformers' dict, the same loss as the logged entry (the model is unchanged)
+    assert again["eval_loss"] == pytest.approx(evals[0]["eval_loss"], rel=1e-6) and again["epoch"] == out.metrics["epoch"]
+    assert again["eval_runtime"] > 0 and again["eval_samples_per_second"] > 0
     jsonl = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in jsonl] == [(e["step"], e["loss"]) for e in steps]
 
@@ -164,3 +168,10 @@ def test_sft_trainer_max_seq_length_zero_is_an_error(rng):
         SFTTrainer(model=model, train_dataset=_dataset(rng), max_seq_length="128")
     trainer = SFTTrainer(model=model, train_dataset=_dataset(rng), max_seq_length=None)  # None: the model's
     assert trainer.max_seq_length == model.max_seq_length
+
+
+def test_evaluate_without_eval_dataset_is_a_training_error(tmp_path, rng):
+    from unsloth_jax.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="eval_dataset"):
+        _trainer(tmp_path, rng).evaluate()

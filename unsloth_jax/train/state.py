@@ -21,8 +21,9 @@ class TrainerState:
     """Progress of the current (or last) train() call.
 
     log_history holds transformers' entries: one per logged step ({loss, grad_norm, learning_rate, epoch,
-    step}, loss averaged over the steps since the previous entry), an eval entry ({eval_loss, epoch, step})
-    when there is an eval_dataset, and the final summary ({train_runtime, ..., epoch, step}). loss_history
+    step}, loss averaged over the steps since the previous entry), an eval entry when there is an eval_dataset
+    ({eval_loss, eval_runtime, eval_samples_per_second, eval_steps_per_second, epoch, step}), and the final
+    summary ({train_runtime, ..., epoch, step}). loss_history
     (not in transformers) is the loss of every optimizer step, logged or not.
     """
 

@@ -498,14 +498,18 @@ class SFTTrainer:
         metrics = train_metrics(t0, t_end, steps_run=run, total_steps=total, planned_samples=planned,
                                 losses_run=state.loss_history[len(state.loss_history) - run:], epoch=state.epoch)
         if self.eval_examples:
-            steplog.log({"eval_loss": self.evaluate(), "epoch": state.epoch, "step": total})
+            steplog.log({**self.evaluate(), "step": total})
         steplog.log({**metrics, "step": total})
         if distributed.is_main_process():
             print(json.dumps(metrics))
         return TrainOutput(total, metrics["train_loss"], metrics)
 
-    def evaluate(self) -> float:
-        """Mean token loss over eval_dataset."""
+    def evaluate(self) -> dict:
+        """Mean token loss over eval_dataset, as transformers' Trainer.evaluate reports it: {"eval_loss",
+        "eval_runtime" (s), "eval_samples_per_second", "eval_steps_per_second", "epoch"}."""
+        if not self.eval_examples:
+            raise TrainingError("evaluate() needs an eval_dataset (SFTTrainer(..., eval_dataset=...))")
+        t0 = time.perf_counter()
         loader = self._loader(self.eval_examples, self.args.per_device_eval_batch_size, shuffle=False)
         graphdef, trainable, frozen = lora.split(self.model)
         total = count = 0.0
@@ -514,7 +518,10 @@ class SFTTrainer:
             s, n = eval_loss(trainable, frozen, batch, graphdef=graphdef)
             total += float(s)
             count += int(n)
-        return total / max(count, 1)
+        runtime = time.perf_counter() - t0
+        return {"eval_loss": total / max(count, 1), "eval_runtime": round(runtime, 4),
+                "eval_samples_per_second": round(len(self.eval_examples) / runtime, 3),
+                "eval_steps_per_second": round(len(loader) / runtime, 3), "epoch": self.state.epoch}
 
 
 class _StepLog:
