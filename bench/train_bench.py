@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments  # noqa: E402
+from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, ops  # noqa: E402
 from unsloth_jax.train.optim import state_dtype  # noqa: E402
 
 
@@ -131,7 +131,9 @@ def main() -> None:
             "final_loss": trainer.state.loss_history[-1], "steps_timed": len(times),
             "step_ms_all": [round(t * 1e3, 1) for t in step_times],
             "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            # what each op ran (FP8 rows: linear=fp8, or nf4_gemm=fp8 for an NF4 base multiplied in FP8)
+            "impls": ops.chosen_impls(), "unsloth_jax_impl": os.environ.get(ops.ENV_VAR, "")}
     if arg_specs is not None:  # the step's (trainable, frozen, opt_state, batch) as the first call saw them
         line["trainable_params"] = int(sum(np.prod(x.shape) for x in jax.tree.leaves(arg_specs[0])))
         line["optimizer_state_dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(arg_specs[2]) if x.ndim})

@@ -36,6 +36,7 @@ _EXPORTS = {
     "quantize_fp8_weight": "pallas_kernels.fp8",
     "fp8_matmul": "pallas_kernels.fp8",
     "glu_fp8_matmul": "pallas_kernels.glu_fp8",
+    "nf4_fp8_matmul": "pallas_kernels.nf4_fp8",
     "grouped_matmul": "pallas_kernels.grouped_matmul",
     "resolve_interpret": "pallas_kernels._common",
 }

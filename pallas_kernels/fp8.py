@@ -12,14 +12,20 @@ with values = round(W[n, :] * (1/scale[n])) and likewise for the rows (all float
 divisions, so every backend rounds the same way).
 Forward y = (xq @ values^T) * sx[:, None] * scale[None, :]; backward dx = (gq @ values) * sg[:, None]: the weight
 scale sits on the contraction axis of the backward GEMM, so it is folded into g before g is quantized. Both
-GEMMs are XLA dots of float8 operands, which XLA lowers to cuBLASLt FP8 GEMMs on Hopper (float32 accumulation,
-bf16 output); elsewhere XLA upcasts them, so the same numbers come out of the CPU in tests.
+GEMMs are XLA dots of float8 operands, which XLA lowers to cuBLASLt FP8 GEMMs on Hopper (float32 accumulation);
+elsewhere XLA upcasts them, so the same numbers come out of the CPU in tests.
+
+`gemm_out` is the dtype a GEMM writes its unscaled product in before the row/channel scales are applied (in
+float32, by the fusion that reads it): float32 (the default) or bfloat16, which halves the bytes the GEMM writes
+and its scale fusion reads at the cost of one more bf16 rounding (relative 2^-9, far below e4m3's 2^-4). The
+per-row and per-channel scales cannot go into the GEMM itself: Hopper's cuBLASLt FP8 GEMM takes scalar scales.
 
 The HF [out, in] layout puts the forward GEMM's contraction axis innermost for both operands (the layout
 cuBLASLt's FP8 GEMM takes); the backward GEMM contracts the weight's outer axis, for which XLA transposes it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -110,51 +116,61 @@ def _dot_nn(a, b, out_dtype):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def fp8_matmul_quantized(xq: jax.Array, sx: jax.Array, w: FP8Weight, out_dtype) -> jax.Array:
-    """The forward GEMM of already quantized rows: xq e4m3 [M, in], sx float32 [M] -> [M, out] in out_dtype."""
-    y = _dot_nt(xq, w.values, jnp.float32)
+GEMM_OUT_DTYPES = ("float32", "bfloat16")
+
+
+def gemm_out_dtype(gemm_out) -> jnp.dtype:
+    """The checked dtype of a `gemm_out` argument (a name or dtype in GEMM_OUT_DTYPES)."""
+    name = str(jnp.dtype(gemm_out))
+    if name not in GEMM_OUT_DTYPES:
+        raise ValueError(f"fp8 gemm_out must be one of {', '.join(GEMM_OUT_DTYPES)}, got {name}")
+    return jnp.dtype(name)
+
+
+def fp8_matmul_quantized(xq: jax.Array, sx: jax.Array, w: FP8Weight, out_dtype, gemm_out=jnp.float32
+                         ) -> jax.Array:
+    """The forward GEMM of already quantized rows: xq e4m3 [M, in], sx float32 [M] -> [M, out] in out_dtype
+    (the GEMM writes gemm_out, module docstring)."""
+    y = _dot_nt(xq, w.values, gemm_out_dtype(gemm_out)).astype(jnp.float32)
     return (y * sx[:, None] * w.scale[None, :]).astype(out_dtype)
 
 
-def fp8_matmul_dx(g: jax.Array, w: FP8Weight) -> jax.Array:
+def fp8_matmul_dx(g: jax.Array, w: FP8Weight, gemm_out=jnp.float32) -> jax.Array:
     """The backward GEMM: g [M, out] (the output's cotangent) -> dx [M, in] in g.dtype, g quantized to e5m2 with
     the weight scale folded in (module docstring)."""
     gq, sg = quantize_rows(g.astype(jnp.float32) * w.scale[None, :], E5M2)
-    dx = _dot_nn(gq, w.values, jnp.float32) * sg[:, None]
+    dx = _dot_nn(gq, w.values, gemm_out_dtype(gemm_out)).astype(jnp.float32) * sg[:, None]
     return dx.astype(g.dtype)
 
 
-def _fwd_2d(x2, w: FP8Weight):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul_2d(x2, w, gemm_out):
     xq, sx = quantize_rows(x2, E4M3)
-    return fp8_matmul_quantized(xq, sx, w, x2.dtype)
+    return fp8_matmul_quantized(xq, sx, w, x2.dtype, gemm_out)
 
 
-@jax.custom_vjp
-def _fp8_matmul_2d(x2, w):
-    return _fwd_2d(x2, w)
+def _fp8_matmul_fwd(x2, w, gemm_out):
+    return _fp8_matmul_2d(x2, w, gemm_out), w
 
 
-def _fp8_matmul_fwd(x2, w):
-    return _fwd_2d(x2, w), w
-
-
-def _fp8_matmul_bwd(w, g):
+def _fp8_matmul_bwd(gemm_out, w, g):
     zero_w = jax.tree.map(jnp.zeros_like, w)  # frozen: never used, so XLA removes it
-    return fp8_matmul_dx(g, w), zero_w
+    return fp8_matmul_dx(g, w, gemm_out), zero_w
 
 
 _fp8_matmul_2d.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
-def fp8_matmul(x: jax.Array, w: FP8Weight) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: FP8Weight, *, gemm_out="float32") -> jax.Array:
     """x [..., in] @ W^T for an FP8Weight of HF shape [out, in] -> [..., out] in x.dtype (see the module
-    docstring for the scaling). Differentiable in x only; the weight never gets a gradient."""
+    docstring for the scaling and `gemm_out`, "float32" or "bfloat16"). Differentiable in x only; the weight
+    never gets a gradient."""
     if w.stack_shape:
         raise ValueError(f"fp8_matmul needs one layer's weight, got {w}")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x last dim {x.shape[-1]} != weight in-features {w.shape[1]}")
     lead = x.shape[:-1]
-    y = _fp8_matmul_2d(x.reshape(-1, x.shape[-1]), w)
+    y = _fp8_matmul_2d(x.reshape(-1, x.shape[-1]), w, str(gemm_out_dtype(gemm_out)))
     return y.reshape(*lead, w.shape[0])
 
 
@@ -166,6 +182,6 @@ def fp8_matmul_reference(x: jax.Array, w: FP8Weight) -> jax.Array:
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-__all__ = ["FP8Weight", "quantize_fp8_weight", "dequantize_fp8_weight", "quantize_rows", "fp8_matmul",
+__all__ = ["FP8Weight", "GEMM_OUT_DTYPES", "gemm_out_dtype", "quantize_fp8_weight", "dequantize_fp8_weight", "quantize_rows", "fp8_matmul",
            "fp8_matmul_quantized", "fp8_matmul_dx",
            "fp8_matmul_reference", "E4M3", "E5M2"]

@@ -197,24 +197,24 @@ def glu_quantize_reference(gate, up, kind: str = "silu"):
 
 
 # ------------------------------------------------------------------------------------------ custom_vjp
-def _outputs(g2, u2, w, kind, with_h, interpret, cfg):
+def _outputs(g2, u2, w, kind, with_h, gemm_out, interpret, cfg):
     hq, sx, h = glu_quantize(g2, u2, kind, with_h=with_h, interpret=interpret, cfg=cfg)
-    y = fp8.fp8_matmul_quantized(hq, sx, w, g2.dtype)
+    y = fp8.fp8_matmul_quantized(hq, sx, w, g2.dtype, gemm_out)
     return (y, h) if with_h else (y,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _glu_fp8_matmul(g2, u2, w, kind, with_h, glu_backward, interpret, cfg):
-    return _outputs(g2, u2, w, kind, with_h, interpret, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _glu_fp8_matmul(g2, u2, w, kind, with_h, glu_backward, gemm_out, interpret, cfg):
+    return _outputs(g2, u2, w, kind, with_h, gemm_out, interpret, cfg)
 
 
-def _glu_fp8_matmul_fwd(g2, u2, w, kind, with_h, glu_backward, interpret, cfg):
-    return _outputs(g2, u2, w, kind, with_h, interpret, cfg), (g2, u2, w)
+def _glu_fp8_matmul_fwd(g2, u2, w, kind, with_h, glu_backward, gemm_out, interpret, cfg):
+    return _outputs(g2, u2, w, kind, with_h, gemm_out, interpret, cfg), (g2, u2, w)
 
 
-def _glu_fp8_matmul_bwd(kind, with_h, glu_backward, interpret, cfg, res, cts):
+def _glu_fp8_matmul_bwd(kind, with_h, glu_backward, gemm_out, interpret, cfg, res, cts):
     g2, u2, w = res
-    dh = fp8.fp8_matmul_dx(cts[0], w)  # in the output dtype, as fp8_matmul's dx
+    dh = fp8.fp8_matmul_dx(cts[0], w, gemm_out)  # in the output dtype, as fp8_matmul's dx
     if with_h:
         dh = dh + cts[1].astype(dh.dtype)  # the LoRA path's cotangent of h, summed as autodiff sums them
     if glu_backward == "pallas":
@@ -232,13 +232,14 @@ _glu_fp8_matmul.defvjp(_glu_fp8_matmul_fwd, _glu_fp8_matmul_bwd)
 
 
 def glu_fp8_matmul(gate, up, w: fp8.FP8Weight, kind: str = "silu", *, with_h: bool = False,
-                   glu_backward: str = "xla", interpret=None, cfg: GluFp8Config | None = None):
+                   glu_backward: str = "xla", gemm_out="float32", interpret=None, cfg: GluFp8Config | None = None):
     """fp8_matmul(act(gate) * up, w) with the activation and its e4m3 quantization in one kernel.
 
     gate, up [..., F] (same float dtype); w: one layer's FP8Weight of HF shape [out, F]. Returns y [..., out] in
     gate.dtype, and with `with_h` also h [..., F] in gate.dtype (for down_proj's LoRA): (y, h), else y.
     Differentiable in gate and up (and through h); the GLU backward is `glu_backward` ("pallas": the
-    pallas_kernels.glu kernel; "xla": the reference's VJP)."""
+    pallas_kernels.glu kernel; "xla": the reference's VJP). gemm_out: the down GEMMs' output dtype before
+    their scales (pallas_kernels.fp8, "float32" or "bfloat16")."""
     _check(gate, up, kind)
     if w.stack_shape or w.shape[1] != gate.shape[-1]:
         raise ValueError(f"glu_fp8_matmul: gate {gate.shape} needs one layer's weight of in-features "
@@ -248,7 +249,7 @@ def glu_fp8_matmul(gate, up, w: fp8.FP8Weight, kind: str = "silu", *, with_h: bo
     lead, f = gate.shape[:-1], gate.shape[-1]
     cfg = cfg or config(max(1, gate.size // f), f)
     outs = _glu_fp8_matmul(gate.reshape(-1, f), up.reshape(-1, f), w, kind, with_h, glu_backward,
-                           resolve_interpret(interpret), cfg)
+                           str(fp8.gemm_out_dtype(gemm_out)), resolve_interpret(interpret), cfg)
     y = outs[0].reshape(*lead, w.shape[0])
     return (y, outs[1].reshape(gate.shape)) if with_h else y
 

@@ -205,6 +205,16 @@ def dequantize_nf4(q: NF4Weight, dtype=None, *, interpret: bool | None = None) -
     return out.reshape(lead + q.shape)
 
 
+def dequantize_nf4_to(q: NF4Weight, dtype_name: str, *, interpret: bool) -> jax.Array:
+    """One layer's dequantization [*q.shape] in any float dtype the kernel can store, float8_e4m3fn included
+    (pallas_kernels.nf4_fp8 writes FP8 weights this way: the block scales then fold in the row scale), with
+    the block config of that dtype (bfloat16's for dtypes the table has no entry for)."""
+    if q.stack_shape:
+        raise ValueError(f"dequantize_nf4_to needs one layer's weight, got {q}")
+    cfg = _dequant_config(q.numel, dtype_name)
+    return _dequant_flat_call(q, dtype_name, cfg, interpret).reshape(q.shape)
+
+
 # ------------------------------------------------------------------------------------------------------
 # Fused dequantize + matmul kernels (small M)
 # ------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from unsloth_jax.train import make_train_step  # noqa: E402
 
 @pytest.fixture
 def all_pallas():
-    for op in ops.OPS:
+    for op in ops.KERNEL_OPS:
         ops.set_impl(op, "pallas")
     yield
     for op in ops.OPS:
@@ -61,7 +61,7 @@ def test_train_step_with_kernels_matches_xla(tmp_path, rng):
         return float(m["loss"]), jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), t, new_t)
 
     loss_xla, grads_xla = run()
-    for op in ops.OPS:
+    for op in ops.KERNEL_OPS:
         ops.set_impl(op, "pallas")
     try:
         loss_k, grads_k = run()

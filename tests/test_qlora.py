@@ -74,6 +74,41 @@ def test_qlora_train_step(tmp_path, rng):
     assert int(m["skipped"]) == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qlora_step_with_fp8_gemms_tracks_the_dequantized_step(tmp_path, rng, monkeypatch, dtype):
+    """UNSLOTH_JAX_IMPL=nf4_gemm=fp8 (NF4 storage, e4m3 weights and FP8 GEMMs): the loss within FP8's error of
+    the default step on the same NF4 weights, LoRA gradients pointing the same way, only LoRA leaves trained,
+    and the run summary's choices say fp8."""
+    import jax
+
+    from unsloth_jax import ops
+
+    save_hf_model("llama", tmp_path, seed=int(rng.integers(1 << 30)))
+    model, _ = FastLanguageModel.from_pretrained(tmp_path, dtype=dtype, load_in_4bit=True, load_tokenizer=False,
+                                                 progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True)
+    for lin in model.projections().values():  # non-zero B: every LoRA factor gets a gradient
+        lin.lora_b[...] = lin.lora_b[...] + 0.05 * rng.standard_normal(lin.lora_b[...].shape)
+    g, t, f = lora.split(model)
+    ids = rng.integers(0, 256, size=(1, 2, 16)).astype(np.int32)
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
+    opt = optax.sgd(1.0)
+
+    def run(impl):
+        monkeypatch.setenv(ops.ENV_VAR, f"nf4_gemm={impl}")
+        new_t, _, m = make_train_step(g, opt, remat="full", donate=False)(t, f, opt.init(t), batch)
+        assert ops.chosen_impls().get("nf4_gemm") == impl
+        return float(m["loss"]), [np.asarray(a, np.float32) - np.asarray(b, np.float32)
+                                  for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(new_t))]
+
+    loss_deq, upd_deq = run("dequantized")
+    loss_fp8, upd_fp8 = run("fp8")
+    assert loss_fp8 != loss_deq and rel_err(loss_fp8, loss_deq) < 0.01
+    flat_deq, flat_fp8 = np.concatenate([u.ravel() for u in upd_deq]), np.concatenate([u.ravel() for u in upd_fp8])
+    cos = flat_deq @ flat_fp8 / (np.linalg.norm(flat_deq) * np.linalg.norm(flat_fp8))
+    assert cos > 0.98 and rel_err(flat_fp8, flat_deq) < 0.2, (cos, rel_err(flat_fp8, flat_deq))
+
+
 def _save_bnb_checkpoint(dense_dir, out_dir, double_quant: bool = True):
     """The float checkpoint in dense_dir quantized to NF4 by transformers + bitsandbytes (CPU) and saved to
     out_dir; returns the 4-bit transformers model."""

@@ -13,7 +13,10 @@ points (a user's own `nnx.jit`) uses the policy current at trace time.
 
 Ops: rms_norm, rope, glu, glu_fp8 (the GLU fused with an FP8 down_proj's row quantization), linear (dense,
 4-bit or FP8, with or without LoRA), grouped_matmul, attention, cross_entropy, and
-token_logprobs (per-token log-probabilities for preference and RL losses; XLA only).
+token_logprobs (per-token log-probabilities for preference and RL losses; XLA only). Two choices are not kernels:
+fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("f32" or "bf16", `fp8_gemm_out`), and nf4_gemm,
+how an NF4 base multiplies: "dequantized" to the compute dtype (QLoRA as bitsandbytes runs it; the default) or
+"fp8" (dequantized straight to e4m3 for the FP8 GEMMs, pallas_kernels.nf4_fp8: FP8 numerics, asked for only).
 """
 from __future__ import annotations
 
@@ -45,8 +48,11 @@ IMPLS = {
     "attention": ("xla", "pallas", "cudnn"),
     "cross_entropy": ("xla", "pallas"),
     "grouped_matmul": ("xla", "pallas"),
+    "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
+    "nf4_gemm": ("dequantized", "fp8"),  # not a kernel: NF4 bases in the compute dtype or as FP8 GEMMs
 }
 OPS = tuple(IMPLS)
+KERNEL_OPS = tuple(op for op in OPS if "pallas" in IMPLS[op])  # the ops with a Pallas kernel
 
 
 def _check(op: str, impl: str, source: str) -> None:
@@ -198,6 +204,20 @@ PALLAS_WINS = {
 }
 
 
+# The FP8 GEMMs' output dtype under "auto": float32 until an in-step A/B on the H200 shows bf16 faster.
+FP8_GEMM_AUTO = "f32"
+
+
+def fp8_gemm_out(x: jax.Array) -> str:
+    """The dtype the FP8 GEMMs of an activation like `x` write before their scales (pallas_kernels.fp8's
+    gemm_out): "bfloat16" under fp8_gemm=bf16 for 16-bit activations, else "float32"."""
+    impl = active_policy().requested("fp8_gemm")
+    impl = FP8_GEMM_AUTO if impl == "auto" else impl
+    out = "bfloat16" if impl == "bf16" and x.dtype in (_BF16, jnp.float16) else "float32"
+    _note("fp8_gemm", "bf16" if out == "bfloat16" else "f32")
+    return out
+
+
 def use_pallas(op: str, probe) -> bool:
     """Whether `op` runs its Pallas kernel for an input like `probe` under the active policy."""
     policy = active_policy()
@@ -289,8 +309,10 @@ def glu_linear(gate: jax.Array, up: jax.Array, activation: str, kernel, bias: ja
         _note("glu", glu_backward)  # the GLU backward follows the glu op's choice
         with_h = lora is not None
 
+        gemm_out = fp8_gemm_out(gate)
+
         def fused(g, u, w):
-            return glu_fp8_matmul(g, u, w, activation, with_h=with_h, glu_backward=glu_backward)
+            return glu_fp8_matmul(g, u, w, activation, with_h=with_h, glu_backward=glu_backward, gemm_out=gemm_out)
 
         out = per_batch_shard(fused, (gate, up), (kernel,))
         y, h = out if with_h else (out, None)
@@ -319,7 +341,7 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, ke
         from pallas_kernels.fp8 import fp8_matmul
 
         _note("linear", "fp8")
-        y = fp8_matmul(x, kernel) + _lora_delta(x, lora)
+        y = fp8_matmul(x, kernel, gemm_out=fp8_gemm_out(x)) + _lora_delta(x, lora)
     elif lora is not None and use_pallas("linear", x):
         from pallas_kernels.lora_linear import lora_linear
 
@@ -346,7 +368,18 @@ def _lora_delta(x: jax.Array, lora):
 
 
 def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
-    """QLoRA linear: frozen NF4 base (HF [out, in]) + optional LoRA; dX never keeps a dequantized weight."""
+    """QLoRA linear: frozen NF4 base (HF [out, in]) + optional LoRA; dX never keeps a dequantized weight.
+    Under nf4_gemm=fp8 the base runs as FP8 GEMMs (pallas_kernels.nf4_fp8; the e4m3 weight written by the
+    Pallas dequantize kernel where the nf4_matmul op picks Pallas)."""
+    if active_policy().requested("nf4_gemm") == "fp8":
+        from pallas_kernels.nf4_fp8 import nf4_fp8_matmul
+
+        use_kernel = use_pallas("nf4_matmul", x)
+        _note("nf4_gemm", "fp8")
+        _note("nf4_matmul", "pallas" if use_kernel else "xla")
+        y = nf4_fp8_matmul(x, q, use_kernel=use_kernel, gemm_out=fp8_gemm_out(x))
+        return y + _lora_delta(x, lora)
+    _note("nf4_gemm", "dequantized")
     if use_pallas("nf4_matmul", x):
         from pallas_kernels import nf4 as impl
 

@@ -83,3 +83,46 @@ def test_fp8_matmul_gives_the_weight_no_gradient(rng):
     assert all(not np.any(np.asarray(leaf, np.float32)) for leaf in jax.tree.leaves(grads[1]))
     with pytest.raises(ValueError, match="in-features"):
         fp8_matmul(jnp.ones((2, 9)), w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_gemm_out_is_the_f32_path_within_bf16_rounding(rng, dtype):
+    """gemm_out="bfloat16": the GEMMs write their unscaled products in bf16 (the StableHLO dots say so) and
+    y, dx stay within two bf16 roundings of the float32-output path, forward and backward."""
+    m, k, n = 64, 96, 80
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    g = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    w = quantize_fp8_weight(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32))
+
+    def run(gemm_out):
+        y, vjp = jax.vjp(lambda a: fp8_matmul(a, w, gemm_out=gemm_out), x)
+        return np.asarray(y, np.float32), np.asarray(vjp(g)[0], np.float32)
+
+    y32, dx32 = run("float32")
+    y16, dx16 = run("bfloat16")
+    assert _rel(y16, y32) < 2 * 2.0**-8 and _rel(dx16, dx32) < 2 * 2.0**-8
+    if dtype == jnp.float32:  # float32 outputs show the bf16 rounding the GEMM added
+        assert _rel(y16, y32) > 0
+    hlo = jax.jit(lambda a, gg: jax.vjp(lambda b: fp8_matmul(b, w, gemm_out="bfloat16"), a)[1](gg)).lower(
+        x, g).as_text()
+    assert "xf8E5M2>, tensor<" in hlo and "-> tensor<64x96xbf16>" in hlo  # the dx GEMM writes bf16
+    with pytest.raises(ValueError, match="gemm_out must be one of float32, bfloat16"):
+        fp8_matmul(x, w, gemm_out="float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
+def test_gpu_fp8_gemms_are_cublaslt_fp8_with_the_asked_output(rng, gemm_out):
+    """On the GPU both GEMMs compile to cuBLASLt FP8 custom calls writing `gemm_out` (not an upcast dot)."""
+    x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
+    w = quantize_fp8_weight(jnp.asarray(rng.standard_normal((512, 384)) / 24, jnp.float32))
+
+    def fwd_bwd(a):
+        y, vjp = jax.vjp(lambda b: fp8_matmul(b, w, gemm_out=gemm_out), a)
+        return y, vjp(y)[0]
+
+    text = jax.jit(fwd_bwd).lower(x).compile().as_text()
+    calls = [line for line in text.splitlines() if "__cublas$lt$matmul$f8" in line and "custom-call(" in line]
+    short = {"float32": "f32", "bfloat16": "bf16"}[gemm_out]
+    assert len(calls) == 2, calls
+    assert any(f"{short}[256,384]" in c for c in calls) and any(f"{short}[256,512]" in c for c in calls), calls
