@@ -81,3 +81,19 @@ def test_cudnn_attention_is_guarded_by_dtype_and_head_dim():
     assert not ops._cudnn_serves(q(jnp.float32, 128))
     assert not ops._cudnn_serves(q(jnp.bfloat16, 256))
     assert not ops._cudnn_serves(q(jnp.bfloat16, 100))
+
+
+def test_recording_choices_sees_only_the_calls_traced_in_its_block(clean_policy, rng):
+    """The run summary's kernel line: a bf16 model traced after an FP8 one under the same policy reports only
+    its own linear=xla (chosen_impls, per policy, holds both)."""
+    from unsloth_jax import quant
+
+    cfg = ModelConfig.from_dict(CFG)
+    ids = rng.integers(0, 64, size=(1, 8))
+    fp8_model = quant.quantize_projections(CausalLM(cfg, rngs=nnx.Rngs(1)), "fp8")
+    fp8_model(ids)
+    with ops.recording_choices() as seen:
+        CausalLM(cfg, rngs=nnx.Rngs(2))(ids)
+    assert seen["linear"] == ["xla"] and set(ops.chosen_impls()["linear"].split("+")) == {"xla", "fp8"}
+    assert "linear=xla" in ops.format_choices(seen) and ops.format_choices({}) == "none traced"
+

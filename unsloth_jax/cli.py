@@ -289,13 +289,6 @@ def _memory_summary() -> str:
         return "unknown"
 
 
-def _kernels_summary() -> str:
-    from unsloth_jax import ops
-
-    chosen = ops.chosen_impls()
-    return ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none traced"
-
-
 def _save_training_info(path: Path, info: dict) -> None:
     tmp = path / (TRAINING_INFO + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))
@@ -480,7 +473,7 @@ def cmd_train(args) -> int:
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
           f"{_loss_summary(trainer.state.log_history)} | "
-          f"dtype {model.dtype.name}{_mesh_summary(mesh)} | kernels: {_kernels_summary()} | "
+          f"dtype {model.dtype.name}{_mesh_summary(mesh)} | kernels: {trainer.kernel_choices} | "
           f"memory: {_memory_summary()} | "
           f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
     return 0

@@ -166,10 +166,32 @@ def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(),
 _choices: dict[Policy, dict[str, list[str]]] = {}
 
 
+# The choices of the calls traced inside the innermost `recording_choices` block, if one is open.
+_recording: contextvars.ContextVar[dict | None] = contextvars.ContextVar("unsloth_jax_recording", default=None)
+
+
 def _note(op: str, impl: str) -> None:
-    seen = _choices.setdefault(active_policy(), {}).setdefault(op, [])
-    if impl not in seen:
-        seen.append(impl)
+    for seen in (_choices.setdefault(active_policy(), {}), _recording.get()):
+        if seen is not None and impl not in seen.setdefault(op, []):
+            seen[op].append(impl)
+
+
+@contextlib.contextmanager
+def recording_choices():
+    """Collect what each op chose in the calls traced inside the block (one model's train step, say, apart
+    from other models traced under the same policy): yields a dict {op: [impl, ...]} filled as they trace."""
+    seen: dict[str, list[str]] = {}
+    token = _recording.set(seen)
+    try:
+        yield seen
+    finally:
+        _recording.reset(token)
+
+
+def format_choices(seen: dict) -> str:
+    """"op=impl, op=a+b, ..." (sorted by op) of a {op: impl or [impls]} dict; "none traced" when empty."""
+    parts = [f"{op}={impls if isinstance(impls, str) else '+'.join(impls)}" for op, impls in sorted(seen.items())]
+    return ", ".join(parts) if parts else "none traced"
 
 
 def chosen_impls(policy: Policy | None = None) -> dict[str, str]:
@@ -572,5 +594,5 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "per_batch_shard", "rms_norm", "rope", "glu", "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
+           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "rms_norm", "rope", "glu", "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
            "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from flax import nnx
 
-from unsloth_jax import backend, distributed, lora
+from unsloth_jax import backend, distributed, lora, ops
 from unsloth_jax.backend import device_memory_gib
 from unsloth_jax.data import DataLoader, build_examples
 from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
@@ -94,13 +94,6 @@ def _base_label(model) -> str:
 
     kinds = {type(lin.kernel) for lin in model.projections().values()}
     return " + NF4" if NF4Param in kinds else " + FP8" if FP8Param in kinds else ""
-
-
-def _kernels_line() -> str:
-    from unsloth_jax import ops
-
-    chosen = ops.chosen_impls()
-    return ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none traced"
 
 
 class StepMemoryPlan(str):
@@ -216,6 +209,7 @@ class SFTTrainer:
             raise TrainingError("the training dataset is empty after tokenization")
         self._apply_precision_flags()
         self.state = TrainerState()
+        self.kernel_choices = "none traced"  # what each op chose in the last train() call's step
 
     # ------------------------------------------------------------------------------------------ data
     def _tokenize(self, dataset, text_field, formatting_func) -> list[dict]:
@@ -424,8 +418,10 @@ class SFTTrainer:
         # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
         if mesh is None:
             trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
-        plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
-                                loader.longest_bucket, self.max_seq_length)
+        with ops.recording_choices() as seen:  # this step's choices, not those of other models traced before
+            plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
+                                    loader.longest_bucket, self.max_seq_length)
+        self.kernel_choices = ops.format_choices(seen)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
@@ -434,7 +430,7 @@ class SFTTrainer:
                   f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} accumulation"
                   f"{_mesh_note(mesh)}, {model.dtype.name}{_base_label(model)}, "
                   f"{_trained_what(model, n_train, args.optim)}, remat={model.gradient_checkpointing}")
-            print(f"unsloth_jax: kernels: {_kernels_line()} | {plan}" + (" (per device)" if mesh is not None else ""))
+            print(f"unsloth_jax: kernels: {self.kernel_choices} | {plan}" + (" (per device)" if mesh is not None else ""))
         # only process 0 shows a bar; on it tqdm's own defaults (TQDM_DISABLE, ...) apply
         bar = tqdm(total=total, initial=start, desc="Training", unit="step", **({} if main else {"disable": True}))
         t0 = time.perf_counter()
