@@ -87,10 +87,15 @@ def quantize_fp8_weight(kernel: jax.Array) -> FP8Weight:
     return FP8Weight(values, scale, dtype=kernel.dtype)
 
 
+def scale_of(amax: jax.Array, dtype=E4M3) -> jax.Array:
+    """The float32 scale of rows whose largest magnitude is `amax`: amax * (1 / top of `dtype`), floored."""
+    top = E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(E4M3) else E5M2_MAX
+    return jnp.maximum(amax * jnp.float32(1.0 / top), jnp.float32(_TINY))
+
+
 def _quantize_last_axis(x: jax.Array, dtype):
     """(x * (1 / scale) in `dtype`, scale) with scale = max |x| * (1 / top) over the last axis (float32 x)."""
-    top = E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(E4M3) else E5M2_MAX
-    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) * jnp.float32(1.0 / top), jnp.float32(_TINY))
+    scale = scale_of(jnp.max(jnp.abs(x), axis=-1), dtype)
     inv = jnp.float32(1.0) / scale
     return (x * inv[..., None]).astype(dtype), scale
 
@@ -182,6 +187,6 @@ def fp8_matmul_reference(x: jax.Array, w: FP8Weight) -> jax.Array:
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-__all__ = ["FP8Weight", "GEMM_OUT_DTYPES", "gemm_out_dtype", "quantize_fp8_weight", "dequantize_fp8_weight", "quantize_rows", "fp8_matmul",
-           "fp8_matmul_quantized", "fp8_matmul_dx",
+__all__ = ["FP8Weight", "GEMM_OUT_DTYPES", "gemm_out_dtype", "scale_of", "quantize_fp8_weight",
+           "dequantize_fp8_weight", "quantize_rows", "fp8_matmul", "fp8_matmul_quantized", "fp8_matmul_dx",
            "fp8_matmul_reference", "E4M3", "E5M2"]

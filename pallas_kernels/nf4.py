@@ -192,10 +192,9 @@ def dequantize_nf4(q: NF4Weight, dtype=None, *, interpret: bool | None = None) -
     dtype)."""
     interpret = resolve_interpret(interpret)
     name = nf4_dtype_name(dtype if dtype is not None else q.dtype)
-    cfg = _dequant_config(q.numel, name)
 
     def one(layer: NF4Weight) -> jax.Array:
-        return _dequant_flat_call(layer, name, cfg, interpret).reshape(layer.shape)
+        return dequantize_nf4_to(layer, name, interpret=interpret)
 
     lead = q.stack_shape
     if not lead:

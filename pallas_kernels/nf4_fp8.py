@@ -39,7 +39,7 @@ def _block_multipliers(q: NF4Weight) -> tuple[jax.Array, jax.Array]:
     """(mult float32 [nblocks], scale float32 [out]) of one layer whose rows are whole blocks (module docstring)."""
     out_f, in_f = q.shape
     per_row = decoded_absmax(q).reshape(out_f, in_f // q.blocksize)
-    scale = jnp.maximum(jnp.max(per_row, axis=-1) * jnp.float32(1.0 / fp8.E4M3_MAX), jnp.float32(1e-12))
+    scale = fp8.scale_of(jnp.max(per_row, axis=-1))  # the row's |W| max is its largest block absmax
     inv = jnp.float32(1.0) / scale
     return (per_row * inv[:, None]).reshape(-1), scale
 
