@@ -188,9 +188,9 @@ def recording_choices():
         _recording.reset(token)
 
 
-def format_choices(seen: dict) -> str:
-    """"op=impl, op=a+b, ..." (sorted by op) of a {op: impl or [impls]} dict; "none traced" when empty."""
-    parts = [f"{op}={impls if isinstance(impls, str) else '+'.join(impls)}" for op, impls in sorted(seen.items())]
+def format_choices(seen: dict[str, list[str]]) -> str:
+    """"op=impl, op=a+b, ..." (sorted by op) of a `recording_choices` dict; "none traced" when empty."""
+    parts = [f"{op}={'+'.join(impls)}" for op, impls in sorted(seen.items())]
     return ", ".join(parts) if parts else "none traced"
 
 
@@ -226,16 +226,12 @@ PALLAS_WINS = {
 }
 
 
-# The FP8 GEMMs' output dtype under "auto": float32 until an in-step A/B on the H200 shows bf16 faster.
-FP8_GEMM_AUTO = "f32"
-
-
 def fp8_gemm_out(x: jax.Array) -> str:
     """The dtype the FP8 GEMMs of an activation like `x` write before their scales (pallas_kernels.fp8's
-    gemm_out): "bfloat16" under fp8_gemm=bf16 for 16-bit activations, else "float32"."""
-    impl = active_policy().requested("fp8_gemm")
-    impl = FP8_GEMM_AUTO if impl == "auto" else impl
-    out = "bfloat16" if impl == "bf16" and x.dtype in (_BF16, jnp.float16) else "float32"
+    gemm_out): "bfloat16" under fp8_gemm=bf16 for 16-bit activations, else "float32" ("auto" is float32 until
+    an in-step A/B on the H200 shows bf16 faster; the choice is the policy's, so part of every jit key)."""
+    bf16 = active_policy().requested("fp8_gemm") == "bf16"
+    out = "bfloat16" if bf16 and x.dtype in (_BF16, jnp.float16) else "float32"
     _note("fp8_gemm", "bf16" if out == "bfloat16" else "f32")
     return out
 
@@ -330,11 +326,11 @@ def glu_linear(gate: jax.Array, up: jax.Array, activation: str, kernel, bias: ja
         glu_backward = "pallas" if use_pallas("glu", gate) else "xla"
         _note("glu", glu_backward)  # the GLU backward follows the glu op's choice
         with_h = lora is not None
-
         gemm_out = fp8_gemm_out(gate)
 
         def fused(g, u, w):
-            return glu_fp8_matmul(g, u, w, activation, with_h=with_h, glu_backward=glu_backward, gemm_out=gemm_out)
+            return glu_fp8_matmul(g, u, w, activation, with_h=with_h, glu_backward=glu_backward,
+                                  gemm_out=gemm_out)
 
         out = per_batch_shard(fused, (gate, up), (kernel,))
         y, h = out if with_h else (out, None)
