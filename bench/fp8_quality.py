@@ -71,44 +71,42 @@ def _records(name: str) -> list[dict]:
 VARIANTS = {"bf16": ("bf16", "fp8"), "nf4": ("nf4", "nf4+fp8")}  # --base: (reference, FP8) variants
 
 
-DTYPE = "bfloat16"  # the compute dtype of every variant (--dtype)
-
-
-def load(ckpt: Path, variant: str, **kw):
+def load(ckpt: Path, variant: str, dtype: str = "bfloat16", **kw):
     """The model of `variant` (bf16 / fp8: the 16-bit checkpoint, FP8 base; nf4 / nf4+fp8: NF4 base, multiplied
-    dequantized or as FP8 GEMMs) and its tokenizer. Sets the nf4_gemm policy the variant needs."""
+    dequantized or as FP8 GEMMs) in compute `dtype`, and its tokenizer. Sets the nf4_gemm policy the variant
+    needs."""
     from unsloth_jax import FastLanguageModel, ops
 
     ops.set_impl("nf4_gemm", "fp8" if variant == "nf4+fp8" else "auto")
-    return FastLanguageModel.from_pretrained(ckpt, dtype=DTYPE, load_in_fp8=variant == "fp8",
+    return FastLanguageModel.from_pretrained(ckpt, dtype=dtype, load_in_fp8=variant == "fp8",
                                              load_in_4bit=variant.startswith("nf4"), progress=False, **kw)
 
 
-def logits_error(ckpt: Path, base: str, n_prompts: int = 8) -> dict:
+def logits_error(ckpt: Path, base: str, n_prompts: int = 8, dtype: str = "bfloat16") -> dict:
     """FP8 vs reference logits on alpaca prompts (relative Frobenius error over real tokens)."""
     from unsloth_jax.data import alpaca_prompt
 
     ref_variant, fp8_variant = VARIANTS[base]
-    dense, tok = load(ckpt, ref_variant)
+    dense, tok = load(ckpt, ref_variant, dtype)
     recs = _records("alpaca_sample.jsonl")[:n_prompts]
     texts = [alpaca_prompt(r["instruction"], r.get("input", ""), r["output"]) for r in recs]
     enc = tok(texts, padding=True, return_tensors="np")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     a = np.asarray(dense(ids, attention_mask=mask), np.float64)
-    fp8, _ = load(ckpt, fp8_variant, load_tokenizer=False)
+    fp8, _ = load(ckpt, fp8_variant, dtype, load_tokenizer=False)
     b = np.asarray(fp8(ids, attention_mask=mask), np.float64)
     real = mask.astype(bool)
     err = float(np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real]))
     agree = float(np.mean(np.argmax(a[real], -1) == np.argmax(b[real], -1)))
-    return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "dtype": DTYPE, "relerr": err,
+    return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "dtype": dtype, "relerr": err,
             "top1_agreement": agree, "tokens": int(real.sum())}
 
 
-def finetune_eval(ckpt: Path, variant: str, steps: int, out: Path, seed: int = 3407) -> dict:
+def finetune_eval(ckpt: Path, variant: str, steps: int, out: Path, seed: int = 3407, dtype: str = "bfloat16") -> dict:
     """LoRA fine-tune on the bundled alpaca sample; eval loss on held-out text before and after."""
     from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
 
-    model, tok = load(ckpt, variant, max_seq_length=256)
+    model, tok = load(ckpt, variant, dtype, max_seq_length=256)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, random_state=seed,
                                              use_gradient_checkpointing=True)
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=steps,
@@ -119,7 +117,7 @@ def finetune_eval(ckpt: Path, variant: str, steps: int, out: Path, seed: int = 3
     before = trainer.evaluate()["eval_loss"]
     t0 = time.time()
     trainer.train()
-    return {"name": "fp8_finetune", "variant": variant, "dtype": DTYPE, "steps": steps, "eval_loss_before": before,
+    return {"name": "fp8_finetune", "variant": variant, "dtype": dtype, "steps": steps, "eval_loss_before": before,
             "eval_loss_after": trainer.evaluate()["eval_loss"], "train_loss_last": trainer.state.loss_history[-1],
             "train_s": round(time.time() - t0, 1)}
 
@@ -133,12 +131,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="compute dtype of every variant (float32: faster on a CPU)")
     a = ap.parse_args()
-    global DTYPE
-    DTYPE = a.dtype
     work = Path(a.out or tempfile.mkdtemp(prefix="fp8q-"))
     ckpt = smollm2_checkpoint(work / "smollm2")
-    print(json.dumps(logits_error(ckpt, a.base)), flush=True)
-    rows = [finetune_eval(ckpt, v, a.steps, work / f"run-{v}") for v in VARIANTS[a.base]]
+    print(json.dumps(logits_error(ckpt, a.base, dtype=a.dtype)), flush=True)
+    rows = [finetune_eval(ckpt, v, a.steps, work / f"run-{v}", dtype=a.dtype) for v in VARIANTS[a.base]]
     for r in rows:
         print(json.dumps(r), flush=True)
     ref_row, fp8_row = rows

@@ -590,5 +590,6 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "rms_norm", "rope", "glu", "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
+           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "rms_norm", "rope", "glu",
+           "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
            "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]
