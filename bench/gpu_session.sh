@@ -155,20 +155,22 @@ for st in $stages; do
     speed)
       # SPEED_ROWS: "model|batch|remat|flags+joined" ...; all-XLA = every Pallas kernel off (cuDNN attention kept).
       # SPEED_IMPLS: the UNSLOTH_JAX_IMPL of each run of a row, space-separated; "auto" = the defaults, "allxla" =
-      # all-XLA (default "auto allxla"; e.g. "auto glu_fp8=pallas" for a one-op A/B).
+      # all-XLA (default "auto allxla"; e.g. "auto glu_fp8=pallas" for a one-op A/B). IMPL@FLAG+FLAG adds XLA flags
+      # to that run (e.g. "auto auto@--xla_gpu_enable_command_buffer=": the offload copies with command buffers off).
       allxla="rms_norm=xla,rope=xla,glu=xla,glu_fp8=xla,linear=xla,nf4_matmul=xla,cross_entropy=xla"
       first=1
       for row in ${SPEED_ROWS:-"llama3-8b|2|save_attention|--load-in-fp8" "llama3-8b|2|unsloth|--load-in-4bit" \
           "qwen2-1.5b|4|true|" "qwen2-1.5b|4|unsloth|--load-in-4bit" "gemma2-2b|4|true|"}; do
         IFS='|' read -r m b r fl <<< "$row"; fl=${fl//+/ }
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
-        for impl in ${SPEED_IMPLS:-auto allxla}; do
+        for spec in ${SPEED_IMPLS:-auto allxla}; do
+          impl=${spec%%@*}; xf=""; [[ $spec == *@* ]] && { xf=${spec#*@}; xf=${xf//+/ }; }
           [ "$impl" = auto ] && impl=""; [ "$impl" = allxla ] && impl=$allxla
-          prof=""; [ $first = 1 ] && [ -z "$impl" ] && prof="--profile /tmp/prof_speed --steps 13"
-          log "speed $m batch $b remat $r $fl impl=${impl:-auto}"
-          UNSLOTH_JAX_IMPL=$impl timeout ${SPEED_TIMEOUT:-200} $PY bench/train_bench.py $CK/$m --batch $b --seq 2048 \
-            --remat $r $fl $prof 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"impl\": \"${impl:-auto}\", /" \
-            | tee -a "$OUT/speed.jsonl"
+          prof=""; [ $first = 1 ] && [ -z "$impl" ] && [ -z "$xf" ] && prof="--profile /tmp/prof_speed --steps 13"
+          log "speed $m batch $b remat $r $fl impl=${impl:-auto} extra XLA_FLAGS=${xf:-none}"
+          XLA_FLAGS="${XLA_FLAGS:-} $xf" UNSLOTH_JAX_IMPL=$impl timeout ${SPEED_TIMEOUT:-200} $PY bench/train_bench.py \
+            $CK/$m --batch $b --seq 2048 --remat $r $fl $prof 2>>"$OUT/train_err.txt" | tail -1 \
+            | sed "s/^{/{\"impl\": \"${impl:-auto}\", \"extra_xla_flags\": \"$xf\", /" | tee -a "$OUT/speed.jsonl"
         done
         first=0
       done ;;

@@ -97,3 +97,18 @@ def test_recording_choices_sees_only_the_calls_traced_in_its_block(clean_policy,
     assert seen["linear"] == ["xla"] and set(ops.chosen_impls()["linear"].split("+")) == {"xla", "fp8"}
     assert "linear=xla" in ops.format_choices(seen) and ops.format_choices({}) == "none traced"
 
+
+
+def test_fp8_gemm_output_dtype_follows_the_activation_unless_asked(clean_policy, monkeypatch):
+    """auto: FP8 GEMMs write bf16 for 16-bit activations (the H200 A/B in BENCHMARKS.md) and float32 for float32
+    ones; fp8_gemm=f32 keeps float32; fp8_gemm=bf16 leaves a float32 activation's GEMMs in float32."""
+    x16, x32 = jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((2, 4), jnp.float32)
+    with ops.recording_choices() as chosen:
+        assert ops.fp8_gemm_out(x16) == "bfloat16"
+    assert chosen["fp8_gemm"] == ["bf16"]
+    assert ops.fp8_gemm_out(jnp.zeros((2, 4), jnp.float16)) == "bfloat16"
+    assert ops.fp8_gemm_out(x32) == "float32"
+    ops.set_impl("fp8_gemm", "f32")
+    assert ops.fp8_gemm_out(x16) == "float32" and ops.fp8_gemm_out(x32) == "float32"
+    monkeypatch.setenv(ops.ENV_VAR, "fp8_gemm=bf16")
+    assert ops.fp8_gemm_out(x16) == "bfloat16" and ops.fp8_gemm_out(x32) == "float32"

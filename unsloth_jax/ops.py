@@ -14,7 +14,8 @@ points (a user's own `nnx.jit`) uses the policy current at trace time.
 Ops: rms_norm, rope, glu, glu_fp8 (the GLU fused with an FP8 down_proj's row quantization), linear (dense,
 4-bit or FP8, with or without LoRA), grouped_matmul, attention, cross_entropy, and
 token_logprobs (per-token log-probabilities for preference and RL losses; XLA only). Two choices are not kernels:
-fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("f32" or "bf16", `fp8_gemm_out`), and nf4_gemm,
+fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("bf16" for 16-bit activations by default, or "f32",
+`fp8_gemm_out`), and nf4_gemm,
 how an NF4 base multiplies: "dequantized" to the compute dtype (QLoRA as bitsandbytes runs it; the default) or
 "fp8" (dequantized straight to e4m3 for the FP8 GEMMs, pallas_kernels.nf4_fp8: FP8 numerics, asked for only).
 """
@@ -211,7 +212,7 @@ PALLAS_WINS = {
     # neighbouring matmuls), so they stay off.
     "rope": lambda q: False,
     "glu": lambda gate: False,
-    # The GLU fused with down_proj's e4m3 row quantization (FP8 bases): not yet measured in a step.
+    # The GLU fused with down_proj's e4m3 row quantization (FP8 bases): slower than XLA's fusions in the 8B step.
     "glu_fp8": lambda gate: False,
     "linear": lambda x: False,
     # Fused linear cross-entropy: faster and a tenth of the memory of the chunked XLA loss.
@@ -228,10 +229,11 @@ PALLAS_WINS = {
 
 def fp8_gemm_out(x: jax.Array) -> str:
     """The dtype the FP8 GEMMs of an activation like `x` write before their scales (pallas_kernels.fp8's
-    gemm_out): "bfloat16" under fp8_gemm=bf16 for 16-bit activations, else "float32" ("auto" is float32 until
-    an in-step A/B on the H200 shows bf16 faster; the choice is the policy's, so part of every jit key)."""
-    bf16 = active_policy().requested("fp8_gemm") == "bf16"
-    out = "bfloat16" if bf16 and x.dtype in (_BF16, jnp.float16) else "float32"
+    gemm_out): "bfloat16" for 16-bit activations unless fp8_gemm=f32 is asked for (auto: the in-step A/B on the
+    H200 in BENCHMARKS.md), "float32" for float32 activations (the choice is the policy's, so part of every jit
+    key)."""
+    f32 = active_policy().requested("fp8_gemm") == "f32"
+    out = "bfloat16" if not f32 and x.dtype in (_BF16, jnp.float16) else "float32"
     _note("fp8_gemm", "bf16" if out == "bfloat16" else "f32")
     return out
 

@@ -113,16 +113,19 @@ def test_bf16_gemm_out_is_the_f32_path_within_bf16_rounding(rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gemm_out", ["float32", "bfloat16"])
 def test_gpu_fp8_gemms_are_cublaslt_fp8_with_the_asked_output(rng, gemm_out):
-    """On the GPU both GEMMs compile to cuBLASLt FP8 custom calls writing `gemm_out` (not an upcast dot)."""
-    x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
-    w = quantize_fp8_weight(jnp.asarray(rng.standard_normal((512, 384)) / 24, jnp.float32))
+    """On the GPU both GEMMs of a projection at the 8B step's sizes (2048 tokens, K=4096, N=6144) compile to
+    cuBLASLt FP8 custom calls writing `gemm_out` (not an upcast dot). The weight is an argument, as in the
+    step: a closed-over weight is constant-folded, and at small sizes XLA picks a split-K Triton GEMM instead
+    (seen at 256x512x384 on jax 0.11.2: f8 operands, float32 partial sums)."""
+    x = jnp.asarray(rng.standard_normal((2048, 4096)), jnp.bfloat16)
+    w = quantize_fp8_weight(jnp.asarray(rng.standard_normal((4096, 6144)) / 64, jnp.float32))
 
-    def fwd_bwd(a):
-        y, vjp = jax.vjp(lambda b: fp8_matmul(b, w, gemm_out=gemm_out), a)
+    def fwd_bwd(a, weight):
+        y, vjp = jax.vjp(lambda b: fp8_matmul(b, weight, gemm_out=gemm_out), a)
         return y, vjp(y)[0]
 
-    text = jax.jit(fwd_bwd).lower(x).compile().as_text()
+    text = jax.jit(fwd_bwd).lower(x, w).compile().as_text()
     calls = [line for line in text.splitlines() if "__cublas$lt$matmul$f8" in line and "custom-call(" in line]
     short = {"float32": "f32", "bfloat16": "bf16"}[gemm_out]
     assert len(calls) == 2, calls
-    assert any(f"{short}[256,384]" in c for c in calls) and any(f"{short}[256,512]" in c for c in calls), calls
+    assert any(f"{short}[2048,6144]" in c for c in calls) and any(f"{short}[2048,4096]" in c for c in calls), calls

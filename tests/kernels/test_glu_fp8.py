@@ -32,6 +32,18 @@ def _bits(a):
     return np.asarray(a).view(np.uint8)
 
 
+def _assert_e4m3_equal_up_to_subnormal_rounding(actual, desired):
+    """e4m3 arrays equal bit for bit, except that an element whose two codes are both subnormal (magnitude at
+    most 2^-6 of the row's 448 scale point, codes 0-8 with either sign) may be one code apart, in at most 1e-5
+    of the elements: on the GPU, Triton's float32 -> e4m3 conversion and XLA's round some subnormal ties
+    differently (seen: codes 3 vs 4 and 131 vs 132 in about 1e-6 of the elements at the 8B shape)."""
+    a, d = _bits(actual).astype(np.int16), _bits(desired).astype(np.int16)
+    differ = a != d
+    subnormal = ((a & 0x7F) <= 8) & ((d & 0x7F) <= 8) & ((a & 0x80) == (d & 0x80)) & (np.abs(a - d) == 1)
+    assert not np.any(differ & ~subnormal), np.argwhere(differ & ~subnormal)[:5]
+    assert differ.mean() <= 1e-5, differ.mean()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("rows,f,cfg", CASES)
 def test_silu_forward_bit_exact(rng, dtype, rows, f, cfg):
@@ -166,7 +178,7 @@ def test_lowers_for_cuda_at_8b_shape(cfg):
 @pytest.mark.parametrize("rows,f", [(4096, 14336), (1000, 8960)])
 def test_gpu_glu_quantize_8b_shape(rng, cfg, rows, f):
     """Triton on the GPU. The quantization of the kernel's own h is fp8.quantize_rows' bit for bit (the div.rn
-    reciprocal, the e4m3 rounding). h against the reference GLU: Triton's exp differs from XLA's by float32
+    reciprocal, the e4m3 rounding), but for one-code differences in rare subnormal ties. h against the reference GLU: Triton's exp differs from XLA's by float32
     ulps, so h may differ by one bf16 ulp in rare elements. The reference is jitted in two programs, so that
     its h is rounded to bf16 before it is quantized (inside one program XLA's excess precision may quantize the
     unrounded float32 h)."""
@@ -174,7 +186,7 @@ def test_gpu_glu_quantize_8b_shape(rng, cfg, rows, f):
     hq, sx, h = jax.jit(lambda a, b: glu_quantize(a, b, with_h=True, interpret=False, cfg=cfg))(g, u)
     own_q, own_s = jax.jit(fp8.quantize_rows)(h)
     np.testing.assert_array_equal(np.asarray(sx), np.asarray(own_s))
-    np.testing.assert_array_equal(_bits(hq), _bits(own_q))
+    _assert_e4m3_equal_up_to_subnormal_rounding(hq, own_q)
     from pallas_kernels import reference
 
     rh = jax.jit(reference.swiglu)(g, u)
