@@ -98,7 +98,6 @@ def test_recording_choices_sees_only_the_calls_traced_in_its_block(clean_policy,
     assert "linear=xla" in ops.format_choices(seen) and ops.format_choices({}) == "none traced"
 
 
-
 def test_fp8_gemm_output_dtype_follows_the_activation_unless_asked(clean_policy, monkeypatch):
     """auto: FP8 GEMMs write bf16 for 16-bit activations (the H200 A/B in BENCHMARKS.md) and float32 for float32
     ones; fp8_gemm=f32 keeps float32; fp8_gemm=bf16 leaves a float32 activation's GEMMs in float32."""
