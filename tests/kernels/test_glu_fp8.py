@@ -179,9 +179,9 @@ def test_lowers_for_cuda_at_8b_shape(cfg):
 def test_gpu_glu_quantize_8b_shape(rng, cfg, rows, f):
     """Triton on the GPU. The quantization of the kernel's own h is fp8.quantize_rows' bit for bit (the div.rn
     reciprocal, the e4m3 rounding), but for one-code differences in rare subnormal ties. h against the reference
-    GLU: Triton's exp differs from XLA's by float32 ulps, so h may differ by one bf16 ulp in rare elements. The reference is jitted in two programs, so that
-    its h is rounded to bf16 before it is quantized (inside one program XLA's excess precision may quantize the
-    unrounded float32 h)."""
+    GLU: Triton's exp differs from XLA's by float32 ulps, so h may differ by one bf16 ulp in rare elements. The
+    reference is jitted in two programs, so that its h is rounded to bf16 before it is quantized (inside one
+    program XLA's excess precision may quantize the unrounded float32 h)."""
     g, u = _inputs(rng, (rows, f), jnp.bfloat16)
     hq, sx, h = jax.jit(lambda a, b: glu_quantize(a, b, with_h=True, interpret=False, cfg=cfg))(g, u)
     own_q, own_s = jax.jit(fp8.quantize_rows)(h)
