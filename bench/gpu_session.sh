@@ -117,13 +117,14 @@ for st in $stages; do
         --modes ${REMATMEM_MODES:-offload offload_every_4 full full_every_4} 2>>"$OUT/bench_err.txt" \
         | tee -a "$OUT/remat_memory.jsonl" ;;
     longctx)
-      # Llama-3-8B QLoRA batch 1 at LONGCTX_SEQS (one warm-up step, one timed), XLA's memory analysis included
+      # Llama-3-8B QLoRA batch 1 at LONGCTX_SEQS (one warm-up step, one timed), XLA's memory analysis included;
+      # LONGCTX_REMAT: train_bench's --remat (default unsloth; e.g. offload_attention)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
       # a length given as SEQ:1 runs one step only (its time is pure execution: the trainer compiles the step
       # before step 1); a run that prints nothing (out of host or device memory) is retried with on-device remat
       for spec in ${LONGCTX_SEQS:-16384 32768}; do
         s=${spec%%:*}; steps="--steps 2 --warmup 1"; [[ $spec == *:1 ]] && steps="--steps 1 --warmup 0"
-        for r in unsloth true; do
+        for r in ${LONGCTX_REMAT:-unsloth} true; do
           log "longctx seq $s remat $r ${LONGCTX_FLAGS:-}"
           line=$(timeout ${LONGCTX_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat $r \
             --load-in-4bit $steps --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)

@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention"])
+    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention",
+                                                              "offload_attention"])
     ap.add_argument("--layers-per-checkpoint", type=int, default=1,
                     help="two-level checkpointing with --remat unsloth/true: keep every K-th layer input only")
     ap.add_argument("--steps", type=int, default=13)
@@ -57,7 +58,8 @@ def main() -> None:
                          "and add bench/trace_summary.py's per-step GPU time breakdown to the JSON line")
     ap.add_argument("--profile-steps", type=int, default=2)
     a = ap.parse_args()
-    remat = {"unsloth": "unsloth", "true": True, "false": False, "save_attention": "save_attention"}[a.remat]
+    remat = {"unsloth": "unsloth", "true": True, "false": False, "save_attention": "save_attention",
+             "offload_attention": "offload_attention"}[a.remat]
     t0 = time.time()
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_in_4bit=a.load_in_4bit,
                                                  load_in_fp8=a.load_in_fp8, load_tokenizer=False,

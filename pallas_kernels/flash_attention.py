@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels._common import (and_masks, cdiv, compiler_params, load, next_pow2, pl, plgpu, range_mask,
                                     resolve_interpret)
@@ -595,6 +596,8 @@ def _flash(q, k, v, qseg, kseg, st: _Static):
 
 def _flash_fwd(q, k, v, qseg, kseg, st: _Static):
     o, lse = _fwd_call(q, k, v, qseg, kseg, st)
+    # named so that a remat policy can keep (or offload) them and skip this forward in the backward pass
+    o, lse = checkpoint_name(o, "flash_out"), checkpoint_name(lse, "flash_lse")
     return o, (q, k, v, qseg, kseg, o, lse)
 
 

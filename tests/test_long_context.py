@@ -21,8 +21,8 @@ CFG = {"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate
        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
 
 
-def _lora_model(seed: int, cfg: dict = CFG) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(cfg), rngs=nnx.Rngs(seed))
+def _lora_model(seed: int, cfg: dict = CFG, dtype=jnp.float32) -> CausalLM:
+    model = CausalLM(ModelConfig.from_dict(cfg), dtype=dtype, rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(seed))
     for lin in model.projections().values():
@@ -60,13 +60,88 @@ def test_tiled_mlp_and_remat_policies_match_the_plain_step(rng, monkeypatch):
     plain.model.layers.mlp.chunk_tokens = None
     want_loss, want = _grads(plain, batch, "none", check_step=True)
     for chunk, remat in ((16, "none"), (16, "full"), (None, "full"), (16, "offload"), (7, "offload"),
-                         (None, "save_attention")):
+                         (None, "offload_attention"), (None, "save_attention")):
         model = _lora_model(seed)
         model.model.layers.mlp.chunk_tokens = chunk  # 74 tokens: tiles of 16 (5, padded) or 7 (11)
         loss, got = _grads(model, batch, remat, check_step=(chunk, remat) == (7, "offload"))
         assert abs(loss - want_loss) / abs(want_loss) < 1e-6, (chunk, remat)
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-5, (chunk, remat)
+
+
+def _live_kernel_calls(jaxpr, kernel: str) -> int:
+    """How many pallas_calls of `kernel` in `jaxpr` (and the jaxprs nested in it) have an output that is read.
+    jax never drops a pallas_call from a jaxpr (its DCE rule keeps every one); XLA drops the dead ones."""
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and kernel in str(eqn.params.get("name")):
+            count += any(id(v) in used for v in eqn.outvars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _live_kernel_calls(inner, kernel)
+    return count
+
+
+def test_offload_attention_keeps_attention_residuals_and_skips_its_forward_in_the_backward(rng, monkeypatch):
+    """remat "offload_attention" with the Pallas flash kernel (interpret mode): the plain step's loss and LoRA
+    gradients, and each layer's attention forward runs once per step (the backward reads its offloaded output
+    and log-sum-exp), where "offload" runs it twice (once more when the backward recomputes the layer)."""
+    from unsloth_jax import ops
+
+    monkeypatch.setattr(ops, "_set_impls", {"attention": "pallas"})
+    cfg = dict(CFG, hidden_size=64)  # head_dim 16: the flash kernel's smallest
+    seed = int(rng.integers(1 << 30))
+    ids = rng.integers(0, 80, size=(1, 2, 40)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, 1, 33:] = 0
+    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    micro = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    want_loss, want = _grads(_lora_model(seed, cfg), batch, "none")
+    live = {}
+    for remat in ("offload", "offload_attention"):
+        model = _lora_model(seed, cfg)
+        loss, got = _grads(model, batch, remat, check_step=remat == "offload_attention")
+        assert abs(loss - want_loss) / abs(want_loss) < 1e-6, remat
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5, remat
+        graphdef, t, f = lora.split(model)
+        grad_fn = jax.grad(lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0])
+        jaxpr = jax.make_jaxpr(grad_fn)(t).jaxpr
+        live[remat] = _live_kernel_calls(jaxpr, "flash_attention_fwd")
+        assert _live_kernel_calls(jaxpr, "flash_attention_dq") == 1  # one scan body: one call of each kernel
+    assert live == {"offload": 2, "offload_attention": 1}
+
+
+@pytest.mark.gpu
+def test_gpu_offload_attention_runs_cudnn_forward_once_per_layer():
+    """On the GPU (cuDNN attention, bf16): the compiled value-and-grad under "offload_attention" holds one cuDNN
+    attention forward (the layer scan's forward body) where "offload" holds two (the backward body recomputes
+    it), and both give the loss and LoRA gradients of the step without remat."""
+    from unsloth_jax import ops
+
+    cfg = dict(CFG, hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1)
+    ids = np.random.default_rng(0).integers(0, 80, size=(2, 256)).astype(np.int32)
+    micro = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(ids), "attention_mask": jnp.ones_like(ids)}
+    results, forward_calls = {}, {}
+    for remat in ("none", "offload", "offload_attention"):
+        model = _lora_model(0, cfg, jnp.bfloat16)
+        graphdef, t, f = lora.split(model)
+        with ops.recording_choices() as seen:
+            fn = jax.jit(jax.value_and_grad(
+                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]))
+            hlo = fn.lower(t).compile().as_text()
+        assert seen["attention"] == ["cudnn"], seen
+        forward_calls[remat] = hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')
+        value, grads = fn(t)
+        results[remat] = (float(value), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
+    assert forward_calls == {"none": 1, "offload": 2, "offload_attention": 1}, forward_calls
+    for remat in ("offload", "offload_attention"):
+        assert abs(results[remat][0] - results["none"][0]) < 1e-2 * abs(results["none"][0]), remat
+        for a, b in zip(results[remat][1], results["none"][1]):
+            assert rel_err(a, b) < 5e-2, remat
 
 
 def _trainer(tmp_path, max_seq_length, rng):
@@ -108,6 +183,35 @@ def test_trainer_plans_memory_and_refuses_a_length_that_does_not_fit(tmp_path, r
     trainer = _trainer(tmp_path / "d", fits, rng)
     trainer.train()  # the suggested length does fit
     assert plans[-1].device_bytes < need * 0.9
+
+
+def test_plan_refuses_a_step_whose_offloaded_activations_exceed_host_memory(monkeypatch):
+    """XLA's memory analysis says how much pinned host memory the offloaded activations take (the CPU backend
+    reports none, so the analysis is given here): more than 90% of the machine's memory is refused before step
+    1, naming the sizes and the remat choices that offload less; within it, the plan line reports it."""
+    from types import SimpleNamespace
+
+    from unsloth_jax import backend
+    from unsloth_jax.train.trainer import plan_step_memory
+
+    gib = 2 ** 30
+    analysis = SimpleNamespace(argument_size_in_bytes=6 * gib, output_size_in_bytes=gib, alias_size_in_bytes=gib,
+                               temp_size_in_bytes=9 * gib, host_temp_size_in_bytes=128 * gib,
+                               host_argument_size_in_bytes=0)
+
+    class Step:
+        def lower(self, *args):
+            return SimpleNamespace(compile=lambda: SimpleNamespace(memory_analysis=lambda: analysis))
+
+    batch = {"input_ids": np.zeros((1, 8), np.int32)}
+    monkeypatch.setattr(backend, "device_memory_limit", lambda: 140 * gib)
+    monkeypatch.setattr(backend, "host_memory_limit", lambda: 128 * gib)
+    with pytest.raises(TrainingError, match=r"offloads 128\.0 GiB .* this machine has 128\.0 GiB; use "
+                                            r"use_gradient_checkpointing='unsloth'"):
+        plan_step_memory(Step(), (), batch, 262144, 262144)
+    analysis.host_temp_size_in_bytes = 64 * gib
+    line = plan_step_memory(Step(), (), batch, 262144, 262144)
+    assert line.host_bytes == 64 * gib and "15.00 GiB on the device + 64.00 GiB pinned host" in line
 
 
 def _gemma2_cfg(layers: int) -> dict:

@@ -14,6 +14,7 @@ from unsloth_jax import lora, ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import CausalLM
 from unsloth_jax.train import make_train_step
+from unsloth_jax.train.step import loss_and_count
 
 CFG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -111,3 +112,31 @@ def test_fp8_gemm_output_dtype_follows_the_activation_unless_asked(clean_policy,
     assert ops.fp8_gemm_out(x16) == "float32" and ops.fp8_gemm_out(x32) == "float32"
     monkeypatch.setenv(ops.ENV_VAR, "fp8_gemm=bf16")
     assert ops.fp8_gemm_out(x16) == "bfloat16" and ops.fp8_gemm_out(x32) == "float32"
+
+
+def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng):
+    """layer_loop=unrolled: the same loss and LoRA gradients as the layer scan, and the lowered program has no
+    while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays)."""
+    cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=3))
+    model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS),
+                  jax.random.PRNGKey(1))
+    for lin in model.projections().values():
+        lin.lora_b[...] = 0.1 * jax.random.normal(jax.random.PRNGKey(2), lin.lora_b[...].shape)
+    graphdef, t, f = lora.split(model)
+    ids = jnp.asarray(rng.integers(0, 64, size=(2, 16)).astype(np.int32))
+    micro = {"input_ids": ids, "labels": ids, "attention_mask": jnp.ones_like(ids)}
+    got = {}
+    for loop in ("scan", "unrolled"):
+        ops.set_impl("layer_loop", loop)
+        with ops.recording_choices() as seen:
+            fn = jax.jit(jax.value_and_grad(
+                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat="full")[0]))
+            loops = fn.lower(t).as_text().count("stablehlo.while")
+        assert seen["layer_loop"] == [loop]
+        value, grads = fn(t)
+        got[loop] = (loops, float(value), [np.asarray(g) for g in jax.tree.leaves(grads)])
+    assert got["unrolled"][0] == got["scan"][0] - 2, (got["scan"][0], got["unrolled"][0])
+    assert abs(got["unrolled"][1] - got["scan"][1]) <= 1e-6 * abs(got["scan"][1])
+    for a, b in zip(got["unrolled"][2], got["scan"][2]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

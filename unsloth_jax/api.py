@@ -36,7 +36,8 @@ _CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float
 class Model(CausalLM):
     """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
     `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full",
-    "offload", "save_attention", or with layers_per_checkpoint=K "full_every_K" / "offload_every_K") and
+    "offload", "offload_attention", "save_attention", or with layers_per_checkpoint=K "full_every_K" /
+    "offload_every_K") and
     `training` (False after FastLanguageModel.for_inference)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
@@ -328,7 +329,9 @@ class FastLanguageModel:
         ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], one rank-r pair per expert.
         use_gradient_checkpointing: "unsloth" (each layer's input kept in pinned host memory on GPUs, on the
         device elsewhere, the layer recomputed in the backward pass), True (kept on the device), False (no
-        recomputation) or "save_attention" (also keep each layer's q, k, v and attention output).
+        recomputation), "offload_attention" (as "unsloth", and each layer's attention output and softmax
+        statistics go to pinned host memory too, so the backward pass skips attention's forward: long
+        sequences) or "save_attention" (also keep each layer's q, k, v and attention output).
         layers_per_checkpoint (an unsloth_jax extension, for sequences whose L layer inputs do not fit in host
         or device memory): with "unsloth" or True, keep only every layers_per_checkpoint-th layer input across
         the stack (rounded up to whole groups of alternating layer kinds: Gemma 2: 2, Gemma 3: 6) and recompute

@@ -4,6 +4,8 @@ Lower layers (checkpoint I/O, models, training) and the API all use these; this 
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -63,6 +65,14 @@ def device_memory_limit() -> int | None:
     try:
         return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+
+
+def host_memory_limit() -> int | None:
+    """Bytes of this machine's physical memory (the ceiling for pinned host buffers); None where unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
         return None
 
 

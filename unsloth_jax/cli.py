@@ -36,7 +36,7 @@ PRESETS = {
              "gradient_accumulation_steps": 1, "logging_steps": 10},
 }
 # what get_peft_model takes (unsloth_jax.train.step.GRADIENT_CHECKPOINTING; kept here so --help imports no jax)
-GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload", "save_attention")
+GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload", "offload_attention", "save_attention")
 
 log = logging.getLogger("unsloth_jax")
 
@@ -83,7 +83,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--bias", default="none", choices=("none", "all", "lora_only"), help="which biases train")
     lo.add_argument("--use_gradient_checkpointing", type=_bool_or_str, default="unsloth",
                     help='"unsloth" (offload checkpointed activations to the host on GPUs), true (recompute each '
-                         'layer), "save_attention" (as true, keeping q, k, v and the attention output), false')
+                         'layer), "offload_attention" (as "unsloth", also offloading the attention output and '
+                         'softmax statistics: no attention forward in the backward pass; long sequences), '
+                         '"save_attention" (as true, keeping q, k, v and the attention output), false')
     lo.add_argument("--layers_per_checkpoint", type=int, default=1,
                     help="keep only every K-th layer input across the stack and recompute K layers at a time in "
                          "the backward pass (long sequences: L/K + K layer inputs kept instead of L); 1: per layer")

@@ -18,6 +18,9 @@ fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("bf16" for 16-bit
 `fp8_gemm_out`), and nf4_gemm,
 how an NF4 base multiplies: "dequantized" to the compute dtype (QLoRA as bitsandbytes runs it; the default) or
 "fp8" (dequantized straight to e4m3 for the FP8 GEMMs, pallas_kernels.nf4_fp8: FP8 numerics, asked for only).
+layer_loop is not a kernel either: the decoder layers run as one `lax.scan` over the stacked layer weights
+("scan", the default: one compiled layer body) or "unrolled" (`unroll=True`: straight-line code, each layer's
+weights a static slice, longer compiles; `layer_loop`).
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ IMPLS = {
     "grouped_matmul": ("xla", "pallas"),
     "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
     "nf4_gemm": ("dequantized", "fp8"),  # not a kernel: NF4 bases in the compute dtype or as FP8 GEMMs
+    "layer_loop": ("scan", "unrolled"),  # not a kernel: the decoder layers as one lax.scan or unrolled
 }
 OPS = tuple(IMPLS)
 KERNEL_OPS = tuple(op for op in OPS if "pallas" in IMPLS[op])  # the ops with a Pallas kernel
@@ -549,6 +553,13 @@ def attention(
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
     return _attention_xla(q, k, v, mask, scale, softcap)
+
+
+def layer_loop() -> str:
+    """How the decoder layers loop under the active policy: "scan" (auto) or "unrolled"; recorded as a choice."""
+    loop = "unrolled" if active_policy().requested("layer_loop") == "unrolled" else "scan"
+    _note("layer_loop", loop)
+    return loop
 
 
 # --------------------------------------------------------------------------------------- cross entropy

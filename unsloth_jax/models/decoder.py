@@ -18,7 +18,9 @@ splits it (`nnx.split`) and runs `lax.scan` over groups of `cfg.layer_period` la
 Gemma 2, whose sliding and global layers alternate, 6 for Gemma 3; a Qwen3-MoE with dense layers repeats its
 pattern of expert and dense MLPs), so compile time does not grow with depth and each layer of a group keeps a
 static attention window, RoPE table (Gemma 3's sliding layers have their own RoPE base) and MLP kind. When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a
-second, one-step scan. Each group may run under `jax.checkpoint` (remat modes below).
+second, one-step scan. Each group may run under `jax.checkpoint` (remat modes below). Under
+`UNSLOTH_JAX_IMPL=layer_loop=unrolled` the scans are unrolled (`unroll=True`: straight-line code, no while loop,
+each layer's weights a static slice of the stack) at the cost of a compile that grows with depth.
 
 Two-level remat ("full_every_K", "offload_every_K", for long sequences): the scan groups are themselves grouped
 K layers at a time (K rounded up to a multiple of the period), an outer scan runs over those checkpointed
@@ -31,6 +33,7 @@ math run in float32; logits are float32.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
@@ -45,9 +49,14 @@ from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
-REMAT_MODES = ("none", "full", "offload", "save_attention")
+REMAT_MODES = ("none", "full", "offload", "offload_attention", "save_attention")
 GROUPED_REMAT_BASES = ("full", "offload")  # the per-layer modes a two-level mode "<base>_every_<K>" builds on
 ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
+# The residuals of attention's forward pass that its backward reads besides q, k, v ("offload_attention" keeps
+# them): the outputs of cuDNN's fused forward (jax.nn.dot_product_attention, implementation="cudnn": the
+# attention output and the softmax statistics), by primitive name, and the flash kernel's, by checkpoint name.
+CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
+FLASH_RESIDUAL_NAMES = ("flash_out", "flash_lse")  # pallas_kernels.flash_attention names them
 # The projections of a decoder layer by HF name, and the module holding each (layer.<parent>.<name>).
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -88,9 +97,29 @@ class DecoderLayer(nnx.Module):
         return x + h, new_cache, stats
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadWithAttention:
+    """Remat policy of "offload_attention": the value named `offloaded` and attention's forward residuals
+    (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES) go to pinned host memory; everything else is
+    recomputed. jax names the policy outcomes only privately (partial_eval.Offloadable / Recompute)."""
+
+    offloaded: str
+
+    def __call__(self, prim, *_, **params):
+        from jax._src.interpreters import partial_eval as pe
+
+        named = params.get("name") if prim.name == "name" else None
+        if prim.name in CUDNN_ATTENTION_FORWARD or named == self.offloaded or named in FLASH_RESIDUAL_NAMES:
+            return pe.Offloadable(src="device", dst="pinned_host")
+        return pe.Recompute
+
+
 def remat(fn, mode: str, *, offloaded: str = "layer_input"):
     """`fn` under the rematerialisation policy `mode`: "none"; "full" (recompute everything in the backward
     pass); "offload" (as full, but the values named `offloaded` go to pinned host memory instead);
+    "offload_attention" (as offload, and attention's forward residuals go to pinned host memory too: its
+    output and softmax statistics, Hq (hd + 2) 16-bit values per token and layer, so the backward pass reruns
+    the projections but not attention's forward; for long sequences, where attention dominates);
     "save_attention" (as full, but each layer's q, k, v after RoPE and the attention output are kept: about
     (2 Hq + 2 Hkv) hd 16-bit values per token and layer, for no recomputation of the q/k/v projections).
     The two-level modes ("full_every_K", "offload_every_K") are built by `DecoderModel.run_layers` from these."""
@@ -103,6 +132,8 @@ def remat(fn, mode: str, *, offloaded: str = "layer_input"):
             names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
             offload_src="device", offload_dst="pinned_host")
         return jax.checkpoint(fn, policy=policy)
+    if mode == "offload_attention":
+        return jax.checkpoint(fn, policy=OffloadWithAttention(offloaded))
     if mode == "save_attention":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES))
     raise ValueError(f"unknown remat mode {mode!r}; use one of {REMAT_MODES} or a two-level mode "
@@ -224,6 +255,7 @@ class DecoderModel(nnx.Module):
             stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
             return h, (kv_out, stats_out)
 
+        unroll = ops.layer_loop() == "unrolled"  # True: no while loop, every layer's weights a static slice
         base, per_checkpoint = parse_remat(remat_mode)
         inner = -(-per_checkpoint // period)  # scan groups per checkpointed group (two-level modes)
         two_level = inner > 1
@@ -233,7 +265,7 @@ class DecoderModel(nnx.Module):
             """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
             group's backward runs); only this group's input h is kept across the stack."""
             h = checkpoint_name(h, "group_input")
-            return jax.lax.scan(body, h, xs_outer)
+            return jax.lax.scan(body, h, xs_outer, unroll=unroll)
 
         outer = remat(outer_body, base, offloaded="group_input") if two_level else None
 
@@ -252,7 +284,7 @@ class DecoderModel(nnx.Module):
             xs = jax.tree.map(grouped, state)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))
-            h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs)
+            h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
             return h, jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), ys)
 
         # (first layer, groups, layers per scan group, scan groups per checkpointed group or None), in layer order

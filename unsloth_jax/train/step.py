@@ -39,7 +39,8 @@ log = logging.getLogger("unsloth_jax")
 
 # Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
 GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
-                          "unsloth": "offload", "offload": "offload", "save_attention": "save_attention"}
+                          "unsloth": "offload", "offload": "offload", "offload_attention": "offload_attention",
+                          "save_attention": "save_attention"}
 
 
 def host_offload_supported() -> bool:
@@ -65,7 +66,7 @@ def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) ->
         names = ", ".join(repr(v) for v in GRADIENT_CHECKPOINTING if v is not None)
         raise ValueError(f"use_gradient_checkpointing must be one of {names}, got {use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
-    if mode == "offload" and not host_offload_supported():
+    if mode in ("offload", "offload_attention") and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
                     "per-layer rematerialisation on %s", jax.default_backend())
         mode = "full"

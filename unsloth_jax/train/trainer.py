@@ -124,7 +124,16 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
     gib = 2 ** 30
     text = f"step memory (XLA's analysis, S={longest}): {device / gib:.2f} GiB on the device"
     if host:
-        text += f" + {host / gib:.2f} GiB pinned host (offloaded layer inputs)"
+        text += f" + {host / gib:.2f} GiB pinned host (offloaded activations)"
+        host_limit = backend.host_memory_limit()
+        if host_limit and host > 0.9 * host_limit:
+            raise TrainingError(f"the train step at sequence length {longest} (max_seq_length={max_seq_length}) "
+                                f"offloads {host / gib:.1f} GiB of activations to pinned host memory, but this "
+                                f"machine has {host_limit / gib:.1f} GiB; use "
+                                "use_gradient_checkpointing='unsloth' (layer inputs only) instead of "
+                                "'offload_attention', get_peft_model(layers_per_checkpoint=4) (every 4th layer "
+                                "input), use_gradient_checkpointing=True (on the device), or a shorter "
+                                "max_seq_length")
     if limit:
         text += f" of {limit / gib:.1f} GiB"
         if device > 0.98 * limit:
