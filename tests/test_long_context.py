@@ -60,7 +60,7 @@ def test_tiled_mlp_and_remat_policies_match_the_plain_step(rng, monkeypatch):
     plain.model.layers.mlp.chunk_tokens = None
     want_loss, want = _grads(plain, batch, "none", check_step=True)
     for chunk, remat in ((16, "none"), (16, "full"), (None, "full"), (16, "offload"), (7, "offload"),
-                         (None, "offload_attention"), (None, "save_attention")):
+                         (None, "save_attention")):
         model = _lora_model(seed)
         model.model.layers.mlp.chunk_tokens = chunk  # 74 tokens: tiles of 16 (5, padded) or 7 (11)
         loss, got = _grads(model, batch, remat, check_step=(chunk, remat) == (7, "offload"))
