@@ -58,8 +58,7 @@ def main() -> None:
                          "and add bench/trace_summary.py's per-step GPU time breakdown to the JSON line")
     ap.add_argument("--profile-steps", type=int, default=2)
     a = ap.parse_args()
-    remat = {"unsloth": "unsloth", "true": True, "false": False, "save_attention": "save_attention",
-             "offload_attention": "offload_attention"}[a.remat]
+    remat = {"true": True, "false": False}.get(a.remat, a.remat)
     t0 = time.time()
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype="bfloat16", load_in_4bit=a.load_in_4bit,
                                                  load_in_fp8=a.load_in_fp8, load_tokenizer=False,

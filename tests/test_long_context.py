@@ -30,16 +30,18 @@ def _lora_model(seed: int, cfg: dict = CFG, dtype=jnp.float32) -> CausalLM:
     return model
 
 
+def _loss_of_trainable(model, micro, remat):
+    """(loss(trainable) of `model` on one micro-batch under `remat`, the trainable state, graphdef, frozen)."""
+    graphdef, t, f = lora.split(model)
+    return (lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]), t, graphdef, f
+
+
 def _grads(model, batch, remat, check_step=False):
     """(loss, LoRA gradients) of the jitted loss under `remat`; with check_step, the train step's loss as a
     cross-check (each check compiles a second program, so it is asked for on a few configurations only)."""
-    graphdef, t, f = lora.split(model)
-
-    def loss(t_, micro):
-        return loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]
-
     micro = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    value, grads = jax.jit(jax.value_and_grad(loss))(t, micro)
+    loss, t, graphdef, f = _loss_of_trainable(model, micro, remat)
+    value, grads = jax.jit(jax.value_and_grad(loss))(t)
     if check_step:
         step = make_train_step(graphdef, optax.sgd(1.0), remat=remat, donate=False)
         _, _, m = step(t, f, optax.sgd(1.0).init(t), batch)
@@ -107,9 +109,8 @@ def test_offload_attention_keeps_attention_residuals_and_skips_its_forward_in_th
         assert abs(loss - want_loss) / abs(want_loss) < 1e-6, remat
         for a, b in zip(got, want):
             assert rel_err(a, b) < 1e-5, remat
-        graphdef, t, f = lora.split(model)
-        grad_fn = jax.grad(lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0])
-        jaxpr = jax.make_jaxpr(grad_fn)(t).jaxpr
+        loss_fn, t, _, _ = _loss_of_trainable(model, micro, remat)
+        jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(t).jaxpr
         live[remat] = _live_kernel_calls(jaxpr, "flash_attention_fwd")
         assert _live_kernel_calls(jaxpr, "flash_attention_dq") == 1  # one scan body: one call of each kernel
     assert live == {"offload": 2, "offload_attention": 1}
@@ -127,11 +128,9 @@ def test_gpu_offload_attention_runs_cudnn_forward_once_per_layer():
     micro = {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(ids), "attention_mask": jnp.ones_like(ids)}
     results, forward_calls = {}, {}
     for remat in ("none", "offload", "offload_attention"):
-        model = _lora_model(0, cfg, jnp.bfloat16)
-        graphdef, t, f = lora.split(model)
+        loss_fn, t, _, _ = _loss_of_trainable(_lora_model(0, cfg, jnp.bfloat16), micro, remat)
         with ops.recording_choices() as seen:
-            fn = jax.jit(jax.value_and_grad(
-                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]))
+            fn = jax.jit(jax.value_and_grad(loss_fn))
             hlo = fn.lower(t).compile().as_text()
         assert seen["attention"] == ["cudnn"], seen
         forward_calls[remat] = hlo.count('custom_call_target="__cudnn$fmhaSoftmax"')

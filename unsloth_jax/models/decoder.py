@@ -50,6 +50,7 @@ from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload", "offload_attention", "save_attention")
+HOST_OFFLOAD_MODES = ("offload", "offload_attention")  # the modes that keep residuals in pinned host memory
 GROUPED_REMAT_BASES = ("full", "offload")  # the per-layer modes a two-level mode "<base>_every_<K>" builds on
 ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
 # The residuals of attention's forward pass that its backward reads besides q, k, v ("offload_attention" keeps

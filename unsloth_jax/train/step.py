@@ -31,7 +31,7 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.models.decoder import CausalLM, make_batch, two_level_mode
+from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES, CausalLM, make_batch, two_level_mode
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
 
@@ -66,7 +66,7 @@ def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) ->
         names = ", ".join(repr(v) for v in GRADIENT_CHECKPOINTING if v is not None)
         raise ValueError(f"use_gradient_checkpointing must be one of {names}, got {use_gradient_checkpointing!r}")
     mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
-    if mode in ("offload", "offload_attention") and not host_offload_supported():
+    if mode in HOST_OFFLOAD_MODES and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
                     "per-layer rematerialisation on %s", jax.default_backend())
         mode = "full"
