@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe longctx rematmem
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe longctx rematmem
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
@@ -104,6 +104,17 @@ for st in $stages; do
             PYTHONPATH=$root timeout ${TRAIN_TIMEOUT:-150} $PY $root/bench/train_bench.py $CK/$m --batch $b --seq 2048 \
               --remat true 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"side\": \"$side\", /" | tee -a "$OUT/ab.jsonl"
           done
+        done
+      done ;;
+    offloadprobe)
+      # bench/offload_prefetch_probe.py (plain JAX): each variant in its own process (its own peak), with XLA's
+      # default command buffers and with the limited kinds the "offload" step compiles with
+      for xf in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"; do
+        for v in device offload_policy custom_vjp_fetch custom_vjp_prefetch; do
+          log "offload probe $v extra XLA_FLAGS=${xf:-none}"
+          XLA_FLAGS="${XLA_FLAGS:-} $xf" timeout 100 $PY bench/offload_prefetch_probe.py --variants $v \
+            --profile /tmp/prof_offload 2>>"$OUT/bench_err.txt" | sed "s/^{/{\"extra_xla_flags\": \"$xf\", /" \
+            | tee -a "$OUT/offload_probe.jsonl" | cut -c1-200
         done
       done ;;
     fp8probe)

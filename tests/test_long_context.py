@@ -231,7 +231,8 @@ def test_two_level_remat_matches_the_plain_step(family, rng, monkeypatch):
     cfg = dict(CFG, num_hidden_layers=7) if family == "llama" else _gemma2_cfg(7)
     assert ModelConfig.from_dict(cfg).layer_period == (1 if family == "llama" else 2)
     # llama, 7 layers: groups of 3 + 3 + 1 and 2 + 2 + 2 + 1 layers; gemma2: 2 + 1 scan groups of 2, then the tail
-    modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["offload_every_4"]
+    # (and "offload": the prefetched scan over 3 groups of 2, then over the tail)
+    modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["offload_every_4", "offload"]
     seed = int(rng.integers(1 << 30))
     ids = rng.integers(0, 80, size=(1, 2, 29)).astype(np.int32)
     mask = np.ones_like(ids)

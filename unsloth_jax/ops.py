@@ -141,13 +141,15 @@ def active_policy() -> Policy:
 
 
 def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(), in_shardings=None,
-               out_shardings=None):
+               out_shardings=None, compiler_options=None):
     """jax.jit of `fn` with the current policy as an extra static argument, active while `fn` traces.
 
     The returned function reads `current_policy()` at every call, so a changed policy means a new cache entry
     (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too.
     in_shardings / out_shardings are jax.jit's (a step on a device mesh); with in_shardings, jax.jit takes
-    positional arguments only. The policy is passed first, positionally, so it needs no keyword."""
+    positional arguments only. compiler_options: jax.jit's (XLA debug options for this program only, e.g.
+    unsloth_jax.train.step.step_compiler_options). The policy is passed first, positionally, so it needs no
+    keyword."""
 
     def with_policy(policy: Policy, *args, **kwargs):
         with policy_scope(policy):
@@ -156,7 +158,7 @@ def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(),
     shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
     jitted = jax.jit(with_policy, static_argnums=(0,), static_argnames=static_argnames,
                      donate_argnums=tuple(i + 1 for i in donate_argnums), donate_argnames=donate_argnames,
-                     **shardings)
+                     compiler_options=compiler_options, **shardings)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -47,6 +47,7 @@ from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
+from unsloth_jax.models.offload import offloaded_layer_scan
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload", "offload_attention", "save_attention")
@@ -236,7 +237,7 @@ class DecoderModel(nnx.Module):
         ropes = tuple(local_rope if (local_rope is not None and w is not None) else (cos, sin) for w in windows)
         graphdef, state = nnx.split(self.layers)
 
-        def group_body(h, xs_group):
+        def run_group(h, xs_group, ropes, batch):
             h = checkpoint_name(h, "layer_input")
             layer_states = xs_group if cache is None else xs_group[0]
             size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
@@ -256,11 +257,16 @@ class DecoderModel(nnx.Module):
             stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
             return h, (kv_out, stats_out)
 
+        def group_body(h, xs_group):
+            return run_group(h, xs_group, ropes, batch)
+
         unroll = ops.layer_loop() == "unrolled"  # True: no while loop, every layer's weights a static slice
         base, per_checkpoint = parse_remat(remat_mode)
         inner = -(-per_checkpoint // period)  # scan groups per checkpointed group (two-level modes)
         two_level = inner > 1
         body = remat(group_body, "full" if two_level else base)
+        # "offload" in training: the hand-written VJP that prefetches the offloaded inputs (models.offload)
+        prefetched = base == "offload" and not two_level and cache is None and not router_stats
 
         def outer_body(h, xs_outer):
             """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
@@ -283,6 +289,10 @@ class DecoderModel(nnx.Module):
                 return a.reshape(shape + a.shape[1:])
 
             xs = jax.tree.map(grouped, state)
+            if prefetched and per_outer is None:
+                h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
+                                         (ropes, batch), unroll=unroll)
+                return h, (None, None)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))
             h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)

@@ -44,7 +44,7 @@ from unsloth_jax.generation import default_eos_ids, generate
 from unsloth_jax.train.logprobs import reference_model, token_logps
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.preference import encode_prompt, is_conversational
-from unsloth_jax.train.step import apply_gradients, commit_to_devices
+from unsloth_jax.train.step import apply_gradients, commit_to_devices, step_compiler_options
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 
@@ -262,7 +262,7 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
             metrics["kl"] = sums["kl"] / n
         return new_params, new_opt, metrics
 
-    return ops.policy_jit(step, donate_argnums=(0, 2))
+    return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=step_compiler_options(remat))
 
 
 def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool, want_ref: bool,

@@ -32,7 +32,7 @@ from unsloth_jax import ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
-from unsloth_jax.train.step import apply_gradients, commit_to_devices
+from unsloth_jax.train.step import apply_gradients, commit_to_devices, step_compiler_options
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 
@@ -255,7 +255,7 @@ def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_
         return {"loss": loss, **metrics}
 
     if train:
-        return ops.policy_jit(step, donate_argnums=(0, 2))
+        return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=step_compiler_options(remat))
     return ops.policy_jit(evaluate)
 
 

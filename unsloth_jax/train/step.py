@@ -33,6 +33,7 @@ from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
 from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES, CausalLM, make_batch, two_level_mode
 from unsloth_jax.models.moe import load_balancing_loss
+from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
 from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
 
 log = logging.getLogger("unsloth_jax")
@@ -46,6 +47,15 @@ GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "fu
 def host_offload_supported() -> bool:
     """Pinned-host offload of remat residuals works on GPU backends (checked on the H200, jax 0.11.2)."""
     return on_gpu()
+
+
+def step_compiler_options(remat: str) -> dict | None:
+    """XLA options for a train step under `remat`: on the GPU, "offload" (whose layer scan prefetches its host
+    copies, unsloth_jax.models.offload) gets OFFLOAD_COMPILER_OPTIONS, which put those copies on their own
+    streams beside the compute; else None (the policy-based offload modes measured no gain from them)."""
+    if on_gpu() and remat == "offload":
+        return OFFLOAD_COMPILER_OPTIONS
+    return None
 
 
 def commit_to_devices(tree):
@@ -166,12 +176,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return new_params, new_opt, metrics
 
     donate_argnums = (0, 2) if donate else ()
+    options = step_compiler_options(remat)
     if mesh is None:
-        return ops.policy_jit(step, donate_argnums=donate_argnums)
-    return _on_mesh(step, mesh, donate_argnums)
+        return ops.policy_jit(step, donate_argnums=donate_argnums, compiler_options=options)
+    return _on_mesh(step, mesh, donate_argnums, options)
 
 
-def _on_mesh(step, mesh, donate_argnums):
+def _on_mesh(step, mesh, donate_argnums, compiler_options):
     """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
     the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
     the kernels' per-shard calls read it there."""
@@ -192,7 +203,7 @@ def _on_mesh(step, mesh, donate_argnums):
         if key not in built:
             ins, outs = shardings(*args)
             built[key] = (ops.policy_jit(step, donate_argnums=donate_argnums, in_shardings=ins,
-                                         out_shardings=outs), ins)
+                                         out_shardings=outs, compiler_options=compiler_options), ins)
         return built[key]
 
     def placed(args):
