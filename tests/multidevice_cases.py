@@ -53,12 +53,12 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_steps(model, mesh, batches, optim: str, keys=("loss", "grad_norm")):
+def run_steps(model, mesh, batches, optim: str, keys=("loss", "grad_norm"), remat: str = "full"):
     """({metric: values per step} for `keys`, final trainable leaves) of len(batches) train steps of `model`."""
     graphdef, trainable, frozen = lora.split(model)
     opt = make_optimizer(optim, make_schedule("constant", 0.5 if optim == "sgd" else 1e-2, 10, 0))
     opt_state = opt.init(trainable)
-    step = make_train_step(graphdef, opt, remat="full", mesh=mesh)
+    step = make_train_step(graphdef, opt, remat=remat, mesh=mesh)
     if mesh is not None:
         trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
     history = {k: [] for k in keys}
@@ -69,20 +69,23 @@ def run_steps(model, mesh, batches, optim: str, keys=("loss", "grad_norm")):
     return history, [np.asarray(x) for x in jax.tree.leaves(trainable)]
 
 
-def train_steps(seed: int, qlora: bool, mesh, batches, optim: str):
+def train_steps(seed: int, qlora: bool, mesh, batches, optim: str, remat: str = "full"):
     """Losses, grad norms and final trainable leaves of len(batches) steps from the same initial state."""
-    history, leaves = run_steps(tiny_lora_model(seed, qlora), mesh, batches, optim)
+    history, leaves = run_steps(tiny_lora_model(seed, qlora), mesh, batches, optim, remat=remat)
     return history["loss"], history["grad_norm"], leaves
 
 
-def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd"):
-    """The sharded step's losses and updated LoRA leaves against one device, for data-only, fsdp-only, mixed."""
+def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd", remat: str = "full"):
+    """The sharded step's losses and updated LoRA leaves against one device (per-layer "full" remat), for
+    data-only, fsdp-only, mixed meshes, each step under `remat` ("offload": the prefetched custom-VJP layer scan,
+    whose host copies are no-ops on the CPU)."""
     rng = np.random.default_rng(seed)
     batches = [random_batch(rng, 2, 8, 16, SMALL["vocab_size"]) for _ in range(2)]
     ref_losses, ref_norms, ref_leaves = train_steps(seed, kind == "qlora", None, batches, optim)
     out = {"reference": ref_losses}
     for data, fsdp in ((8, 1), (1, 8), (2, 4)):
-        losses, norms, leaves = train_steps(seed, kind == "qlora", distributed.make_mesh(data, fsdp), batches, optim)
+        losses, norms, leaves = train_steps(seed, kind == "qlora", distributed.make_mesh(data, fsdp), batches, optim,
+                                            remat=remat)
         out[f"data={data},fsdp={fsdp}"] = {
             "losses": losses,
             "loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),

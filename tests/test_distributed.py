@@ -145,11 +145,12 @@ def test_cli_mesh_flag_is_validated(capsys):
 
 
 # ------------------------------------------------------------------------------ several CPU devices
-@pytest.mark.parametrize("kind", ["lora", "qlora"])
-def test_sharded_step_equals_single_device(kind, seed):
+@pytest.mark.parametrize("kind,remat", [("lora", "full"), ("qlora", "full"), ("qlora", "offload")])
+def test_sharded_step_equals_single_device(kind, remat, seed):
     """Data-only (8x1), fsdp-only (1x8) and mixed (2x4) meshes: two steps of 2 accumulated micro-batches give
-    the single-device losses, gradient norms and updated LoRA leaves (SGD, so the update is the gradient's)."""
-    result = run_case("equal_steps", seed, kind=kind)
+    the single-device losses, gradient norms and updated LoRA leaves (SGD, so the update is the gradient's);
+    also with the sharded steps under "offload" (the custom-VJP layer scan) against the single-device "full"."""
+    result = run_case("equal_steps", seed, kind=kind, remat=remat)
     for mesh in ("data=8,fsdp=1", "data=1,fsdp=8", "data=2,fsdp=4"):
         r = result[mesh]
         assert r["loss_relerr"] < TOL and r["grad_norm_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
