@@ -1,17 +1,19 @@
-"""Host offload of checkpointed layer inputs, three ways, in plain JAX (no project code): does fetching the next
-layer's input from pinned host memory while the current layer's backward runs hide the copies?
+"""Host offload of checkpointed layer inputs in plain JAX (no project code): does fetching the next layer's
+input from pinned host memory while the current layer's backward runs hide the copies?
 
     python bench/offload_prefetch_probe.py [--layers 32 --tokens 4096 --hidden 4096 --intermediate 14336]
 
 Variants (one JSON line each: step ms, XLA's temp bytes, the process's peak GiB (run one variant per process
 for a per-variant peak), gradient norms and the max gradient difference from the first variant run):
 - device: lax.scan of jax.checkpoint(nothing_saveable) layers; layer inputs stay on the device.
-- offload_policy: the same with jax's offload policy (layer input to pinned host), the project's "unsloth" mode.
+- offload_policy: the same with jax's offload policy (layer input to pinned host), what the project's "unsloth"
+  mode was until 2026-12-02.
 - custom_vjp_fetch: a custom VJP over the scan: the forward stores each layer input in pinned host memory; the
   backward scan copies layer i's input back at the start of its iteration (what the policy does, by hand).
 - custom_vjp_prefetch: as custom_vjp_fetch, but iteration i copies layer i-1's input while layer i's backward
   runs and carries it to the next iteration, so the copy is off the critical path if XLA runs it async
-  (custom_vjp_stack says how, with the scans' own slicing).
+  (custom_vjp_stack says how, with the scans' own slicing). unsloth_jax.models.offload is this variant plus an
+  ordering barrier before each forward copy (the real step needed it; this probe's step did not wait without).
 A layer: RMSNorm, a SwiGLU MLP with frozen bf16 weights and a rank-16 LoRA beside it; only LoRA is trained.
 """
 from __future__ import annotations

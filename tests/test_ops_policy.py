@@ -114,9 +114,11 @@ def test_fp8_gemm_output_dtype_follows_the_activation_unless_asked(clean_policy,
     assert ops.fp8_gemm_out(x16) == "bfloat16" and ops.fp8_gemm_out(x32) == "float32"
 
 
-def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng):
+@pytest.mark.parametrize("remat", ["full", "offload"])
+def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng, remat):
     """layer_loop=unrolled: the same loss and LoRA gradients as the layer scan, and the lowered program has no
-    while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays)."""
+    while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays);
+    also for "offload", whose custom-VJP layer scan (models.offload) unrolls both of its scans."""
     cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=3))
     model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS),
@@ -131,7 +133,7 @@ def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng):
         ops.set_impl("layer_loop", loop)
         with ops.recording_choices() as seen:
             fn = jax.jit(jax.value_and_grad(
-                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat="full")[0]))
+                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]))
             loops = fn.lower(t).as_text().count("stablehlo.while")
         assert seen["layer_loop"] == [loop]
         value, grads = fn(t)
