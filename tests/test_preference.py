@@ -257,6 +257,29 @@ def test_reference_shares_the_frozen_arrays(dpo_run):
     assert not [c for c in consts if np.size(c) >= smallest]
 
 
+def test_dpo_step_under_the_offload_scan_equals_no_remat(dpo_run):
+    """remat "offload" (the custom-VJP layer scan of unsloth_jax.models.offload; its host copies are no-ops on
+    the CPU) gives the DPO step's loss and LoRA gradients (SGD with rate 1: the update is the gradient) of the
+    step without remat, with the policy model under it and the reference (no gradient) beside it."""
+    import optax
+
+    trainer, _, _ = dpo_run
+    graphdef, trainable, frozen, _ = trainer.split_state(need_reference=True)
+    optimizer = optax.sgd(1.0)
+    batch = P.stack_micro_batches([P.pair_batch(trainer.train_pairs, trainer.pad_id, None)], trainer.pad_id)
+    out = {}
+    for remat in ("none", "offload"):
+        step = P.make_preference_step(graphdef, optimizer, trainer.objective(), needs_reference=True, remat=remat)
+        fresh = jax.tree.map(jnp.copy, trainable)  # the step donates its trainable and optimizer state
+        new, _, m = step(fresh, frozen, optimizer.init(fresh), None, batch)
+        grads = [np.asarray(b) - np.asarray(a) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(trainable))]
+        out[remat] = (float(m["loss"]), grads)
+    assert abs(out["offload"][0] - out["none"][0]) <= 1e-6 * abs(out["none"][0])
+    assert any(np.any(g != 0) for g in out["none"][1])
+    for a, b in zip(out["offload"][1], out["none"][1]):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12  # LoRA A's gradient is 0 while B is
+
+
 def test_dpo_step_never_holds_full_logits(dpo_run):
     """With chunk=32, no value of the traced DPO step (forward, reference and backward) has a vocabulary axis
     and more than 32 rows: [rows, seq, vocab] logits are never materialised."""
