@@ -289,7 +289,7 @@ class DecoderModel(nnx.Module):
                 return a.reshape(shape + a.shape[1:])
 
             xs = jax.tree.map(grouped, state)
-            if prefetched and per_outer is None:
+            if prefetched:  # never two-level, so per_outer is None here
                 h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
                                          (ropes, batch), unroll=unroll)
                 return h, (None, None)
