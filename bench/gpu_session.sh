@@ -12,7 +12,7 @@
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
-# LONGCTX_SEQS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
+# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -133,14 +133,21 @@ for st in $stages; do
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
       # a length given as SEQ:1 runs one step only (its time is pure execution: the trainer compiles the step
       # before step 1); a run that prints nothing (out of host or device memory) is retried with on-device remat
+      # LONGCTX_SIDES="old new": each length and remat also run on the code in .bench_old/ (carried), first
       for spec in ${LONGCTX_SEQS:-16384 32768}; do
         s=${spec%%:*}; steps="--steps 2 --warmup 1"; [[ $spec == *:1 ]] && steps="--steps 1 --warmup 0"
-        for r in ${LONGCTX_REMAT:-unsloth} true; do
-          log "longctx seq $s remat $r ${LONGCTX_FLAGS:-}"
-          line=$(timeout ${LONGCTX_TIMEOUT:-240} $PY bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat $r \
-            --load-in-4bit $steps --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)
-          echo "$line" | tee -a "$OUT/longctx.jsonl"
-          [[ $line == "{"* ]] && break
+        for rr in ${LONGCTX_REMAT:-unsloth}; do
+          for side in ${LONGCTX_SIDES:-new}; do
+            root=$PWD; [ $side = old ] && root=$PWD/.bench_old
+            for r in $rr true; do
+              log "longctx seq $s remat $r side $side ${LONGCTX_FLAGS:-}"
+              line=$(PYTHONPATH=$root timeout ${LONGCTX_TIMEOUT:-240} $PY $root/bench/train_bench.py $CK/llama3-8b \
+                --batch 1 --seq $s --remat $r --load-in-4bit $steps --memory-analysis \
+                ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)
+              echo "${line/#\{/\{\"side\": \"$side\", }" | tee -a "$OUT/longctx.jsonl"
+              [[ $line == "{"* ]] && break
+            done
+          done
         done
       done ;;
     fullft)

@@ -5,7 +5,8 @@
 LOG_DIR is what `jax.profiler.start_trace(LOG_DIR)` wrote (the newest `plugins/profile/*/*.trace.json.gz`).
 Events of the processes named like a GPU device ("/device:GPU:0") are grouped by kernel name and by a coarse
 category (matmul, attention, our Pallas kernels, copies, XLA fusions, other); times are divided by --steps, so
-they read as milliseconds per step. Prints one JSON object. Names only: categories are guesses from kernel
+they read as milliseconds per step; the busiest stream's idle gaps are grouped by the kernels around them.
+Prints one JSON object. Names only: categories are guesses from kernel
 names (cuBLAS/cuDNN/XLA naming), listed with their regular expressions in CATEGORIES.
 """
 from __future__ import annotations
@@ -46,6 +47,31 @@ def category(name: str) -> str:
     return "other"
 
 
+def busiest_stream_idle(kernels: list, stream_of, steps: int, min_us: float = 300.0, top: int = 8) -> dict:
+    """Idle time of the busiest stream (the compute stream) between consecutive kernels, in gaps of at least
+    `min_us`: total ms per step and the largest groups by (kernel before, kernel after) name. A gap that
+    repeats once per layer marks the compute stream waiting on something else (e.g. a host copy's end)."""
+    if not kernels:
+        return {}
+    busy = collections.Counter()
+    for e in kernels:
+        busy[stream_of(e)] += e["dur"]
+    stream = busy.most_common(1)[0][0]
+    ordered = sorted((e for e in kernels if stream_of(e) == stream), key=lambda e: e["ts"])
+    groups: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])  # (before, after) -> [us, count]
+    for before, after in zip(ordered, ordered[1:]):
+        gap = after["ts"] - (before["ts"] + before["dur"])
+        if gap >= min_us:
+            entry = groups[(before["name"][:60], after["name"][:60])]
+            entry[0] += gap
+            entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"stream": stream, "min_gap_us": min_us,
+            "idle_ms_per_step": round(sum(us for us, _ in groups.values()) / 1e3 / steps, 2),
+            "largest": [{"before": b, "after": a, "ms_per_step": round(us / 1e3 / steps, 2),
+                         "gaps_per_step": n / steps} for (b, a), (us, n) in ranked[:top]]}
+
+
 def summarize(trace_file: Path, steps: int = 1, top: int = 40) -> dict:
     """Per-step milliseconds by category and by kernel name for the GPU processes of `trace_file`."""
     with gzip.open(trace_file, "rt") as fp:
@@ -56,9 +82,12 @@ def summarize(trace_file: Path, steps: int = 1, top: int = 40) -> dict:
     by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, None])  # name -> [us, calls, hlo op]
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    def stream_of(e):
+        return threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+
     by_stream: dict[str, float] = collections.defaultdict(float)
     for e in kernels:
-        by_stream[threads.get((e["pid"], e.get("tid")), str(e.get("tid")))] += e["dur"]
+        by_stream[stream_of(e)] += e["dur"]
         entry = by_name[e["name"]]
         entry[0] += e["dur"]
         entry[1] += 1
@@ -78,6 +107,7 @@ def summarize(trace_file: Path, steps: int = 1, top: int = 40) -> dict:
         # streams run concurrently (copies beside compute), so busy_ms can exceed the step time
         "ms_per_step_by_stream": {k: round(t / 1e3 / steps, 2) for k, t in sorted(by_stream.items(), key=lambda x: -x[1])},
         "ms_per_step_by_category": {c: round(t / 1e3 / steps, 2) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "busiest_stream_idle": busiest_stream_idle(kernels, stream_of, steps),
         "top_kernels": [{"name": n[:120], "ms_per_step": round(t / 1e3 / steps, 3), "calls_per_step": c / steps,
                          "category": category(n), "hlo_op": (op or "")[:80]} for n, (t, c, op) in ranked[:top]],
     }

@@ -74,3 +74,20 @@ def test_trace_summary_sums_gpu_kernels_per_step(tmp_path):
     assert s["ms_per_step_by_category"] == {"matmul": 0.3, "copy": 0.1, "attention_pallas": 0.08, "xla_fusion": 0.02}
     top = s["top_kernels"][0]
     assert top["calls_per_step"] == 1 and top["ms_per_step"] == 0.3 and top["hlo_op"] == "dot.3"
+    idle = s["busiest_stream_idle"]  # stream 7's gaps: 100, 100, 40, 160 us; >= 300 us: none
+    assert idle["stream"] == "Stream #7(Compute)" and idle["idle_ms_per_step"] == 0 and idle["largest"] == []
+
+
+def test_trace_summary_groups_the_compute_streams_idle_gaps():
+    """The busiest stream's gaps of at least 0.3 ms, grouped by the kernels before and after them."""
+    from bench.trace_summary import busiest_stream_idle
+
+    kernels = [{"ts": t, "dur": 100, "name": n, "s": 7} for t, n in
+               ((0, "a"), (600, "b"), (700, "a"), (1300, "b"), (1400, "c"), (2000, "d"))]
+    kernels.append({"ts": 0, "dur": 2000, "name": "MemcpyD2H", "s": 8})
+    idle = busiest_stream_idle(kernels, lambda e: e["s"], steps=2)
+    assert idle["stream"] == 8  # the copy stream is busier here: 2000 vs 600 us
+    idle = busiest_stream_idle(kernels[:-1], lambda e: e["s"], steps=2)
+    assert idle["idle_ms_per_step"] == 0.75  # gaps 500 + 500 + 500 us over 2 steps
+    assert idle["largest"][0] == {"before": "a", "after": "b", "ms_per_step": 0.5, "gaps_per_step": 1.0}
+    assert idle["largest"][1] == {"before": "c", "after": "d", "ms_per_step": 0.25, "gaps_per_step": 0.5}
