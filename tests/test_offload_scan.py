@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 import pytest
 from flax import nnx
 
@@ -63,55 +62,6 @@ def test_prefetched_scan_matches_the_checkpointed_scan(wrt):
             assert rel_err(np.asarray(got[k]), np.asarray(want[k])) < 1e-5, (seed, k)
 
 
-def _body_with_named(h, layer, side):
-    """_body with a costly value named "kept" (sinh) between its two matmuls."""
-    kept = checkpoint_name(jnp.sinh(h @ layer["w"]), "kept")
-    return h + jnp.tanh(kept @ layer["w"] + (h @ layer["a"]) @ layer["b"]) * side["scale"]
-
-
-def _primitive_count(jaxpr, name: str) -> int:
-    """How many equations of primitive `name` `jaxpr` holds, with the jaxprs nested in it."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == name
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _primitive_count(inner, name)
-    return count
-
-
-@pytest.mark.parametrize("wrt", [("a", "b"), ("a", "b", "h")])
-def test_prefetched_scan_with_kept_values_matches_and_does_not_recompute_them(wrt):
-    """keep (the "offload_attention" mechanism): the values the policy saves are offloaded with each layer's
-    input and read back in the backward pass: the checkpointed scan's loss and gradients, over several seeds,
-    with the kept value computed once per layer (forward only) where plain prefetching computes it twice."""
-    keep = jax.checkpoint_policies.save_only_these_names("kept")
-    for seed in range(4):
-        h, layers, side = _inputs(seed)
-
-        def loss(diff, scan):
-            stack = {k: diff.get(k, v) for k, v in layers.items()}
-            return jnp.sum(jnp.sin(scan(diff.get("h", h), stack, side)) ** 2)
-
-        diff = {k: (h if k == "h" else layers[k]) for k in wrt}
-        checkpointed = lambda h, layers, side: jax.lax.scan(  # noqa: E731
-            jax.checkpoint(lambda h, x: (_body_with_named(h, x, side), None)), h, layers)[0]
-        want_loss, want = jax.jit(jax.value_and_grad(functools.partial(loss, scan=checkpointed)))(diff)
-        kept_scan = functools.partial(offloaded_layer_scan, _body_with_named, keep=keep)
-        got_loss, got = jax.jit(jax.value_and_grad(functools.partial(loss, scan=kept_scan)))(diff)
-        assert abs(float(got_loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss)), (seed, wrt)
-        assert set(got) == set(wrt)
-        for k in wrt:
-            assert rel_err(np.asarray(got[k]), np.asarray(want[k])) < 1e-5, (seed, k)
-    counts = {}
-    for name, scan in (("keep", kept_scan), ("plain", functools.partial(offloaded_layer_scan, _body_with_named))):
-        jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss, scan=scan)))({"a": layers["a"]}).jaxpr
-        counts[name] = _primitive_count(jaxpr, "sinh")
-    assert counts == {"keep": 1, "plain": 2}, counts
-
-
 def test_gradient_with_respect_to_a_side_input_is_refused():
     h, layers, side = _inputs(0)
     with pytest.raises(NotImplementedError, match="side inputs"):
@@ -138,11 +88,10 @@ def _custom_vjp_calls(remat: str) -> int:
     return count(remat) - count("full")
 
 
-def test_the_decoder_runs_the_host_offload_modes_through_the_prefetched_scan_only():
-    """"offload" and "offload_attention" run the layer stack as one custom VJP (the prefetched scan); the
-    two-level policy-based mode does not."""
+def test_the_decoder_runs_offload_through_the_prefetched_scan_only():
+    """"offload" runs the layer stack as one custom VJP (the prefetched scan); the policy-based modes do not."""
     assert _custom_vjp_calls("offload") == 1
-    assert _custom_vjp_calls("offload_attention") == 1
+    assert _custom_vjp_calls("offload_attention") == 0
     assert _custom_vjp_calls("offload_every_2") == 0
 
 
@@ -152,6 +101,5 @@ def test_step_compiler_options_only_for_the_prefetched_offload_on_gpu(monkeypatc
     assert step_mod.step_compiler_options("offload") is None  # the CPU
     monkeypatch.setattr(step_mod, "on_gpu", lambda: True)
     assert step_mod.step_compiler_options("offload") == OFFLOAD_COMPILER_OPTIONS
-    assert step_mod.step_compiler_options("offload_attention") == OFFLOAD_COMPILER_OPTIONS
-    for mode in ("none", "full", "offload_every_4", "save_attention"):
+    for mode in ("none", "full", "offload_attention", "offload_every_4", "save_attention"):
         assert step_mod.step_compiler_options(mode) is None, mode

@@ -116,13 +116,6 @@ class OffloadWithAttention:
         return pe.Recompute
 
 
-def attention_residuals_saveable(prim, *_, **params) -> bool:
-    """Remat policy keeping attention's forward residuals (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES)
-    and recomputing the rest: the prefetched "offload_attention" scan sends what it keeps to pinned host memory."""
-    return prim.name in CUDNN_ATTENTION_FORWARD or (prim.name == "name"
-                                                     and params.get("name") in FLASH_RESIDUAL_NAMES)
-
-
 def remat(fn, mode: str, *, offloaded: str = "layer_input"):
     """`fn` under the rematerialisation policy `mode`: "none"; "full" (recompute everything in the backward
     pass); "offload" (as full, but the values named `offloaded` go to pinned host memory instead);
@@ -272,10 +265,8 @@ class DecoderModel(nnx.Module):
         inner = -(-per_checkpoint // period)  # scan groups per checkpointed group (two-level modes)
         two_level = inner > 1
         body = remat(group_body, "full" if two_level else base)
-        # the host-offload modes in training: the hand-written VJP that prefetches what it offloads
-        # (models.offload); "offload_attention" keeps attention's forward residuals with each layer's input
-        prefetched = base in HOST_OFFLOAD_MODES and not two_level and cache is None and not router_stats
-        keep = attention_residuals_saveable if base == "offload_attention" else None
+        # "offload" in training: the hand-written VJP that prefetches the offloaded inputs (models.offload)
+        prefetched = base == "offload" and not two_level and cache is None and not router_stats
 
         def outer_body(h, xs_outer):
             """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
@@ -300,7 +291,7 @@ class DecoderModel(nnx.Module):
             xs = jax.tree.map(grouped, state)
             if prefetched:  # never two-level, so per_outer is None here
                 h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
-                                         (ropes, batch), keep=keep, unroll=unroll)
+                                         (ropes, batch), unroll=unroll)
                 return h, (None, None)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))

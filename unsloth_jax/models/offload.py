@@ -21,12 +21,6 @@ bench/offload_prefetch_probe.py.
 Gradients are taken only for the `layers` leaves that carry a tangent (the trainable ones, via custom_vjp's
 symbolic zeros); frozen weights get none and cost no dW. `side` (RoPE tables, masks, positions) must not be
 differentiated.
-
-With `keep` (a jax.checkpoint policy, e.g. one saving attention's forward outputs: "offload_attention"), each
-layer runs forward under `jax.checkpoint(policy=keep)` and the values the policy saves go to the host beside the
-layer's input, one layer late like it, and come back one layer ahead, so the backward pass reads them instead of
-recomputing them. They are found as the leaves of the layer's VJP closure (a jax.tree_util.Partial) that are not
-the layer's own inputs: the inputs are the very tracers passed in, so they are matched by identity.
 """
 from __future__ import annotations
 
@@ -47,14 +41,12 @@ def _to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
-def offloaded_layer_scan(body, h: jax.Array, layers, side, *, keep=None, unroll: bool = False) -> jax.Array:
+def offloaded_layer_scan(body, h: jax.Array, layers, side, *, unroll: bool = False) -> jax.Array:
     """lax.scan of `body` over the leading axis of `layers`, for training with host-offloaded layer inputs.
 
     body(h [B, S, D], layer, side) -> [B, S, D]: one step (a layer or a group of layers); `layer` is `layers`
     with its leading axis (n) indexed away. layers: a pytree of arrays [n, ...] (a layer stack's weights);
-    side: a pytree of arrays every step reads. keep: None (the backward recomputes the whole step), or a
-    jax.checkpoint policy whose saved values are offloaded with the input and not recomputed. Returns the last
-    step's output, [B, S, D] in h's dtype."""
+    side: a pytree of arrays every step reads. Returns the last step's output, [B, S, D] in h's dtype."""
     layer_leaves, layer_tree = jax.tree.flatten(layers)
     side_leaves, side_tree = jax.tree.flatten(side)
 
@@ -62,42 +54,6 @@ def offloaded_layer_scan(body, h: jax.Array, layers, side, *, keep=None, unroll:
         return body(h, jax.tree.unflatten(layer_tree, layer_leaves_i), jax.tree.unflatten(side_tree, side_leaves))
 
     masks = {}  # set by fwd while tracing: whether h, and which layer leaves, carry a tangent (static)
-    closure = {}  # with keep: the layer VJP's treedef and where each of its leaves comes from (static)
-
-    def differentiable_step(layer_leaves_i, side_leaves):
-        """step as a function of (input, trainable leaves of this layer), the rest closed over."""
-        def layer_of(x, diff):
-            it = iter(diff)
-            leaves = [next(it) if t else a for a, t in zip(layer_leaves_i, masks["layers"])]
-            return step(x, leaves, side_leaves)
-
-        return layer_of, [a for a, t in zip(layer_leaves_i, masks["layers"]) if t]
-
-    def forward_keeping(x, layer_leaves_i, side_leaves):
-        """(step output, the values `keep` saves): the step under jax.checkpoint(policy=keep); the VJP closure's
-        other leaves (x, this layer's leaves, the side inputs, constants) are recorded in `closure`."""
-        layer_of, diff = differentiable_step(layer_leaves_i, side_leaves)
-        out, vjp = jax.vjp(jax.checkpoint(layer_of, policy=keep), x, diff)
-        leaves, tree = jax.tree.flatten(vjp)
-        origin = {id(a): ("side", j) for j, a in enumerate(side_leaves)}
-        origin |= {id(a): ("layer", j) for j, a in enumerate(layer_leaves_i)} | {id(x): ("x", 0)}
-        sources, kept = [], []
-        for leaf in leaves:
-            if id(leaf) in origin:
-                sources.append(origin[id(leaf)])
-            elif isinstance(leaf, jax.core.Tracer):
-                sources.append(("kept", len(kept)))
-                kept.append(leaf)
-            else:  # a constant of the trace (not a tracer): reused as it is
-                sources.append(("const", leaf))
-        closure["tree"], closure["sources"] = tree, sources
-        return out, kept
-
-    def vjp_keeping(x, layer_leaves_i, side_leaves, kept):
-        """The layer VJP that forward_keeping built, from this trace's values."""
-        pools = {"x": [x], "layer": layer_leaves_i, "side": side_leaves, "kept": kept}
-        leaves = [ref if kind == "const" else pools[kind][ref] for kind, ref in closure["sources"]]
-        return jax.tree.unflatten(closure["tree"], leaves)
 
     @jax.custom_vjp
     def run(h, layer_leaves, side_leaves):
@@ -110,49 +66,41 @@ def offloaded_layer_scan(body, h: jax.Array, layers, side, *, keep=None, unroll:
                                       "(RoPE tables, masks) are not supported")
         masks["h"], masks["layers"] = h.perturbed, tuple(p.perturbed for p in layer_leaves)
         h, layer_leaves, side_leaves = h.value, [p.value for p in layer_leaves], [p.value for p in side_leaves]
-        kept_init = []
-        if keep is not None:  # the kept values' shapes, for the carry of the layer before the first (zeros)
-            first = [a[0] for a in layer_leaves]
-            shapes = jax.eval_shape(lambda x, f, s: forward_keeping(x, f, s)[1], h, first, side_leaves)
-            kept_init = [jnp.zeros(a.shape, a.dtype) for a in shapes]
 
         def forward(carry, layer_leaves_i):
-            h, h_prev, kept_prev = carry  # this layer's input, and the input and kept values of the one before
-            # the copies start once this layer's weight slices exist: XLA runs those slices on the same async
-            # streams as the copies, and one queued behind them would hold up the layer
-            h_prev, kept_prev, _ = jax.lax.optimization_barrier((h_prev, kept_prev, layer_leaves_i))
-            if keep is None:
-                out, kept = step(h, layer_leaves_i, side_leaves), []
-            else:
-                out, kept = forward_keeping(h, layer_leaves_i, side_leaves)
-            return (out, h, kept), (_to_host(h_prev), [_to_host(a) for a in kept_prev])
+            h, h_prev = carry  # this layer's input and the one before it
+            # the copy starts once this layer's weight slices exist: XLA runs those slices on the same async
+            # streams as the copy, and one queued behind it would hold up the layer
+            h_prev, _ = jax.lax.optimization_barrier((h_prev, layer_leaves_i))
+            return (step(h, layer_leaves_i, side_leaves), h), _to_host(h_prev)
 
-        (out, last_input, last_kept), (saved, saved_kept) = jax.lax.scan(forward, (h, h, kept_init), layer_leaves,
-                                                                         unroll=unroll)
-        # saved[i], saved_kept[i]: the input and kept values of layer i-1 (at i = 0: unused)
-        return out, (saved, saved_kept, last_input, last_kept, layer_leaves, side_leaves)
+        (out, last_input), saved = jax.lax.scan(forward, (h, h), layer_leaves, unroll=unroll)
+        # saved[i] is the input of layer i-1 (saved[0]: layer 0's own, unused)
+        return out, (saved, last_input, layer_leaves, side_leaves)
 
     def bwd(res, g):
-        saved, saved_kept, last_input, last_kept, layer_leaves, side_leaves = res
+        saved, last_input, layer_leaves, side_leaves = res
         trainable = masks["layers"]
         if isinstance(g, SymbolicZero):
             g = jnp.zeros(g.aval.shape, g.aval.dtype)
 
         def backward(carry, xs):
-            g, x, kept = carry
-            below_host, kept_below_host, layer_leaves_i = xs
-            # the input and kept values of the layer below, for the next iteration
-            below, kept_below = _to_device(below_host), [_to_device(a) for a in kept_below_host]
-            if keep is None:
-                layer_of, diff = differentiable_step(layer_leaves_i, side_leaves)
-                _, vjp = jax.vjp(layer_of, x, diff)
-            else:
-                vjp = vjp_keeping(x, layer_leaves_i, side_leaves, kept)
-            g_x, g_diff = vjp(g)
-            return (g_x, below, kept_below), g_diff
+            g, x = carry
+            below_host, layer_leaves_i = xs
+            below = _to_device(below_host)  # the input of the layer below, for the next iteration
+            diff = [a for a, t in zip(layer_leaves_i, trainable) if t]
 
-        (g_h, _, _), g_diff = jax.lax.scan(backward, (g, last_input, last_kept),
-                                           (saved, saved_kept, layer_leaves), reverse=True, unroll=unroll)
+            def layer_of(x, diff):
+                it = iter(diff)
+                leaves = [next(it) if t else a for a, t in zip(layer_leaves_i, trainable)]
+                return step(x, leaves, side_leaves)
+
+            _, vjp = jax.vjp(layer_of, x, diff)
+            g_x, g_diff = vjp(g)
+            return (g_x, below), g_diff
+
+        (g_h, _), g_diff = jax.lax.scan(backward, (g, last_input), (saved, layer_leaves), reverse=True,
+                                        unroll=unroll)
         it = iter(g_diff)
         g_layers = [next(it) if t else None for t in trainable]
         return (g_h if masks["h"] else None), g_layers, [None] * len(side_leaves)

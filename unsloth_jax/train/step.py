@@ -50,11 +50,10 @@ def host_offload_supported() -> bool:
 
 
 def step_compiler_options(remat: str) -> dict | None:
-    """XLA options for a train step under `remat`: on the GPU, "offload" and "offload_attention" (whose layer
-    scan prefetches its host copies, unsloth_jax.models.offload) get OFFLOAD_COMPILER_OPTIONS, which put those
-    copies on their own streams beside the compute; else None (the policy-based two-level offload modes
-    measured no gain from them)."""
-    if on_gpu() and remat in ("offload", "offload_attention"):
+    """XLA options for a train step under `remat`: on the GPU, "offload" (whose layer scan prefetches its host
+    copies, unsloth_jax.models.offload) gets OFFLOAD_COMPILER_OPTIONS, which put those copies on their own
+    streams beside the compute; else None (the policy-based offload modes measured no gain from them)."""
+    if on_gpu() and remat == "offload":
         return OFFLOAD_COMPILER_OPTIONS
     return None
 
