@@ -12,7 +12,7 @@
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
-# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
+# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -108,12 +108,13 @@ for st in $stages; do
       done ;;
     offloadprobe)
       # bench/offload_prefetch_probe.py (plain JAX): each variant in its own process (its own peak), with XLA's
-      # default command buffers and with the limited kinds the "offload" step compiles with
+      # default command buffers and with the limited kinds the "offload" step compiles with; OFFLOADPROBE_FLAGS
+      # (joined with +): more probe flags, e.g. --tokens+32768+--dump+/tmp/hlo_dump
       for xf in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"; do
         for v in device offload_policy custom_vjp_fetch custom_vjp_prefetch; do
           log "offload probe $v extra XLA_FLAGS=${xf:-none}"
           XLA_FLAGS="${XLA_FLAGS:-} $xf" timeout 100 $PY bench/offload_prefetch_probe.py --variants $v \
-            --profile /tmp/prof_offload 2>>"$OUT/bench_err.txt" | sed "s/^{/{\"extra_xla_flags\": \"$xf\", /" \
+            --profile /tmp/prof_offload ${OFFLOADPROBE_FLAGS:+${OFFLOADPROBE_FLAGS//+/ }} 2>>"$OUT/bench_err.txt" | sed "s/^{/{\"extra_xla_flags\": \"$xf\", /" \
             | tee -a "$OUT/offload_probe.jsonl" | cut -c1-200
         done
       done ;;

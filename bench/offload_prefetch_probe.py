@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -107,7 +108,15 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="also trace 2 steps per variant into DIR/<variant> and add "
                     "bench/trace_summary's per-stream and per-category milliseconds to its line")
     ap.add_argument("--variants", default="device,offload_policy,custom_vjp_fetch,custom_vjp_prefetch")
+    ap.add_argument("--dump", metavar="DIR", help="also write XLA's HLO (as text, before and after optimization, "
+                    "with the schedule) into DIR/<variants>-<n>: where the host copies' starts and dones sit in the loop bodies")
     a = ap.parse_args()
+    if a.dump:  # XLA reads its flags when the backend starts, which is below; one new folder per run
+        run = 0
+        while os.path.exists(dump := os.path.join(a.dump, f"{a.variants.replace(',', '+')}-{run}")):
+            run += 1
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text" \
+                                   " --xla_dump_hlo_module_re=jit_loss"
     gpu = jax.default_backend() == "gpu"
     host = "pinned_host" if gpu else "unpinned_host"
     L, T, D, F, r = a.layers, a.tokens, a.hidden, a.intermediate, 16
@@ -160,7 +169,7 @@ def main() -> None:
             jax.profiler.stop_trace()
             summary = summarize(newest_trace(Path(f"{a.profile}/{name}")), steps=2, top=8)
             profile = {k: summary[k] for k in ("busy_ms_per_step", "span_ms_per_step", "ms_per_step_by_stream",
-                                               "ms_per_step_by_category", "top_kernels")}
+                                               "ms_per_step_by_category", "busiest_stream_idle", "top_kernels")}
         print(json.dumps(profile | {"name": "offload_prefetch_probe", "variant": name, "step_ms": round(sorted(times)[len(times) // 2], 2),
                           "step_ms_all": [round(t, 2) for t in times], "compile_s": round(compile_s, 1),
                           "loss": float(value), "grad_rel_err_vs_first": err,
