@@ -1,10 +1,13 @@
-"""bench/train_bench.py with the offload steps' command-buffer choice forced, for A/B runs of one code version.
+"""bench/train_bench.py with the offload steps' command buffers forced, for A/B runs of one code version.
 
-    python bench/train_bench_cmdbuf.py {default|limited} CHECKPOINT [train_bench flags]
+    python bench/train_bench_cmdbuf.py {default|limited|KIND,KIND,...} CHECKPOINT [train_bench flags]
 
 default: every step compiles with XLA's default command buffers; limited: the host-offload modes ("offload",
 "offload_attention") compile with unsloth_jax.models.offload.OFFLOAD_COMPILER_OPTIONS, the rest with the
-defaults. It replaces unsloth_jax.train.step.step_compiler_options before running train_bench."""
+defaults; a comma-separated list of XLA command-buffer kinds (e.g. FUSION,CUBLAS,CUBLASLT,CUDNN): the offload
+modes compile with exactly those. It replaces unsloth_jax.train.step.step_compiler_options, then runs
+train_bench."""
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -12,10 +15,17 @@ from pathlib import Path
 import unsloth_jax.train.step as step
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
 
-choice = sys.argv.pop(1)
-if choice not in ("default", "limited"):
-    sys.exit(f"train_bench_cmdbuf.py: first argument must be default or limited, got {choice!r}")
-step.step_compiler_options = (lambda remat: None) if choice == "default" else (
-    lambda remat: OFFLOAD_COMPILER_OPTIONS if remat in ("offload", "offload_attention") else None)
+OFFLOAD_MODES = ("offload", "offload_attention")
+choice = sys.argv.pop(1) if len(sys.argv) > 1 else ""
+if choice == "default":
+    options = None
+elif choice == "limited":
+    options = OFFLOAD_COMPILER_OPTIONS
+elif re.fullmatch(r"[A-Z_]+(,[A-Z_]+)*", choice):
+    options = {"xla_gpu_enable_command_buffer": choice}
+else:
+    sys.exit(f"train_bench_cmdbuf.py: first argument must be default, limited or a comma-separated list of "
+             f"command-buffer kinds such as FUSION,CUBLAS; got {choice!r}")
+step.step_compiler_options = lambda remat: options if remat in OFFLOAD_MODES else None
 sys.argv[0] = str(Path(__file__).with_name("train_bench.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")
