@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import unsloth_jax.train.step as step
+from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
 
-OFFLOAD_MODES = ("offload", "offload_attention")
 choice = sys.argv.pop(1) if len(sys.argv) > 1 else ""
 if choice == "default":
     options = None
@@ -26,6 +26,6 @@ elif re.fullmatch(r"[A-Z_]+(,[A-Z_]+)*", choice):
 else:
     sys.exit(f"train_bench_cmdbuf.py: first argument must be default, limited or a comma-separated list of "
              f"command-buffer kinds such as FUSION,CUBLAS; got {choice!r}")
-step.step_compiler_options = lambda remat: options if remat in OFFLOAD_MODES else None
+step.step_compiler_options = lambda remat: options if remat in HOST_OFFLOAD_MODES else None
 sys.argv[0] = str(Path(__file__).with_name("train_bench.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")
