@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe longctx rematmem
+# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
+# longctx rematmem
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
@@ -12,7 +13,7 @@
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
-# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
+# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -118,6 +119,17 @@ for st in $stages; do
             | tee -a "$OUT/offload_probe.jsonl" | cut -c1-200
         done
       done ;;
+    offloadab)
+      # Llama-3-8B rows through bench/train_bench_cmdbuf.py, one JSON line each in offload_ab.jsonl; OFFLOADAB_RUNS:
+      # "command buffers|its scan flags (--offload-chunk-mib+N, --prefetch-weights)|train_bench flags", + joined
+      $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
+      for run in ${OFFLOADAB_RUNS:-"limited||--batch+1+--seq+32768+--remat+unsloth+--load-in-4bit+--steps+3+--warmup+1"}; do
+        IFS='|' read -r cb sf fl <<< "$run"; fl=${fl//+/ }; sf=${sf//+/ }
+        log "offloadab cmdbuf=$cb scan flags=${sf:-none} $fl"
+        timeout ${OFFLOADAB_TIMEOUT:-200} $PY bench/train_bench_cmdbuf.py $cb $sf $CK/llama3-8b $fl \
+          2>>"$OUT/train_err.txt" | tail -1 \
+          | sed "s/^{/{\"cmdbuf\": \"$cb\", \"scan_flags\": \"$sf\", /" | tee -a "$OUT/offload_ab.jsonl" | cut -c1-600
+      done ;;
     fp8probe)
       log "fp8 probe"
       timeout ${FP8_TIMEOUT:-150} $PY bench/fp8_probe.py 2>>"$OUT/bench_err.txt" | tee -a "$OUT/fp8_probe.jsonl" ;;
@@ -140,13 +152,18 @@ for st in $stages; do
         for rr in ${LONGCTX_REMAT:-unsloth}; do
           for side in ${LONGCTX_SIDES:-new}; do
             root=$PWD; [ $side = old ] && root=$PWD/.bench_old
-            for r in $rr true; do
-              log "longctx seq $s remat $r side $side ${LONGCTX_FLAGS:-}"
-              line=$(PYTHONPATH=$root timeout ${LONGCTX_TIMEOUT:-240} $PY $root/bench/train_bench.py $CK/llama3-8b \
-                --batch 1 --seq $s --remat $r --load-in-4bit $steps --memory-analysis \
-                ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)
-              echo "${line/#\{/\{\"side\": \"$side\", }" | tee -a "$OUT/longctx.jsonl"
-              [[ $line == "{"* ]] && break
+            for xs in ${LONGCTX_XFLAGS:-none}; do
+              # a set: XLA flags (--...) and environment assignments (NAME=VALUE, e.g. JAX_ENABLE_PGLE=true)
+              xf=""; ev=""
+              if [ "$xs" != none ]; then for t in ${xs//+/ }; do [[ $t == --* ]] && xf+=" $t" || ev+=" $t"; done; fi
+              for r in $rr ${LONGCTX_FALLBACK-true}; do
+                log "longctx seq $s remat $r side $side ${LONGCTX_FLAGS:-} extra XLA_FLAGS=${xf:-none} env=${ev:-none}"
+                line=$(env $ev XLA_FLAGS="${XLA_FLAGS:-} $xf" PYTHONPATH=$root timeout ${LONGCTX_TIMEOUT:-240} $PY \
+                  $root/bench/train_bench.py $CK/llama3-8b --batch 1 --seq $s --remat $r --load-in-4bit $steps \
+                  --memory-analysis ${LONGCTX_FLAGS:+${LONGCTX_FLAGS//+/ }} 2>>"$OUT/train_err.txt" | tail -1)
+                echo "${line/#\{/\{\"side\": \"$side\", \"extra_xla_flags\": \"$xf\", \"extra_env\": \"$ev\", }" | tee -a "$OUT/longctx.jsonl"
+                [[ $line == "{"* ]] && break
+              done
             done
           done
         done

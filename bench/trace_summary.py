@@ -12,6 +12,7 @@ names (cuBLAS/cuDNN/XLA naming), listed with their regular expressions in CATEGO
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -49,8 +50,10 @@ def category(name: str) -> str:
 
 def busiest_stream_idle(kernels: list, stream_of, steps: int, min_us: float = 300.0, top: int = 8) -> dict:
     """Idle time of the busiest stream (the compute stream) between consecutive kernels, in gaps of at least
-    `min_us`: total ms per step and the largest groups by (kernel before, kernel after) name. A gap that
-    repeats once per layer marks the compute stream waiting on something else (e.g. a host copy's end)."""
+    `min_us`: total ms per step and the largest groups by (kernel before, kernel after) name, each with the
+    events of other streams that ended last within its gaps (name, HLO op, duration; the three most common).
+    A gap that repeats once per layer marks the compute stream waiting on something else (e.g. a host copy's
+    end)."""
     if not kernels:
         return {}
     busy = collections.Counter()
@@ -58,18 +61,30 @@ def busiest_stream_idle(kernels: list, stream_of, steps: int, min_us: float = 30
         busy[stream_of(e)] += e["dur"]
     stream = busy.most_common(1)[0][0]
     ordered = sorted((e for e in kernels if stream_of(e) == stream), key=lambda e: e["ts"])
-    groups: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0])  # (before, after) -> [us, count]
+    # what ended on the other streams during each gap, the latest first: the likely thing waited for
+    others = sorted((e for e in kernels if stream_of(e) != stream), key=lambda e: e["ts"] + e["dur"])
+    other_ends = [e["ts"] + e["dur"] for e in others]
+    groups: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])
     for before, after in zip(ordered, ordered[1:]):
-        gap = after["ts"] - (before["ts"] + before["dur"])
+        start = before["ts"] + before["dur"]
+        gap = after["ts"] - start
         if gap >= min_us:
             entry = groups[(before["name"][:60], after["name"][:60])]
             entry[0] += gap
             entry[1] += 1
+            i = bisect.bisect_right(other_ends, after["ts"] + 20.0) - 1  # 20 us: the launch after an event
+            if i >= 0 and other_ends[i] >= start:
+                last = others[i]
+                op = (last.get("args") or {}).get("hlo_op") or ""
+                entry[2][" ".join(filter(None, (last["name"][:40], op[:60], f"({last['dur'] / 1e3:.2f} ms)")))] += 1
+            else:
+                entry[2]["nothing"] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
     return {"stream": stream, "min_gap_us": min_us,
-            "idle_ms_per_step": round(sum(us for us, _ in groups.values()) / 1e3 / steps, 2),
+            "idle_ms_per_step": round(sum(us for us, _, _ in groups.values()) / 1e3 / steps, 2),
             "largest": [{"before": b, "after": a, "ms_per_step": round(us / 1e3 / steps, 2),
-                         "gaps_per_step": n / steps} for (b, a), (us, n) in ranked[:top]]}
+                         "gaps_per_step": n / steps, "ended_last_elsewhere": dict(ended.most_common(3))}
+                        for (b, a), (us, n, ended) in ranked[:top]]}
 
 
 def summarize(trace_file: Path, steps: int = 1, top: int = 40) -> dict:

@@ -89,5 +89,17 @@ def test_trace_summary_groups_the_compute_streams_idle_gaps():
     assert idle["stream"] == 8  # the copy stream is busier here: 2000 vs 600 us
     idle = busiest_stream_idle(kernels[:-1], lambda e: e["s"], steps=2)
     assert idle["idle_ms_per_step"] == 0.75  # gaps 500 + 500 + 500 us over 2 steps
-    assert idle["largest"][0] == {"before": "a", "after": "b", "ms_per_step": 0.5, "gaps_per_step": 1.0}
-    assert idle["largest"][1] == {"before": "c", "after": "d", "ms_per_step": 0.25, "gaps_per_step": 0.5}
+    assert idle["largest"][0] == {"before": "a", "after": "b", "ms_per_step": 0.5, "gaps_per_step": 1.0,
+                                  "ended_last_elsewhere": {"nothing": 2}}
+    assert idle["largest"][1] == {"before": "c", "after": "d", "ms_per_step": 0.25, "gaps_per_step": 0.5,
+                                  "ended_last_elsewhere": {"nothing": 1}}
+    # copies on stream 9 ending inside the gaps (the second one just before "b" at 1300): what was waited for
+    copies = [{"ts": 500, "dur": 90, "name": "MemcpyH2D", "s": 9, "args": {"hlo_op": "dynamic-slice-fusion.2"}},
+              {"ts": 100, "dur": 50, "name": "MemcpyD2D", "s": 9},
+              {"ts": 1200, "dur": 95, "name": "MemcpyH2D", "s": 9, "args": {"hlo_op": "dynamic-slice-fusion.2"}},
+              {"ts": 1450, "dur": 100, "name": "MemcpyD2D", "s": 9}]
+    idle = busiest_stream_idle(kernels[:-1] + copies, lambda e: e["s"], steps=2)
+    assert idle["stream"] == 7 and idle["idle_ms_per_step"] == 0.75
+    assert idle["largest"][0]["ended_last_elsewhere"] == {"MemcpyH2D dynamic-slice-fusion.2 (0.09 ms)": 1,
+                                                          "MemcpyH2D dynamic-slice-fusion.2 (0.10 ms)": 1}
+    assert idle["largest"][1]["ended_last_elsewhere"] == {"MemcpyD2D (0.10 ms)": 1}

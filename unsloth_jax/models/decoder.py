@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.models import offload
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
@@ -114,6 +115,13 @@ class OffloadWithAttention:
         if prim.name in CUDNN_ATTENTION_FORWARD or named == self.offloaded or named in FLASH_RESIDUAL_NAMES:
             return pe.Offloadable(src="device", dst="pinned_host")
         return pe.Recompute
+
+
+def attention_residuals_saveable(prim, *_, **params) -> bool:
+    """Remat policy keeping attention's forward residuals (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES)
+    and recomputing the rest: the prefetched "offload_attention" scan sends what it keeps to pinned host memory."""
+    return prim.name in CUDNN_ATTENTION_FORWARD or (prim.name == "name"
+                                                     and params.get("name") in FLASH_RESIDUAL_NAMES)
 
 
 def remat(fn, mode: str, *, offloaded: str = "layer_input"):
@@ -265,8 +273,12 @@ class DecoderModel(nnx.Module):
         inner = -(-per_checkpoint // period)  # scan groups per checkpointed group (two-level modes)
         two_level = inner > 1
         body = remat(group_body, "full" if two_level else base)
-        # "offload" in training: the hand-written VJP that prefetches the offloaded inputs (models.offload)
-        prefetched = base == "offload" and not two_level and cache is None and not router_stats
+        # "offload" in training: the hand-written VJP that prefetches the offloaded inputs (models.offload);
+        # "offload_attention" too where offload.SCAN_OFFLOAD_ATTENTION says so, keeping attention's forward
+        # residuals with each layer's input
+        scanned = base == "offload" or (base == "offload_attention" and offload.SCAN_OFFLOAD_ATTENTION)
+        prefetched = scanned and not two_level and cache is None and not router_stats
+        keep = attention_residuals_saveable if base == "offload_attention" else None
 
         def outer_body(h, xs_outer):
             """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
@@ -291,7 +303,7 @@ class DecoderModel(nnx.Module):
             xs = jax.tree.map(grouped, state)
             if prefetched:  # never two-level, so per_outer is None here
                 h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
-                                         (ropes, batch), unroll=unroll)
+                                         (ropes, batch), keep=keep, unroll=unroll)
                 return h, (None, None)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))

@@ -31,6 +31,7 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
+from unsloth_jax.models import offload
 from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES, CausalLM, make_batch, two_level_mode
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
@@ -50,12 +51,12 @@ def host_offload_supported() -> bool:
 
 
 def step_compiler_options(remat: str) -> dict | None:
-    """XLA options for a train step under `remat`: on the GPU, "offload" (whose layer scan prefetches its host
-    copies, unsloth_jax.models.offload) gets OFFLOAD_COMPILER_OPTIONS, which put those copies on their own
-    streams beside the compute; else None (the policy-based offload modes measured no gain from them)."""
-    if on_gpu() and remat == "offload":
-        return OFFLOAD_COMPILER_OPTIONS
-    return None
+    """XLA options for a train step under `remat`: on the GPU, "offload" and (where offload.SCAN_OFFLOAD_ATTENTION
+    holds) "offload_attention", whose layer scan prefetches its host copies (unsloth_jax.models.offload), get
+    OFFLOAD_COMPILER_OPTIONS, which put those copies on their own streams beside the compute; else None (the
+    policy-based offload modes measured no gain from them)."""
+    scanned = remat == "offload" or (remat == "offload_attention" and offload.SCAN_OFFLOAD_ATTENTION)
+    return OFFLOAD_COMPILER_OPTIONS if on_gpu() and scanned else None
 
 
 def commit_to_devices(tree):
