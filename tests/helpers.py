@@ -123,3 +123,12 @@ def read_tensorboard_scalars(logdir) -> dict:
                 if value.HasField("simple_value"):
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def inner_jaxprs(eqn):
+    """The jaxprs nested in a jaxpr equation's parameters (scan, cond, custom_vjp, pjit bodies...)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield inner

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from tests.helpers import rel_err
+from tests.helpers import inner_jaxprs, rel_err
 from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import TrainingError
@@ -79,11 +79,7 @@ def _live_kernel_calls(jaxpr, kernel: str) -> int:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call" and kernel in str(eqn.params.get("name")):
             count += any(id(v) in used for v in eqn.outvars)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _live_kernel_calls(inner, kernel)
+        count += sum(_live_kernel_calls(inner, kernel) for inner in inner_jaxprs(eqn))
     return count
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from tests.helpers import rel_err
+from tests.helpers import inner_jaxprs, rel_err
 from unsloth_jax import lora
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import CausalLM
@@ -80,15 +80,8 @@ def _body_with_named(h, layer, side):
 
 def _primitive_count(jaxpr, name: str) -> int:
     """How many equations of primitive `name` `jaxpr` holds, with the jaxprs nested in it."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == name
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _primitive_count(inner, name)
-    return count
+    return sum((eqn.primitive.name == name) + sum(_primitive_count(inner, name) for inner in inner_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
 
 
 @pytest.mark.parametrize("chunking,prefetch_weights", [("whole", False), ("in_4", True)])
