@@ -477,7 +477,7 @@ def test_moe_lora_training_loss_falls(checkpoints, rng):
     step = make_train_step(graphdef, opt, remat="full", donate=False)
     state = opt.init(trainable)
     losses = []
-    for _ in range(12):
+    for _ in range(20):  # over 16 seeds the loss fell to 0.56-0.63 of its start in 20 steps (0.74-0.79 in 12)
         trainable, state, m = step(trainable, frozen, state, batch)
         losses.append(float(m["loss"]))
         assert "aux_loss" in m and float(m["aux_loss"]) > 0
