@@ -121,14 +121,15 @@ for st in $stages; do
       done ;;
     offloadab)
       # Llama-3-8B rows through bench/train_bench_cmdbuf.py, one JSON line each in offload_ab.jsonl; OFFLOADAB_RUNS:
-      # "command buffers|its scan flags (--offload-chunk-mib+N, --prefetch-weights)|train_bench flags", + joined
+      # "command buffers|environment (e.g. UNSLOTH_JAX_IMPL=nf4_gemm=fp8,offload_weights=prefetch)|train_bench
+      # flags", + joined
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
       for run in ${OFFLOADAB_RUNS:-"limited||--batch+1+--seq+32768+--remat+unsloth+--load-in-4bit+--steps+3+--warmup+1"}; do
-        IFS='|' read -r cb sf fl <<< "$run"; fl=${fl//+/ }; sf=${sf//+/ }
-        log "offloadab cmdbuf=$cb scan flags=${sf:-none} $fl"
-        timeout ${OFFLOADAB_TIMEOUT:-200} $PY bench/train_bench_cmdbuf.py $cb $sf $CK/llama3-8b $fl \
+        IFS='|' read -r cb ev fl <<< "$run"; fl=${fl//+/ }; ev=${ev//+/ }
+        log "offloadab cmdbuf=$cb env=${ev:-none} $fl"
+        env $ev timeout ${OFFLOADAB_TIMEOUT:-200} $PY bench/train_bench_cmdbuf.py $cb $CK/llama3-8b $fl \
           2>>"$OUT/train_err.txt" | tail -1 \
-          | sed "s/^{/{\"cmdbuf\": \"$cb\", \"scan_flags\": \"$sf\", /" | tee -a "$OUT/offload_ab.jsonl" | cut -c1-600
+          | sed "s/^{/{\"cmdbuf\": \"$cb\", \"env\": \"$ev\", /" | tee -a "$OUT/offload_ab.jsonl" | cut -c1-600
       done ;;
     fp8probe)
       log "fp8 probe"

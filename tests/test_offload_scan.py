@@ -12,10 +12,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tests.helpers import inner_jaxprs, rel_err
-from unsloth_jax import lora
+from unsloth_jax import lora, ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import CausalLM
-from unsloth_jax.models import offload
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS, copy_chunks, offloaded_layer_scan
 from unsloth_jax.train.step import loss_and_count
 
@@ -123,6 +122,7 @@ def test_copy_chunks_is_the_fewest_equal_row_blocks_within_the_limit():
     assert copy_chunks(98304, 8192) == 24
     assert copy_chunks(1000, 3 * mib) == 100  # 3 GB in blocks of 10 rows (30 MiB)
     assert copy_chunks(7, mib, chunk_bytes=3 * mib) == 7  # no divisor of 7 fits but 7 itself
+    assert copy_chunks(32768, 8192, chunk_bytes=None) == 1  # offload_copies=whole
     for rows, row_bytes, limit in [(12, 64, 200), (4096, 10, 999), (30, 7, 50)]:
         k = copy_chunks(rows, row_bytes, limit)
         assert rows % k == 0 and (rows // k) * row_bytes <= max(limit, row_bytes)
@@ -171,22 +171,32 @@ def _custom_vjp_calls(remat: str) -> int:
 
 def test_the_decoder_runs_the_host_offload_modes_through_the_prefetched_scan_only(monkeypatch):
     """"offload" and "offload_attention" run the layer stack as one custom VJP (the prefetched scan); the
-    two-level policy-based mode does not, nor "offload_attention" where SCAN_OFFLOAD_ATTENTION is unset."""
-    assert _custom_vjp_calls("offload") == 1
-    assert _custom_vjp_calls("offload_attention") == 1
+    two-level policy-based mode does not, nor "offload_attention" under the ops setting offload_attention=policy.
+    The scan's weight slicing and copies follow the ops settings (prefetching by default with kept values only)."""
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    for remat, weights in (("offload", "in_step"), ("offload_attention", "prefetch")):
+        with ops.recording_choices() as seen:
+            assert _custom_vjp_calls(remat) == 1
+        assert seen["offload_weights"] == [weights] and seen["offload_copies"] == ["blocks"], remat
     assert _custom_vjp_calls("offload_every_2") == 0
-    monkeypatch.setattr(offload, "SCAN_OFFLOAD_ATTENTION", False)
+    monkeypatch.setenv(ops.ENV_VAR, "offload_weights=prefetch,offload_copies=whole")
+    with ops.recording_choices() as seen:
+        assert _custom_vjp_calls("offload") == 1
+    assert seen["offload_weights"] == ["prefetch"] and seen["offload_copies"] == ["whole"]
+    monkeypatch.setenv(ops.ENV_VAR, "offload_attention=policy")
     assert _custom_vjp_calls("offload_attention") == 0
 
 
 def test_step_compiler_options_only_for_the_prefetched_offload_on_gpu(monkeypatch):
     import unsloth_jax.train.step as step_mod
 
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
     assert step_mod.step_compiler_options("offload") is None  # the CPU
     monkeypatch.setattr(step_mod, "on_gpu", lambda: True)
     assert step_mod.step_compiler_options("offload") == OFFLOAD_COMPILER_OPTIONS
     assert step_mod.step_compiler_options("offload_attention") == OFFLOAD_COMPILER_OPTIONS
     for mode in ("none", "full", "offload_every_4", "save_attention"):
         assert step_mod.step_compiler_options(mode) is None, mode
-    monkeypatch.setattr(offload, "SCAN_OFFLOAD_ATTENTION", False)
+    monkeypatch.setenv(ops.ENV_VAR, "offload_attention=policy")
     assert step_mod.step_compiler_options("offload_attention") is None
+    assert step_mod.step_compiler_options("offload_attention", ops.Policy()) == OFFLOAD_COMPILER_OPTIONS

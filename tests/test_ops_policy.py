@@ -84,6 +84,25 @@ def test_cudnn_attention_is_guarded_by_dtype_and_head_dim():
     assert not ops._cudnn_serves(q(jnp.bfloat16, 100))
 
 
+def test_policy_jit_compiler_options_follow_the_policy_of_each_call(clean_policy):
+    """compiler_options given as a function of the policy is read at every call: a policy whose options XLA
+    rejects fails to compile, and the next call under the old policy runs its old program again."""
+    seen = []
+
+    def options(policy):
+        seen.append(policy)
+        return {"xla_cpu_enable_fast_math": "not-a-bool"} if policy.requested("rope") == "pallas" else None
+
+    fn = ops.policy_jit(lambda x: x + 1, compiler_options=options)
+    assert float(fn(jnp.float32(1))) == 2.0
+    ops.set_impl("rope", "pallas")
+    with pytest.raises(Exception, match="xla_cpu_enable_fast_math"):
+        fn(jnp.float32(1))
+    ops.set_impl("rope", "auto")
+    assert float(fn(jnp.float32(1))) == 2.0
+    assert [p.requested("rope") for p in seen[-3:]] == ["auto", "pallas", "auto"]
+
+
 def test_recording_choices_sees_only_the_calls_traced_in_its_block(clean_policy, rng):
     """The run summary's kernel line: a bf16 model traced after an FP8 one under the same policy reports only
     its own linear=xla (chosen_impls, per policy, holds both)."""

@@ -20,7 +20,11 @@ how an NF4 base multiplies: "dequantized" to the compute dtype (QLoRA as bitsand
 "fp8" (dequantized straight to e4m3 for the FP8 GEMMs, pallas_kernels.nf4_fp8: FP8 numerics, asked for only).
 layer_loop is not a kernel either: the decoder layers run as one `lax.scan` over the stacked layer weights
 ("scan", the default: one compiled layer body) or "unrolled" (`unroll=True`: straight-line code, each layer's
-weights a static slice, longer compiles; `layer_loop`).
+weights a static slice, longer compiles; `layer_loop`). Nor are the host-offload settings: offload_attention
+(remat "offload_attention" through models.offload's prefetched layer scan, "scan", the default, or jax's
+offload policy, "policy"), offload_weights (that scan slices each layer's weights one iteration ahead,
+"prefetch", or at the iteration's start, "in_step"; auto: prefetch only where attention's residuals are kept)
+and offload_copies (its host copies in row blocks of at most 32 MiB, "blocks", the default, or "whole").
 """
 from __future__ import annotations
 
@@ -55,6 +59,10 @@ IMPLS = {
     "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
     "nf4_gemm": ("dequantized", "fp8"),  # not a kernel: NF4 bases in the compute dtype or as FP8 GEMMs
     "layer_loop": ("scan", "unrolled"),  # not a kernel: the decoder layers as one lax.scan or unrolled
+    # not kernels: how the host-offload remat modes run (models.offload; the defaults measured in BENCHMARKS.md)
+    "offload_attention": ("scan", "policy"),  # remat "offload_attention" by the prefetched scan or jax's policy
+    "offload_weights": ("prefetch", "in_step"),  # that scan slices layer weights an iteration ahead or in step
+    "offload_copies": ("blocks", "whole"),  # its host copies in blocks of <= 32 MiB or whole arrays
 }
 OPS = tuple(IMPLS)
 KERNEL_OPS = tuple(op for op in OPS if "pallas" in IMPLS[op])  # the ops with a Pallas kernel
@@ -147,8 +155,9 @@ def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(),
     The returned function reads `current_policy()` at every call, so a changed policy means a new cache entry
     (a retrace) rather than a stale compiled program. `.lower(*args)` lowers with the current policy too.
     in_shardings / out_shardings are jax.jit's (a step on a device mesh); with in_shardings, jax.jit takes
-    positional arguments only. compiler_options: jax.jit's (XLA debug options for this program only, e.g.
-    unsloth_jax.train.step.step_compiler_options). The policy is passed first, positionally, so it needs no
+    positional arguments only. compiler_options: jax.jit's (XLA debug options for this program only), or a
+    function of the policy returning them (or None), read at every call like the policy: e.g.
+    unsloth_jax.train.step.step_compiler_options. The policy is passed first, positionally, so it needs no
     keyword."""
 
     def with_policy(policy: Policy, *args, **kwargs):
@@ -156,17 +165,41 @@ def policy_jit(fn, *, static_argnames=(), donate_argnums=(), donate_argnames=(),
             return fn(*args, **kwargs)
 
     shardings = {k: v for k, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)) if v is not None}
-    jitted = jax.jit(with_policy, static_argnums=(0,), static_argnames=static_argnames,
-                     donate_argnums=tuple(i + 1 for i in donate_argnums), donate_argnames=donate_argnames,
-                     compiler_options=compiler_options, **shardings)
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return jitted(current_policy(), *args, **kwargs)
+    def make(options):
+        return jax.jit(with_policy, static_argnums=(0,), static_argnames=static_argnames,
+                       donate_argnums=tuple(i + 1 for i in donate_argnums), donate_argnames=donate_argnames,
+                       compiler_options=options, **shardings)
 
-    call.lower = lambda *args, **kwargs: jitted.lower(current_policy(), *args, **kwargs)
-    call.jitted = jitted  # the underlying jax.jit object (cache introspection in tests)
-    return call
+    return functools.update_wrapper(_PolicyJit(make, compiler_options), fn)
+
+
+class _PolicyJit:
+    """What policy_jit returns: callable like the jitted function, with `.lower(*args)` and `.jitted` (the
+    jax.jit object for the current policy's compiler options: cache introspection in tests). One jax.jit per
+    distinct compiler options, made at the first call that needs it (nothing touches the backend before)."""
+
+    def __init__(self, make, compiler_options):
+        self._make, self._options, self._by_options = make, compiler_options, {}
+
+    def _for(self, policy: Policy):
+        options = self._options(policy) if callable(self._options) else self._options
+        key = tuple(sorted((options or {}).items()))
+        if key not in self._by_options:
+            self._by_options[key] = self._make(options)
+        return self._by_options[key]
+
+    def __call__(self, *args, **kwargs):
+        policy = current_policy()
+        return self._for(policy)(policy, *args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        policy = current_policy()
+        return self._for(policy).lower(policy, *args, **kwargs)
+
+    @property
+    def jitted(self):
+        return self._for(current_policy())
 
 
 # What each op chose while tracing, per policy (reported once in the run summary).
@@ -557,11 +590,35 @@ def attention(
     return _attention_xla(q, k, v, mask, scale, softcap)
 
 
+def _setting(op: str, auto: str, policy: Policy | None = None) -> str:
+    """A non-kernel choice under `policy` (default: the active one): the forced value, else `auto`; recorded as a
+    choice."""
+    requested = (policy or active_policy()).requested(op)
+    chosen = auto if requested == "auto" else requested
+    _note(op, chosen)
+    return chosen
+
+
 def layer_loop() -> str:
     """How the decoder layers loop under the active policy: "scan" (auto) or "unrolled"; recorded as a choice."""
-    loop = "unrolled" if active_policy().requested("layer_loop") == "unrolled" else "scan"
-    _note("layer_loop", loop)
-    return loop
+    return _setting("layer_loop", "scan")
+
+
+def offload_attention_path(policy: Policy | None = None) -> str:
+    """How remat "offload_attention" runs: "scan" (auto: models.offload's prefetched layer scan) or "policy"
+    (jax's offload policy)."""
+    return _setting("offload_attention", "scan", policy)
+
+
+def offload_weights(kept: bool) -> str:
+    """Where the host-offload layer scan slices each layer's weights: "prefetch" (one iteration ahead; auto
+    where the scan keeps attention's residuals, `kept`) or "in_step" (at the iteration's start; auto else)."""
+    return _setting("offload_weights", "prefetch" if kept else "in_step")
+
+
+def offload_copies() -> str:
+    """How the host-offload layer scan copies: "blocks" (auto: row blocks of at most 32 MiB) or "whole"."""
+    return _setting("offload_copies", "blocks")
 
 
 # --------------------------------------------------------------------------------------- cross entropy
@@ -605,6 +662,7 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "rms_norm", "rope", "glu",
+           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "offload_attention_path",
+           "offload_weights", "offload_copies", "rms_norm", "rope", "glu",
            "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
            "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

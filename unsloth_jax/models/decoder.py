@@ -43,12 +43,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.models import offload
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layers import Embedding, RMSNorm, gathered
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
-from unsloth_jax.models.offload import offloaded_layer_scan
+from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, offloaded_layer_scan
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
 
 REMAT_MODES = ("none", "full", "offload", "offload_attention", "save_attention")
@@ -112,7 +111,7 @@ class OffloadWithAttention:
         from jax._src.interpreters import partial_eval as pe
 
         named = params.get("name") if prim.name == "name" else None
-        if prim.name in CUDNN_ATTENTION_FORWARD or named == self.offloaded or named in FLASH_RESIDUAL_NAMES:
+        if named == self.offloaded or attention_residuals_saveable(prim, **params):
             return pe.Offloadable(src="device", dst="pinned_host")
         return pe.Recompute
 
@@ -274,9 +273,9 @@ class DecoderModel(nnx.Module):
         two_level = inner > 1
         body = remat(group_body, "full" if two_level else base)
         # "offload" in training: the hand-written VJP that prefetches the offloaded inputs (models.offload);
-        # "offload_attention" too where offload.SCAN_OFFLOAD_ATTENTION says so, keeping attention's forward
+        # "offload_attention" too (unless the policy says offload_attention=policy), keeping attention's forward
         # residuals with each layer's input
-        scanned = base == "offload" or (base == "offload_attention" and offload.SCAN_OFFLOAD_ATTENTION)
+        scanned = base == "offload" or (base == "offload_attention" and ops.offload_attention_path() == "scan")
         prefetched = scanned and not two_level and cache is None and not router_stats
         keep = attention_residuals_saveable if base == "offload_attention" else None
 
@@ -303,7 +302,9 @@ class DecoderModel(nnx.Module):
             xs = jax.tree.map(grouped, state)
             if prefetched:  # never two-level, so per_outer is None here
                 h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
-                                         (ropes, batch), keep=keep, unroll=unroll)
+                                         (ropes, batch), keep=keep, unroll=unroll,
+                                         chunk_bytes=OFFLOAD_CHUNK_BYTES if ops.offload_copies() == "blocks" else None,
+                                         prefetch_weights=ops.offload_weights(keep is not None) == "prefetch")
                 return h, (None, None)
             if cache is not None:
                 xs = (xs, grouped(cache.k), grouped(cache.v))

@@ -24,8 +24,9 @@ contiguous blocks of its rows), each its own async copy: XLA's latency-hiding sc
 overlap window the same (a few kernels), whatever its size. With `prefetch_weights` each iteration also slices
 the next layer's weights out of the stack (carried to the next iteration) instead of its own at its start: the
 profiles showed the layers' first kernels waiting for their weight slices (MemcpyD2D on the copy streams, queued
-behind the host copies). Both are measured in BENCHMARKS.md (fourteenth session); prefetching is the default
-with `keep` only, where it measured faster.
+behind the host copies). Both are measured in BENCHMARKS.md (fourteenth session); the decoder takes both from
+the ops policy (offload_copies, offload_weights: prefetching by default with `keep` only, where it measured
+faster).
 
 Gradients are taken only for the `layers` leaves that carry a tangent (the trainable ones, via custom_vjp's
 symbolic zeros); frozen weights get none and cost no dW. `side` (RoPE tables, masks, positions) must not be
@@ -47,14 +48,8 @@ from jax.custom_derivatives import SymbolicZero
 # kinds the host copies run on the compute stream).
 OFFLOAD_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"}
 
-# The largest piece of a layer input copied to or from the host as one async copy.
+# The largest piece of an offloaded array copied to or from the host as one async copy (ops "offload_copies").
 OFFLOAD_CHUNK_BYTES = 32 * 2 ** 20
-# Whether "offload_attention" runs through this scan (with attention's forward residuals kept) instead of jax's
-# offload policy; read by the decoder at trace time.
-SCAN_OFFLOAD_ATTENTION = True
-# Whether each iteration slices the next layer's weights out of the stack for the next iteration (carried), instead
-# of its own at its start; None: only with `keep` (where it was measured faster; BENCHMARKS.md).
-PREFETCH_LAYER_WEIGHTS: bool | None = None
 
 
 def _to_host(x: jax.Array) -> jax.Array:
@@ -65,9 +60,12 @@ def _to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.memory.Space.Device)
 
 
-def copy_chunks(rows: int, row_bytes: int, chunk_bytes: int = OFFLOAD_CHUNK_BYTES) -> int:
+def copy_chunks(rows: int, row_bytes: int, chunk_bytes: int | None = OFFLOAD_CHUNK_BYTES) -> int:
     """How many equal blocks of rows a [rows, ...] array (row_bytes bytes per row) is copied in: the fewest
-    that divide `rows` with none over `chunk_bytes` (one if the array fits; rows at most)."""
+    that divide `rows` with none over `chunk_bytes` (one if the array fits, or for chunk_bytes None; rows at
+    most)."""
+    if chunk_bytes is None:
+        return 1
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     k = max(1, -(-rows * row_bytes // chunk_bytes))
@@ -76,7 +74,7 @@ def copy_chunks(rows: int, row_bytes: int, chunk_bytes: int = OFFLOAD_CHUNK_BYTE
     return min(k, rows)
 
 
-def _host_pieces(x: jax.Array, chunk_bytes: int) -> tuple:
+def _host_pieces(x: jax.Array, chunk_bytes: int | None) -> tuple:
     """x [..., D] -> its rows ([rows, D], x reshaped) in copy_chunks equal contiguous blocks, each sent to the
     host."""
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
@@ -96,21 +94,17 @@ def _layer(leaves: list, i) -> list:
 
 
 def offloaded_layer_scan(body, h: jax.Array, layers, side, *, keep=None, unroll: bool = False,
-                         chunk_bytes: int | None = None, prefetch_weights: bool | None = None) -> jax.Array:
+                         chunk_bytes: int | None = OFFLOAD_CHUNK_BYTES, prefetch_weights: bool = False) -> jax.Array:
     """lax.scan of `body` over the leading axis of `layers`, for training with host-offloaded layer inputs.
 
     body(h [B, S, D], layer, side) -> [B, S, D]: one step (a layer or a group of layers); `layer` is `layers`
     with its leading axis (n) indexed away. layers: a pytree of arrays [n, ...] (a layer stack's weights);
     side: a pytree of arrays every step reads. keep: None (the backward recomputes the whole step), or a
     jax.checkpoint policy whose saved values are offloaded with the input and not recomputed. chunk_bytes: the
-    largest piece of an offloaded array copied as one async copy (default OFFLOAD_CHUNK_BYTES, read at trace
-    time). prefetch_weights: slice each layer's weights one iteration ahead (default PREFETCH_LAYER_WEIGHTS).
-    Returns the last step's output, [B, S, D] in h's dtype."""
+    largest piece of an offloaded array copied as one async copy (None: whole arrays). prefetch_weights: slice
+    each layer's weights one iteration ahead. Returns the last step's output, [B, S, D] in h's dtype."""
     layer_leaves, layer_tree = jax.tree.flatten(layers)
     side_leaves, side_tree = jax.tree.flatten(side)
-    chunk_bytes = OFFLOAD_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    if prefetch_weights is None:
-        prefetch_weights = keep is not None if PREFETCH_LAYER_WEIGHTS is None else PREFETCH_LAYER_WEIGHTS
     n = layer_leaves[0].shape[0]  # layers (or groups) in the stack
 
     def step(h, layer_leaves_i, side_leaves):

@@ -28,6 +28,7 @@ clip_ratio/low_mean, high_mean, region_mean, num_tokens) plus time/generation, t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -262,7 +263,7 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
             metrics["kl"] = sums["kl"] / n
         return new_params, new_opt, metrics
 
-    return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=step_compiler_options(remat))
+    return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=functools.partial(step_compiler_options, remat))
 
 
 def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool, want_ref: bool,

@@ -20,6 +20,7 @@ dropped (`ref_model=None`, TRL's PEFT behaviour; no second copy of the base), th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 
@@ -255,7 +256,8 @@ def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_
         return {"loss": loss, **metrics}
 
     if train:
-        return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=step_compiler_options(remat))
+        return ops.policy_jit(step, donate_argnums=(0, 2),
+                              compiler_options=functools.partial(step_compiler_options, remat))
     return ops.policy_jit(evaluate)
 
 

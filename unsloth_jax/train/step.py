@@ -21,6 +21,7 @@ micro-batches) in the metrics.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -31,7 +32,6 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.models import offload
 from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES, CausalLM, make_batch, two_level_mode
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
@@ -50,13 +50,18 @@ def host_offload_supported() -> bool:
     return on_gpu()
 
 
-def step_compiler_options(remat: str) -> dict | None:
-    """XLA options for a train step under `remat`: on the GPU, "offload" and (where offload.SCAN_OFFLOAD_ATTENTION
-    holds) "offload_attention", whose layer scan prefetches its host copies (unsloth_jax.models.offload), get
-    OFFLOAD_COMPILER_OPTIONS, which put those copies on their own streams beside the compute; else None (the
-    policy-based offload modes measured no gain from them)."""
-    scanned = remat == "offload" or (remat == "offload_attention" and offload.SCAN_OFFLOAD_ATTENTION)
-    return OFFLOAD_COMPILER_OPTIONS if on_gpu() and scanned else None
+def step_compiler_options(remat: str, policy: ops.Policy | None = None) -> dict | None:
+    """XLA options for a train step under `remat` and the ops `policy` (default: the current one): on the GPU,
+    "offload" and (unless the policy says offload_attention=policy) "offload_attention", whose layer scan
+    prefetches its host copies (unsloth_jax.models.offload), get OFFLOAD_COMPILER_OPTIONS, which put those
+    copies on their own streams beside the compute; else None (the policy-based offload modes measured no gain
+    from them). The train steps pass it to ops.policy_jit as a function of the policy, so it follows the policy
+    of each call."""
+    if not on_gpu():
+        return None
+    scanned = remat == "offload" or (remat == "offload_attention"
+                                     and ops.offload_attention_path(policy or ops.current_policy()) == "scan")
+    return OFFLOAD_COMPILER_OPTIONS if scanned else None
 
 
 def commit_to_devices(tree):
@@ -177,7 +182,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return new_params, new_opt, metrics
 
     donate_argnums = (0, 2) if donate else ()
-    options = step_compiler_options(remat)
+    options = functools.partial(step_compiler_options, remat)
     if mesh is None:
         return ops.policy_jit(step, donate_argnums=donate_argnums, compiler_options=options)
     return _on_mesh(step, mesh, donate_argnums, options)
