@@ -120,13 +120,16 @@ def test_gpt_oss_parity_exercises_clamp_sinks_and_yarn(checkpoints, rng):
 
 
 def test_greedy_generation_matches_transformers(checkpoints, rng):
-    """The cached decode path (sinks, sliding windows, experts on one token per row) against HF's generate."""
+    """The cached decode path (sinks, sliding windows, experts on one token per row) against HF's generate. HF
+    is given the all-ones mask: without one it masks every prompt token equal to pad_token_id."""
     for family in ("gpt_oss", "qwen3_moe"):
         path, hf = checkpoints[family, "original"]
         model = _load(path)
         ids = rng.integers(0, 256, size=(1, 12))
+        ids[0, int(rng.integers(12))] = 0  # the pad id inside the prompt: attended, since the mask says so
         with torch.no_grad():
-            want = hf.generate(torch.tensor(ids), max_new_tokens=6, do_sample=False, pad_token_id=0).numpy()
+            want = hf.generate(torch.tensor(ids), attention_mask=torch.ones_like(torch.tensor(ids)),
+                               max_new_tokens=6, do_sample=False, pad_token_id=0).numpy()
         got = np.asarray(model.generate(ids, max_new_tokens=6))
         np.testing.assert_array_equal(got[:, :want.shape[1]], want, err_msg=family)
 
