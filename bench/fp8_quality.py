@@ -82,22 +82,34 @@ def load(ckpt: Path, variant: str, dtype: str = "bfloat16", **kw):
                                              load_in_4bit=variant.startswith("nf4"), progress=False, **kw)
 
 
-def logits_error(ckpt: Path, base: str, n_prompts: int = 8, dtype: str = "bfloat16") -> dict:
-    """FP8 vs reference logits on alpaca prompts (relative Frobenius error over real tokens)."""
+def prompt_batch(tok, n_prompts: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask) [n_prompts, T] of the bundled sample's first alpaca prompts, padded."""
     from unsloth_jax.data import alpaca_prompt
 
-    ref_variant, fp8_variant = VARIANTS[base]
-    dense, tok = load(ckpt, ref_variant, dtype)
     recs = _records("alpaca_sample.jsonl")[:n_prompts]
     texts = [alpaca_prompt(r["instruction"], r.get("input", ""), r["output"]) for r in recs]
     enc = tok(texts, padding=True, return_tensors="np")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def compare_logits(ref: np.ndarray, other: np.ndarray, real: np.ndarray) -> tuple[float, float]:
+    """(relative Frobenius error, top-1 agreement) of logits `other` against `ref` [B, T, V] over the tokens
+    where `real` [B, T] is True."""
+    a, b = ref[real], other[real]
+    return (float(np.linalg.norm(a - b) / np.linalg.norm(a)),
+            float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))))
+
+
+def logits_error(ckpt: Path, base: str, n_prompts: int = 8, dtype: str = "bfloat16") -> dict:
+    """FP8 vs reference logits on alpaca prompts (relative Frobenius error over real tokens)."""
+    ref_variant, fp8_variant = VARIANTS[base]
+    dense, tok = load(ckpt, ref_variant, dtype)
+    ids, mask = prompt_batch(tok, n_prompts)
     a = np.asarray(dense(ids, attention_mask=mask), np.float64)
     fp8, _ = load(ckpt, fp8_variant, dtype, load_tokenizer=False)
     b = np.asarray(fp8(ids, attention_mask=mask), np.float64)
     real = mask.astype(bool)
-    err = float(np.linalg.norm(a[real] - b[real]) / np.linalg.norm(a[real]))
-    agree = float(np.mean(np.argmax(a[real], -1) == np.argmax(b[real], -1)))
+    err, agree = compare_logits(a, b, real)
     return {"name": "fp8_logits", "variant": fp8_variant, "reference": ref_variant, "dtype": dtype, "relerr": err,
             "top1_agreement": agree, "tokens": int(real.sum())}
 

@@ -7,7 +7,7 @@ What it simulates. The model is loaded through the project's API in float32 comp
 --dtype float32 does), from the same bf16 checkpoint, on the same alpaca prompts. For each scheme, every
 projection (q/k/v/o, gate/up/down) is computed as float32 `dequant(quant(x)) @ dequant(quant(W))`, where
 quant/dequant casts to float8_e4m3fn with the scheme's scales and back to float32 (ml_dtypes' e4m3fn through
-jnp), with the same formula as pallas_kernels/fp8.py: scale = max(amax * (1/448), 1e-12), q = e4m3(v * (1/scale)),
+jnp), with pallas_kernels/fp8.py's scale: scale = scale_of(amax) = max(amax / 448, 1e-12), q = e4m3(v * (1/scale)),
 dequant = float32(q) * scale. The weight part replaces each stacked kernel [L, in, out] with its
 quantize-dequantized value; the activation part wraps `unsloth_jax.ops.linear` (patched only inside this script,
 restored afterwards) so the projection input is quantize-dequantized before the (dense) matmul. Embeddings, the
@@ -50,11 +50,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.fp8_quality import _records, load, smollm2_checkpoint  # noqa: E402
-
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = 448.0
-TINY = 1e-12
+from bench.fp8_quality import compare_logits as compare, load, prompt_batch, smollm2_checkpoint  # noqa: E402
+from pallas_kernels.fp8 import E4M3, scale_of  # noqa: E402
 
 # scheme: (weight blocks over the kernel's (in, out) axes, activation block over x's last axis).
 # A block size of None means the whole axis; "none" leaves the activations unquantized.
@@ -81,7 +78,7 @@ def qdq(x: jax.Array, blocks: tuple) -> jax.Array:
     xb = xp.reshape(*lead, *split)
     red = tuple(len(lead) + 2 * i + 1 for i in range(nd))
     amax = jnp.max(jnp.abs(xb), axis=red, keepdims=True)
-    scale = jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), jnp.float32(TINY))
+    scale = scale_of(amax)
     inv = jnp.float32(1.0) / scale
     y = (xb * inv).astype(E4M3).astype(jnp.float32) * scale
     y = y.reshape(*lead, *padded)
@@ -113,17 +110,7 @@ def quantized_inputs(block):
         jax.clear_caches()
 
 
-def compare(ref: np.ndarray, other: np.ndarray, real: np.ndarray) -> tuple[float, float]:
-    """(relative Frobenius error, top-1 agreement) of `other` against `ref` over the real tokens (the metric of
-    fp8_quality.logits_error)."""
-    a, b = ref[real], other[real]
-    return (float(np.linalg.norm(a - b) / np.linalg.norm(a)),
-            float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))))
-
-
 def main() -> None:
-    from unsloth_jax.data import alpaca_prompt
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="working directory for the checkpoint (default: a temp dir)")
     ap.add_argument("--prompts", type=int, default=8, help="alpaca prompts (fp8_quality.py uses 8)")
@@ -133,10 +120,7 @@ def main() -> None:
     ckpt = smollm2_checkpoint(Path(a.out or tempfile.mkdtemp(prefix="fp8scale-")) / "smollm2")
 
     dense, tok = load(ckpt, "bf16", "float32")  # the 16-bit checkpoint, float32 compute, unquantized
-    recs = _records("alpaca_sample.jsonl")[:a.prompts]
-    texts = [alpaca_prompt(r["instruction"], r.get("input", ""), r["output"]) for r in recs]
-    enc = tok(texts, padding=True, return_tensors="np")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
+    ids, mask = prompt_batch(tok, a.prompts)
     real = mask.astype(bool)
     tokens = int(real.sum())
 
@@ -162,10 +146,12 @@ def main() -> None:
         with contextlib.nullcontext() if xblock == "none" else quantized_inputs(xblock):
             return logits(dense)
 
-    sim_a = run(*SCHEMES["a_channel_w+row_x"])  # kept for the check line; the others only as their metrics
-    results = {scheme: [compare(ref, sim_a, real) if scheme == "a_channel_w+row_x" else compare(ref, run(w, x), real)]
-               + [compare(ref, run(w, x, seed), real) for seed in range(a.seeds)]
-               for scheme, (w, x) in SCHEMES.items()}
+    results, sim_a = {}, None
+    for scheme, (w, x) in SCHEMES.items():
+        out = run(w, x)
+        if scheme == "a_channel_w+row_x":
+            sim_a = out  # kept for the check line; the other schemes only as their metrics
+        results[scheme] = [compare(ref, out, real)] + [compare(ref, run(w, x, seed), real) for seed in range(a.seeds)]
     perturbed_dense = run(None, "none", seed=0)
     set_kernels(None, None)  # the dense model back as loaded
 

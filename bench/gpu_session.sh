@@ -57,7 +57,7 @@ $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch',
 for st in $stages; do
   case $st in
     tests)
-      # all 109 GPU tests need more than 320 s with 8 workers (2026-12-03: 99 had ended by then; six of the 10 left were the MoE tests)
+      # the whole GPU suite (the MoE tests most of all) needs more than 5 minutes with 8 workers (BENCHMARKS.md)
       log "pytest -m gpu ${GPU_TESTS:-tests}"
       timeout ${TEST_TIMEOUT:-480} $PY -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
         -n ${PYTEST_WORKERS:-4} --timeout ${PER_TEST_TIMEOUT:-150} --tb=short --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
