@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + benchmarks, JSON under $OUT. Usage: bash bench/gpu_session.sh [stage ...]
+# Nothing is written into the tree: after the session a person files $OUT's JSON lines into benchmarks/data/AREA.jsonl
+# with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
+# benchmarks/data/logs/) and updates BENCHMARKS.md.
 # Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
 # longctx rematmem
 # grpo fullft

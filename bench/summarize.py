@@ -1,19 +1,22 @@
-"""Render the JSON lines under bench/results/ as markdown tables (for BENCHMARKS.md).
+"""Render kernel JSON lines (benchmarks/data/kernels.jsonl, or a bench's own output under $OUT) as a markdown
+table of XLA against Pallas (for BENCHMARKS.md); --source keeps the lines of one session's file.
 
-    python bench/summarize.py bench/results/2026-11-29_kernels_matmul.jsonl ...
+    python bench/summarize.py benchmarks/data/kernels.jsonl --source 2026-11-29_kernels_matmul.jsonl
 """
+import argparse
 import json
-import sys
 
 
-def rows(path):
+def rows(path, source=None):
     for line in open(path):
         line = line.strip()
         if line.startswith("{"):
             try:
-                yield json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError:
-                pass
+                continue
+            if source is None or rec.get("source") == source:
+                yield rec
 
 
 def kernel_table(records):
@@ -25,7 +28,7 @@ def kernel_table(records):
         by.setdefault(key, {})[r.get("impl")] = r
     for (name, shape, _), d in by.items():
         x, p = d.get("xla"), d.get("pallas")
-        if not x or not p:
+        if not x or not p or not all(d.get(k) for d in (x, p) for k in ("fwd_ms", "fwdbwd_ms")):
             continue
         speed = x["fwdbwd_ms"] / p["fwdbwd_ms"]
         pct = p.get("pct_of_ceiling", "")
@@ -35,5 +38,8 @@ def kernel_table(records):
 
 
 if __name__ == "__main__":
-    recs = [r for p in sys.argv[1:] for r in rows(p)]
-    print(kernel_table(recs))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--source", help="only the lines whose provenance field source is this file name")
+    a = ap.parse_args()
+    print(kernel_table([r for p in a.files for r in rows(p, a.source)]))

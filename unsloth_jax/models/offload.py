@@ -24,7 +24,7 @@ contiguous blocks of its rows), each its own async copy: XLA's latency-hiding sc
 overlap window the same (a few kernels), whatever its size. With `prefetch_weights` each iteration also slices
 the next layer's weights out of the stack (carried to the next iteration) instead of its own at its start: the
 profiles showed the layers' first kernels waiting for their weight slices (MemcpyD2D on the copy streams, queued
-behind the host copies). Both are measured in BENCHMARKS.md (fourteenth session); the decoder takes both from
+behind the host copies). Both are measured in benchmarks/HISTORY.md (fourteenth session); the decoder takes both from
 the ops policy (offload_copies, offload_weights: prefetching by default with `keep` only, where it measured
 faster).
 
