@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax import generation  # noqa: E402
 from unsloth_jax.generation import generate  # noqa: E402
 
 
@@ -116,14 +115,17 @@ def test_lora_greedy_matches_peft(tiny, rng, tmp_path):
 
 
 def test_prompt_lengths_share_a_compiled_bucket(tiny, rng):
+    """Prompts of 5 to 13 tokens with 5 to 20 new ones fall in the same buckets (rows, prompt length, pages):
+    the engine's prefill and decode loop do not compile again."""
+    from unsloth_jax.inference import runner
+
     _, model = tiny("llama")
     generate(model, rng.integers(3, 256, size=(3, 5)), max_new_tokens=14)
-    prefill, step = generation._prefill_jit.jitted._cache_size(), generation._decode_step_jit.jitted._cache_size()
-    for n, new in ((6, 14), (9, 20), (13, 5)):  # all in the 16-token prompt bucket and the 64-slot cache bucket
+    prefill, step = runner.prefill.jitted._cache_size(), runner.decode_chunk.jitted._cache_size()
+    for n, new in ((6, 14), (9, 20), (13, 5)):  # all within 16 prompt tokens and 2 pages of 16 tokens
         generate(model, rng.integers(3, 256, size=(3, n)), max_new_tokens=new)
-    assert generation._prefill_jit.jitted._cache_size() == prefill
-    assert generation._decode_step_jit.jitted._cache_size() == step
-    assert generation.bucket(5) == generation.bucket(16) == 16 and generation.bucket(17) == 32
+    assert runner.prefill.jitted._cache_size() == prefill
+    assert runner.decode_chunk.jitted._cache_size() == step
 
 
 def test_sampling_is_seeded_and_top_p_limits(tiny, rng):

@@ -54,6 +54,10 @@ IMPLS = {
     "linear": ("xla", "pallas"),
     "nf4_matmul": ("xla", "pallas"),
     "attention": ("xla", "pallas", "cudnn"),
+    "paged_attention": ("xla", "pallas"),  # decode attention over the generation engine's page pool
+    # not a kernel: the engine's decode loop compiled with XLA's default GEMMs ("xla") or with cuBLAS GEMMs
+    # that read a layer's weights in place from the stacked kernels (dynamic-slice fusion, "cublas_inplace")
+    "decode_gemm": ("xla", "cublas_inplace"),
     "cross_entropy": ("xla", "pallas"),
     "grouped_matmul": ("xla", "pallas"),
     "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
@@ -258,6 +262,8 @@ PALLAS_WINS = {
     "cross_entropy": lambda h: h.dtype == _BF16,
     # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
+    # Decode attention over the page pool: not yet measured on the GPU, so XLA's gather + softmax.
+    "paged_attention": lambda q: False,
     # NF4 projections: the Pallas dequantize, then XLA's matmul.
     "nf4_matmul": lambda x: x.dtype == _BF16,
     # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
@@ -590,6 +596,34 @@ def attention(
     return _attention_xla(q, k, v, mask, scale, softcap)
 
 
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                    lengths: jax.Array, *, scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """Decode attention of one new token per row over a page pool. q [B, Hq, D]; k_pages / v_pages
+    [P, BS, Hkv, D]; block_tables [B, MAXB] int32 (row b's token t lives in page block_tables[b, t // BS], slot
+    t % BS); lengths [B] int32 (the row's tokens, the query's own included; 0: an idle row, whose output is 0).
+    A key j is attended when j < length and, with a window, (length - 1) - j < window. -> [B, Hq, D] in q.dtype.
+    The Pallas kernel (pallas_kernels.decode_attention) reads only the pages in use; the XLA path gathers every
+    page of the table."""
+    if use_pallas("paged_attention", q):
+        from pallas_kernels.decode_attention import paged_decode_attention
+
+        _note("paged_attention", "pallas")
+        return paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale, softcap=softcap,
+                                      window=window, sinks=sinks)
+    _note("paged_attention", "xla")
+    b, maxb = block_tables.shape
+    bs = k_pages.shape[1]
+    k = k_pages[block_tables].reshape(b, maxb * bs, *k_pages.shape[2:])
+    v = v_pages[block_tables].reshape(b, maxb * bs, *v_pages.shape[2:])
+    j = jnp.arange(maxb * bs)[None, :]
+    keep = j < lengths[:, None]
+    if window is not None:
+        keep = keep & ((lengths[:, None] - 1) - j < window)
+    out = _attention_xla(q[:, None], k, v, keep[:, None, :], scale, softcap, sinks)[:, 0]
+    return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
+
+
 def _setting(op: str, auto: str, policy: Policy | None = None) -> str:
     """A non-kernel choice under `policy` (default: the active one): the forced value, else `auto`; recorded as a
     choice."""
@@ -614,6 +648,14 @@ def offload_weights(kept: bool) -> str:
     """Where the host-offload layer scan slices each layer's weights: "prefetch" (one iteration ahead; auto
     where the scan keeps attention's residuals, `kept`) or "in_step" (at the iteration's start; auto else)."""
     return _setting("offload_weights", "prefetch" if kept else "in_step")
+
+
+def decode_compiler_options(policy: Policy) -> dict | None:
+    """XLA options of the engine's decode loop under `policy` (decode_gemm): None, or cuBLAS GEMMs with
+    dynamic-slice fusion, which lets a GEMM read layer i's slice of a stacked kernel without copying it."""
+    if _setting("decode_gemm", "xla", policy) == "cublas_inplace":
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+    return None
 
 
 def offload_copies() -> str:
@@ -664,5 +706,5 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
 __all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
            "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "offload_attention_path",
            "offload_weights", "offload_copies", "rms_norm", "rope", "glu",
-           "glu_linear", "linear", "grouped_matmul", "attention", "attention_mask",
+           "glu_linear", "linear", "grouped_matmul", "attention", "paged_attention", "attention_mask",
            "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]

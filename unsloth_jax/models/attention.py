@@ -24,12 +24,73 @@ class Batch(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """One layer's decoding cache: keys and values [B, T, Hkv, hd], slot validity [B, T], write index."""
+    """One layer's contiguous decoding cache: keys and values [B, T, Hkv, hd], slot validity [B, T], write index
+    (every row writes its S new tokens at slots index .. index + S - 1)."""
 
     k: jax.Array
     v: jax.Array
     valid: jax.Array
     index: jax.Array
+
+    def attend(self, q, k, v, *, scale, window, softcap, sinks):
+        """Write k/v [B, S, Hkv, hd] at `index`, attend q [B, S, Hq, hd] over the whole cache -> (out, (k, v))."""
+        ck = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.index, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.index, axis=1)
+        out = ops.attention(q, ck, cv, scale=scale, causal=True, window=window, softcap=softcap,
+                            kv_valid=self.valid, q_offset=self.index, sinks=sinks)
+        return out, (ck, cv)
+
+
+class PagedPrefill(NamedTuple):
+    """One layer's page pool while a batch of prompts is prefilled: the prompts attend to themselves only.
+
+    k_pages / v_pages [P, BS, Hkv, hd] (P pages of BS token slots); slots [B, S] int32: the flat slot
+    (page * BS + offset) each prompt token's key and value go to (padding tokens: a slot of the scratch page);
+    lengths [B] int32: real tokens per row (rows are right padded)."""
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    slots: jax.Array
+    lengths: jax.Array
+
+    def attend(self, q, k, v, *, scale, window, softcap, sinks):
+        valid = (jnp.arange(q.shape[1])[None, :] < self.lengths[:, None]).astype(jnp.int32)
+        out = ops.attention(q, k, v, scale=scale, causal=True, window=window, softcap=softcap, kv_valid=valid,
+                            kv_lengths=self.lengths, sinks=sinks)
+        return out, write_pages(self.k_pages, self.v_pages, self.slots, k, v)
+
+
+class PagedDecode(NamedTuple):
+    """One layer's page pool during decoding: one new token per row.
+
+    slots [B] int32: where the new token's key/value go; block_tables [B, MAXB] int32: each row's pages in
+    order; lengths [B] int32: the row's tokens including the new one (0: an idle row)."""
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    slots: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+
+    def attend(self, q, k, v, *, scale, window, softcap, sinks):
+        kp, vp = write_pages(self.k_pages, self.v_pages, self.slots[:, None], k, v)
+        out = ops.paged_attention(q[:, 0], kp, vp, self.block_tables, self.lengths, scale=scale, window=window,
+                                  softcap=softcap, sinks=sinks)
+        return out[:, None], (kp, vp)
+
+
+def write_pages(k_pages, v_pages, slots, k, v):
+    """k/v [B, S, Hkv, hd] written into the page pools [P, BS, Hkv, hd] at the flat slots [B, S] -> new pools."""
+    p, bs = k_pages.shape[:2]
+    flat = slots.reshape(-1)
+
+    def put(pages, new):
+        rows = pages.reshape(p * bs, *pages.shape[2:])
+        rows = rows.at[flat].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop",
+                                 unique_indices=False)
+        return rows.reshape(pages.shape)
+
+    return put(k_pages, k), put(v_pages, v)
 
 
 class Attention(nnx.Module):
@@ -57,7 +118,8 @@ class Attention(nnx.Module):
                  cache: KVCache | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """x [B, S, D] (already normed) -> ([B, S, D], new (k, v) cache arrays or None).
 
-        With `cache`, the new keys/values are written at `cache.index` and attention runs over the whole cache.
+        With `cache` (KVCache, PagedPrefill or PagedDecode), the cache writes the new keys/values and runs the
+        attention (`cache.attend`); the second item is then the cache's new arrays.
         """
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
@@ -76,12 +138,8 @@ class Attention(nnx.Module):
                                 kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,
                                 sinks=sinks)
             out = checkpoint_name(out, "attn_out")
-        else:
-            ck = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache.index, axis=1)
-            cv = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache.index, axis=1)
-            out = ops.attention(q, ck, cv, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=cache.valid, q_offset=cache.index, sinks=sinks)
-            new_cache = (ck, cv)
+        else:  # KVCache, PagedPrefill or PagedDecode: the cache writes this call's keys/values and attends
+            out, new_cache = cache.attend(q, k, v, scale=self.scale, window=window, softcap=self.softcap, sinks=sinks)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), new_cache
 
     def rotate(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:

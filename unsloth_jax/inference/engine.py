@@ -1,0 +1,499 @@
+"""The generation engine: continuous batching over a paged KV cache, with vLLM's names outward.
+
+    engine = Engine(model, tokenizer)
+    outs = engine.generate(["Hello"], SamplingParams(n=4, temperature=0.8, max_tokens=64))
+    outs[0].outputs[2].text, .token_ids, .logprobs, .finish_reason
+
+One `generate` call: the prompts (text, or token id lists) become sequences (n per prompt). R decode rows
+(a power of two, up to max_rows) run together; the host admits waiting sequences into free rows, prefilling
+their prompts in one batched call (the n sequences of a prompt share its full pages and each gets a copy of its
+last, partly filled page), then runs a compiled loop of up to `chunk` decode steps on the device, reads the
+tokens back once, retires finished sequences (stop token, max_tokens, stop string) and frees their pages and
+rows for the next admissions. The KV pool is allocated for the call and released at its end, under a memory cap
+(`gpu_memory_utilization` of the free device memory, or `kv_cache_gib`); a sequence is admitted only when pages
+for its whole length are free, and one that could never fit is refused with the numbers.
+
+The weights are the model's own, read at each call (`weights.prepare`: "shared", "copy" or "merged"), so a
+trainer that updates the model in place generates with its current weights.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unsloth_jax import ops
+from unsloth_jax.inference import pages as paging
+from unsloth_jax.inference import runner
+from unsloth_jax.inference.eos import default_eos_ids
+from unsloth_jax.inference.sampling import RowParams, SamplerFlags, SamplingParams
+from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
+
+log = logging.getLogger("unsloth_jax")
+
+MIN_ROWS = 8  # the smallest row bucket
+
+
+@dataclasses.dataclass
+class Logprob:
+    """vLLM's Logprob: the log-probability of one token (raw model distribution)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None  # "stop" or "length"
+    stop_reason: int | str | None = None  # the stop token id or string, None for an end-of-sequence token
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The completions of one prompt (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class _Sequence:
+    request: int
+    index: int
+    params: SamplingParams
+    key: np.ndarray  # [2] uint32
+    stop_ids: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= max(n, minimum)."""
+    n = max(int(n), int(minimum))
+    return 1 << (n - 1).bit_length()
+
+
+def _enable_compile_cache() -> None:
+    """Compiled programs cached on disk (~/.cache/unsloth_jax/xla) on a GPU, unless the user chose a cache
+    directory or set UNSLOTH_JAX_COMPILE_CACHE=0."""
+    if os.environ.get("UNSLOTH_JAX_COMPILE_CACHE", "1") == "0" or jax.default_backend() != "gpu":
+        return
+    try:
+        if jax.config.jax_compilation_cache_dir:
+            return
+        path = os.environ.get("UNSLOTH_JAX_COMPILE_CACHE_DIR", os.path.expanduser("~/.cache/unsloth_jax/xla"))
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except (AttributeError, ValueError) as e:  # a jax without these settings: compile every run
+        log.info("unsloth_jax: no on-disk compile cache (%s)", e)
+
+
+def default_stop_ids(model, tokenizer) -> list[int]:
+    """The model's end-of-sequence ids (generation_config.json, config.json) and the tokenizer's."""
+    ids = set(default_eos_ids(model))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+class Engine:
+    """Generation for one model (a CausalLM). Settings:
+
+    max_rows: decode rows at once (vLLM's max_num_seqs); page_size: tokens per KV page; chunk: decode steps per
+    host round trip; gpu_memory_utilization: fraction of the free device memory the KV pool may take (default
+    0.9); kv_cache_gib: a fixed cap instead; weights: "shared" (the model's stacked weights, no copy),
+    "copy" or "merged" (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
+    (default: config.max_position_embeddings); seed: for requests without their own."""
+
+    def __init__(self, model, tokenizer=None, *, max_rows: int = 256, page_size: int = 16, chunk: int = 64,
+                 gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                 weights: str = "shared", max_model_len: int | None = None, seed: int = 0):
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"Engine: weights={weights!r}; use one of {WEIGHT_MODES}")
+        for name, value in (("max_rows", max_rows), ("page_size", page_size), ("chunk", chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+        if page_size & (page_size - 1):
+            raise ValueError(f"Engine: page_size must be a power of two, got {page_size}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ValueError(f"Engine: kv_cache_gib must be > 0, got {kv_cache_gib!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_rows, self.page_size, self.chunk = max_rows, page_size, chunk
+        self.gpu_memory_utilization, self.kv_cache_gib = gpu_memory_utilization, kv_cache_gib
+        self.weights = weights
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        self.seed = int(seed)
+        self._requests_seen = 0
+        self._summaries: set = set()
+        # timings of the last generate call (seconds; the decode ones include reading the tokens back)
+        self.last_stats: dict[str, float] = {}
+        _enable_compile_cache()
+
+    # ------------------------------------------------------------------------------------------ inputs
+    def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        texts, ids = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise ValueError(f"prompts[{i}]: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompts[{i}] is text but the engine has no tokenizer; pass token ids")
+                texts.append(p)
+                ids.append([int(t) for t in self.tokenizer(p)["input_ids"]])  # special tokens added, as vLLM
+            else:
+                arr = np.asarray(p)
+                if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                    raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+                texts.append(None)
+                ids.append([int(t) for t in arr])
+            if not ids[-1]:
+                raise ValueError(f"prompts[{i}] is empty; give at least one token")
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids[-1] if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return texts, ids
+
+    def _sequences(self, ids, params_list) -> list[_Sequence]:
+        eos = default_stop_ids(self.model, self.tokenizer)
+        seqs = []
+        for r, (prompt, params) in enumerate(zip(ids, params_list)):
+            total = len(prompt) + params.max_tokens
+            if total > self.max_model_len:
+                raise ValueError(f"prompts[{r}]: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} = "
+                                 f"{total} exceed max_model_len={self.max_model_len}")
+            seed = params.seed if params.seed is not None else self.seed * 1_000_003 + self._requests_seen + r
+            base = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
+            for j in range(params.n):
+                key = np.asarray(jax.random.fold_in(base, j), np.uint32)
+                seqs.append(_Sequence(r, j, params, key, stops))
+        self._requests_seen += len(ids)
+        return seqs
+
+    # -------------------------------------------------------------------------------------------- sizes
+    def _pool_pages(self, rows: int, max_pages: int) -> int:
+        cfg, size = self.model.config, self.page_size
+        need = rows * max_pages
+        per_page = paging.page_bytes(cfg, size, self.model.dtype)
+        if self.kv_cache_gib is not None:
+            cap = int(self.kv_cache_gib * 2**30 // per_page)
+        else:
+            stats = _memory_stats()
+            if stats is None:
+                return need
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            cap = int((self.gpu_memory_utilization or 0.9) * free // per_page)
+        if cap < max_pages:
+            raise ValueError(f"the KV cache cap holds {cap} pages of {size} tokens ({per_page / 2**20:.1f} MiB "
+                             f"each) but one sequence needs {max_pages}; raise gpu_memory_utilization or "
+                             f"kv_cache_gib, or lower max_tokens")
+        return min(need, cap)
+
+    # --------------------------------------------------------------------------------------- generation
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False, on_tokens=None) -> list[RequestOutput]:
+        """Complete every prompt (a string, token ids, a {"prompt_token_ids": ...} dict, or a list of those).
+        sampling_params: one for all prompts or one per prompt (default SamplingParams()). on_tokens: called
+        after each decode chunk with {(request, index): new token ids} (streaming). Returns one RequestOutput
+        per prompt, in order."""
+        texts, ids = self._prompt_ids(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = ([sampling_params] * len(ids) if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params))
+        if len(params_list) != len(ids):
+            raise ValueError(f"{len(params_list)} sampling_params for {len(ids)} prompts")
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        seqs = self._sequences(ids, params_list)
+        _Run(self, ids, seqs, use_tqdm, on_tokens).run()
+        outs = []
+        for r, (text, prompt) in enumerate(zip(texts, ids)):
+            mine = sorted((s for s in seqs if s.request == r), key=lambda s: s.index)
+            outs.append(RequestOutput(str(r), text, list(prompt), [self._completion(s) for s in mine]))
+        return outs
+
+    def _completion(self, s: _Sequence) -> CompletionOutput:
+        text = s.text
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode(
+                s.tokens, skip_special_tokens=s.params.skip_special_tokens)
+        lps = None
+        if s.params.logprobs is not None:
+            lps = [{t: Logprob(lp)} for t, lp in zip(s.tokens, s.logprobs)]
+        return CompletionOutput(s.index, text, list(s.tokens), float(np.sum(s.logprobs)), lps, s.finish_reason,
+                                s.stop_reason)
+
+    def summary(self, rows: int, pool_pages: int, flags: SamplerFlags) -> None:
+        key = (rows, pool_pages, flags)
+        if key in self._summaries:
+            return
+        self._summaries.add(key)
+        per_page = paging.page_bytes(self.model.config, self.page_size, self.model.dtype)
+        impl = "pallas" if ops.use_pallas("paged_attention", jnp.zeros((1, 1, self.model.config.head_dim),
+                                                                          self.model.dtype)) else "xla"
+        print(f"unsloth_jax generate: {rows} rows, KV pool {pool_pages} pages x {self.page_size} tokens "
+              f"({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode attention {impl}, "
+              f"dtype {jnp.dtype(self.model.dtype).name}")
+
+
+def _memory_stats() -> dict | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+
+class _Run:
+    """The host loop of one `Engine.generate` call."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], seqs: list[_Sequence], use_tqdm, on_tokens):
+        self.e, self.prompts, self.seqs, self.on_tokens = engine, prompts, seqs, on_tokens
+        params = [s.params for s in seqs]
+        self.flags = SamplerFlags.of(params)
+        size = engine.page_size
+        self.rows = min(bucket(len(seqs), MIN_ROWS), bucket(engine.max_rows, MIN_ROWS))
+        longest = max(len(prompts[s.request]) + s.params.max_tokens for s in seqs)
+        self.max_pages = paging.pages_for(longest, size)
+        self.num_pages = engine._pool_pages(self.rows, self.max_pages)
+        self.stop_width = max(1, max(len(s.stop_ids) for s in seqs))
+        self.alloc = paging.PageAllocator(self.num_pages)
+        self.free_rows = list(range(self.rows - 1, -1, -1))
+        self.tables = np.zeros((self.rows, self.max_pages), np.int32)
+        self.waiting = collections.deque(_by_request(seqs))
+        self.running: dict[int, _Sequence] = {}
+        self.bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=len(seqs), desc="generate", unit="seq")
+
+    def run(self) -> None:
+        e, cfg = self.e, self.e.model.config
+        e.summary(self.rows, self.num_pages, self.flags)
+        stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
+                                "rows": self.rows, "pool_pages": self.num_pages}
+        t0 = time.perf_counter()
+        self.plan, self.weights = prepare(e.model, e.weights)
+        self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
+        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags)
+        jax.block_until_ready((self.weights, self.pools))
+        stats["prepare_s"] = time.perf_counter() - t0
+        try:
+            while self.waiting or self.running:
+                t0 = time.perf_counter()
+                self._admit()
+                stats["prefill_s"] += time.perf_counter() - t0
+                if not self.running:
+                    continue
+                t0 = time.perf_counter()
+                out = runner.decode_chunk(self.weights, self.pools, self.state, jnp.asarray(self.tables),
+                                          jnp.int32(e.chunk), plan=self.plan, flags=self.flags, cap=e.chunk)
+                self.pools, self.state, tokens, logprobs, taken = out
+                tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+                stats["decode_s"] += time.perf_counter() - t0
+                stats["steps"] += int(taken)
+                stats["chunks"] += 1
+                self._collect(tokens, logprobs)
+        finally:
+            self.pools = self.state = self.weights = None  # the KV pool and copied weights go with the call
+            if self.bar is not None:
+                self.bar.close()
+
+    # ------------------------------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        size = self.e.page_size
+        admitted: list[tuple[int, list[_Sequence]]] = []  # (prompt, its admitted sequences)
+        while self.waiting and self.free_rows:
+            group = self.waiting[0]
+            prompt = self.prompts[group[0].request]
+            full = len(prompt) // size
+            own = [paging.pages_for(len(prompt) + s.params.max_tokens, size) - full for s in group]
+            take = 0
+            while take < len(group) and take < len(self.free_rows) \
+                    and full + sum(own[:take + 1]) <= self.alloc.free:
+                take += 1
+            if take == 0:
+                if not self.running and not admitted:
+                    raise MemoryError(f"the KV pool ({self.num_pages} pages) cannot hold request "
+                                      f"{group[0].request}; raise gpu_memory_utilization or kv_cache_gib")
+                break
+            shared = self.alloc.take(full)
+            if take > 1:
+                self.alloc.share(shared * (take - 1))
+            for s, n_own in zip(group[:take], own[:take]):
+                s.pages = shared + self.alloc.take(n_own)
+                s.row = self.free_rows.pop()
+                self.tables[s.row] = 0
+                self.tables[s.row, :len(s.pages)] = s.pages
+                self.running[s.row] = s
+            admitted.append((group[0].request, group[:take]))
+            if take == len(group):
+                self.waiting.popleft()
+            else:
+                self.waiting[0] = group[take:]
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, admitted) -> None:
+        e, size = self.e, self.e.page_size
+        num_slots = self.num_pages * size
+        n_prompts = len(admitted)
+        lengths = [len(self.prompts[r]) for r, _ in admitted]
+        p_b, s_b = bucket(n_prompts), bucket(max(lengths), 16)
+        ids = np.zeros((p_b, s_b), np.int32)
+        slots = np.full((p_b, s_b), num_slots, np.int32)
+        lens = np.zeros((p_b,), np.int32)
+        src, dst = [], []
+        for i, (r, group) in enumerate(admitted):
+            prompt = self.prompts[r]
+            first = group[0]
+            ids[i, :len(prompt)] = prompt
+            lens[i] = len(prompt)
+            t = np.arange(len(prompt))
+            slots[i, :len(prompt)] = np.asarray(first.pages)[t // size] * size + t % size
+            if len(prompt) % size:  # the others copy the prompt's partly filled page
+                part = len(prompt) // size
+                for s in group[1:]:
+                    src.append(first.pages[part])
+                    dst.append(s.pages[part])
+        self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
+                                            jnp.asarray(slots), plan=self.plan)
+        if src:
+            self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+        new = [(i, s) for i, (_, group) in enumerate(admitted) for s in group]
+        n_b = bucket(len(new))
+        prompt_of = np.zeros((n_b,), np.int32)
+        targets = np.full((n_b,), self.rows, np.int32)  # padding entries: out of range, dropped
+        plen = np.zeros((n_b,), np.int32)
+        budgets = np.ones((n_b,), np.int32)
+        keys = np.zeros((n_b, 2), np.uint32)
+        stop_ids = np.full((n_b, self.stop_width), -1, np.int32)
+        width = bucket(max(lengths), 16) if self.flags.penalty else 1
+        prompt_tokens = np.full((n_b, width), -1, np.int32)
+        params = [SamplingParams()] * n_b
+        for k, (i, s) in enumerate(new):
+            prompt = self.prompts[s.request]
+            prompt_of[k], targets[k], plen[k], budgets[k] = i, s.row, len(prompt), s.params.max_tokens
+            keys[k] = s.key
+            stop_ids[k, :len(s.stop_ids)] = s.stop_ids
+            if self.flags.penalty:
+                prompt_tokens[k, :len(prompt)] = prompt
+            params[k] = s.params
+        rp = RowParams(*(jnp.asarray(a) for a in RowParams.of(params)))
+        self.state, first, lps = runner.start_rows(self.state, logits, jnp.asarray(prompt_of), jnp.asarray(targets),
+                                                   jnp.asarray(plen), jnp.asarray(budgets), jnp.asarray(keys), rp,
+                                                   jnp.asarray(stop_ids), jnp.asarray(prompt_tokens),
+                                                   flags=self.flags)
+        first, lps = np.asarray(first), np.asarray(lps)
+        news = {}
+        for k, (_, s) in enumerate(new):
+            self._append(s, [int(first[k])], [float(lps[k])])
+            news[(s.request, s.index)] = [int(first[k])]
+        self._emit(news)
+        self._retire_finished()
+
+    # ------------------------------------------------------------------------------------------ progress
+    def _collect(self, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        news = {}
+        for row, s in list(self.running.items()):
+            got = tokens[row]
+            n = int(np.sum(got >= 0))
+            if n:
+                self._append(s, got[:n].tolist(), logprobs[row, :n].tolist())
+                news[(s.request, s.index)] = got[:n].tolist()
+        self._emit(news)
+        self._retire_finished()
+
+    def _append(self, s: _Sequence, toks: list[int], lps: list[float]) -> None:
+        s.tokens += toks
+        s.logprobs += lps
+        if s.tokens and s.tokens[-1] in s.stop_ids:
+            s.finish_reason = "stop"
+            s.stop_reason = s.tokens[-1] if s.tokens[-1] in s.params.stop_token_ids else None
+        elif len(s.tokens) >= s.params.max_tokens:
+            s.finish_reason = "length"
+        if s.params.stop and self.e.tokenizer is not None:
+            self._check_stop_strings(s)
+
+    def _check_stop_strings(self, s: _Sequence) -> None:
+        text = self.e.tokenizer.decode(s.tokens, skip_special_tokens=s.params.skip_special_tokens)
+        hits = [(text.find(stop), stop) for stop in s.params.stop if stop in text]
+        if not hits:
+            return
+        at, stop = min(hits)
+        s.text = text[:at + len(stop)] if s.params.include_stop_str_in_output else text[:at]
+        # keep the tokens up to the one that completed the stop string
+        for n in range(1, len(s.tokens) + 1):
+            if stop in self.e.tokenizer.decode(s.tokens[:n], skip_special_tokens=s.params.skip_special_tokens):
+                s.tokens, s.logprobs = s.tokens[:n], s.logprobs[:n]
+                break
+        s.finish_reason, s.stop_reason = "stop", stop
+
+    def _emit(self, news: dict) -> None:
+        if self.on_tokens is not None and news:
+            self.on_tokens(news)
+
+    def _retire_finished(self) -> None:
+        done = [row for row, s in self.running.items() if s.finish_reason is not None]
+        if not done:
+            return
+        stopped_on_host = [row for row in done if isinstance(self.running[row].stop_reason, str)]
+        if stopped_on_host:
+            self.state = runner.deactivate(self.state, jnp.asarray(stopped_on_host, jnp.int32))
+        for row in done:
+            s = self.running.pop(row)
+            self.alloc.release(s.pages)
+            s.pages, s.row = [], None
+            self.free_rows.append(row)
+            if self.bar is not None:
+                self.bar.update(1)
+
+
+def _by_request(seqs: list[_Sequence]) -> list[list[_Sequence]]:
+    groups: dict[int, list[_Sequence]] = {}
+    for s in seqs:
+        groups.setdefault(s.request, []).append(s)
+    return list(groups.values())
+
+
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "default_stop_ids"]

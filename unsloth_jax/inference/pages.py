@@ -1,0 +1,74 @@
+"""The paged KV cache: per-layer page pools on the device and their allocator on the host.
+
+Each layer's keys and values live in pools [P, BS, Hkv, hd] of P pages of BS token slots (`make_pools`). A
+sequence owns a list of pages in order (its block table): its token t sits in page table[t // BS], slot t % BS.
+The n completions of one prompt share the prompt's full pages (reference counted); each gets its own copy of
+the prompt's last, partly filled page, where it goes on writing. Pages are reserved for a sequence's whole
+length (prompt + max_tokens) when it is admitted, so a running sequence never waits for memory.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class PageAllocator:
+    """Free list and reference counts of `num_pages` pages (host side)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = int(num_pages)
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._refs = np.zeros(self.num_pages, np.int32)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        """`count` fresh pages (reference count 1); raises MemoryError when fewer are free."""
+        if count > len(self._free):
+            raise MemoryError(f"{count} pages asked for, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        self._refs[pages] = 1
+        return pages
+
+    def share(self, pages) -> None:
+        """One more owner for each of `pages`."""
+        self._refs[list(pages)] += 1
+
+    def release(self, pages) -> None:
+        """Drop one owner of each page; pages left without one return to the free list."""
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+            elif self._refs[p] < 0:
+                raise RuntimeError(f"page {p} released more often than taken")
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages holding `tokens` token slots."""
+    return -(-int(tokens) // int(page_size))
+
+
+def page_bytes(cfg, page_size: int, dtype) -> int:
+    """Bytes of one page across every layer, keys and values."""
+    return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def make_pools(cfg, num_pages: int, page_size: int, dtype) -> tuple:
+    """Zeroed pools: a tuple over layers of (k_pages, v_pages), each [num_pages, page_size, Hkv, hd]."""
+    shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers))
+
+
+def _copy_pages(pools, src, dst):
+    return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in pools)
+
+
+copy_pages = jax.jit(_copy_pages, donate_argnums=(0,))
+copy_pages.__doc__ = "pools with pages src [N] copied onto pages dst [N] in every layer (the pools are donated)."
+
+
+__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages"]

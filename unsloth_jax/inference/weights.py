@@ -1,0 +1,137 @@
+"""The weights a rollout decodes with, prepared once per `generate` call from the model's live state.
+
+The trainer keeps each projection's layers stacked ([L, in, out]); a decode step that slices layer i out of
+the stack inside the compiled program gets a copy of that slice every step (XLA's GEMM fusions do not read a
+slice in place), which on the H200 doubled the step at 1.5B (BENCHMARKS.md, generation). Three layouts:
+
+  "shared"  the stacked base weights as they are (no second copy), sliced in the step; the LoRA factors
+            cast to the compute dtype and split per layer once per rollout (a few MiB).
+  "copy"    every layer's weights as their own arrays: one copy of the base weights per rollout (freed after
+            it), LoRA unmerged as in "shared". Same numbers as "shared".
+  "merged"  as "copy", with each projection's LoRA pair folded into its kernel (W + scale A B, in the compute
+            dtype): the fastest step, a full copy of the weights, and the LoRA delta rounded into W (16-bit
+            bases only).
+
+`DecodeWeights` holds the arrays (a pytree the compiled functions take); `LayerPlan` the static side.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.nf4_format import NF4Weight
+
+WEIGHT_MODES = ("shared", "copy", "merged")
+
+
+class LayerPlan(NamedTuple):
+    """Static side of the decode weights: the model and layer graphdefs and whether layers are sliced in-step."""
+
+    graphdef: nnx.GraphDef
+    layer_graphdef: nnx.GraphDef
+    sliced: bool  # True: the stacked part is sliced inside the step ("shared")
+
+
+class DecodeWeights(NamedTuple):
+    """state: the whole model's state (embeddings, final norm, head; the layer stack is read only when sliced);
+    stacked: the layer state part sliced in the step, or None; per_layer: a tuple over the L layers of tuples of
+    states (the LoRA factors in "shared"; the whole layer otherwise) that make up the layer with its slice."""
+
+    state: nnx.State
+    stacked: nnx.State | None
+    per_layer: tuple
+
+
+def _cast_lora(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def _unstack(tree, n: int) -> tuple:
+    return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
+
+
+def _split_lora(lora_state, n: int, dtype):
+    return tuple((s,) for s in _unstack(_cast_lora(lora_state, dtype), n))
+
+
+def _copy_layers(base_state, lora_state, n: int, dtype):
+    return tuple(zip(_unstack(base_state, n), _unstack(_cast_lora(lora_state, dtype), n)))
+
+
+_split_lora = jax.jit(_split_lora, static_argnums=(1, 2))
+_copy_layers = jax.jit(_copy_layers, static_argnums=(2, 3))
+
+
+def _projections(layer_module):
+    """(parent module, attribute name) of every Linear of a (stacked) decoder layer."""
+    from unsloth_jax.models.decoder import PROJ_PARENT
+
+    for name, parent in PROJ_PARENT.items():
+        lin = getattr(getattr(layer_module, parent), name, None)
+        if lin is not None:
+            yield lin
+
+
+def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
+    """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES)."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES}")
+    graphdef, state = nnx.split(model)
+    layers = model.model.layers
+    n = model.config.num_hidden_layers
+    dtype = model.dtype
+    if mode == "merged":
+        return _prepare_merged(model, graphdef, state, layers, n, dtype)
+    layer_graphdef, lora_state, base_state = nnx.split(layers, nnx.LoRAParam, ...)
+    if mode == "shared":
+        per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
+        return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
+    per_layer = _copy_layers(base_state, lora_state, n, jnp.dtype(dtype))
+    return LayerPlan(graphdef, layer_graphdef, False), DecodeWeights(state, None, per_layer)
+
+
+def _merged_kernel(kernel, a, b, scale, dtype):
+    w = kernel.astype(jnp.float32) + scale * jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+    return w.astype(dtype)
+
+
+def _prepare_merged(model, graphdef, state, layers, n, dtype):
+    for lin in _projections(layers):
+        kernel = lin.kernel.get_value()
+        if isinstance(kernel, (NF4Weight, FP8Weight)):
+            raise ValueError("weights='merged' needs a 16-bit base; this model's projections are 4-bit or FP8 "
+                             "(use weights='shared')")
+    # A module of the same structure with every LoRA pair folded into its kernel and dropped.
+    layer_graphdef, layer_state = nnx.split(layers)
+    clone = nnx.merge(layer_graphdef, layer_state)
+    merged = {}
+    for lin in _projections(clone):
+        if lin.lora_a is not None:
+            merged[id(lin)] = (lin, lin.kernel.get_value(), lin.lora_a.get_value(), lin.lora_b.get_value(),
+                               float(lin.lora_scale))
+    for lin, kernel, a, b, scale in merged.values():
+        lin.kernel.set_value(_merged_kernel_jit(kernel, a, b, scale, jnp.dtype(dtype)))
+        lin.lora_a = lin.lora_b = None
+        lin.lora_scale = None
+    merged_graphdef, merged_state = nnx.split(clone)
+    per_layer = tuple((s,) for s in _unstack_jit(merged_state, n))
+    return LayerPlan(graphdef, merged_graphdef, False), DecodeWeights(state, None, per_layer)
+
+
+_merged_kernel_jit = jax.jit(_merged_kernel, static_argnums=(3, 4))
+_unstack_jit = jax.jit(_unstack, static_argnums=(1,))
+
+
+def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int):
+    """Layer i as a module, inside a traced function: its slice of the stack (in-step) and its own arrays."""
+    parts = list(weights.per_layer[i])
+    if plan.sliced:
+        parts.insert(0, jax.tree.map(lambda a: a[i], weights.stacked))
+    return nnx.merge(plan.layer_graphdef, *parts)
+
+
+__all__ = ["WEIGHT_MODES", "LayerPlan", "DecodeWeights", "prepare", "layer_module"]
