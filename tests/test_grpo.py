@@ -305,8 +305,13 @@ def test_grpo_config_checks():
         GRPOConfig(output_dir="o", num_generations=1)
     with pytest.raises(ValueError, match="loss_type"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, loss_type="ppo")
+    assert GRPOConfig(output_dir="o", top_k=50, min_p=0.1, repetition_penalty=1.2).top_k == 50  # engine options
     with pytest.raises(ValueError, match="top_k"):
-        GRPOConfig(output_dir="o", per_device_train_batch_size=8, top_k=50)
+        GRPOConfig(output_dir="o", per_device_train_batch_size=8, top_k=-5)
+    with pytest.raises(ValueError, match="min_p"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=8, min_p=1.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=8, repetition_penalty=0)
     with pytest.raises(ValueError, match="steps_per_generation"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=4)
 

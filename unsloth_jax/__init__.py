@@ -28,6 +28,7 @@ _EXPORTS = {
     "UnslothTrainer": "unsloth_jax.train",
     "UnslothTrainingArguments": "unsloth_jax.train",
     "add_new_tokens": "unsloth_jax.vocab",
+    "SamplingParams": "unsloth_jax.inference",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -28,7 +28,9 @@ from unsloth_jax.validation import require_bool, require_choice, require_int, re
 log = logging.getLogger("unsloth_jax")
 
 _DEFAULT_TARGETS = lora_lib.ALL_TARGETS
-_FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling")
+_FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tokenizer", "rope_scaling",
+                            # Unsloth's vLLM switches: the generation engine is always on and takes any rank
+                            "fast_inference", "max_lora_rank")
 # config.json fields from_pretrained(**kwargs) may override, as transformers' from_pretrained does (MoE families).
 _CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float}
 
@@ -44,6 +46,7 @@ class Model(CausalLM):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.max_seq_length = 2048
         self.gradient_checkpointing = "none"
+        self.gpu_memory_utilization: float | None = None  # the generation engine's KV pool cap (from_pretrained)
         self.training = True
 
     def trainable_filter(self):
@@ -89,6 +92,13 @@ class Model(CausalLM):
         from unsloth_jax.generation import generate
 
         return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+
+    def fast_generate(self, prompts, sampling_params=None, **kwargs):
+        """vLLM's generate (Unsloth's fast_inference name): prompts -> RequestOutputs, on the generation engine
+        (see unsloth_jax.generation.fast_generate; kwargs: tokenizer, use_tqdm, lora_request)."""
+        from unsloth_jax.generation import fast_generate
+
+        return fast_generate(self, prompts, sampling_params, **kwargs)
 
     def __repr__(self) -> str:
         c = self.config
@@ -240,6 +250,10 @@ class FastLanguageModel:
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
+        gpu_memory_utilization = kwargs.pop("gpu_memory_utilization", None)
+        if gpu_memory_utilization is not None:
+            gpu_memory_utilization = require_real("gpu_memory_utilization", gpu_memory_utilization, minimum=0,
+                                                  min_exclusive=True, maximum=1)
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
@@ -261,6 +275,7 @@ class FastLanguageModel:
                 base, max_seq_length, dtype, load_in_4bit, load_in_fp8=load_in_fp8, load_tokenizer=False,
                 progress=progress, **kwargs)
             model = peft_io.load_adapter(model, model_dir)
+            model.gpu_memory_utilization = gpu_memory_utilization
             tokenizer = (_load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file()
                          else _load_tokenizer(Path(base))) if load_tokenizer else None
             return model, tokenizer
@@ -270,6 +285,7 @@ class FastLanguageModel:
         if gguf_file is not None:
             model, tokenizer = _from_gguf(gguf_file, max_seq_length, compute_dtype, load_in_4bit, load_in_fp8,
                                           load_tokenizer, progress)
+            model.gpu_memory_utilization = gpu_memory_utilization
             if full_finetuning:
                 _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
             return model, tokenizer
@@ -306,6 +322,7 @@ class FastLanguageModel:
                            bnb_4bit=prequantized)
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
+        model.gpu_memory_utilization = gpu_memory_utilization
         if full_finetuning:
             _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
         seconds = time.perf_counter() - start

@@ -29,16 +29,54 @@ _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STREAM_CHUNK = 4  # decode steps per host round trip when streaming
 
 
-def engine_for(model, *, streaming: bool = False) -> Engine:
-    """The engine `generate` uses for `model` (one per model and streaming mode, with the model's
-    inference settings: `gpu_memory_utilization` from from_pretrained, if any)."""
+def engine_for(model, *, streaming: bool = False, tokenizer=None) -> Engine:
+    """The engine `generate` and `fast_generate` use for `model` (one per model and streaming mode, with the
+    model's inference settings: `gpu_memory_utilization` from from_pretrained, if any). tokenizer: for text
+    prompts (default: the one in the model's directory, loaded when first needed)."""
     per_model = _engines.setdefault(model, {})
     if streaming not in per_model:
         options = dict(gpu_memory_utilization=getattr(model, "gpu_memory_utilization", None))
         if streaming:
             options["chunk"] = _STREAM_CHUNK
         per_model[streaming] = Engine(model, **options)
-    return per_model[streaming]
+    engine = per_model[streaming]
+    if tokenizer is not None:
+        engine.tokenizer = tokenizer
+    return engine
+
+
+def fast_generate(model, prompts, sampling_params: SamplingParams | None = None, *, tokenizer=None,
+                  use_tqdm: bool = False, lora_request=None):
+    """vLLM's `LLM.generate` (Unsloth's `model.fast_generate`): prompts (text, token ids, or lists of them)
+    -> a list of RequestOutput (`.outputs[i].text / .token_ids / .logprobs / .finish_reason`). The model's
+    current weights, LoRA included, are used (lora_request, vLLM's way of naming an adapter, is accepted and
+    must be None or the model's own: there is one adapter, the one in the model)."""
+    if lora_request is not None and not getattr(lora_request, "_unsloth_jax_own", False):
+        raise ValueError("fast_generate: lora_request names another adapter; unsloth_jax generates with the "
+                         "adapter in the model (load another with FastLanguageModel.from_pretrained(adapter_dir))")
+    engine = engine_for(model, tokenizer=tokenizer)
+    if engine.tokenizer is None and _has_text(prompts):
+        engine.tokenizer = _model_tokenizer(model)
+    return engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _has_text(prompts) -> bool:
+    items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    return any(isinstance(p, str) or (isinstance(p, dict) and "prompt" in p) for p in items)
+
+
+def _model_tokenizer(model):
+    """The tokenizer saved beside the model's weights, or an error saying to pass one."""
+    model_dir = getattr(model, "model_dir", None)
+    if model_dir:
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError):
+            pass
+    raise ValueError("fast_generate: text prompts need a tokenizer and none was found beside the model; pass "
+                     "tokenizer=... or token ids")
 
 
 def _as_ids(x, name: str) -> np.ndarray:
@@ -141,4 +179,4 @@ def _step_streamer(streamer, rows: int, pad: int):
     return on_tokens
 
 
-__all__ = ["generate", "engine_for", "default_eos_ids"]
+__all__ = ["generate", "fast_generate", "engine_for", "default_eos_ids", "SamplingParams"]

@@ -44,6 +44,34 @@ from pallas_kernels.fp8 import FP8Weight
 from pallas_kernels.nf4_format import NF4Weight
 from unsloth_jax.backend import mesh_batch_axes
 
+@jax.tree_util.register_pytree_node_class
+class LayerSlice:
+    """Layer `layer` of a stacked projection kernel `stack` [L, in, out], not yet sliced: the generation engine
+    hands these to `linear`, whose decode kernel reads the layer in place (slicing inside a compiled step
+    copies the slice). `layer` is static (pytree aux data); `value()` is the plain slice."""
+
+    def __init__(self, stack: jax.Array, layer: int):
+        self.stack, self.layer = stack, int(layer)
+
+    def value(self) -> jax.Array:
+        return self.stack[self.layer]
+
+    @property
+    def shape(self):
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def tree_flatten(self):
+        return (self.stack,), self.layer
+
+    @classmethod
+    def tree_unflatten(cls, layer, children):
+        return cls(children[0], layer)
+
+
 ENV_VAR = "UNSLOTH_JAX_IMPL"
 # The implementations each op can be forced to ("auto" restores the measured choice).
 IMPLS = {
@@ -55,6 +83,7 @@ IMPLS = {
     "nf4_matmul": ("xla", "pallas"),
     "attention": ("xla", "pallas", "cudnn"),
     "paged_attention": ("xla", "pallas"),  # decode attention over the generation engine's page pool
+    "decode_linear": ("xla", "pallas"),  # the engine's decode GEMMs on a stacked kernel's layer, LoRA fused
     # not a kernel: the engine's decode loop compiled with XLA's default GEMMs ("xla") or with cuBLAS GEMMs
     # that read a layer's weights in place from the stacked kernels (dynamic-slice fusion, "cublas_inplace")
     "decode_gemm": ("xla", "cublas_inplace"),
@@ -264,6 +293,8 @@ PALLAS_WINS = {
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # Decode attention over the page pool: not yet measured on the GPU, so XLA's gather + softmax.
     "paged_attention": lambda q: False,
+    # Decode GEMMs reading a layer of the stacked kernel in place (LoRA fused): not yet measured on the GPU.
+    "decode_linear": lambda x: False,
     # NF4 projections: the Pallas dequantize, then XLA's matmul.
     "nf4_matmul": lambda x: x.dtype == _BF16,
     # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
@@ -400,6 +431,10 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, ke
     """
     if kernel_grad and (isinstance(kernel, (NF4Weight, FP8Weight)) or lora is not None):
         raise ValueError("ops.linear: kernel_grad=True needs a dense kernel without LoRA (full fine-tuning)")
+    if isinstance(kernel, LayerSlice):
+        if use_pallas("decode_linear", x):
+            return _decode_linear(x, kernel, bias, lora)
+        kernel = kernel.value()
     if isinstance(kernel, NF4Weight):
         y = _linear_nf4(x, kernel, lora)
     elif isinstance(kernel, FP8Weight):
@@ -421,6 +456,21 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, ke
     if bias is not None:
         y = y + bias.astype(x.dtype)
     return y
+
+
+def _decode_linear(x: jax.Array, kernel: LayerSlice, bias, lora) -> jax.Array:
+    """linear() of decode rows x [..., in] on layer kernel.layer of the stacked kernel, read in place by
+    pallas_kernels.decode_linear (LoRA and bias added in the same kernel)."""
+    from pallas_kernels.decode_linear import stacked_linear
+
+    _note("decode_linear", "pallas")
+    a, b, scale = lora if lora is not None else (None, None, 1.0)
+    w = jax.lax.stop_gradient(kernel.stack)
+    flat = x.reshape(-1, x.shape[-1])
+    y = stacked_linear(flat, w.astype(x.dtype) if w.dtype != x.dtype else w, kernel.layer, bias=bias,
+                       lora_a=None if a is None else a.astype(x.dtype),
+                       lora_b=None if b is None else b.astype(x.dtype), lora_scale=float(scale))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _lora_delta(x: jax.Array, lora):
@@ -703,7 +753,7 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
                               ignore_index=ignore_index, chunk_size=chunk)
 
 
-__all__ = ["OPS", "IMPLS", "Policy", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
+__all__ = ["OPS", "IMPLS", "Policy", "LayerSlice", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
            "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "offload_attention_path",
            "offload_weights", "offload_copies", "rms_norm", "rope", "glu",
            "glu_linear", "linear", "grouped_matmul", "attention", "paged_attention", "attention_mask",

@@ -358,8 +358,7 @@ class _Run:
                                       f"{group[0].request}; raise gpu_memory_utilization or kv_cache_gib")
                 break
             shared = self.alloc.take(full)
-            if take > 1:
-                self.alloc.share(shared * (take - 1))
+            self.alloc.share(shared, take - 1)
             for s, n_own in zip(group[:take], own[:take]):
                 s.pages = shared + self.alloc.take(n_own)
                 s.row = self.free_rows.pop()

@@ -33,9 +33,10 @@ class PageAllocator:
         self._refs[pages] = 1
         return pages
 
-    def share(self, pages) -> None:
-        """One more owner for each of `pages`."""
-        self._refs[list(pages)] += 1
+    def share(self, pages, owners: int = 1) -> None:
+        """`owners` more owners for each of `pages`."""
+        for p in pages:
+            self._refs[p] += owners
 
     def release(self, pages) -> None:
         """Drop one owner of each page; pages left without one return to the free list."""

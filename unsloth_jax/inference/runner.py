@@ -41,9 +41,9 @@ class Rows(NamedTuple):
     seen: jax.Array | None  # [R, V] bool, with a repetition penalty
 
 
-def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths):
-    """Every layer over x [B, S, D] with per-layer caches (PagedPrefill / PagedDecode without their pools set
-    per layer: `caches(i)` builds layer i's) -> (x, new pools tuple)."""
+def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool):
+    """Every layer over x [B, S, D], layer i with the cache `caches(i)` (a PagedPrefill or PagedDecode over its
+    page pools) -> (x, new pools tuple). decode: one token per row (projection kernels read in place)."""
     cfg = model.config
     (cos, sin), local = model.model.rope(positions)
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
@@ -52,7 +52,7 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     for i in range(cfg.num_hidden_layers):
         j = i % cfg.layer_period
         rope = local if (local is not None and windows[j] is not None) else (cos, sin)
-        layer = layer_module(plan, weights, i)
+        layer = layer_module(plan, weights, i, in_place=decode)
         x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j])
         pools.append(kv)
     return x, tuple(pools)
@@ -69,7 +69,7 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, *, plan: LayerP
     def caches(i):
         return PagedPrefill(pools[i][0], pools[i][1], slots, lengths)
 
-    x, pools = _layers(plan, weights, model, x, positions, caches, lengths)
+    x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False)
     last = jnp.take_along_axis(x, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
     return pools, model.logits_from_hidden(model.model.norm(last))
 
@@ -122,7 +122,7 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
         def caches(i):
             return PagedDecode(pools[i][0], pools[i][1], slots, tables, attend_len)
 
-        x, pools = _layers(plan, weights, model, x, rows.lengths[:, None], caches, None)
+        x, pools = _layers(plan, weights, model, x, rows.lengths[:, None], caches, None, decode=True)
         logits = model.logits_from_hidden(model.model.norm(x[:, 0]))
         tok, lp = sample(logits, rows.params, _token_keys(rows.keys, rows.generated), flags, rows.seen)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from unsloth_jax import ops
 from pallas_kernels.fp8 import FP8Weight
 from pallas_kernels.nf4_format import NF4Weight
 
@@ -126,11 +127,25 @@ _merged_kernel_jit = jax.jit(_merged_kernel, static_argnums=(3, 4))
 _unstack_jit = jax.jit(_unstack, static_argnums=(1,))
 
 
-def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int):
-    """Layer i as a module, inside a traced function: its slice of the stack (in-step) and its own arrays."""
+def _is_projection_kernel(path) -> bool:
+    from unsloth_jax.models.decoder import PROJ_PARENT
+
+    names = [getattr(k, "key", None) for k in path]
+    return len(names) >= 3 and names[-2] == "kernel" and names[-3] in PROJ_PARENT and "experts" not in names
+
+
+def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: bool = False):
+    """Layer i as a module, inside a traced function: its slice of the stack and its own arrays. in_place
+    (decode steps of a "shared" plan): the dense projection kernels stay `ops.LayerSlice`s of the stack, which
+    `ops.linear` reads in place when its decode kernel is chosen (and slices otherwise)."""
     parts = list(weights.per_layer[i])
     if plan.sliced:
-        parts.insert(0, jax.tree.map(lambda a: a[i], weights.stacked))
+        def pick(path, a):
+            if in_place and a.ndim == 3 and jnp.issubdtype(a.dtype, jnp.floating) and _is_projection_kernel(path):
+                return ops.LayerSlice(a, i)
+            return a[i]
+
+        parts.insert(0, jax.tree_util.tree_map_with_path(pick, weights.stacked))
     return nnx.merge(plan.layer_graphdef, *parts)
 
 

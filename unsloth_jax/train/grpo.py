@@ -9,9 +9,10 @@
 
 Each optimizer step, as TRL's GRPOTrainer with its default batching (generation_batch_size =
 per_device_train_batch_size x gradient_accumulation_steps completions, num_generations per prompt):
-  1. generate: the next prompts (a seeded permutation per epoch) are repeated num_generations times and
-     sampled with `unsloth_jax.generation.generate` (the project's KV cache, in this process, with the current
-     LoRA weights: the model the step trains is the model that samples; no server, no weight copy);
+  1. generate: the next prompts (a seeded permutation per epoch) are sampled num_generations times each by the
+     generation engine (unsloth_jax.inference: one prefill per prompt, its num_generations completions share
+     the prompt's cache pages; temperature, top_p, top_k, min_p and repetition_penalty as TRL's; in this
+     process, with the current LoRA weights: the model the step trains is the model that samples; no server);
   2. score: every reward function on the decoded completions; rewards (weighted sum) normalised within each
      prompt's group (scale_rewards "group"; "batch"; "none") into advantages;
   3. train: the completions as right-padded [A, B, S] micro-batches through one jitted step: per-token
@@ -41,7 +42,8 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
-from unsloth_jax.generation import default_eos_ids, generate
+from unsloth_jax.generation import default_eos_ids, engine_for
+from unsloth_jax.inference import SamplingParams
 from unsloth_jax.train.logprobs import reference_model, token_logps
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.preference import encode_prompt, is_conversational
@@ -65,6 +67,9 @@ class GRPOConfig(TrainingArguments):
     None: epsilon). delta: optional upper clamp of the ratio (two-sided GRPO). scale_rewards: "group" (True),
     "batch" or "none" (False). importance_sampling_level "token" or "sequence" (GSPO).
     max_prompt_length (older TRL's): prompts cut to their last tokens; None keeps them whole.
+    top_k (0 or None: off), min_p (None: off), repetition_penalty (1: off): sampling as TRL's (transformers'
+    logits processors). use_vllm is accepted and changes nothing: generation always runs on the in-process
+    engine.
     """
 
     per_device_train_batch_size: int = 8  # transformers' default, which TRL's GRPO defaults assume
@@ -118,12 +123,11 @@ class GRPOConfig(TrainingArguments):
             require_real("epsilon_high", self.epsilon_high, minimum=0)
         if self.delta is not None:
             require_real("delta", self.delta, minimum=1, min_exclusive=True)
-        for name, value, default in (("top_k", self.top_k, (0, None)), ("min_p", self.min_p, (None,)),
-                                     ("repetition_penalty", self.repetition_penalty, (1.0,)),
-                                     ("use_vllm", self.use_vllm, (False,))):
-            if value not in default:
-                raise ValueError(f"{name}={value!r} is not supported by the in-process generation (use "
-                                 f"{default[0]!r}); temperature and top_p are")
+        if self.top_k is not None:
+            require_int("top_k", self.top_k, minimum=-1)
+        if self.min_p is not None:
+            require_real("min_p", self.min_p, minimum=0, maximum=1)
+        require_real("repetition_penalty", self.repetition_penalty, minimum=0, min_exclusive=True)
         batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
         spg = self.steps_per_generation
         if (self.generation_batch_size not in (None, batch)) or (spg not in (None, self.gradient_accumulation_steps)):
@@ -372,23 +376,16 @@ class GRPOTrainer(RLTrainerBase):
     def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the rows,
         each repeated num_generations times, sampled with the model's current weights."""
-        g = self.args.num_generations
-        prompts = [self.prompt_ids[r] for r in rows for _ in range(g)]
-        width = max(len(p) for p in prompts)
-        ids = np.full((len(prompts), width), self.pad_id, np.int32)
-        mask = np.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = p
-            mask[i, width - len(p):] = 1
-        out = generate(self.model, ids, mask, max_new_tokens=self.args.max_completion_length, do_sample=True,
-                       temperature=self.args.temperature, top_p=self.args.top_p, eos_token_id=self.eos_ids,
-                       pad_token_id=self.pad_id, seed=seed)
-        completions, truncated = [], []
-        eos = set(self.eos_ids)
-        for row in out[:, width:].tolist():
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos), None)
-            completions.append(row[:cut] if cut is not None else row)
-            truncated.append(cut is None)
+        a, g = self.args, self.args.num_generations
+        unique = [self.prompt_ids[r] for r in rows]
+        params = [SamplingParams(n=g, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
+                                 min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
+                                 max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids, ignore_eos=True,
+                                 seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
+        outs = engine_for(self.model).generate(unique, params)  # the g completions of a prompt share its pages
+        prompts = [p for p in unique for _ in range(g)]
+        completions = [list(c.token_ids) for o in outs for c in o.outputs]
+        truncated = [c.finish_reason == "length" for o in outs for c in o.outputs]
         return prompts, completions, truncated
 
     def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:

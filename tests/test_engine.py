@@ -1,0 +1,235 @@
+"""The generation engine (unsloth_jax.inference) against independent truths: transformers' logits processors for
+the sampler, the model's own forward pass for the returned log-probabilities, the contiguous-cache path for the
+paged cache, and each request generated alone for continuous batching."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import fresh_seed
+from unsloth_jax import FastLanguageModel
+from unsloth_jax.inference import Engine, SamplingParams
+from unsloth_jax.inference import sampling
+from unsloth_jax.inference.contiguous import generate_contiguous
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama (float32) saved by transformers, loaded by the project: (hf model or None, model)."""
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from tests.hf_models import save_hf_model
+
+    path = tmp_path_factory.mktemp("llama")
+    hf = save_hf_model("llama", path, seed=fresh_seed("llama model"))
+    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
+    return hf, model
+
+
+def _prompts(rng, lengths, vocab=256):
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+def _hf_probs(logits, seen_ids, p: SamplingParams):
+    """transformers' logits processors (the ones TRL's in-process generation runs), in generate's order."""
+    import torch
+    from transformers.generation import logits_process as lp
+
+    scores = torch.tensor(np.asarray(logits, np.float32))[None]
+    ids = torch.tensor(np.asarray(seen_ids, np.int64))[None]
+    if p.repetition_penalty != 1.0:
+        scores = lp.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    scores = lp.TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k:
+        scores = lp.TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1:
+        scores = lp.TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.min_p:
+        scores = lp.MinPLogitsWarper(p.min_p)(ids, scores)
+    return torch.softmax(scores, -1)[0].numpy()
+
+
+@pytest.mark.torch
+def test_sampler_distribution_equals_transformers_processors(rng):
+    """Each row's distribution (penalty, temperature, top-k, top-p, min-p, and their mix) equals what
+    transformers' processors give, support and probabilities, on random logits over 997 tokens."""
+    pytest.importorskip("torch")
+    v = 997
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=17),
+              SamplingParams(top_p=0.83), SamplingParams(min_p=0.05, temperature=0.9),
+              SamplingParams(top_k=40, top_p=0.6, min_p=0.02, temperature=1.1),
+              SamplingParams(repetition_penalty=1.7, top_p=0.95), SamplingParams(top_k=1),
+              SamplingParams(top_p=1e-6)]
+    logits = rng.normal(0, 3, size=(len(params), v)).astype(np.float32)
+    seen = [rng.choice(v, size=30, replace=False) for _ in params]
+    seen_mask = np.zeros((len(params), v), bool)
+    for i, s in enumerate(seen):
+        seen_mask[i, s] = True
+    ours = sampling.filtered_probs(logits, params, seen_mask)
+    for i, p in enumerate(params):
+        want = _hf_probs(logits[i], seen[i], p)
+        np.testing.assert_array_equal(ours[i] > 0, want > 0, err_msg=f"support of row {i}: {p}")
+        np.testing.assert_allclose(ours[i], want, rtol=2e-5, atol=1e-7, err_msg=f"row {i}: {p}")
+
+
+def _draw(logits, params, seed, draws):
+    """`draws` tokens per row, each with its own key (as the engine's per-token keys)."""
+    rows = sampling.RowParams(*(jnp.asarray(a) for a in sampling.RowParams.of(params)))
+    flags = sampling.SamplerFlags.of(params)
+    base = jax.random.PRNGKey(seed)
+
+    def one(i):
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), i))(jnp.arange(len(params)))
+        return sampling.sample(jnp.asarray(logits), rows, keys, flags)[0]
+
+    return np.asarray(jax.jit(jax.vmap(one))(jnp.arange(draws)))  # [draws, R]
+
+
+def test_sampled_frequencies_match_the_distribution():
+    """Token frequencies of 4,000 draws per row against the filtered distribution (16 tokens): the chi-square
+    statistic stays under the 99.9% quantile for its degrees of freedom, over 30 seeds, and the seeds'
+    p-values look uniform (not all tiny: the Gumbel draw is the categorical distribution, not near it)."""
+    from scipy import stats
+
+    v, draws = 16, 4000
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
+              SamplingParams(top_p=0.7), SamplingParams(min_p=0.1, temperature=1.4)]
+    pvalues = []
+    for seed in range(30):
+        rng = np.random.default_rng(1000 + seed)
+        logits = rng.normal(0, 1.5, size=(len(params), v)).astype(np.float32)
+        probs = sampling.filtered_probs(logits, params)
+        tokens = _draw(logits, params, seed, draws)
+        for i in range(len(params)):
+            counts = np.bincount(tokens[:, i], minlength=v)
+            support = probs[i] > 0
+            assert counts[~support].sum() == 0, (seed, i)
+            chi2 = np.sum((counts[support] - draws * probs[i, support]) ** 2 / (draws * probs[i, support]))
+            dof = max(int(support.sum()) - 1, 1)
+            pvalues.append(stats.chi2.sf(chi2, dof))
+    pvalues = np.asarray(pvalues)
+    assert pvalues.min() > 1e-4, np.sort(pvalues)[:5]
+    assert 0.3 < np.mean(pvalues) < 0.7, np.mean(pvalues)
+
+
+def test_sampling_params_errors():
+    for kwargs, name in ((dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                         (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-3), "top_k"),
+                         (dict(min_p=2.0), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                         (dict(stop_token_ids=[-1]), "stop_token_ids")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- engine
+@pytest.mark.torch
+def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(llama, rng):
+    """Rows of different lengths: the engine's greedy tokens equal the contiguous-cache path's, and each
+    returned log-probability equals log_softmax of the model's logits over the whole sequence (one forward)."""
+    _, model = llama
+    prompts = _prompts(rng, [int(rng.integers(1, 20)) for _ in range(5)])
+    outs = Engine(model).generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0,
+                                                          ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
+                                   12, 1.0, 1.0, False, (), 0, None, 0)[0, len(prompt):]
+        np.testing.assert_array_equal(c.token_ids, want)
+        seq = np.asarray([prompt + c.token_ids[:-1]], np.int32)
+        logp = np.asarray(jax.nn.log_softmax(model(seq), axis=-1))[0, len(prompt) - 1:]
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                                   logp[np.arange(len(c.token_ids)), c.token_ids], rtol=1e-4, atol=1e-4)
+        assert c.finish_reason == "length" and len(c.token_ids) == 12
+
+
+def test_n_completions_share_the_prompt_and_sampling_is_per_request(llama, rng):
+    """n greedy completions all equal the single one (prompt pages shared, the last partial page copied, for
+    prompts shorter than, equal to and longer than a page); sampled requests give the same tokens alone and
+    in a batch, and different seeds differ."""
+    _, model = llama
+    engine = Engine(model, page_size=16)
+    for n_tokens in (5, 16, 21):
+        prompt = _prompts(rng, [n_tokens])[0]
+        one = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        many = engine.generate([prompt], SamplingParams(n=4, temperature=0, max_tokens=10, ignore_eos=True))
+        for c in many[0].outputs:
+            assert c.token_ids == one[0].outputs[0].token_ids, n_tokens
+    prompts = _prompts(rng, [7, 12, 3])
+    params = [SamplingParams(n=2, temperature=1.2, top_p=0.9, max_tokens=9, seed=s, ignore_eos=True)
+              for s in (5, 6, 7)]
+    together = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = engine.generate([prompt], p)[0]
+        assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in out.outputs]
+    assert together[0].outputs[0].token_ids != together[0].outputs[1].token_ids
+
+
+def test_continuous_batching_admission_order_does_not_change_tokens(llama, rng):
+    """A pool too small for every request at once and 8 rows for 13 sequences: requests wait, are admitted as
+    rows and pages free up, and each gets the tokens it gets alone, in any order of the prompts."""
+    _, model = llama
+    prompts = _prompts(rng, [int(rng.integers(2, 30)) for _ in range(9)])
+    params = [SamplingParams(n=1 + (i % 3 == 0), temperature=0.0 if i % 2 else 0.9, max_tokens=int(rng.integers(3, 20)),
+                             seed=100 + i, ignore_eos=True) for i in range(len(prompts))]
+    alone = [Engine(model).generate([p], q)[0] for p, q in zip(prompts, params)]
+    page = 2 * 16 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
+    small = Engine(model, max_rows=8, kv_cache_gib=12 * page / 2**30)
+    order = rng.permutation(len(prompts))
+    mixed = small.generate([prompts[i] for i in order], [params[i] for i in order])
+    assert small.last_stats["pool_pages"] == 12 and small.last_stats["chunks"] > 1
+    for k, i in enumerate(order):
+        assert [c.token_ids for c in mixed[k].outputs] == [c.token_ids for c in alone[i].outputs], i
+
+
+def test_weight_layouts_agree(llama, rng):
+    """"shared" (stacked weights sliced in the step), "copy" and "merged" (LoRA folded into the kernels) give
+    the same greedy tokens in float32 with a live LoRA; in bfloat16, merged and unmerged LoRA give log-probs
+    within bf16 rounding of each other on the same tokens."""
+    _, base = llama
+    model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False, progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    for i, lin in enumerate(model.projections().values()):
+        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, i), lin.lora_b[...].shape)
+    prompts = _prompts(rng, [9, 4, 17])
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    got = {w: Engine(model, weights=w).generate(prompts, greedy) for w in ("shared", "copy", "merged")}
+    for w in ("copy", "merged"):
+        assert [o.outputs[0].token_ids for o in got[w]] == [o.outputs[0].token_ids for o in got["shared"]], w
+    bf16, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="bfloat16", load_tokenizer=False, progress=False)
+    bf16 = FastLanguageModel.get_peft_model(bf16, r=4, lora_alpha=8)
+    for (name, lin), (_, src) in zip(bf16.projections().items(), model.projections().items()):
+        lin.lora_b[...] = src.lora_b[...]
+        lin.lora_a[...] = src.lora_a[...]
+    forced = [p + o.outputs[0].token_ids for p, o in zip(prompts, got["shared"])]
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    a = [o.outputs[0] for o in Engine(bf16, weights="shared").generate(forced, one)]
+    b = [o.outputs[0] for o in Engine(bf16, weights="merged").generate(forced, one)]
+    for x, y in zip(a, b):
+        assert abs(x.cumulative_logprob - y.cumulative_logprob) < 0.05 + 0.02 * abs(x.cumulative_logprob)
+
+
+def test_stops_and_bad_input(llama, rng):
+    """stop_token_ids end a completion (the token kept, stop_reason set), max_tokens gives "length"; a prompt
+    longer than max_model_len, a pool too small for one request and a bad prompt are refused by name."""
+    _, model = llama
+    engine = Engine(model)
+    prompt = _prompts(rng, [6])[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = free.token_ids[4]
+    first = free.token_ids.index(stop)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop],
+                                                   ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, max_model_len=10).generate([prompt], SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        Engine(model, kv_cache_gib=1e-6).generate([prompt], SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="prompts\\[1\\]"):
+        engine.generate([prompt, []], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([[10**6]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.generate(["text"], SamplingParams(max_tokens=2))
