@@ -233,3 +233,17 @@ def test_stops_and_bad_input(llama, rng):
         engine.generate([[10**6]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.generate(["text"], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("kind", ["load_in_4bit", "load_in_fp8"])
+def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
+    """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the tokens of the
+    contiguous-cache path on the same quantized model."""
+    _, base = llama
+    model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False,
+                                                 progress=False, **{kind: True})
+    prompt = _prompts(rng, [11])[0]
+    got = Engine(model).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8, 1.0, 1.0,
+                               False, (), 0, None, 0)[0, 11:]
+    np.testing.assert_array_equal(got[0].outputs[0].token_ids, want)

@@ -48,7 +48,8 @@ def _hf_generate(hf, ids, mask, max_new, eos, pad=0):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3", "phi3_longrope"])
+@pytest.mark.parametrize("family", ["llama", "llama3_scaled", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+                                    "gemma3_softcap", "phi3", "phi3_longrope"])
 def test_greedy_matches_transformers_left_padded(tiny, family, rng):
     """A left-padded batch (rows of different lengths), then again with an eos that one row emits early: the
     tokens, the pad fill after eos and the early stop all equal HF's. Gemma 2's and Gemma 3's window (8) is
