@@ -5,8 +5,13 @@
 Why: the generation engine decodes with the trainer's stacked kernels [L, in, out]. Slicing layer i out of the
 stack inside the compiled decode step makes XLA copy the slice before its GEMM (its GEMM fusions do not read a
 slice in place), which doubled the decode step on the H200; unmerged LoRA doubled the kernel count per step.
-Here the layer is chosen by the weight's BlockSpec (block (squeezed, K, N), index map (layer, 0, 0)): the
-kernel's pointer into the stack starts at layer * K * N, so no slice of the stack exists anywhere.
+Here the layer is chosen by a pointer offset into the stack (layer * K * N), so no slice of it exists anywhere:
+- a static Python int `layer` is the weight BlockSpec's index (block (squeezed, K, N), index map (layer, 0, 0)):
+  the offset is a constant of the kernel, which is therefore a different Triton kernel for every layer;
+- an int32 scalar array `layer` (traced or not) is an operand of the kernel: each program loads it and
+  indexes the stack with it (one scalar load before the first weight load), so one compiled kernel serves
+  every layer (fewer Triton compilations for a 28-layer decode program; also usable inside lax.scan/fori over
+  layers). It is clamped to [0, L - 1] (no bounds error can be raised from a traced value).
 
 Design (memory bound: the [K, N] slice is read once, x is tiny):
 - grid (m blocks, N tiles, K splits). M is padded to a power-of-two block bm (16..128) by masked loads; for
@@ -140,10 +145,18 @@ def resolve_config(cfg: DecodeConfig, m: int, k: int, n: int, dtype, r: int = 0,
 # kernel
 # ----------------------------------------------------------------------------------------------------------
 
-def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, has_lora, out_dtype):
+def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, has_lora, out_dtype,
+            runtime_layer):
     refs = list(refs)
-    x_ref, w_ref = refs[:2]
-    rest = refs[2:]
+    if runtime_layer:   # layer_ref [1] int32, w_ref the whole stack [L, K, N]
+        layer_ref, x_ref, w_ref = refs[:3]
+        rest = refs[3:]
+        layer = plgpu.load(layer_ref.at[pl.ds(0, 1)]).reshape(())
+        w_at = lambda k0, n0: w_ref.at[layer, pl.ds(k0, bk), pl.ds(n0, bn)]  # noqa: E731
+    else:               # w_ref is already layer `layer` of the stack (BlockSpec)
+        x_ref, w_ref = refs[:2]
+        rest = refs[2:]
+        w_at = lambda k0, n0: w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)]  # noqa: E731
     bias_ref = rest.pop(0) if has_bias else None
     a_ref, b_ref = (rest.pop(0), rest.pop(0)) if has_lora else (None, None)
     (o_ref,) = rest
@@ -163,7 +176,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
         k0 = k_begin + i * bk
         kmask = range_mask(k0, bk, K, k_ragged)
         xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask_2d(rmask, kmask))
-        w_tile = w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)]
+        w_tile = w_at(k0, n0)
         wmask = mask_2d(kmask, cmask)
         if wmask is None:
             wb = plgpu.load(w_tile, eviction_policy="evict_first")
@@ -194,8 +207,15 @@ def _check(x, w, layer, bias, lora_a, lora_b):
     if x.ndim != 2 or w.ndim != 3 or w.shape[1] != x.shape[1]:
         raise ValueError(f"stacked_linear: need x [M, K] and w [L, K, N]; got x{x.shape} w{w.shape}")
     L, _, N = w.shape
+    if isinstance(layer, (jax.Array, jax.core.Tracer)) or hasattr(layer, "dtype"):
+        if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise TypeError(f"stacked_linear: a runtime layer must be an integer scalar, got {jnp.shape(layer)} "
+                            f"{jnp.result_type(layer)}")
+        layer = jnp.asarray(layer, jnp.int32)
+        return jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1).reshape(1)
     if isinstance(layer, bool) or not isinstance(layer, int):
-        raise TypeError(f"stacked_linear: layer must be a static Python int, got {type(layer).__name__}")
+        raise TypeError(f"stacked_linear: layer must be a Python int or an integer scalar array, got "
+                        f"{type(layer).__name__}")
     if not -L <= layer < L:
         raise ValueError(f"stacked_linear: layer {layer} out of range for a stack of {L}")
     if bias is not None and bias.shape != (N,):
@@ -217,7 +237,9 @@ def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_sca
     """y = x @ w[layer] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b): f32 accumulation, output in x.dtype.
 
     x [M, K] decode rows (bf16, fp16 or fp32); w [L, K, N] stacked kernel in x.dtype (or 16-bit with fp32 x),
-    of which only layer `layer` (a static Python int; negative counts from the end) is read, in place;
+    of which only layer `layer` is read, in place: a static Python int (negative counts from the end; the
+    offset is compiled into the kernel) or an int32 scalar array (read at run time, clamped to the stack; one
+    compiled kernel for every layer);
     bias [N] or None; lora_a [K, r] and lora_b [r, N], or both None (cast to x.dtype if they are not).
     block_n, block_k, splits, num_warps, num_stages (or a whole `config`) override the `pick_config` rule
     (the benchmark sweep uses them). Inference only: not differentiable.
@@ -238,8 +260,13 @@ def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_sca
     steps = cdiv(cdiv(K, bk), S)
     RP = max(16, next_pow2(r)) if has_lora else 0
 
-    operands = [x, w]
-    in_specs = [full_spec(x.shape), pl.BlockSpec((None, K, N), lambda i, j, s: (layer, 0, 0))]
+    runtime_layer = not isinstance(layer, int)
+    if runtime_layer:
+        operands = [layer, x, w]
+        in_specs = [full_spec((1,)), full_spec(x.shape), full_spec(w.shape)]
+    else:
+        operands = [x, w]
+        in_specs = [full_spec(x.shape), pl.BlockSpec((None, K, N), lambda i, j, s: (layer, 0, 0))]
     if bias is not None and S == 1:
         operands.append(bias)
         in_specs.append(full_spec(bias.shape))
@@ -255,7 +282,7 @@ def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_sca
     kernel = functools.partial(
         _kernel, M=M, K=K, N=N, R=r, RP=RP, bm=bm, bn=bn, bk=bk, steps=steps, splits=S,
         scale=float(lora_scale), has_bias=bias is not None and S == 1, has_lora=has_lora,
-        out_dtype=out_shape.dtype)
+        out_dtype=out_shape.dtype, runtime_layer=runtime_layer)
     y = pl.pallas_call(
         kernel,
         grid=(cdiv(M, bm), cdiv(N, bn), S),

@@ -38,17 +38,18 @@ def _ref(x, w, layer, b, a, bb, scale):
                                     lora_scale=scale)
 
 
-def _check_layers(x, w, b, a, bb, scale, tol, **kw):
+def _check_layers(x, w, b, a, bb, scale, tol, runtime_layer=False, **kw):
     """Layers 0 and L-1 (one compiled program) against the reference; each result is far from every other
-    layer's reference (a kernel reading the wrong layer would fail)."""
+    layer's reference (a kernel reading the wrong layer would fail). runtime_layer: the layer index is an int32
+    argument of the program (the kernel reads it at run time) instead of a Python int."""
     n_layers = w.shape[0]
 
     @fast_jit
-    def run(x_, w_, b_, a_, bb_):
+    def run(x_, w_, b_, a_, bb_, layers):
         return tuple(stacked_linear(x_, w_, layer, bias=b_, lora_a=a_, lora_b=bb_, lora_scale=scale, **kw)
-                     for layer in (0, n_layers - 1))
+                     for layer in (layers if runtime_layer else (0, n_layers - 1)))
 
-    ys = run(x, w, b, a, bb)
+    ys = run(x, w, b, a, bb, (jnp.int32(0), jnp.int32(n_layers - 1)))
     refs = [_ref(x, w, layer, b, a, bb, scale) for layer in range(n_layers)]
     for layer, y in zip((0, n_layers - 1), ys):
         assert y.dtype == x.dtype and y.shape == (x.shape[0], w.shape[2])
@@ -61,7 +62,8 @@ def _check_layers(x, w, b, a, bb, scale, tol, **kw):
 
 
 # (m, dtype, bias, r, overrides): ragged M (1, 5, 16, 33) and K, N drawn in [40, 90) (not multiples of any block
-# below); splits > 1 with a short last split; r padded to 16 or 64 inside the kernel.
+# below); splits > 1 with a short last split; r padded to 16 or 64 inside the kernel; runtime_layer: the layer
+# is an int32 scalar read by the kernel.
 CASES = [
     (1, "float32", True, 5, dict(block_n=16, block_k=16)),
     (5, "bfloat16", False, 16, dict(block_n=32, block_k=16, splits=3)),
@@ -71,12 +73,14 @@ CASES = [
     (33, "float32", False, 8, dict(block_n=32, block_k=16, splits=2, num_warps=8, num_stages=2)),
     (16, "bfloat16", True, 16, dict(block_n=16, block_k=16, splits=3)),
     (1, "bfloat16", False, 0, dict(block_n=32, block_k=32)),
+    (5, "float32", True, 8, dict(block_n=16, block_k=16, splits=2, runtime_layer=True)),
+    (33, "bfloat16", False, 16, dict(block_n=32, block_k=16, runtime_layer=True)),
 ]
 
 
 @pytest.mark.parametrize("m,dtype,bias,r,kw", CASES,
                          ids=[f"m{c[0]}-{c[1]}-{'bias' if c[2] else 'nobias'}-r{c[3]}-s{c[4].get('splits', 1)}"
-                              for c in CASES])
+                              + ("-runtime" if c[4].get("runtime_layer") else "") for c in CASES])
 def test_matches_reference_ragged(rng, m, dtype, bias, r, kw):
     k, n = (int(v) for v in rng.integers(40, 90, size=2))
     scale = float(rng.uniform(0.5, 4.0))
@@ -98,15 +102,29 @@ def test_default_config_fp32_x_with_bf16_stack(rng):
     assert err < TOL["float32"], err
 
 
-def test_layer_is_read_in_place():
+def test_runtime_layer_in_scan(rng):
+    """A traced layer index from lax.scan over the layers: one kernel for all, each step its own layer."""
+    x, w, b, a, bb = _inputs(rng, 3, 50, 40, 4, jnp.float32, True, layers=4)
+
+    def step(carry, layer):
+        return carry, stacked_linear(x, w, layer, bias=b, lora_a=a, lora_b=bb, block_n=16, block_k=16)
+
+    ys = fast_jit(lambda: jax.lax.scan(step, 0, jnp.arange(4))[1])()
+    for layer in range(4):
+        assert rel_err(ys[layer], _ref(x, w, layer, b, a, bb, 1.0)) < TOL["float32"]
+
+
+@pytest.mark.parametrize("runtime_layer", [False, True])
+def test_layer_is_read_in_place(runtime_layer):
     """The stack reaches the pallas_call whole: no slice, gather or copy of w in the program (the layer is the
-    weight BlockSpec's index), with or without split-K."""
+    weight BlockSpec's index, or a pointer offset read at run time), with or without split-K."""
     S = jax.ShapeDtypeStruct
     x, w = S((16, 96), jnp.bfloat16), S((4, 96, 80), jnp.bfloat16)
     a, b = S((96, 16), jnp.bfloat16), S((16, 80), jnp.bfloat16)
+    layer = jnp.int32(2) if runtime_layer else 2
     for splits in (1, 3):
         jaxpr = jax.make_jaxpr(lambda x_, w_, a_, b_: stacked_linear(
-            x_, w_, 2, lora_a=a_, lora_b=b_, splits=splits, interpret=False))(x, w, a, b)
+            x_, w_, layer, lora_a=a_, lora_b=b_, splits=splits, interpret=False))(x, w, a, b)
         w_var = jaxpr.jaxpr.invars[1]
         users = [e for e in jaxpr.jaxpr.eqns if any(v is w_var for v in e.invars)]
         assert [e.primitive.name for e in users] == ["pallas_call"], users
@@ -119,8 +137,10 @@ def test_bad_arguments():
     w = jnp.ones((3, 32, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match="out of range"):
         stacked_linear(x, w, 3)
-    with pytest.raises(TypeError, match="static Python int"):
-        stacked_linear(x, w, jnp.int32(1))
+    with pytest.raises(TypeError, match="Python int or an integer scalar"):
+        stacked_linear(x, w, 1.0)
+    with pytest.raises(TypeError, match="integer scalar"):
+        stacked_linear(x, w, jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="both lora_a and lora_b"):
         stacked_linear(x, w, 0, lora_a=jnp.ones((32, 8), jnp.bfloat16))
     with pytest.raises(TypeError, match="dtype"):
@@ -169,6 +189,9 @@ def test_lowers_to_triton_at_model_shapes():
             return stacked_linear(x, w, 27, bias=b, lora_a=a, lora_b=bb, lora_scale=2.0, interpret=False)
 
         assert "triton" in lower_for_cuda(f, *args)
+    # the layer read at run time
+    args = S((16, 4096), bf), S((32, 4096, 14336), bf), S((), jnp.int32)
+    assert "triton" in lower_for_cuda(lambda x, w, layer: stacked_linear(x, w, layer, interpret=False), *args)
     # fp32 rows on a bf16 stack, rank 64, no bias
     args = S((16, 4096), jnp.float32), S((4, 4096, 1024), bf), S((4096, 64), jnp.float32), S((64, 1024), jnp.float32)
     assert "triton" in lower_for_cuda(
@@ -176,12 +199,13 @@ def test_lowers_to_triton_at_model_shapes():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _gpu_check(rng, m, k, n, r, dtype, bias, tol, layers=3, **kw):
+def _gpu_check(rng, m, k, n, r, dtype, bias, tol, layers=3, runtime_layer=False, **kw):
     x, w, b, a, bb = _inputs(rng, m, k, n, r, jnp.dtype(dtype), bias, layers=layers)
     scale = 2.0
     for layer in (0, layers - 1):
-        y = jax.jit(lambda *v, layer=layer: stacked_linear(v[0], v[1], layer, bias=v[2], lora_a=v[3], lora_b=v[4],
-                                                            lora_scale=scale, interpret=False, **kw))(x, w, b, a, bb)
+        idx = jnp.int32(layer) if runtime_layer else layer
+        y = jax.jit(lambda *v, idx=idx: stacked_linear(v[0], v[1], idx, bias=v[2], lora_a=v[3], lora_b=v[4],
+                                                        lora_scale=scale, interpret=False, **kw))(x, w, b, a, bb)
         y_ref = jax.jit(lambda *v, layer=layer: reference.stacked_linear(
             v[0], v[1], layer, bias=v[2], lora_a=v[3], lora_b=v[4], lora_scale=scale))(
             *(_f32(v) for v in (x, w, b, a, bb)))
@@ -207,6 +231,12 @@ def test_gpu_ragged_rows_bf16(rng, m, r):
 def test_gpu_fp32(rng):
     # fp32 dots run as tf32 on the tensor cores (Triton's default), so the tf32 bound of DESIGN.md applies.
     _gpu_check(rng, 16, 1536, 1100, 16, "float32", bias=True, tol=TOL["float32_tf32"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 128])
+def test_gpu_runtime_layer_bf16(rng, m):
+    _gpu_check(rng, m, 1536, 8960, 16, "bfloat16", bias=True, tol=TOL["bfloat16"], layers=28, runtime_layer=True)
 
 
 @pytest.mark.gpu
