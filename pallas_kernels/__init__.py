@@ -38,6 +38,7 @@ _EXPORTS = {
     "glu_fp8_matmul": "pallas_kernels.glu_fp8",
     "nf4_fp8_matmul": "pallas_kernels.nf4_fp8",
     "grouped_matmul": "pallas_kernels.grouped_matmul",
+    "stacked_linear": "pallas_kernels.decode_linear",
     "resolve_interpret": "pallas_kernels._common",
 }
 __all__ = list(_EXPORTS)

@@ -255,3 +255,21 @@ def grouped_matmul(x, w, group_sizes, transpose_rhs=False, out_dtype=None):
     w = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
     y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+# ---- stacked_linear (owned by pallas_kernels/decode_linear.py) ----
+
+
+def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_scale=1.0):
+    """Twin of `pallas_kernels.decode_linear.stacked_linear`: x @ w[layer] (+ bias) (+ lora_scale * (x @ lora_a)
+    @ lora_b), every product in float32 at full precision (inputs upcast), output in x.dtype."""
+    f32 = jnp.float32
+    hi = jax.lax.Precision.HIGHEST
+    xf = x.astype(f32)
+    y = jnp.dot(xf, w[layer].astype(f32), precision=hi)
+    if bias is not None:
+        y = y + bias.astype(f32)
+    if lora_a is not None:
+        xa = jnp.dot(xf, lora_a.astype(f32), precision=hi)
+        y = y + lora_scale * jnp.dot(xa, lora_b.astype(f32), precision=hi)
+    return y.astype(x.dtype)
