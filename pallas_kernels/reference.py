@@ -273,3 +273,37 @@ def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_sca
         xa = jnp.dot(xf, lora_a.astype(f32), precision=hi)
         y = y + lora_scale * jnp.dot(xa, lora_b.astype(f32), precision=hi)
     return y.astype(x.dtype)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale, softcap=None, window=None,
+                           sinks=None):
+    """Decode attention of q [B, Hq, D] over each row's pages of k_pages / v_pages [P, BS, Hkv, D]
+    (block_tables [B, MAXB], lengths [B]; see pallas_kernels.decode_attention): every page of the table
+    gathered, keys at index >= length (or outside the window) masked, float32 softmax (with softcap and
+    sinks). Rows of length 0 give 0. -> [B, Hq, D] in q.dtype."""
+    b, maxb = block_tables.shape
+    _, bs, hkv, d = k_pages.shape
+    hq = q.shape[1]
+    g = hq // hkv
+    k = k_pages[block_tables].reshape(b, maxb * bs, hkv, d)
+    v = v_pages[block_tables].reshape(b, maxb * bs, hkv, d)
+    scores = jnp.einsum("bhgd,bthd->bhgt", q.reshape(b, hkv, g, d), k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    j = jnp.arange(maxb * bs)[None, :]
+    keep = j < lengths[:, None]
+    if window is not None:
+        keep = keep & ((lengths[:, None] - 1) - j < window)
+    scores = jnp.where(keep[:, None, None, :], scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        top = jnp.maximum(top, sinks.astype(jnp.float32).reshape(1, hkv, g, 1))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.exp(scores - top)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, hkv, g, 1) - top)
+    out = jnp.einsum("bhgt,bthd->bhgd", (p / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
+    return out.reshape(b, hq, d).astype(q.dtype)

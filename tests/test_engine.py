@@ -247,3 +247,29 @@ def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
     want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8, 1.0, 1.0,
                                False, (), 0, None, 0)[0, 11:]
     np.testing.assert_array_equal(got[0].outputs[0].token_ids, want)
+
+
+@pytest.mark.parametrize("impl", ["decode_linear", "paged_attention"])
+def test_decode_kernels_in_the_engine_equal_xla(llama, rng, impl):
+    """The engine with a decode kernel forced (Pallas, interpret mode on the CPU) gives the XLA path's greedy
+    tokens and log-probs, with a live LoRA (fused into the decode GEMM)."""
+    from unsloth_jax import ops
+
+    _, base = llama
+    model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False, progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    for i, lin in enumerate(model.projections().values()):
+        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, i), lin.lora_b[...].shape)
+    prompts = _prompts(rng, [5, 19])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    want = Engine(model).generate(prompts, params)
+    ops.set_impl(impl, "pallas")
+    try:
+        got = Engine(model).generate(prompts, params)
+        assert ops.chosen_impls().get(impl) == "pallas"
+    finally:
+        ops.set_impl(impl, "auto")
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)

@@ -465,9 +465,11 @@ def _decode_linear(x: jax.Array, kernel: LayerSlice, bias, lora) -> jax.Array:
 
     _note("decode_linear", "pallas")
     a, b, scale = lora if lora is not None else (None, None, 1.0)
-    w = jax.lax.stop_gradient(kernel.stack)
     flat = x.reshape(-1, x.shape[-1])
-    y = stacked_linear(flat, w.astype(x.dtype) if w.dtype != x.dtype else w, kernel.layer, bias=bias,
+    # the layer as an int32 operand: one compiled kernel per shape for every layer (a Python int would put the
+    # layer into the Triton program, one compile per layer)
+    y = stacked_linear(flat, jax.lax.stop_gradient(kernel.stack), jnp.int32(kernel.layer),
+                       bias=None if bias is None else bias.astype(x.dtype),
                        lora_a=None if a is None else a.astype(x.dtype),
                        lora_b=None if b is None else b.astype(x.dtype), lora_scale=float(scale))
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -653,8 +655,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     [P, BS, Hkv, D]; block_tables [B, MAXB] int32 (row b's token t lives in page block_tables[b, t // BS], slot
     t % BS); lengths [B] int32 (the row's tokens, the query's own included; 0: an idle row, whose output is 0).
     A key j is attended when j < length and, with a window, (length - 1) - j < window. -> [B, Hq, D] in q.dtype.
-    The Pallas kernel (pallas_kernels.decode_attention) reads only the pages in use; the XLA path gathers every
-    page of the table."""
+    The Pallas kernel (pallas_kernels.decode_attention) reads only the pages in use; the XLA path
+    (pallas_kernels.reference.paged_decode_attention) gathers every page of the table."""
     if use_pallas("paged_attention", q):
         from pallas_kernels.decode_attention import paged_decode_attention
 
@@ -662,16 +664,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         return paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale, softcap=softcap,
                                       window=window, sinks=sinks)
     _note("paged_attention", "xla")
-    b, maxb = block_tables.shape
-    bs = k_pages.shape[1]
-    k = k_pages[block_tables].reshape(b, maxb * bs, *k_pages.shape[2:])
-    v = v_pages[block_tables].reshape(b, maxb * bs, *v_pages.shape[2:])
-    j = jnp.arange(maxb * bs)[None, :]
-    keep = j < lengths[:, None]
-    if window is not None:
-        keep = keep & ((lengths[:, None] - 1) - j < window)
-    out = _attention_xla(q[:, None], k, v, keep[:, None, :], scale, softcap, sinks)[:, 0]
-    return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
+    return ref.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=scale, softcap=softcap,
+                                      window=window, sinks=sinks)
 
 
 def _setting(op: str, auto: str, policy: Policy | None = None) -> str:
