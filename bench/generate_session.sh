@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Generation engine on the GPU, in one device call per part: the decode kernels' GPU tests and benches, the
 # engine at the issue's shapes beside transformers' static cache, and GRPO. JSON lines under $OUT.
-#   bash bench/generate_session.sh small     # kernels + Qwen2-1.5B engine rows + transformers at 1.5B
-#   bash bench/generate_session.sh large     # Llama-3-8B engine rows (bf16, NF4, FP8) + transformers at 8B + GRPO
+#   bash bench/generate_session.sh a   # kernel GPU tests; Qwen2-1.5B engine rows beside transformers; 8B engine rows
+#   bash bench/generate_session.sh b   # transformers at 8B; GRPO at 1.5B; 8B NF4 engine row
 # Env: GEN_IMPLS (the kernel choices tried besides the default, space-separated UNSLOTH_JAX_IMPL values),
 # GEN_TIMEOUT, HF_TIMEOUT.
 set -u
@@ -29,37 +29,28 @@ hf() {  # hf MODEL ROWS
   log "transformers static cache $1 rows $2"
   timeout ${HF_TIMEOUT:-200} $PY bench/hf_generate_bench.py $CK/$1 --rows $2 2>>$ERR | grep '^{' | tee -a "$OUT/hf.jsonl"
 }
-part=${1:-small}
+part=${1:-a}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee -a "$OUT/session.log"
-if [ "$part" = small ]; then
+best=${IMPLS%% *}
+if [ "$part" = a ]; then
   $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>>$ERR | tail -1
   tests=$(ls tests/kernels/test_decode_attention.py tests/kernels/test_decode_linear.py 2>/dev/null)
-  if [ -n "$tests" ]; then
-    log "pytest -m gpu $tests"
-    timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 $tests > "$OUT/pytest_gpu.txt" 2>&1
-    tail -3 "$OUT/pytest_gpu.txt"
-  fi
-  for b in decode_linear_bench decode_attention_bench; do
-    [ -f bench/$b.py ] || continue
-    log "bench $b"
-    timeout 90 $PY bench/$b.py 2>>$ERR | grep '^{' > "$OUT/$b.jsonl"; wc -l < "$OUT/$b.jsonl"
-  done
-  engine qwen2-1.5b ${GEN_TIMEOUT:-120} "" --rows 1,16,128 --weights shared
-  for impl in $IMPLS; do
-    engine qwen2-1.5b ${GEN_TIMEOUT:-120} "$impl" --rows 1,16,128 --weights shared --count-kernels
-    engine qwen2-1.5b ${GEN_TIMEOUT:-120} "$impl" --rows 16,128 --weights merged
-  done
+  log "pytest -m gpu $tests"
+  timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 $tests > "$OUT/pytest_gpu.txt" 2>&1
+  tail -3 "$OUT/pytest_gpu.txt"
+  engine qwen2-1.5b ${GEN_TIMEOUT:-170} "$best" --rows 1,16,128 --weights shared --count-kernels
+  engine qwen2-1.5b 90 "$best" --rows 16,128 --weights merged
+  engine qwen2-1.5b 90 "" --rows 16 --weights shared
   hf qwen2-1.5b 16,128
+  $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
+  engine llama3-8b 120 "$best" --rows 16,128 --weights shared
 else
   $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
-  best=${IMPLS%% *}
-  engine llama3-8b ${GEN_TIMEOUT:-150} "$best" --rows 16,128 --weights shared
-  engine llama3-8b 100 "$best" --rows 16 --weights shared --load-in-4bit
-  engine llama3-8b 100 "$best" --rows 16 --weights shared --load-in-fp8
   hf llama3-8b 16
   $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>>$ERR | tail -1
   log "grpo qwen2-1.5b impl=$best"
-  UNSLOTH_JAX_IMPL=$best timeout 150 $PY bench/grpo_bench.py $CK/qwen2-1.5b --prompts 2 --generations 8 \
+  UNSLOTH_JAX_IMPL=$best timeout 120 $PY bench/grpo_bench.py $CK/qwen2-1.5b --prompts 2 --generations 8 \
     --completion 256 --prompt-len 64 --steps 4 --warmup 1 2>>$ERR | grep '^{"name' | tee -a "$OUT/grpo.jsonl"
+  engine llama3-8b 90 "$best" --rows 16 --weights shared --load-in-4bit
 fi
 grep -v -i "warn" $ERR | grep -E "Error|error" | tail -5
