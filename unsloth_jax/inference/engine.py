@@ -139,8 +139,8 @@ class Engine:
         for name, value in (("max_rows", max_rows), ("page_size", page_size), ("chunk", chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
-        if page_size & (page_size - 1):
-            raise ValueError(f"Engine: page_size must be a power of two, got {page_size}")
+        if page_size & (page_size - 1) or page_size < 16:
+            raise ValueError(f"Engine: page_size must be a power of two >= 16, got {page_size}")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if kv_cache_gib is not None and not kv_cache_gib > 0:
