@@ -124,7 +124,6 @@ class _Static:
     window: int | None
     softcap: float | None
     scale: float
-    has_segments: bool
     interpret: bool
     config: FlashConfig
 
@@ -654,7 +653,7 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
         config = dataclasses.replace(config, fast_tanh=False)
     st = _Static(
         seq_len=S, groups=Hq // Hkv, causal=bool(causal), window=window, softcap=cap, scale=scale,
-        has_segments=qseg is not None, interpret=resolve_interpret(interpret), config=config,
+        interpret=resolve_interpret(interpret), config=config,
     )
     return qseg, kseg, st
 
