@@ -514,9 +514,6 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------- attention
-NEG_INF = -1e30
-
-
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """jax.lax.ragged_dot's grouped GEMM: x [N, K] (rows sorted by group), w [E, K, M], group_sizes [E] int32
     -> [N, M] in x.dtype (float32 accumulation; rows past sum(group_sizes) are zero). Differentiable in x and
@@ -562,24 +559,6 @@ def attention_mask(
     return mask
 
 
-def _attention_xla(q, k, v, mask, scale, softcap, sinks=None):
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, s, hkv, g, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-    else:  # one extra logit per head in the denominator, attending to nothing
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), scores.shape[:-1] + (1,))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, hq, d).astype(q.dtype)
-
-
 def _cudnn_serves(q: jax.Array) -> bool:
     """cuDNN's fused attention: 16-bit inputs, head_dim a multiple of 8 up to 128 (the sizes measured here)."""
     return q.dtype in (_BF16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
@@ -621,7 +600,7 @@ def attention(
         _note("attention", "xla")
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                               segment_ids=segment_ids, q_offset=q_offset)
-        return _attention_xla(q, k, v, mask, scale, softcap, sinks)
+        return ref.attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
     if impl in ("auto", "cudnn") and policy.gpu and simple and _cudnn_serves(q):
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
@@ -645,7 +624,7 @@ def attention(
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
-    return _attention_xla(q, k, v, mask, scale, softcap)
+    return ref.attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
