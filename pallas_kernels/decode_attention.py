@@ -1,5 +1,10 @@
 """Decode attention over a paged KV cache: one new query token per row, keys and values in page pools.
 
+Wins nowhere yet: not measured on the GPU (BENCHMARKS.md, "Generation and GRPO, Qwen2-1.5B shape, 2026-12-01", has
+only the decode loop before the paged engine). Default: off (ops.PALLAS_WINS["paged_attention"] is False: XLA's
+gather of every page of the table, then pallas_kernels.reference.paged_decode_attention, its ground truth); tested,
+and run when asked (paged_attention=pallas).
+
     out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=hd ** -0.5)
 
 q [B, Hq, D]; k_pages / v_pages [P, BS, Hkv, D] (P pages of BS token slots, one layer's pool); block_tables
@@ -15,8 +20,6 @@ programs; each walks its pages in order (a scalar load of the page id, then the 
 of its KV head) with an online softmax, and writes its unnormalised output, maximum and sum (float32). A small
 XLA reduction combines the splits (and the sinks). Pages past a row's length are never read.
 
-Where it wins: not measured yet on the GPU (ops.PALLAS_WINS keeps XLA's gather until the engine's
-benchmark says otherwise); the XLA path (pallas_kernels.reference.paged_decode_attention) is its ground truth.
 Inference only: no custom_vjp.
 """
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Decode-sized GEMM on one layer of a stacked weight, read in place, with bias and the LoRA delta fused:
+"""Decode-sized GEMM on one layer of a stacked weight, read in place, with bias and the LoRA delta fused.
+
+Wins nowhere yet: not measured on the GPU (BENCHMARKS.md, "Generation and GRPO, Qwen2-1.5B shape, 2026-12-01", has
+only the decode loop before the paged engine; the doubling below is a profile, not a committed row). Default: off
+(ops.PALLAS_WINS["decode_linear"] is False: XLA slices the layer, then its GEMM); tested, and run when asked
+(decode_linear=pallas).
 
     y = x @ w[layer] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b)      x [M, K], w [L, K, N], M = 1..256
 
@@ -40,8 +45,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, mask_2d, next_pow2, pl, plgpu,
-                                    range_mask, resolve_interpret)
+from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
+                                    plgpu, range_mask, resolve_interpret)
 
 __all__ = ["stacked_linear", "DecodeConfig", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
 
@@ -175,7 +180,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
         acc, xa = carry
         k0 = k_begin + i * bk
         kmask = range_mask(k0, bk, K, k_ragged)
-        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask_2d(rmask, kmask))
+        xb = load_tile(x_ref, m0, bm, k0, bk, rmask, kmask)
         w_tile = w_at(k0, n0)
         wmask = mask_2d(kmask, cmask)
         if wmask is None:
@@ -185,7 +190,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
                             eviction_policy="evict_first")
         acc = acc + plgpu.dot(xb, wb.astype(x_dtype))
         if has_lora:
-            ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
+            ab = load_tile(a_ref, k0, bk, 0, RP, kmask, rpmask)
             xa = xa + plgpu.dot(xb, ab)
         return acc, xa
 
@@ -193,7 +198,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
     xa0 = jnp.zeros((bm, RP), jnp.float32) if has_lora else jnp.zeros((), jnp.float32)
     acc, xa = lax.fori_loop(0, steps, body, (acc0, xa0))
     if has_lora:
-        bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, cmask))
+        bb = load_tile(b_ref, 0, RP, n0, bn, rpmask, cmask)
         lora = plgpu.dot(xa.astype(bb.dtype), bb)
         acc = acc + (lora if scale == 1.0 else scale * lora)
     if has_bias:

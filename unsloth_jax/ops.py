@@ -275,7 +275,8 @@ def chosen_impls(policy: Policy | None = None) -> dict[str, str]:
 
 
 # Where a Pallas kernel beat XLA's fusion of the same math on the H200 inside the model's train step
-# (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds.
+# (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds. Each kernel module's
+# docstring opens with where it wins and this default (tests/test_kernel_defaults.py holds the two together).
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
     # bf16 RMSNorm at the hidden sizes measured (Qwen2-1.5B, Llama-3-8B); other sizes were not measured in a step.
@@ -289,7 +290,8 @@ PALLAS_WINS = {
     "linear": lambda x: False,
     # Fused linear cross-entropy: faster and a tenth of the memory of the chunked XLA loss.
     "cross_entropy": lambda h: h.dtype == _BF16,
-    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding).
+    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding); timed at
+    # head_dim 128 and 256 (64 by inference: see pallas_kernels/flash_attention.py).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     # Decode attention over the page pool: not yet measured on the GPU, so XLA's gather + softmax.
     "paged_attention": lambda q: False,
