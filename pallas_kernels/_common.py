@@ -88,6 +88,18 @@ def load(ref, mask=None, other=0, shape=None):
     return plgpu.load(ref, mask=broadcast_mask(mask, shape) if shape is not None else mask, other=other)
 
 
+def load_tile(ref, r0, nr: int, c0, nc: int, rmask=None, cmask=None, other=0):
+    """The [nr, nc] tile of a 2-D ref at (r0, c0), reading `other` where the row mask [nr] or the column mask
+    [nc] (either may be None: nothing to mask on that axis) is False."""
+    return load(ref.at[pl.ds(r0, nr), pl.ds(c0, nc)], mask_2d(rmask, cmask), other)
+
+
+def store_tile(ref, r0, nr: int, c0, nc: int, value, rmask=None, cmask=None):
+    """Store `value` [nr, nc] as the tile of a 2-D ref at (r0, c0), skipping the rows / columns whose mask (each
+    optional) is False."""
+    plgpu.store(ref.at[pl.ds(r0, nr), pl.ds(c0, nc)], value, mask=mask_2d(rmask, cmask))
+
+
 # -------------------------------------------------------------------------------------------- launch helpers
 def grouped_pid(pid, n_rows: int, n_cols: int, group: int):
     """Map a 1-D program id to (row tile, col tile) in groups of `group` row tiles (L2 reuse of columns)."""
@@ -106,4 +118,5 @@ def full_spec(shape):
 
 
 __all__ = ["resolve_interpret", "compiler_params", "next_pow2", "cdiv", "on_gpu", "pl", "plgpu", "and_masks",
-           "range_mask", "mask_2d", "broadcast_mask", "load", "grouped_pid", "full_spec"]
+           "range_mask", "mask_2d", "broadcast_mask", "load", "load_tile", "store_tile",
+           "grouped_pid", "full_spec"]

@@ -1,5 +1,11 @@
 """Decode attention over a paged KV cache: one new query token per row, keys and values in page pools.
 
+Wins: the generation engine's decode step on the H200 (BENCHMARKS.md, "Generation engine, 2026-12-04"): with
+this kernel and decode_linear, Qwen2-1.5B at 16 rows ran 2.99 ms per step against 4.46 ms with XLA's page gather and slice
+copies (the two kernels measured together, not each alone). Default: ops.PALLAS_WINS["paged_attention"] picks it
+for 16-bit decoding with head_dim 64, 128 or 256; elsewhere XLA's gather of every page of the table
+(pallas_kernels.reference.paged_decode_attention, its ground truth).
+
     out = paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale=hd ** -0.5)
 
 q [B, Hq, D]; k_pages / v_pages [P, BS, Hkv, D] (P pages of BS token slots, one layer's pool); block_tables
@@ -15,10 +21,6 @@ programs; each walks its pages in order (a scalar load of the page id, then the 
 of its KV head) with an online softmax, and writes its unnormalised output, maximum and sum (float32). A small
 XLA reduction combines the splits (and the sinks). Pages past a row's length are never read.
 
-Where it wins: the generation engine's decode step on the H200 (BENCHMARKS.md, "Generation"): with this
-kernel and decode_linear, Qwen2-1.5B at 16 rows ran 2.99 ms per step against 4.46 ms with XLA's page gather
-(both kernels measured together, not each alone), so ops.PALLAS_WINS picks it for 16-bit decoding with
-head_dim 64, 128 or 256. The XLA path (pallas_kernels.reference.paged_decode_attention) is its ground truth.
 Inference only: no custom_vjp.
 """
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Decode-sized GEMM on one layer of a stacked weight, read in place, with bias and the LoRA delta fused:
+"""Decode-sized GEMM on one layer of a stacked weight, read in place, with bias and the LoRA delta fused.
+
+Wins: the generation engine's decode step on the H200 (BENCHMARKS.md, "Generation engine, 2026-12-04"): with
+this kernel and paged_decode_attention, Qwen2-1.5B at 16 rows ran 2.99 ms per step against 4.46 ms with XLA's
+in-step slices of the stacked kernels (the two kernels measured together). Default: ops.PALLAS_WINS["decode_linear"]
+picks it for 16-bit decode rows; its block configs are the untuned rule below (decode_linear_bench.py --sweep not
+run yet).
 
     y = x @ w[layer] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b)      x [M, K], w [L, K, N], M = 1..256
 
@@ -29,11 +35,6 @@ Design (memory bound: the [K, N] slice is read once, x is tiny):
 - w may be bf16 with fp32 x (tiles are upcast in registers; no converted copy of the stack). fp32 dots run
   as tf32 on the GPU's tensor cores (Triton's default), so fp32 results there are good to ~1e-3.
 
-Where it wins: the generation engine's decode step on the H200 (BENCHMARKS.md, "Generation"): with this kernel
-and paged_decode_attention, Qwen2-1.5B at 16 rows ran 2.99 ms per step against 4.46 ms with XLA's in-step
-slices (both kernels measured together), so ops.PALLAS_WINS picks it for 16-bit decode rows. Its block
-configs are the untuned rule below (bench/decode_linear_bench.py --sweep was not run yet).
-
 Inference only: no custom_vjp, no backward.
 """
 from __future__ import annotations
@@ -45,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, mask_2d, next_pow2, pl, plgpu,
-                                    range_mask, resolve_interpret)
+from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
+                                    plgpu, range_mask, resolve_interpret)
 
 __all__ = ["stacked_linear", "DecodeConfig", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
 
@@ -180,7 +181,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
         acc, xa = carry
         k0 = k_begin + i * bk
         kmask = range_mask(k0, bk, K, k_ragged)
-        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask_2d(rmask, kmask))
+        xb = load_tile(x_ref, m0, bm, k0, bk, rmask, kmask)
         w_tile = w_at(k0, n0)
         wmask = mask_2d(kmask, cmask)
         if wmask is None:
@@ -190,7 +191,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
                             eviction_policy="evict_first")
         acc = acc + plgpu.dot(xb, wb.astype(x_dtype))
         if has_lora:
-            ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
+            ab = load_tile(a_ref, k0, bk, 0, RP, kmask, rpmask)
             xa = xa + plgpu.dot(xb, ab)
         return acc, xa
 
@@ -198,7 +199,7 @@ def _kernel(*refs, M, K, N, R, RP, bm, bn, bk, steps, splits, scale, has_bias, h
     xa0 = jnp.zeros((bm, RP), jnp.float32) if has_lora else jnp.zeros((), jnp.float32)
     acc, xa = lax.fori_loop(0, steps, body, (acc0, xa0))
     if has_lora:
-        bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, cmask))
+        bb = load_tile(b_ref, 0, RP, n0, bn, rpmask, cmask)
         lora = plgpu.dot(xa.astype(bb.dtype), bb)
         acc = acc + (lora if scale == 1.0 else scale * lora)
     if has_bias:

@@ -1,5 +1,12 @@
 """Flash attention (forward and backward) as Pallas kernels for the Triton lowering.
 
+Wins against XLA, not against cuDNN: forward+backward 7.2-9.3x XLA at D=128, 3.4-4.1x at D=256 and 3.6-5.1x on Gemma
+2's softcap + window case, but 0.60-0.78x cuDNN; Gemma-2-2B's step takes 324.1 ms with it against 417.4 with XLA
+attention (BENCHMARKS.md, "Flash attention (Pallas) vs cuDNN and XLA, 2026-11-29"). Default
+(ops.PALLAS_WINS["attention"], after cuDNN in ops.attention): 16-bit calls cuDNN cannot serve (softcap, packed
+segments, left padding) with head_dim 64, 128 or 256. head_dim 64 was not timed: XLA's path materialises the same
+[S, S] scores at any D, so the kernel's lead, larger at D=128 than at D=256, is taken to hold there.
+
 `flash_attention(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret)`:
 q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query head h
 reads KV head h // (Hq // Hkv), HF's repeat_kv order, without repeating K/V in memory).
@@ -124,7 +131,6 @@ class _Static:
     window: int | None
     softcap: float | None
     scale: float
-    has_segments: bool
     interpret: bool
     config: FlashConfig
 
@@ -654,7 +660,7 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
         config = dataclasses.replace(config, fast_tanh=False)
     st = _Static(
         seq_len=S, groups=Hq // Hkv, causal=bool(causal), window=window, softcap=cap, scale=scale,
-        has_segments=qseg is not None, interpret=resolve_interpret(interpret), config=config,
+        interpret=resolve_interpret(interpret), config=config,
     )
     return qseg, kseg, st
 

@@ -1,5 +1,10 @@
 """Fused gated activations SwiGLU and GEGLU (forward + backward) as Pallas kernels (Triton lowering).
 
+Wins nowhere in the train step: alone 0.99-1.58x XLA forward and 1.99-2.60x backward, but the Qwen2-1.5B step is 5%
+slower with it (187.6 vs 178.8 ms: XLA fuses the activation into the neighbouring matmuls) (BENCHMARKS.md, "Kernels
+vs XLA, each alone, and what the train step says", row GLU). Default: off (ops.PALLAS_WINS["glu"] is False); tested,
+and run when asked (glu=pallas; also the GLU backward of pallas_kernels.glu_fp8 with glu_backward="pallas").
+
     swiglu(gate, up) = silu(gate) * up
     geglu(gate, up)  = gelu(gate) * up      (erf form; tanh form when approximate=True, as torch's
                                              gelu(approximate="tanh"))
@@ -28,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import cdiv, compiler_params, load, next_pow2, pl, plgpu, resolve_interpret
+from pallas_kernels._common import cdiv, compiler_params, load, next_pow2, pl, plgpu, range_mask, resolve_interpret
 
 
 class GluConfig(NamedTuple):
@@ -126,7 +131,7 @@ def _blockwise(n: int, block: int, body):
 
     @pl.when(pid == last)
     def _():
-        body(start, (start + jnp.arange(block)) < n)
+        body(start, range_mask(start, block, n, True))
 
 
 def _load_f32(ref, start, block, mask):

@@ -1,5 +1,9 @@
 """The MLP's gated activation fused with the e4m3 row quantization of its output, feeding an FP8 down_proj.
 
+Wins nowhere in the train step: the Llama-3-8B FP8 step is 1.2% slower with it (264.24 vs 261.18 ms) (BENCHMARKS.md,
+"Options measured in the step and left off", row glu_fp8=pallas). Default: off (ops.PALLAS_WINS["glu_fp8"] is
+False): XLA's GLU, then fp8_matmul quantizes h; tested, and run when asked (glu_fp8=pallas).
+
     h      = act(gate) * up                       rounded to gate.dtype, as `reference.swiglu` / `geglu` give it
     sx[m]  = max(max_k |h[m, k]| * (1/448), 1e-12)   float32 [M]
     hq     = (h * (1 / sx[:, None])) in float8_e4m3fn  [M, F]

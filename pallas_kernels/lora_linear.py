@@ -1,5 +1,10 @@
 """Fused LoRA linear layer: y = x @ w + scale * (x @ a) @ b, with a backward that never forms dW.
 
+Wins nowhere in the train step: alone forward+backward 1.03-1.28x XLA at 8 Qwen2-1.5B / Llama-3-8B projections, but
+the step is 22% slower with it (218.8 vs 178.8 ms) (BENCHMARKS.md, "Kernels vs XLA, each alone, and what the train
+step says", row LoRA linear). Default: off (ops.PALLAS_WINS["linear"] is False); tested, and run when asked
+(linear=pallas).
+
 Forward (one tiled kernel): each program owns one [bm, bn] tile of y, runs the K loop of x @ w in f32 and,
 in the epilogue, adds scale * xa_tile @ b_tile, where xa = x @ a [M, r] is either accumulated in the same
 K loop (``fuse_xa``: costs r/bn extra MMA work, saves a pass over x) or computed first by a small kernel.
@@ -28,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import (cdiv, compiler_params, full_spec, grouped_pid, load, mask_2d, next_pow2, pl,
-                                    plgpu, range_mask, resolve_interpret)
+from pallas_kernels._common import (cdiv, compiler_params, full_spec, grouped_pid, load_tile, next_pow2, pl, plgpu,
+                                    range_mask, resolve_interpret, store_tile)
 
 __all__ = ["lora_linear", "LoraConfig", "CONFIGS", "pick_config", "shape_class"]
 
@@ -123,11 +128,11 @@ def _fwd_kernel(*refs, M, K, N, R, RP, bm, bn, bk, group_m, scale, fuse_xa):
         acc, xa = carry
         k0 = i * bk
         kmask = range_mask(k0, bk, K, k_ragged)
-        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask_2d(rmask, kmask))
-        wb = load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask_2d(kmask, cmask))
+        xb = load_tile(x_ref, m0, bm, k0, bk, rmask, kmask)
+        wb = load_tile(w_ref, k0, bk, n0, bn, kmask, cmask)
         acc = acc + plgpu.dot(xb, wb)
         if fuse_xa:
-            ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
+            ab = load_tile(a_ref, k0, bk, 0, RP, kmask, rpmask)
             xa = xa + plgpu.dot(xb, ab)
         return acc, xa
 
@@ -135,14 +140,14 @@ def _fwd_kernel(*refs, M, K, N, R, RP, bm, bn, bk, group_m, scale, fuse_xa):
     xa0 = jnp.zeros((bm, RP), jnp.float32)
     acc, xa = lax.fori_loop(0, n_k, body, (acc0, xa0))
     if not fuse_xa:
-        xa = load(xa_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
-    bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, cmask))
+        xa = load_tile(xa_in_ref, m0, bm, 0, RP, rmask, rpmask)
+    bb = load_tile(b_ref, 0, RP, n0, bn, rpmask, cmask)
     acc = acc + scale * plgpu.dot(xa.astype(bb.dtype), bb)
-    plgpu.store(y_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(y_ref.dtype), mask=mask_2d(rmask, cmask))
+    store_tile(y_ref, m0, bm, n0, bn, acc.astype(y_ref.dtype), rmask, cmask)
     if fuse_xa:
         @pl.when(pid_n == 0)
         def _():
-            plgpu.store(xa_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], xa, mask=mask_2d(rmask, rpmask))
+            store_tile(xa_out_ref, m0, bm, 0, RP, xa, rmask, rpmask)
 
 
 def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
@@ -162,11 +167,11 @@ def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
         acc, g = carry
         n0 = i * bn
         nmask = range_mask(n0, bn, N, n_ragged)
-        dyb = load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], mask_2d(rmask, nmask))
-        wb = load(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask_2d(kmask, nmask))
+        dyb = load_tile(dy_ref, m0, bm, n0, bn, rmask, nmask)
+        wb = load_tile(w_ref, k0, bk, n0, bn, kmask, nmask)
         acc = acc + plgpu.dot(dyb, wb, trans_b=True)
         if fuse_g:
-            bb = load(b_ref.at[pl.ds(0, RP), pl.ds(n0, bn)], mask_2d(rpmask, nmask))
+            bb = load_tile(b_ref, 0, RP, n0, bn, rpmask, nmask)
             g = g + plgpu.dot(dyb, bb, trans_b=True)
         return acc, g
 
@@ -176,14 +181,14 @@ def _dx_kernel(*refs, M, K, N, R, RP, bm, bk, bn, group_m, scale, fuse_g):
     if fuse_g:
         g = g * scale
     else:
-        g = load(g_in_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
-    ab = load(a_ref.at[pl.ds(k0, bk), pl.ds(0, RP)], mask_2d(kmask, rpmask))
+        g = load_tile(g_in_ref, m0, bm, 0, RP, rmask, rpmask)
+    ab = load_tile(a_ref, k0, bk, 0, RP, kmask, rpmask)
     acc = acc + plgpu.dot(g.astype(ab.dtype), ab, trans_b=True)
-    plgpu.store(dx_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], acc.astype(dx_ref.dtype), mask=mask_2d(rmask, kmask))
+    store_tile(dx_ref, m0, bm, k0, bk, acc.astype(dx_ref.dtype), rmask, kmask)
     if fuse_g:
         @pl.when(pid_k == 0)
         def _():
-            plgpu.store(g_out_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], g, mask=mask_2d(rmask, rpmask))
+            store_tile(g_out_ref, m0, bm, 0, RP, g, rmask, rpmask)
 
 
 def _skinny_kernel(x_ref, s_ref, o_ref, *, M, C, R, RP, bm, bc, scale, s_rows_are_r):
@@ -196,17 +201,17 @@ def _skinny_kernel(x_ref, s_ref, o_ref, *, M, C, R, RP, bm, bc, scale, s_rows_ar
     def body(i, acc):
         c0 = i * bc
         cmask = range_mask(c0, bc, C, c_ragged)
-        xb = load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], mask_2d(rmask, cmask))
+        xb = load_tile(x_ref, m0, bm, c0, bc, rmask, cmask)
         if s_rows_are_r:
-            sb = load(s_ref.at[pl.ds(0, RP), pl.ds(c0, bc)], mask_2d(rpmask, cmask))
+            sb = load_tile(s_ref, 0, RP, c0, bc, rpmask, cmask)
             return acc + plgpu.dot(xb, sb, trans_b=True)
-        sb = load(s_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], mask_2d(cmask, rpmask))
+        sb = load_tile(s_ref, c0, bc, 0, RP, cmask, rpmask)
         return acc + plgpu.dot(xb, sb)
 
     acc = lax.fori_loop(0, cdiv(C, bc), body, jnp.zeros((bm, RP), jnp.float32))
     if scale != 1.0:
         acc = acc * scale
-    plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], acc, mask=mask_2d(rmask, rpmask))
+    store_tile(o_ref, m0, bm, 0, RP, acc, rmask, rpmask)
 
 
 def _reduce_kernel(big_ref, small_ref, o_ref, *, M, C, R, RP, bc, bm, rows_per_split):
@@ -223,12 +228,12 @@ def _reduce_kernel(big_ref, small_ref, o_ref, *, M, C, R, RP, bc, bm, rows_per_s
     def body(i, acc):
         m0 = row_start + i * bm
         rmask = range_mask(m0, bm, M, ragged)
-        bb = load(big_ref.at[pl.ds(m0, bm), pl.ds(c0, bc)], mask_2d(rmask, cmask))
-        sb = load(small_ref.at[pl.ds(m0, bm), pl.ds(0, RP)], mask_2d(rmask, rpmask))
+        bb = load_tile(big_ref, m0, bm, c0, bc, rmask, cmask)
+        sb = load_tile(small_ref, m0, bm, 0, RP, rmask, rpmask)
         return acc + plgpu.dot(bb, sb.astype(bb.dtype), trans_a=True)
 
     acc = lax.fori_loop(0, n_steps, body, jnp.zeros((bc, RP), jnp.float32))
-    plgpu.store(o_ref.at[pl.ds(c0, bc), pl.ds(0, RP)], acc, mask=mask_2d(cmask, rpmask))
+    store_tile(o_ref, c0, bc, 0, RP, acc, cmask, rpmask)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """Pallas kernels for NF4 weights (`pallas_kernels.nf4_format.NF4Weight`): dequantization and 4-bit matmul.
 
+Wins (the dequantize kernel): 1.6-3.5x XLA's dequantization of Qwen2 / Llama gate_up, down and o, and the QLoRA step
+is 2% (Qwen2-1.5B) / 5% (Llama-3-8B) faster than with its XLA twin (BENCHMARKS.md, "Kernels vs XLA, each alone, and
+what the train step says", row NF4 dequantize). Default (ops.PALLAS_WINS["nf4_matmul"]): bf16 activations, this
+kernel dequantizing and XLA multiplying. The fused dequantize-in-tile matmul wins nowhere (same section, row
+nf4_matmul: it lost at every M from 1 to 8192): `_FUSED_MAX_M` is 0, so it runs only with impl="fused"; tested.
+
 Kernels
 -------
 * `dequantize_nf4(q, dtype)`: a Pallas kernel over the flat byte array (any shape, odd numel, partial last
@@ -23,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import (and_masks, broadcast_mask, cdiv, compiler_params, load, next_pow2, pl, plgpu,
-                                    range_mask, resolve_interpret)
+from pallas_kernels._common import (and_masks, broadcast_mask, cdiv, compiler_params, load, mask_2d, next_pow2, pl,
+                                    plgpu, range_mask, resolve_interpret)
 from pallas_kernels.nf4_format import DYNAMIC_MAP, NESTED_BLOCKSIZE, NF4_CODE, NF4Weight, nf4_dtype_name, no_fma
 
 # ------------------------------------------------------------------------------------------------------
@@ -268,19 +274,18 @@ def _fwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
     x_ref, wrefs, o_ref = _split_refs(refs, double, lut)
     j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0, m0 = j * block_n, i * block_m
-    mrow = (m0 + jnp.arange(block_m) < M)[:, None] if mask_m else None
+    mrow = mask_2d(range_mask(m0, block_m, M, mask_m), None)  # [block_m, 1] or None
 
     def body(t, acc):
         k0 = (s * trips + t) * block_k
-        kmask = (k0 + jnp.arange(block_k) < K)[None, :] if mask_k else None
+        kmask = mask_2d(None, range_mask(k0, block_k, K, mask_k))
         xt = load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, block_k)], and_masks(mrow, kmask), 0, (block_m, block_k))
         w = _w_tile(wrefs, n0, k0, N=N, K=K, blocksize=blocksize, block_n=block_n, block_k=block_k,
                     nblocks2=nblocks2, double=double, lut=lut, w_dtype=xt.dtype, mask_n=mask_n, mask_k=mask_k)
         return acc + plgpu.dot(xt, w, trans_b=True)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_n), jnp.float32))
-    ncol = (n0 + jnp.arange(block_n) < N)[None, :] if mask_n else None
-    omask = broadcast_mask(and_masks(mrow, ncol), acc.shape)
+    omask = broadcast_mask(and_masks(mrow, mask_2d(None, range_mask(n0, block_n, N, mask_n))), acc.shape)
     plgpu.store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=omask)
 
 
@@ -290,19 +295,18 @@ def _bwd_kernel(*refs, M, N, K, blocksize, block_m, block_n, block_k, trips, nbl
     g_ref, wrefs, o_ref = _split_refs(refs, double, lut)
     j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k0, m0 = j * block_k, i * block_m
-    mrow = (m0 + jnp.arange(block_m) < M)[:, None] if mask_m else None
+    mrow = mask_2d(range_mask(m0, block_m, M, mask_m), None)  # [block_m, 1] or None
 
     def body(t, acc):
         n0 = (s * trips + t) * block_n
-        nmask = (n0 + jnp.arange(block_n) < N)[None, :] if mask_n else None
+        nmask = mask_2d(None, range_mask(n0, block_n, N, mask_n))
         gt = load(g_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], and_masks(mrow, nmask), 0, (block_m, block_n))
         w = _w_tile(wrefs, n0, k0, N=N, K=K, blocksize=blocksize, block_n=block_n, block_k=block_k,
                     nblocks2=nblocks2, double=double, lut=lut, w_dtype=gt.dtype, mask_n=mask_n, mask_k=mask_k)
         return acc + plgpu.dot(gt, w)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((block_m, block_k), jnp.float32))
-    kcol = (k0 + jnp.arange(block_k) < K)[None, :] if mask_k else None
-    omask = broadcast_mask(and_masks(mrow, kcol), acc.shape)
+    omask = broadcast_mask(and_masks(mrow, mask_2d(None, range_mask(k0, block_k, K, mask_k))), acc.shape)
     plgpu.store(o_ref.at[s, pl.ds(m0, block_m), pl.ds(k0, block_k)], acc, mask=omask)
 
 

@@ -1,6 +1,11 @@
 """NF4 bases multiplied in FP8: a frozen NF4 weight (QLoRA storage) dequantized straight to e4m3 with
 per-output-channel scales, for the cuBLASLt FP8 GEMMs of `pallas_kernels.fp8` (FP8 compute).
 
+Wins, with FP8 numerics: the Llama-3-8B QLoRA step takes 275.41 ms this way against 389.87 with NF4 dequantized to
+bf16 (BENCHMARKS.md, "Training speed, 2,048-token rows", rows QLoRA). Default: off, asked for only (ops setting
+nf4_gemm=fp8), because it changes the numbers (BENCHMARKS.md, "FP8 quality: SmolLM2-135M-Instruct on the CPU"), not
+for speed.
+
     w8 = nf4_to_fp8_weight(q)                  # NF4Weight [out, in] -> FP8Weight (e4m3 [out, in], scale [out])
     y  = nf4_fp8_matmul(x, q)                  # x [..., in] -> [..., out] in x.dtype, differentiable in x
 

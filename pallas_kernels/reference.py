@@ -160,9 +160,9 @@ def token_logprobs(hidden, lm_head, labels, softcap=None, temperature=1.0, ignor
     return _map_token_chunks(chunk_logprobs, hidden, labels, chunk_size, ignore_index).reshape(-1)[:T]
 
 
-# ---- flash_attention (owned by pallas_kernels/flash_attention.py) ----
+# ---- attention: flash_attention's twin (pallas_kernels/flash_attention.py) and ops' XLA attention ----
 def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):
-    """Boolean keep-mask broadcastable to [B, Hkv, G, S, S], or None when nothing is masked."""
+    """Boolean keep-mask [B or 1, S, S], or None when nothing is masked."""
     qi = jnp.arange(seq_len)[:, None]
     kj = jnp.arange(seq_len)[None, :]
     keep = None
@@ -172,44 +172,61 @@ def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):
         w = (qi - kj) < int(sliding_window)
         keep = w if keep is None else keep & w
     if keep is not None:
-        keep = keep[None, None, None]
+        keep = keep[None]
     if segment_ids is not None:
         if isinstance(segment_ids, (tuple, list)):
             q_ids, kv_ids = segment_ids
         else:
             q_ids = kv_ids = segment_ids
-        seg = (jnp.asarray(q_ids)[:, :, None] == jnp.asarray(kv_ids)[:, None, :])[:, None, None]
+        seg = jnp.asarray(q_ids)[:, :, None] == jnp.asarray(kv_ids)[:, None, :]
         keep = seg if keep is None else keep & seg
     return keep
 
 
+def attention(q, k, v, keep=None, *, scale, softcap=None, sinks=None):
+    """Plain-jnp attention with GQA (float32 scores and softmax): `flash_attention`'s twin below, and the XLA
+    path of unsloth_jax.ops.attention / paged_attention.
+
+    q [B, Sq, Hq, D], k/v [B, Skv, Hkv, D]; query head h reads KV head h // (Hq // Hkv). Scores are
+    q.k * scale, then softcap * tanh(scores / softcap), then masked by `keep` (bool, [B or 1, Sq, Skv], True:
+    attend; None: nothing masked). sinks [Hq] (gpt-oss): one more logit per head in every softmax denominator,
+    attending to nothing. Rows with nothing to attend (and no sink) give zeros.
+    """
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, sq, hkv, g, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    if keep is not None:
+        scores = jnp.where(jnp.asarray(keep)[:, None, None], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
+        m = jnp.maximum(m, sink)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.exp(scores - m)
+    denom = jnp.sum(p, axis=-1)  # [b, hkv, g, q]
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)[..., 0]
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    inv = 1.0 / jnp.where(denom > 0, denom, 1.0)
+    out = out * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
+    return out.reshape(b, sq, hq, d).astype(q.dtype)
+
+
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, softcap=None,
                     sm_scale=None):
-    """Plain-jnp twin of `pallas_kernels.flash_attention.flash_attention` (float32 softmax, GQA by reshape).
+    """Plain-jnp twin of `pallas_kernels.flash_attention.flash_attention` (`attention` above).
 
     q [B, S, Hq, D], k/v [B, S, Hkv, D]; query head h reads KV head h // (Hq // Hkv). Scores are
     q.k * sm_scale, then softcap * tanh(scores / softcap), then masked (causal j <= i, window i - j < w,
     equal segment ids; segment_ids may be a (q_ids, kv_ids) pair). Fully masked rows give zeros.
     """
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    scale = (1.0 / float(d) ** 0.5) if sm_scale is None else float(sm_scale)
-    qg = q.reshape(b, s, hkv, g, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    keep = _attention_keep_mask(s, causal, sliding_window, segment_ids)
-    if keep is not None:
-        scores = jnp.where(keep, scores, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(scores - m)
-    denom = jnp.sum(p, axis=-1)  # [b, hkv, g, q]
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    inv = 1.0 / jnp.where(denom > 0, denom, 1.0)
-    out = out * jnp.transpose(inv, (0, 3, 1, 2))[..., None]
-    return out.reshape(b, s, hq, d).astype(q.dtype)
+    scale = (1.0 / float(q.shape[-1]) ** 0.5) if sm_scale is None else float(sm_scale)
+    keep = _attention_keep_mask(q.shape[1], causal, sliding_window, segment_ids)
+    return attention(q, k, v, keep, scale=scale, softcap=softcap)
 
 
 # ---- nf4 (owned by pallas_kernels/nf4.py; the format in pallas_kernels/nf4_format.py) ----
@@ -279,31 +296,15 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
                            sinks=None):
     """Decode attention of q [B, Hq, D] over each row's pages of k_pages / v_pages [P, BS, Hkv, D]
     (block_tables [B, MAXB], lengths [B]; see pallas_kernels.decode_attention): every page of the table
-    gathered, keys at index >= length (or outside the window) masked, float32 softmax (with softcap and
-    sinks). Rows of length 0 give 0. -> [B, Hq, D] in q.dtype."""
+    gathered, keys at index >= length (or outside the window) masked, then `attention` above (float32 softmax,
+    softcap, sinks). Rows of length 0 give 0. -> [B, Hq, D] in q.dtype."""
     b, maxb = block_tables.shape
-    _, bs, hkv, d = k_pages.shape
-    hq = q.shape[1]
-    g = hq // hkv
-    k = k_pages[block_tables].reshape(b, maxb * bs, hkv, d)
-    v = v_pages[block_tables].reshape(b, maxb * bs, hkv, d)
-    scores = jnp.einsum("bhgd,bthd->bhgt", q.reshape(b, hkv, g, d), k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
+    bs = k_pages.shape[1]
+    k = k_pages[block_tables].reshape(b, maxb * bs, *k_pages.shape[2:])
+    v = v_pages[block_tables].reshape(b, maxb * bs, *v_pages.shape[2:])
     j = jnp.arange(maxb * bs)[None, :]
     keep = j < lengths[:, None]
     if window is not None:
         keep = keep & ((lengths[:, None] - 1) - j < window)
-    scores = jnp.where(keep[:, None, None, :], scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    if sinks is not None:
-        top = jnp.maximum(top, sinks.astype(jnp.float32).reshape(1, hkv, g, 1))
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.exp(scores - top)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, hkv, g, 1) - top)
-    out = jnp.einsum("bhgt,bthd->bhgd", (p / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    out = attention(q[:, None], k, v, keep[:, None, :], scale=scale, softcap=softcap, sinks=sinks)[:, 0]
+    return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))

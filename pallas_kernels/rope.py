@@ -1,5 +1,10 @@
 """Fused rotary position embedding for q and k in one launch (HF rotate-half layout), forward + backward.
 
+Wins nowhere in the train step: alone its backward is 1.17-1.40x XLA but its forward 0.72-1.05x, and the Qwen2-1.5B
+step ties (178.6 vs 178.8 ms) (BENCHMARKS.md, "Kernels vs XLA, each alone, and what the train step says", row RoPE).
+Default: off (ops.PALLAS_WINS["rope"] is False); tested, and run when asked (`ops.set_impl("rope", "pallas")` or
+UNSLOTH_JAX_IMPL=rope=pallas).
+
     out = x * cos + rotate_half(x) * sin,   rotate_half(x) = concat(-x2, x1)
 
 with x1/x2 the two halves of the head dim. Per half (c1/c2, s1/s2 the halves of cos/sin):

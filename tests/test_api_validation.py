@@ -57,3 +57,17 @@ def test_from_pretrained_rejects_bad_arguments(kwargs, error, words):
     with pytest.raises(error) as e:
         FastLanguageModel.from_pretrained(DEFAULT_MODEL, load_tokenizer=False, progress=False, **kwargs)
     assert words in str(e.value)
+
+
+def test_for_inference_and_for_training_return_the_model_unchanged(tiny):
+    """Unsloth's switches are kept for its users and change nothing (for_training's use_gradient_checkpointing is
+    accepted and ignored: the remat mode stays the one get_peft_model chose)."""
+    from flax import nnx
+
+    model = nnx.clone(tiny)
+    FastLanguageModel.get_peft_model(model, r=2, use_gradient_checkpointing=True)
+    mode, graph = model.gradient_checkpointing, nnx.graphdef(model)
+    assert FastLanguageModel.for_inference(model) is model
+    assert FastLanguageModel.for_training(model, use_gradient_checkpointing=False) is model
+    assert FastLanguageModel.for_training(model) is model
+    assert model.gradient_checkpointing == mode and nnx.graphdef(model) == graph

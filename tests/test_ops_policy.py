@@ -161,3 +161,33 @@ def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng, remat):
     assert abs(got["unrolled"][1] - got["scan"][1]) <= 1e-6 * abs(got["scan"][1])
     for a, b in zip(got["unrolled"][2], got["scan"][2]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_xla_attention_is_the_kernels_reference(clean_policy, rng):
+    """ops.attention's XLA path is pallas_kernels.reference.attention (one XLA attention): equal to the flash
+    kernel's twin on what both take (GQA, causal, window, softcap, segments), rows with no key give zeros, and
+    a sink equals one more key whose score is the sink and whose value is zero."""
+    import pallas_kernels.reference as reference
+
+    b, s, hq, hkv, d = 2, 13, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv))
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, (b, s)), axis=1), jnp.int32)
+    ops.set_impl("attention", "xla")
+    got = ops.attention(q, k, v, scale=0.3, window=5, softcap=20.0, segment_ids=seg)
+    want = reference.flash_attention(q, k, v, causal=True, sliding_window=5, softcap=20.0, segment_ids=seg,
+                                     sm_scale=0.3)
+    assert rel_err(got, want) < 1e-6
+    none_valid = jnp.zeros((b, s), jnp.int32).at[:, 5:].set(1)  # left padding: rows 0-4 attend to nothing
+    out = ops.attention(q, k, v, scale=0.3, kv_valid=none_valid)
+    assert not np.any(np.asarray(out[:, :5])) and np.all(np.isfinite(np.asarray(out)))
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    with_sink = ops.attention(q, k, v, scale=0.3, sinks=sinks)
+    # the sink as a key 0 before the sequence, seen by every query: an extra q dim of sinks[h] / scale against
+    # k0's extra dim 1 scores sinks[h], and its value is zero (an extra zero v dim keeps q's and v's width equal)
+    pad = lambda x, n: jnp.concatenate([x, jnp.zeros((*x.shape[:-1], n))], -1)  # noqa: E731
+    q1 = pad(q, 1).at[..., d].set(jnp.broadcast_to(sinks / 0.3, (b, s, hq)))
+    k1 = jnp.concatenate([jnp.zeros((b, 1, hkv, d + 1)).at[..., d].set(1.0), pad(k, 1)], 1)
+    v1 = jnp.concatenate([jnp.zeros((b, 1, hkv, d + 1)), pad(v, 1)], 1)
+    keep = (jnp.arange(s + 1)[None, :] <= jnp.arange(s)[:, None] + 1)[None]
+    want = reference.attention(q1, k1, v1, keep, scale=0.3)[..., :d]
+    assert rel_err(with_sink, want) < 1e-5

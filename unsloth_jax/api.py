@@ -39,15 +39,13 @@ class Model(CausalLM):
     """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
     `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full",
     "offload", "offload_attention", "save_attention", or with layers_per_checkpoint=K "full_every_K" /
-    "offload_every_K") and
-    `training` (False after FastLanguageModel.for_inference)."""
+    "offload_every_K")."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.max_seq_length = 2048
         self.gradient_checkpointing = "none"
         self.gpu_memory_utilization: float | None = None  # the generation engine's KV pool cap (from_pretrained)
-        self.training = True
 
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
@@ -398,12 +396,15 @@ class FastLanguageModel:
 
     @staticmethod
     def for_inference(model: Model) -> Model:
-        model.training = False
+        """Unsloth's switch to inference, kept for its users: returns `model` unchanged (generate and
+        fast_generate need no switch, and nothing here behaves differently in training)."""
         return model
 
     @staticmethod
     def for_training(model: Model, use_gradient_checkpointing=True) -> Model:
-        model.training = True
+        """Unsloth's switch back to training, kept for its users: returns `model` unchanged.
+        use_gradient_checkpointing is accepted for compatibility and ignored: the remat mode stays the one
+        get_peft_model (or from_pretrained, with full fine-tuning) set, `model.gradient_checkpointing`."""
         return model
 
 

@@ -93,3 +93,19 @@ def mesh_batch_axes() -> tuple[str, ...]:
     for a in axes:
         parts *= mesh.shape[a]
     return axes if parts > 1 else ()
+
+
+# JAX used beyond its documented API: each such use is one function here, and tests/test_jax_compat.py checks it
+# on the installed jax (0.10.2 and 0.11.2 have it), so a jax without it fails there with the reason.
+def vjp_closure(vjp) -> tuple[list, object]:
+    """(leaves, treedef) of a function `jax.vjp` returned: the values it closes over (the primal inputs it keeps
+    and the residuals), rebuilt by `jax.tree.unflatten(treedef, leaves)`. jax documents no way to hand out a
+    VJP's residuals; jax 0.10 and 0.11 register the returned VJP object as a pytree of exactly those values.
+    models/offload.py's "offload_attention" scan needs them as values to carry through its own scan."""
+    return jax.tree.flatten(vjp)
+
+
+def is_tracer(x) -> bool:
+    """Whether `x` is a value of a trace being built (a tracer), not a constant. `jax.core.Tracer` is public in
+    jax 0.10 and 0.11, but jax.core is being emptied (most of its names are deprecated)."""
+    return isinstance(x, jax.core.Tracer)

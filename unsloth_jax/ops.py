@@ -275,7 +275,8 @@ def chosen_impls(policy: Policy | None = None) -> dict[str, str]:
 
 
 # Where a Pallas kernel beat XLA's fusion of the same math on the H200 inside the model's train step
-# (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds.
+# (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds. Each kernel module's
+# docstring opens with where it wins and this default (tests/test_kernel_defaults.py holds the two together).
 _BF16 = jnp.dtype(jnp.bfloat16)
 PALLAS_WINS = {
     # bf16 RMSNorm at the hidden sizes measured (Qwen2-1.5B, Llama-3-8B); other sizes were not measured in a step.
@@ -289,9 +290,10 @@ PALLAS_WINS = {
     "linear": lambda x: False,
     # Fused linear cross-entropy: faster and a tenth of the memory of the chunked XLA loss.
     "cross_entropy": lambda h: h.dtype == _BF16,
-    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding).
+    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding); timed at
+    # head_dim 128 and 256 (64 by inference: see pallas_kernels/flash_attention.py).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
-    # The generation engine's decode kernels (BENCHMARKS.md, "Generation"): with both, the Qwen2-1.5B decode
+    # The generation engine's decode kernels (BENCHMARKS.md, "Generation engine, 2026-12-04"): with both, the Qwen2-1.5B decode
     # step at 16 rows took 2.99 ms against 4.46 ms for XLA's page gather and slice copies (H200, same call).
     "paged_attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     "decode_linear": lambda x: x.dtype in (_BF16, jnp.float16),
@@ -514,9 +516,6 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------- attention
-NEG_INF = -1e30
-
-
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """jax.lax.ragged_dot's grouped GEMM: x [N, K] (rows sorted by group), w [E, K, M], group_sizes [E] int32
     -> [N, M] in x.dtype (float32 accumulation; rows past sum(group_sizes) are zero). Differentiable in x and
@@ -562,24 +561,6 @@ def attention_mask(
     return mask
 
 
-def _attention_xla(q, k, v, mask, scale, softcap, sinks=None):
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, s, hkv, g, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-    else:  # one extra logit per head in the denominator, attending to nothing
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1), scores.shape[:-1] + (1,))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, hq, d).astype(q.dtype)
-
-
 def _cudnn_serves(q: jax.Array) -> bool:
     """cuDNN's fused attention: 16-bit inputs, head_dim a multiple of 8 up to 128 (the sizes measured here)."""
     return q.dtype in (_BF16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
@@ -621,7 +602,7 @@ def attention(
         _note("attention", "xla")
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                               segment_ids=segment_ids, q_offset=q_offset)
-        return _attention_xla(q, k, v, mask, scale, softcap, sinks)
+        return ref.attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
     if impl in ("auto", "cudnn") and policy.gpu and simple and _cudnn_serves(q):
         _note("attention", "cudnn")
         local = None if window is None else (window - 1, 0)
@@ -645,7 +626,7 @@ def attention(
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)
-    return _attention_xla(q, k, v, mask, scale, softcap)
+    return ref.attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,

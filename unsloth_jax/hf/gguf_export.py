@@ -48,6 +48,7 @@ import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
 from unsloth_jax.hf.file_modes import chmod_like_new
+from unsloth_jax.hf.gguf_common import llama3_rope_factors
 
 log = logging.getLogger("unsloth_jax")
 
@@ -115,27 +116,6 @@ def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
-
-
-def llama3_rope_factors(cfg) -> np.ndarray:
-    """rope_freqs for Llama 3 rope scaling, computed in float32 as convert_hf_to_gguf.py does with torch."""
-    f32 = np.float32
-    dim = cfg.head_dim
-    freqs = f32(1.0) / (f32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim)))
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    old_ctx = cfg.rope_original_max_position
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    out = []
-    for freq in freqs.astype(f32):
-        wavelen = f32(2 * math.pi) / freq
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (f32(old_ctx) / wavelen - f32(low)) / f32(high - low)
-            out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
-    return np.array(out, dtype=f32)
 
 
 class _Tensor:

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError, UnsupportedArchitectureError)
+from unsloth_jax.hf.gguf_common import llama3_rope_factors
 from unsloth_jax.hf.loading import Placer, default_placer, model_from_params, place
 from unsloth_jax.hf.mapping import tensor_specs
 from unsloth_jax.models.decoder import CausalLM
@@ -199,8 +200,6 @@ def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int) -> dict:
     s = (O / wavelength - L) / (H - L): linear in 1 / wavelength. F is the largest factor; two or more smooth
     factors fit s, and (O, L, H) are fixed up to a common scale that changes no factor, so L = 1. The recovered
     parameters must reproduce every factor (float32), else ConfigError."""
-    from unsloth_jax.hf.gguf_export import llama3_rope_factors
-
     factors = _dequantized(f, "rope_freqs.weight").reshape(-1).astype(np.float64)
     where = f"{f.path}: tensor 'rope_freqs.weight'"
     if factors.shape != (head_dim // 2,) or np.any(factors < 1 - 1e-6):

@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
@@ -103,17 +103,15 @@ class DecoderLayer(nnx.Module):
 class OffloadWithAttention:
     """Remat policy of "offload_attention": the value named `offloaded` and attention's forward residuals
     (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES) go to pinned host memory; everything else is
-    recomputed. jax names the policy outcomes only privately (partial_eval.Offloadable / Recompute)."""
+    recomputed (the policy outcomes jax.ad_checkpoint.Offloadable / Recompute)."""
 
     offloaded: str
 
     def __call__(self, prim, *_, **params):
-        from jax._src.interpreters import partial_eval as pe
-
         named = params.get("name") if prim.name == "name" else None
         if named == self.offloaded or attention_residuals_saveable(prim, **params):
-            return pe.Offloadable(src="device", dst="pinned_host")
-        return pe.Recompute
+            return Offloadable(src="device", dst="pinned_host")
+        return Recompute
 
 
 def attention_residuals_saveable(prim, *_, **params) -> bool:

@@ -73,10 +73,6 @@ class Linear(nnx.Module):
         self.lora_scale: float | None = None
         self.train_kernel = False
 
-    @property
-    def has_lora(self) -> bool:
-        return self.lora_a is not None
-
     def lora_factors(self):
         """(lora_a [*stack, in, r], lora_b [*stack, r, out], scale), as ops.linear takes it, or None."""
         if self.lora_a is None:

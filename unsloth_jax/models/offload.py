@@ -35,7 +35,7 @@ differentiated.
 With `keep` (a jax.checkpoint policy, e.g. one saving attention's forward outputs: "offload_attention"), each
 layer runs forward under `jax.checkpoint(policy=keep)` and the values the policy saves go to the host beside the
 layer's input, one layer late like it, and come back one layer ahead, so the backward pass reads them instead of
-recomputing them. They are found as the leaves of the layer's VJP closure (a jax.tree_util.Partial) that are not
+recomputing them. They are found as the leaves of the layer's VJP closure (backend.vjp_closure) that are not
 the layer's own inputs: the inputs are the very tracers passed in, so they are matched by identity.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+
+from unsloth_jax.backend import is_tracer, vjp_closure
 
 # XLA debug options for a step that offloads: command buffers for these thunk kinds only (under XLA's default
 # kinds the host copies run on the compute stream).
@@ -127,14 +129,14 @@ def offloaded_layer_scan(body, h: jax.Array, layers, side, *, keep=None, unroll:
         other leaves (x, this layer's leaves, the side inputs, constants) are recorded in `closure`."""
         layer_of, diff = differentiable_step(layer_leaves_i, side_leaves)
         out, vjp = jax.vjp(jax.checkpoint(layer_of, policy=keep), x, diff)
-        leaves, tree = jax.tree.flatten(vjp)
+        leaves, tree = vjp_closure(vjp)
         origin = {id(a): ("side", j) for j, a in enumerate(side_leaves)}
         origin |= {id(a): ("layer", j) for j, a in enumerate(layer_leaves_i)} | {id(x): ("x", 0)}
         sources, kept = [], []
         for leaf in leaves:
             if id(leaf) in origin:
                 sources.append(origin[id(leaf)])
-            elif isinstance(leaf, jax.core.Tracer):
+            elif is_tracer(leaf):
                 sources.append(("kept", len(kept)))
                 kept.append(leaf)
             else:  # a constant of the trace (not a tracer): reused as it is

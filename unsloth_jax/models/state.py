@@ -9,7 +9,6 @@ given one.
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -66,12 +65,3 @@ def fill(module: nnx.Module, values: dict) -> nnx.Module:
     if missing:
         raise KeyError(f"no value for {len(missing)} variable(s): {', '.join(missing[:8])}")
     return module
-
-
-def abstract_leaves(module: nnx.Module) -> list[str]:
-    """Paths of the variables still holding jax.ShapeDtypeStruct placeholders (nothing loaded into them)."""
-    out = []
-    for path, var in nnx.to_flat_state(nnx.state(module)):
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(var.get_value())):
-            out.append(".".join(map(str, path)))
-    return out

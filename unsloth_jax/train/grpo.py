@@ -96,6 +96,8 @@ class GRPOConfig(TrainingArguments):
     generation_batch_size: int | None = None
     steps_per_generation: int | None = None
     shuffle_dataset: bool = True
+    # accepted for TRL compatibility and ignored (use_vllm: see above; every column reaches the reward functions;
+    # no dropout runs here; datasets are tokenized in-process)
     remove_unused_columns: bool = False
     disable_dropout: bool = False
     use_vllm: bool = False

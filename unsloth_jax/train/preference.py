@@ -79,6 +79,7 @@ class DPOConfig(TrainingArguments):
     truncation_mode: str = "keep_start"
     reference_free: bool = False
     precompute_ref_log_probs: bool = False
+    # accepted for TRL compatibility and ignored (no dropout runs here; datasets are tokenized in-process)
     disable_dropout: bool = True
     dataset_num_proc: int | None = None
 
@@ -111,6 +112,7 @@ class ORPOConfig(TrainingArguments):
     max_length: int | None = 1024
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
+    # accepted for TRL compatibility and ignored (no dropout runs here; datasets are tokenized in-process)
     disable_dropout: bool = True
     dataset_num_proc: int | None = None
 
