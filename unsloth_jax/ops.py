@@ -293,8 +293,8 @@ PALLAS_WINS = {
     # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding); timed at
     # head_dim 128 and 256 (64 by inference: see pallas_kernels/flash_attention.py).
     "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
-    # The generation engine's decode kernels (BENCHMARKS.md, "Generation engine, 2026-12-04"): with both, the Qwen2-1.5B decode
-    # step at 16 rows took 2.99 ms against 4.46 ms for XLA's page gather and slice copies (H200, same call).
+    # The generation engine's decode kernels (BENCHMARKS.md, "Generation engine, 2026-12-04"): with both, the
+    # Qwen2-1.5B decode step at 16 rows took 2.99 ms against 4.46 ms for XLA's page gather and slice copies.
     "paged_attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     "decode_linear": lambda x: x.dtype in (_BF16, jnp.float16),
     # NF4 projections: the Pallas dequantize, then XLA's matmul.
