@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -262,7 +263,8 @@ class Engine:
         return CompletionOutput(s.index, text, list(s.tokens), float(np.sum(s.logprobs)), lps, s.finish_reason,
                                 s.stop_reason)
 
-    def summary(self, rows: int, pool_pages: int, flags: SamplerFlags) -> None:
+    def summary(self, rows: int, pool_pages: int, flags: SamplerFlags, sequences: int) -> None:
+        """One line on stderr (stdout carries what the user generates) the first time a configuration runs."""
         key = (rows, pool_pages, flags)
         if key in self._summaries:
             return
@@ -270,9 +272,9 @@ class Engine:
         per_page = paging.page_bytes(self.model.config, self.page_size, self.model.dtype)
         impl = "pallas" if ops.use_pallas("paged_attention", jnp.zeros((1, 1, self.model.config.head_dim),
                                                                           self.model.dtype)) else "xla"
-        print(f"unsloth_jax generate: {rows} rows, KV pool {pool_pages} pages x {self.page_size} tokens "
-              f"({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode attention {impl}, "
-              f"dtype {jnp.dtype(self.model.dtype).name}")
+        print(f"unsloth_jax generate: {sequences} sequences on {rows} rows, KV pool {pool_pages} pages x "
+              f"{self.page_size} tokens ({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode "
+              f"attention {impl}, dtype {jnp.dtype(self.model.dtype).name}", file=sys.stderr)
 
 
 def _memory_stats() -> dict | None:
@@ -309,7 +311,7 @@ class _Run:
 
     def run(self) -> None:
         e, cfg = self.e, self.e.model.config
-        e.summary(self.rows, self.num_pages, self.flags)
+        e.summary(self.rows, self.num_pages, self.flags, len(self.seqs))
         stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
                                 "rows": self.rows, "pool_pages": self.num_pages}
         t0 = time.perf_counter()
