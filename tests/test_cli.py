@@ -233,6 +233,66 @@ def test_export_merged_and_gguf(trained, tmp_path, capsys):
         assert any(t.name == "token_embd.weight" for t in reader.tensors)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The bundled tiny model as a q8_0 GGUF file, written by the project's own GGUF export."""
+    pytest.importorskip("gguf")
+    from unsloth_jax import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(DEFAULT_MODEL, dtype="float32", progress=False)
+    return Path(model.save_pretrained_gguf(str(tmp_path_factory.mktemp("gguf")), tok, quantization_method="q8_0"))
+
+
+@pytest.mark.torch
+def test_train_and_generate_on_a_gguf_file_and_peft_loads_the_adapter(tiny_gguf, tmp_path, rng, monkeypatch,
+                                                                       capsys):
+    """`--model_name model.gguf` trains and generates, as from_pretrained loads it. The adapter directory alone
+    is what PEFT's AutoPeftModelForCausalLM and transformers' AutoTokenizer open (from another directory): the
+    tokenizer gives transformers' GGUF tokenizer's ids, and the logits equal ours (the GGUF's dequantized base
+    + the adapter)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    from tests.helpers import rel_err
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.hf import peft_io
+
+    data = _dataset(tmp_path, rng, n=8)
+    out = tmp_path / "run"
+    rc = main(["-q", "train", "--model_name", str(tiny_gguf), "--dataset", str(data), "--max_steps", "2",
+               "--warmup_steps", "0", "--learning_rate", "1e-2", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "1", "--max_seq_length", "64", "--report_to", "none",
+               "--output_dir", str(out), "--seed", str(int(rng.integers(1 << 16)))])
+    assert rc == 0, capsys.readouterr().err
+    adapter = out / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((adapter / "base_model").resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    tok = AutoTokenizer.from_pretrained(str(adapter))
+    theirs = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    text = "Below is an instruction. What is the capital of Peru?"
+    assert tok(text).input_ids == theirs(text).input_ids
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32).eval()
+    ids = np.array([tok(text).input_ids])
+    with torch.no_grad():
+        ref = pm(torch.tensor(ids)).logits.numpy()
+        base = pm.get_base_model()
+        with pm.disable_adapter():
+            untrained = pm(torch.tensor(ids)).logits.numpy()
+    assert base.config.model_type == "llama"
+    model, _ = FastLanguageModel.from_pretrained(tiny_gguf, dtype="float32", progress=False)
+    model = peft_io.load_adapter(model, adapter)
+    ours = np.asarray(model(ids))
+    assert rel_err(ours, ref) < 1e-5
+    assert rel_err(untrained, ref) > 1e-4  # the adapter changes the output: it is really applied
+    capsys.readouterr()
+    rc = main(["-q", "generate", "--model_name", str(tiny_gguf), "--prompt", "Hi", "--max_new_tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
+
+
 def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
     data = _dataset(tmp_path, rng, n=5, bad_line=4)
     rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
@@ -252,11 +312,11 @@ def test_bad_record_field_is_exit_2(tmp_path, capsys):
 
 def test_missing_paths_are_exit_2(tmp_path, capsys):
     assert main(["-q", "train", "--model_name", str(tmp_path / "nope")]) == 2
-    assert "model directory not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
     assert main(["-q", "train", "--dataset", str(tmp_path / "nope.jsonl")]) == 2
     assert "dataset not found" in capsys.readouterr().err
     assert main(["-q", "generate", "--model_name", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
-    assert "model directory not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
     assert main(["-q", "export", "--model_name", str(DEFAULT_MODEL), "--save_gguf"]) == 2
     assert "not a PEFT adapter" in capsys.readouterr().err
 

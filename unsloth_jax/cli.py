@@ -64,7 +64,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
     m = p.add_argument_group("model")
     m.add_argument("--model_name", default=str(DEFAULT_MODEL),
-                   help="local Hugging Face model directory; the default is the bundled tiny Llama")
+                   help="local Hugging Face model directory or llama.cpp .gguf file; the default is the bundled "
+                        "tiny Llama")
     m.add_argument("--dataset", default=str(DEFAULT_DATASET),
                    help="a .jsonl/.json file or a directory of .jsonl files (text, alpaca, sharegpt or chatml records); "
                         "the default is the bundled alpaca sample")
@@ -202,7 +203,8 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
 
     ge = sub.add_parser("generate", help="generate text from a model or adapter (interactive without --prompt)",
                         formatter_class=fmt)
-    ge.add_argument("--model_name", default="outputs/adapter", help="model directory or saved adapter directory")
+    ge.add_argument("--model_name", default="outputs/adapter",
+                    help="model directory, saved adapter directory or .gguf file")
     ge.add_argument("--prompt", default=None, help="the prompt (or instruction, for alpaca formatting); omitted: "
                                                    "interactive chat on stdin")
     ge.add_argument("--input", default="", help="alpaca 'input' field for --prompt")
@@ -311,6 +313,14 @@ def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
 
 
 # -------------------------------------------------------------------------------------------- validation
+def _check_model_path(name, hint: str) -> None:
+    """UsageError unless `name` is a directory or a llama.cpp .gguf file (what from_pretrained loads)."""
+    path = Path(name)
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        what = "not a model directory or .gguf file" if path.exists() else "model not found"
+        raise UsageError(f"{what}: {name} ({hint})")
+
+
 def _positive_int(flag: str, value: int) -> None:
     if value < 1:
         raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -401,9 +411,8 @@ def cmd_train(args) -> int:
     main = is_main_process()
     if not main:  # the other processes of a multi-host run keep quiet: process 0 logs
         logging.getLogger("unsloth_jax").setLevel(logging.WARNING)
-    if not Path(args.model_name).is_dir():
-        raise UsageError(f"model directory not found: {args.model_name} (pass --model_name with a local Hugging Face "
-                         "model directory, or omit it to use the bundled tiny model)")
+    _check_model_path(args.model_name, "pass --model_name with a local Hugging Face model directory or a .gguf "
+                                        "file, or omit it to use the bundled tiny model")
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl/.json file or a directory "
                          "of .jsonl files)")
@@ -457,8 +466,7 @@ def cmd_train(args) -> int:
         return 0
     if args.save_model:
         adapter_dir = Path(args.save_path) if (args.save_path and args.save_method == "lora") else out / "adapter"
-        model.save_pretrained(str(adapter_dir))
-        tokenizer.save_pretrained(str(adapter_dir))
+        model.save_pretrained(str(adapter_dir), tokenizer=tokenizer)
         _save_training_info(adapter_dir, {"dataset": str(args.dataset), "dataset_format": fmt,
                                           "base_model": str(Path(args.model_name).resolve()),
                                           "responses_only": bool(responses_only), "steps": trainer_stats.global_step,
@@ -557,9 +565,8 @@ def cmd_generate(args) -> int:
 
     _check_generate_flags(args)
     model_dir = Path(args.model_name)
-    if not model_dir.is_dir():
-        raise UsageError(f"model directory not found: {model_dir} (train one with `unsloth-jax train`, or pass "
-                         "--model_name with a model or adapter directory)")
+    _check_model_path(model_dir, "train one with `unsloth-jax train`, or pass --model_name with a model or adapter "
+                                 "directory or a .gguf file")
     model, tokenizer = FastLanguageModel.from_pretrained(str(model_dir), max_seq_length=args.max_seq_length,
                                                          dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                                                          progress=False)
