@@ -211,6 +211,34 @@ def test_generate_interactive_chat(trained, monkeypatch, capsys):
     assert "chat prompts" in captured.err
 
 
+@pytest.mark.parametrize("template", [True, False], ids=["chat_template", "no_template"])
+def test_generate_formats_with_the_chat_template_when_there_is_one(template, tmp_path, monkeypatch, capsys):
+    """A model with no training info (not an adapter trained by the CLI): the prompt is rendered by its
+    tokenizer's chat template (what transformers' apply_chat_template renders), or the alpaca prompt when the
+    tokenizer has no template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import unsloth_jax.generation
+    from unsloth_jax.data import alpaca_prompt
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model_dir)
+    if not template:
+        (model_dir / "chat_template.jinja").unlink()
+    seen = []
+    monkeypatch.setattr(unsloth_jax.generation, "generate", lambda model, ids, **kw: seen.append(ids[0]))
+    question = "What is the capital of Peru?"
+    rc = main(["-q", "generate", "--model_name", str(model_dir), "--prompt", question, "--max_new_tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert bool(tok.chat_template) == template
+    expected = (tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                        add_generation_prompt=True) if template else alpaca_prompt(question))
+    assert list(seen[0]) == tok(expected).input_ids
+
+
 @pytest.mark.torch
 def test_export_merged_and_gguf(trained, tmp_path, capsys):
     torch = pytest.importorskip("torch")

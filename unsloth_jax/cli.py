@@ -210,8 +210,9 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     ge.add_argument("--input", default="", help="alpaca 'input' field for --prompt")
     ge.add_argument("--chat", action="store_true", help="format prompts with the tokenizer's chat template")
     ge.add_argument("--format", default="auto", choices=PROMPT_FORMATS,
-                    help="prompt formatting: auto (alpaca for adapters trained on alpaca data, chat for chat data), "
-                         "alpaca, chat or raw")
+                    help="prompt formatting: auto (the format an adapter was trained on: alpaca, chat, or raw for "
+                         "text data; otherwise the tokenizer's chat template when it has one, else alpaca), alpaca, "
+                         "chat or raw")
     ge.add_argument("--max_seq_length", type=int, default=2048)
     ge.add_argument("--dtype", type=_dtype, default=None)
     ge.add_argument("--load_in_4bit", action="store_true")
@@ -543,7 +544,9 @@ def _stop_ids(model, tokenizer, chat: bool) -> list[int]:
     return sorted(set(ids))
 
 
-def _resolve_format(args, model_dir: Path) -> str:
+def _resolve_format(args, model_dir: Path, tokenizer=None) -> str:
+    """The prompt format: --chat / --format when given; else the one the adapter was trained on (its
+    TRAINING_INFO); else the tokenizer's chat template when it has one, alpaca when it has none."""
     if args.chat:
         return "chat"
     if args.format != "auto":
@@ -554,7 +557,9 @@ def _resolve_format(args, model_dir: Path) -> str:
         return "chat"
     if trained in ("text", "prompt_completion"):
         return "raw"
-    return "alpaca"
+    if trained == "alpaca":
+        return "alpaca"
+    return "chat" if getattr(tokenizer, "chat_template", None) else "alpaca"
 
 
 def cmd_generate(args) -> int:
@@ -573,7 +578,7 @@ def cmd_generate(args) -> int:
     if tokenizer is None:
         raise UsageError(f"{model_dir} has no usable tokenizer")
     FastLanguageModel.for_inference(model)
-    fmt = _resolve_format(args, model_dir)
+    fmt = _resolve_format(args, model_dir, tokenizer)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{model_dir}: the tokenizer has no chat template; use --format alpaca or raw")
     stop = _stop_ids(model, tokenizer, fmt == "chat")
