@@ -154,6 +154,131 @@ def test_bad_train_flag_values_are_one_message_and_exit_2_before_loading(flags, 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("case", ["output_dir_file", "save_path_file", "save_path_under_file", "gguf_path_file",
+                                  "resume_nothing", "resume_bad_path"])
+def test_output_paths_are_checked_before_loading(case, tmp_path, monkeypatch, capsys):
+    """An --output_dir, --save_path or --gguf_path that cannot be written, and a --resume_from_checkpoint with
+    nothing to resume, are one message naming the flag (exit 2) before any model or data is loaded."""
+    from unsloth_jax import FastLanguageModel
+    import unsloth_jax.data
+
+    def never(*a, **kw):
+        raise AssertionError("loaded before the output paths were checked")
+
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(never))
+    monkeypatch.setattr(unsloth_jax.data, "load_records", never)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    out = tmp_path / "o"
+    flags, flag = {
+        "output_dir_file": (["--output_dir", str(a_file)], "--output_dir"),
+        "save_path_file": (["--output_dir", str(out), "--save_path", str(a_file)], "--save_path"),
+        "save_path_under_file": (["--output_dir", str(out), "--save_path", str(a_file / "adapter")], "--save_path"),
+        "gguf_path_file": (["--output_dir", str(out), "--save_gguf", "--gguf_path", str(a_file)], "--gguf_path"),
+        "resume_nothing": (["--output_dir", str(out), "--resume_from_checkpoint", "true"], "--resume_from_checkpoint"),
+        "resume_bad_path": (["--output_dir", str(out), "--resume_from_checkpoint", str(tmp_path / "checkpoint-9")],
+                            "--resume_from_checkpoint"),
+    }[case]
+    rc = main(["-q", "train"] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unsloth-jax train: error: ") and flag in lines[0], err
+    assert not out.exists()
+
+
+def test_reused_output_dir_is_refused_unless_overwritten(trained, tmp_path, rng, monkeypatch, capsys):
+    """An --output_dir holding an earlier run is refused before loading, naming --overwrite_output_dir; with it
+    only the new run's files remain. (A relative --model_name is stored as an absolute path in the adapter.)"""
+    import shutil
+
+    from unsloth_jax import FastLanguageModel
+
+    old, _, _ = trained
+    real_load = FastLanguageModel.from_pretrained
+
+    def never(*a, **kw):
+        raise AssertionError("loaded before the output directory was checked")
+
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(never))
+    rc = main(["-q", "train", "--output_dir", str(old)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--output_dir" in err and "--overwrite_output_dir" in err and "metrics.jsonl" in err, err
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(real_load))
+
+    out = tmp_path / "run"
+    shutil.copytree(old, out)
+    (out / "checkpoint-3").mkdir()  # as if the earlier run had saved a checkpoint
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    data = _dataset(tmp_path, rng, n=8)
+    rc = main(["-q", "train", "--model_name", "model", "--dataset", str(data), "--output_dir", "run",
+               "--overwrite_output_dir", "--max_steps", "2", "--max_seq_length", "64", "--report_to", "none",
+               "--seed", str(int(rng.integers(1 << 16)))])
+    assert rc == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "metrics.jsonl"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "adapter" / TRAINING_INFO).read_text())["steps"] == 2
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "model").resolve())
+
+
+def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, capsys):
+    """--resume_from_checkpoint true continues an interrupted run from the newest checkpoint in --output_dir (no
+    refusal: a resume was asked for): each step is logged once, with the losses of an uninterrupted run."""
+    from unsloth_jax import SFTTrainer
+
+    data = _dataset(tmp_path, rng, n=16)
+    common = ["-q", "train", "--dataset", str(data), "--max_seq_length", "64", "--report_to", "none", "--save_steps",
+              "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--warmup_steps", "0",
+              "--seed", str(int(rng.integers(1 << 16))), "--no-save_model", "--max_steps", "4"]
+    assert main(common + ["--output_dir", str(tmp_path / "full")]) == 0
+    real_batch = SFTTrainer._step_batch
+
+    def crash(self, loader, step, rows=None):
+        if step == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return real_batch(self, loader, step, rows)
+
+    monkeypatch.setattr(SFTTrainer, "_step_batch", crash)
+    assert main(common + ["--output_dir", str(tmp_path / "part")]) == 130
+    monkeypatch.setattr(SFTTrainer, "_step_batch", real_batch)
+    capsys.readouterr()
+    rc = main(common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint", "true"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert f"Resuming from {tmp_path / 'part' / 'checkpoint-2'} at step 2" in printed.out
+    full, part = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                  for d in ("full", "part"))
+    assert [r["step"] for r in part] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in part], [r["loss"] for r in full], rtol=1e-5)
+
+
+def test_a_failed_final_save_keeps_the_trained_adapter(tmp_path, rng, monkeypatch, capsys):
+    """When writing the adapter fails after training, it is saved elsewhere (here OUTPUT_DIR) and the message
+    says where (exit 1)."""
+    from unsloth_jax.hf import export
+
+    real_save = export.save_adapter
+    wanted = tmp_path / "adapter"
+
+    def failing(model, out_dir, **kw):
+        if Path(out_dir) == wanted:
+            raise PermissionError(13, "Permission denied", str(out_dir))
+        return real_save(model, out_dir, **kw)
+
+    monkeypatch.setattr(export, "save_adapter", failing)
+    data = _dataset(tmp_path, rng, n=8)
+    rc = main(["-q", "train", "--dataset", str(data), "--max_steps", "1", "--max_seq_length", "64", "--report_to",
+               "none", "--output_dir", str(tmp_path / "o"), "--save_path", str(wanted)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    rescued = [p for p in (tmp_path / "o").iterdir() if p.name.startswith("adapter-rescued-")]
+    assert len(rescued) == 1 and f"saved it to {rescued[0]}" in err and str(wanted) in err, err
+    assert (rescued[0] / "adapter_config.json").is_file() and (rescued[0] / TRAINING_INFO).is_file()
+
+
 def test_cli_checkpointing_values_are_the_apis():
     """--use_gradient_checkpointing takes every value get_peft_model does (the CLI keeps its own copy so that
     --help imports no jax): a value missing here would be refused by the CLI but work in Python."""

@@ -141,6 +141,8 @@ def test_report_to_unknown_names_the_value():
     ({"weight_decay": -0.1}, ValueError, ("weight_decay", "-0.1")),
     ({"adam_beta2": 1.0}, ValueError, ("adam_beta2", "1")),
     ({"bf16": "yes"}, TypeError, ("bf16", "'yes'")),
+    ({"overwrite_output_dir": "yes"}, TypeError, ("overwrite_output_dir", "'yes'")),
+    ({"resume_from_checkpoint": 3}, TypeError, ("resume_from_checkpoint", "3")),
 ])
 def test_training_arguments_checked_at_construction(kwargs, error, words):
     with pytest.raises(error) as e:
@@ -153,6 +155,40 @@ def test_training_arguments_accepts_hf_style_values():
     assert TrainingArguments(learning_rate=0, max_steps=-1, num_train_epochs=2).learning_rate == 0
     assert TrainingArguments(warmup_steps=0.1).warmup_steps == 0.1  # a ratio, as transformers 5 reads it
     assert TrainingArguments(per_device_train_batch_size=np.int64(4)).per_device_train_batch_size == 4
+
+
+def test_output_dir_of_an_earlier_run_needs_overwrite_or_resume(tmp_path, rng):
+    """A fresh train() into an output_dir holding an earlier run's files is refused naming overwrite_output_dir
+    (transformers' name); with overwrite_output_dir=True only the new run's files remain; a resume asked for with
+    TrainingArguments(resume_from_checkpoint=...) (transformers' argument) continues that run. An output_dir that
+    is a file is refused before the step compiles."""
+    from unsloth_jax.errors import TrainingError
+
+    data = _dataset(rng)
+    out = tmp_path / "out"
+
+    def trainer(**kw):
+        kw = {"output_dir": str(out), "per_device_train_batch_size": 2, "max_steps": 6, "learning_rate": 1e-3,
+              "save_steps": 3, "logging_steps": 1, "seed": 1, **kw}
+        return SFTTrainer(model=_model(), train_dataset=data, max_seq_length=32, args=TrainingArguments(**kw))
+
+    trainer().train()
+    with pytest.raises(TrainingError, match=r"holds an earlier run's files \(checkpoint-3, checkpoint-6, "
+                                            r"metrics.jsonl\); pass overwrite_output_dir=True"):
+        trainer().train()
+    second = trainer(max_steps=4, save_steps=2, overwrite_output_dir=True)
+    second.train()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]
+    steps = lambda: [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps() == [1, 2, 3, 4]
+    resumed = trainer(max_steps=4, save_steps=2, resume_from_checkpoint=str(out / "checkpoint-2"))
+    resumed.train()
+    np.testing.assert_allclose(resumed.state.loss_history, second.state.loss_history, rtol=1e-6)
+    assert steps() == [1, 2, 3, 4]  # the resumed steps replace the lines logged after checkpoint-2
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(TrainingError, match="output_dir .* is not a directory"):
+        trainer(output_dir=str(a_file)).train()
 
 
 def test_float_warmup_steps_is_a_ratio(tmp_path, rng):

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +53,16 @@ def _bool_or_str(value: str):
         return True
     if low in ("false", "0", "no", "none"):
         return False
+    return value
+
+
+def _resume_value(value: str):
+    """--resume_from_checkpoint: true (the newest checkpoint in --output_dir), false/none, or a path."""
+    low = value.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no", "none", ""):
+        return None
     return value
 
 
@@ -113,6 +124,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=3407)
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
+    t.add_argument("--overwrite_output_dir", action="store_true",
+                   help="replace an earlier run's files in OUTPUT_DIR (metrics.jsonl, checkpoints, runs/, adapter/, "
+                        "merged_16bit/, gguf/); without it a reused OUTPUT_DIR is refused")
+    t.add_argument("--resume_from_checkpoint", type=_resume_value, default=None,
+                   help="continue an interrupted run: a checkpoint-N directory, or true for the newest in OUTPUT_DIR "
+                        "(checkpoints are saved every --save_steps steps)")
     t.add_argument("--packing", action="store_true", help="pack several short examples into each row")
     _add_mesh_args(p)
 
@@ -322,6 +339,71 @@ def _check_model_path(name, hint: str) -> None:
         raise UsageError(f"{what}: {name} ({hint})")
 
 
+SAVE_DIRS = ("adapter", "merged_16bit", "gguf")  # what `train` writes under OUTPUT_DIR by default
+
+
+def _save_targets(args) -> dict[str, tuple[Path, str]]:
+    """What `train` saves after training: {"adapter" | "merged_16bit" | "gguf": (directory, the flag naming it)}."""
+    out = Path(args.output_dir)
+    if not args.save_model:
+        return {}
+    saved_here = args.save_path and args.save_method == "lora"
+    targets = {"adapter": (Path(args.save_path), "--save_path") if saved_here else (out / "adapter", "--output_dir")}
+    if args.save_method == "merged_16bit":
+        targets["merged_16bit"] = ((Path(args.save_path), "--save_path") if args.save_path else
+                                   (out / "merged_16bit", "--output_dir"))
+    if args.save_gguf:
+        targets["gguf"] = (Path(args.gguf_path), "--gguf_path") if args.gguf_path else (out / "gguf", "--output_dir")
+    return targets
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """UsageError unless `path` is a directory, or one that can be created, that this process may write into."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag}: {path} exists and is not a directory; pass another path")
+    probe = path.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"{flag}: {path} cannot be created, {probe} is not a directory; pass another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: {path} cannot be written, {probe} is not writable; pass another path")
+
+
+def _earlier_run_files(args) -> list[Path]:
+    """An earlier run's files in --output_dir: the trainer's (metrics.jsonl, checkpoints, runs/) and the saves."""
+    from unsloth_jax.train.trainer import previous_run_files
+
+    out = Path(args.output_dir)
+    return previous_run_files(out) + [out / d for d in SAVE_DIRS if (out / d).exists()]
+
+
+def _check_output_paths(args) -> None:
+    """Everything `train` will write, checked before any model or data is loaded: --output_dir and the save
+    directories can be written; a reused --output_dir needs --overwrite_output_dir or --resume_from_checkpoint;
+    the checkpoint to resume from exists."""
+    from unsloth_jax.train.trainer import checkpoints_in
+
+    out = Path(args.output_dir)
+    _check_writable(out, "--output_dir")
+    for path, flag in _save_targets(args).values():
+        _check_writable(path, flag)
+    resume = args.resume_from_checkpoint
+    if resume is True and not checkpoints_in(out):
+        raise UsageError(f"--resume_from_checkpoint true: --output_dir {out} holds no checkpoint (checkpoint-N "
+                         "directories are saved every --save_steps steps); pass a checkpoint directory, or drop the "
+                         "flag to start a new run")
+    if isinstance(resume, str) and not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (a checkpoint-N directory "
+                         "with trainer_state.json, saved every --save_steps steps); pass one, or true for the newest "
+                         "in --output_dir")
+    earlier = [] if resume else _earlier_run_files(args)
+    if earlier and not args.overwrite_output_dir:
+        names = ", ".join(p.name for p in earlier[:6]) + (", ..." if len(earlier) > 6 else "")
+        raise UsageError(f"--output_dir {out} holds an earlier run's files ({names}); pass --overwrite_output_dir to "
+                         "replace them, --resume_from_checkpoint true to continue that run, or another --output_dir")
+
+
 def _positive_int(flag: str, value: int) -> None:
     if value < 1:
         raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -371,7 +453,8 @@ def _training_arguments(args, mesh=None):
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
             logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
             lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
-            report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh)
+            report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh,
+            overwrite_output_dir=args.overwrite_output_dir, resume_from_checkpoint=args.resume_from_checkpoint)
     except (TypeError, ValueError) as e:
         raise UsageError(f"--{e}") from None  # the messages start with the argument's name, a flag name here
 
@@ -404,6 +487,7 @@ def cmd_train(args) -> int:
     _check_model_flags(args)
     mesh = _start_mesh(args)  # jax.distributed first: before any jax computation
     targs = _training_arguments(args, mesh)  # checks the training flags before any model or data is loaded
+    _check_output_paths(args)  # then where it will write
 
     from unsloth_jax import FastLanguageModel, SFTTrainer
     from unsloth_jax.data import RESPONSE_PARTS, load_records, train_on_responses_only, validate_records
@@ -458,36 +542,69 @@ def cmd_train(args) -> int:
               f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
               f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
               f"{', responses only' if responses_only else ''}")
+    out = Path(args.output_dir)
+    if args.overwrite_output_dir and not args.resume_from_checkpoint and main:  # the trainer removes its own files
+        from unsloth_jax.train.trainer import remove_paths
+
+        remove_paths([out / d for d in SAVE_DIRS if (out / d).exists()])
     trainer_stats = trainer.train()
     losses = trainer.state.loss_history or [float("nan")]
 
     saved = []
-    out = Path(args.output_dir)
+    rc = 0
     if not main:  # process 0 writes the exports and the summary
         return 0
-    if args.save_model:
-        adapter_dir = Path(args.save_path) if (args.save_path and args.save_method == "lora") else out / "adapter"
-        model.save_pretrained(str(adapter_dir), tokenizer=tokenizer)
+    targets = _save_targets(args)
+    if targets:
+        adapter_dir = _save_adapter(model, tokenizer, targets["adapter"][0], out)
         _save_training_info(adapter_dir, {"dataset": str(args.dataset), "dataset_format": fmt,
                                           "base_model": str(Path(args.model_name).resolve()),
                                           "responses_only": bool(responses_only), "steps": trainer_stats.global_step,
                                           "final_loss": losses[-1]})
         saved.append(f"adapter -> {adapter_dir}")
-        if args.save_method == "merged_16bit":
-            merged_dir = Path(args.save_path) if args.save_path else out / "merged_16bit"
-            model.save_pretrained_merged(str(merged_dir), tokenizer, save_method="merged_16bit")
-            saved.append(f"merged_16bit -> {merged_dir}")
-        if args.save_gguf:
-            gguf_dir = Path(args.gguf_path) if args.gguf_path else out / "gguf"
-            _export_gguf(model, tokenizer, gguf_dir, args.quantization)
-            saved.append(f"gguf -> {gguf_dir}")
+        rc = 0 if adapter_dir == targets["adapter"][0] else 1
+        from unsloth_jax.errors import UnslothJaxError
+
+        try:
+            if "merged_16bit" in targets:
+                merged_dir = targets["merged_16bit"][0]
+                model.save_pretrained_merged(str(merged_dir), tokenizer, save_method="merged_16bit")
+                saved.append(f"merged_16bit -> {merged_dir}")
+            if "gguf" in targets:
+                _export_gguf(model, tokenizer, targets["gguf"][0], args.quantization)
+                saved.append(f"gguf -> {targets['gguf'][0]}")
+        except (OSError, UnslothJaxError) as e:
+            print(f"unsloth-jax train: error: export failed ({e}); the trained adapter is saved in {adapter_dir} "
+                  "(`unsloth-jax export --model_name` it to try again)", file=sys.stderr)
+            rc = 1
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
           f"{_loss_summary(trainer.state.log_history)} | "
           f"dtype {model.dtype.name}{_mesh_summary(mesh)} | kernels: {trainer.kernel_choices} | "
           f"memory: {_memory_summary()} | "
           f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
-    return 0
+    return rc
+
+
+def _save_adapter(model, tokenizer, adapter_dir: Path, out: Path) -> Path:
+    """Save the trained adapter to `adapter_dir`; if that fails (OSError), to the first of OUTPUT_DIR, the current
+    directory and the temporary directory that works, saying where, so a finished training is never lost.
+    Returns the directory it was saved in."""
+    try:
+        model.save_pretrained(str(adapter_dir), tokenizer=tokenizer)
+        return adapter_dir
+    except OSError as e:
+        failure = e
+    name = f"adapter-rescued-{time.strftime('%Y%m%d-%H%M%S')}"
+    for parent in (out, Path.cwd(), Path(tempfile.gettempdir())):
+        try:
+            model.save_pretrained(str(parent / name), tokenizer=tokenizer)
+        except OSError:
+            continue
+        print(f"unsloth-jax train: error: could not save the adapter to {adapter_dir} ({failure}); saved it to "
+              f"{parent / name} instead", file=sys.stderr)
+        return parent / name
+    raise failure
 
 
 def _chat_response_parts(tokenizer) -> tuple[str, str]:

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -79,6 +80,11 @@ class TrainingArguments:
     logging_dir: str | None = None  # TensorBoard event files; None: OUTPUT_DIR/runs/<datetime>_<host>
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+    # An output_dir holding an earlier run's files (metrics.jsonl, checkpoint-N, runs/) is refused unless
+    # overwrite_output_dir=True (they are removed when train() starts) or the run resumes.
+    overwrite_output_dir: bool = False
+    # train()'s default resume_from_checkpoint: True (the newest checkpoint in output_dir) or a checkpoint path.
+    resume_from_checkpoint: str | bool | None = None
     # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
     # {"data": 2, "fsdp": 4}; None trains on one device. Checked (and built) when train() starts.
     mesh: object = None
@@ -86,6 +92,37 @@ class TrainingArguments:
     def __post_init__(self):
         validate_training_arguments(self)
         self.report_to = resolve_report_to(self.report_to)
+
+
+def checkpoints_in(output_dir) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoint-N directories in output_dir, oldest first."""
+    out = Path(output_dir)
+    found = []
+    if out.is_dir():
+        for p in out.iterdir():
+            m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+            if m and (p / "trainer_state.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def previous_run_files(output_dir) -> list[Path]:
+    """What an earlier train() left in output_dir: metrics.jsonl, checkpoint-N directories (complete or not) and
+    runs/ (TensorBoard's default logging_dir)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir()
+                  if p.name in ("metrics.jsonl", "runs") or re.fullmatch(r"(\.tmp-)?checkpoint-\d+", p.name))
+
+
+def remove_paths(paths) -> None:
+    """Delete files and directory trees."""
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _base_label(model) -> str:
@@ -278,14 +315,66 @@ class SFTTrainer:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def _checkpoints(self) -> list[tuple[int, Path]]:
-        out = Path(self.args.output_dir)
-        found = []
-        if out.is_dir():
-            for p in out.iterdir():
-                m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-                if m and (p / "trainer_state.json").is_file():
-                    found.append((int(m.group(1)), p))
-        return sorted(found)
+        return checkpoints_in(self.args.output_dir)
+
+    def _resume_path(self, resume_from_checkpoint) -> Path | None:
+        """The checkpoint directory a train() call resumes from, or None (a fresh run)."""
+        if not resume_from_checkpoint:
+            return None
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = Path(resume_from_checkpoint)
+            if not (path / "trainer_state.json").is_file():
+                raise TrainingError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is not a checkpoint "
+                                    "directory (a checkpoint-N directory with trainer_state.json, saved every "
+                                    "save_steps steps); pass one, or True for the newest in output_dir")
+            return path
+        ckpts = self._checkpoints()
+        if not ckpts:
+            log.warning("unsloth_jax: resume_from_checkpoint=True but %s holds no checkpoint; starting fresh",
+                        self.args.output_dir)
+            return None
+        return ckpts[-1][1]
+
+    def _prepare_output_dir(self, resuming: bool) -> None:
+        """Create output_dir before any slow work. A fresh run refuses one holding an earlier run's files, unless
+        overwrite_output_dir=True, which removes them (so only this run's files remain)."""
+        args, out = self.args, Path(self.args.output_dir)
+        if out.exists() and not out.is_dir():
+            raise TrainingError(f"output_dir {out} exists and is not a directory; pass another output_dir")
+        earlier = [] if resuming else previous_run_files(out)
+        if earlier and not args.overwrite_output_dir:
+            names = ", ".join(p.name for p in earlier[:5]) + (", ..." if len(earlier) > 5 else "")
+            raise TrainingError(f"output_dir {out} holds an earlier run's files ({names}); pass "
+                                "overwrite_output_dir=True to replace them, resume_from_checkpoint=True to continue "
+                                "that run, or another output_dir")
+        if earlier and distributed.is_main_process():
+            remove_paths(earlier)
+            log.info("unsloth_jax: overwrite_output_dir=True: removed %s from %s",
+                     ", ".join(p.name for p in earlier), out)
+        distributed.sync("prepare-output-dir")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainingError(f"output_dir {out} cannot be created ({e}); pass another output_dir") from e
+
+    def _keep_metrics_until(self, step: int) -> None:
+        """Drop the metrics.jsonl lines of steps after `step` (logged by the run a resume continues, after its
+        checkpoint), so the file holds each step once."""
+        path = Path(self.args.output_dir) / "metrics.jsonl"
+        if not path.is_file() or not distributed.is_main_process():
+            return
+        lines = path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):  # a line cut short by the crash
+                pass
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
 
     def _save_checkpoint(self, step: int, trainable, opt_state) -> None:
         import orbax.checkpoint as ocp
@@ -305,8 +394,6 @@ class SFTTrainer:
         distributed.sync(f"checkpoint-{step}")
         limit = self.args.save_total_limit
         if limit:
-            import shutil
-
             for _, old in self._checkpoints()[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -383,7 +470,8 @@ class SFTTrainer:
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Train for the configured steps; resume_from_checkpoint=True continues from the newest checkpoint in
-        output_dir (a path: from that checkpoint). Returns a TrainOutput; trainer.state keeps the log history."""
+        output_dir (a path: from that checkpoint; None: args.resume_from_checkpoint). Returns a TrainOutput;
+        trainer.state keeps the log history."""
         try:
             return self._train(resume_from_checkpoint)
         finally:
@@ -391,6 +479,10 @@ class SFTTrainer:
 
     def _train(self, resume_from_checkpoint) -> TrainOutput:
         args, model = self.args, self.model
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        resume_path = self._resume_path(resume_from_checkpoint)
+        self._prepare_output_dir(resuming=resume_path is not None)
         mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
         main = distributed.is_main_process()
         shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
@@ -410,17 +502,11 @@ class SFTTrainer:
                                   num_train_epochs=args.num_train_epochs,
                                   train_batch_size=args.per_device_train_batch_size)
         start = 0
-        if resume_from_checkpoint:
-            ckpts = self._checkpoints()
-            path = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, os.PathLike)) else (
-                ckpts[-1][1] if ckpts else None)
-            if path is None:
-                log.warning("unsloth_jax: resume_from_checkpoint=True but %s holds no checkpoint; starting fresh",
-                            args.output_dir)
-            else:
-                trainable, opt_state, start = self._restore(path, trainable, opt_state)
-                if main:
-                    print(f"Resuming from {path} at step {start}")
+        if resume_path is not None:
+            trainable, opt_state, start = self._restore(resume_path, trainable, opt_state)
+            self._keep_metrics_until(start)
+            if main:
+                print(f"Resuming from {resume_path} at step {start}")
         step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
@@ -431,7 +517,6 @@ class SFTTrainer:
             plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
                                     loader.longest_bucket, self.max_seq_length)
         self.kernel_choices = ops.format_choices(seen)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
         if main:

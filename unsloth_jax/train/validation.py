@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from unsloth_jax.validation import (require_choice, require_int, require_optional_bool, require_path,
-                                    require_real)
+from unsloth_jax.validation import (require_bool, require_choice, require_int, require_optional_bool,
+                                    require_path, require_real)
 
 
 def check_warmup_steps(value) -> None:
@@ -62,5 +62,8 @@ def validate_training_arguments(args) -> None:
     require_choice("lr_scheduler_type", args.lr_scheduler_type, SCHEDULERS)
     for name in ("bf16", "fp16", "dataloader_drop_last", "logging_first_step"):
         require_optional_bool(name, getattr(args, name))
+    require_bool("overwrite_output_dir", args.overwrite_output_dir)
+    if not isinstance(args.resume_from_checkpoint, (bool, type(None))):
+        require_path("resume_from_checkpoint", args.resume_from_checkpoint)
     if args.bf16 and args.fp16:
         raise ValueError("bf16=True and fp16=True: pick one")
