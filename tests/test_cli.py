@@ -486,6 +486,26 @@ def test_bad_flag_value_is_argparse_exit_2(capsys):
     assert e.value.code == 2 and "adamw_9bit" in capsys.readouterr().err
 
 
+def test_train_without_torch_logs_once_and_hides_only_the_no_torch_notice(tmp_path, rng):
+    """The plain install (no torch): `train` prints no "PyTorch was not found" notice from transformers (its other
+    warnings still show), and "saved LoRA adapter" once, also after checkpoints were saved."""
+    data = _dataset(tmp_path, rng, n=8)
+    code = ("import logging, sys; sys.modules['torch'] = None  # as if torch were not installed\n"
+            "from unsloth_jax.cli import main\n"
+            "rc = main(sys.argv[1:])\n"
+            "logging.getLogger('transformers').warning('another transformers warning')\n"
+            "sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, "train", "--dataset", str(data), "--max_steps", "2",
+                          "--save_steps", "1", "--max_seq_length", "64", "--report_to", "none", "--output_dir",
+                          str(tmp_path / "o")], env=subprocess_env(TQDM_DISABLE="1"), capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert (tmp_path / "o" / "checkpoint-1").is_dir()
+    assert out.count("saved LoRA adapter") == 1, out[-3000:]
+    assert "PyTorch was not found" not in out and "another transformers warning" in out, out[-3000:]
+
+
 def _readme_commands() -> list[list[str]]:
     """The `unsloth-jax ...` commands of the README's one-line quick start, as argument lists."""
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "unsloth-jax train" in x)

@@ -191,6 +191,70 @@ def test_output_dir_of_an_earlier_run_needs_overwrite_or_resume(tmp_path, rng):
         trainer(output_dir=str(a_file)).train()
 
 
+def test_tokens_per_second_is_each_windows_tokens_over_its_steps_run_time(tmp_path, rng, monkeypatch):
+    """metrics.jsonl's tokens_per_second is the logged window's target tokens over the time its steps ran, without
+    compile time (reported as compile_seconds): each value is checked against the same compiled step re-run on
+    that step's own inputs after training (best of 3). The batches have three lengths, so steps compile mid-run;
+    counting their compilation made such steps 10-100x slow, and steps read as returned (before running) up to
+    10x fast."""
+    import time
+
+    import jax
+
+    import unsloth_jax.train.trainer as trainer_mod
+
+    calls = []  # per step call: (copies of the donated trainable and opt_state, frozen, batch, metrics)
+    steps = []
+    real_make = trainer_mod.make_train_step
+
+    def capture(*a, **kw):
+        fn = real_make(*a, **kw)
+        steps.append(fn)
+
+        class Step:
+            lower = staticmethod(fn.lower)
+
+            def __call__(self, trainable, frozen, opt_state, batch):
+                kept = jax.device_put((trainable, opt_state), may_alias=False)  # a copy that compiles nothing
+                out = fn(trainable, frozen, opt_state, batch)
+                calls.append((kept, frozen, batch, out[2]))
+                return out
+
+        return Step()
+
+    monkeypatch.setattr(trainer_mod, "make_train_step", capture)
+    lengths = [int(rng.integers(lo, hi)) for lo, hi in ((20, 60), (70, 120), (140, 250)) for _ in range(8)]
+    data = [{"input_ids": [int(x) for x in rng.integers(4, 200, size=n)]} for n in lengths]
+    trainer = SFTTrainer(model=_model(), train_dataset=data, max_seq_length=256,
+                         args=TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                                                max_steps=8, save_steps=0, logging_steps=1, seed=int(rng.integers(99))))
+    trainer.train()
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9)) and len(calls) == 8
+
+    def run_seconds(k):
+        (trainable, opt_state), frozen, batch, _ = calls[k]
+        best = float("inf")
+        for _ in range(3):
+            args = jax.block_until_ready(jax.device_put((trainable, opt_state), may_alias=False))
+            t0 = time.perf_counter()
+            jax.block_until_ready(steps[0](args[0], frozen, args[1], batch))
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    shapes = [tuple(batch["input_ids"].shape) for _, _, batch, _ in calls]
+    assert len(set(shapes)) >= 2, shapes  # some steps compiled during the run
+    ratios = [r["tokens_per_second"] / (int(calls[k][3]["tokens"]) / run_seconds(k)) for k, r in enumerate(records)]
+    print("logged / re-timed tokens_per_second:", [round(x, 2) for x in ratios], shapes)
+    # a shape's first run (just compiled) also starts up XLA's kernels: real time of that step, wider bounds
+    first = [shapes[k] not in shapes[:k] for k in range(len(shapes))]
+    assert all((0.05 if new else 0.25) < x < 4 for x, new in zip(ratios, first)), (ratios, shapes)
+    for k, record in enumerate(records):
+        if "compile_seconds" in record:
+            assert shapes[k] not in shapes[:k], (k, shapes)  # compiled: a shape not seen before
+    assert sum(r.get("compile_seconds", 0) for r in records) > 0
+
+
 def test_float_warmup_steps_is_a_ratio(tmp_path, rng):
     trainer = _trainer(tmp_path, rng, max_steps=10, warmup_steps=0.25)
     assert trainer._warmup_steps(10) == 3  # ceil(0.25 x 10)

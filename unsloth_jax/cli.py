@@ -262,6 +262,7 @@ def _setup_logging(quiet: bool) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False  # printed by this handler only, also once a library configures the root logger
     for name in ("unsloth_jax.data",):
         logging.getLogger(name).setLevel(logging.WARNING)
 

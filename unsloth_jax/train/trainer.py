@@ -527,20 +527,39 @@ class SFTTrainer:
             print(f"unsloth_jax: kernels: {self.kernel_choices} | {plan}" + (" (per device)" if mesh is not None else ""))
         # only process 0 shows a bar; on it tqdm's own defaults (TQDM_DISABLE, ...) apply
         bar = tqdm(total=total, initial=start, desc="Training", unit="step", **({} if main else {"disable": True}))
+        compile_time = CompileTime()
+        float(schedule(start))  # the log's learning rate: its jnp ops compile on the first call, not while a step runs
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
         bad_in_row = 0
-        # (step, metrics, stamp) read one step late so the host never stalls the device. `stamp` is the wall
-        # time when that step's call returned: one step period after the previous stamp both when steps run
-        # ahead asynchronously and when each call blocks, so tokens / (stamp - previous stamp) is the rate
-        # either way (a timestamp taken when the late metrics are read would make the last window ~0 s long
-        # whenever the step was already finished).
+        # (step, metrics) read one step late so the host never stalls the device; a step's end time is taken
+        # when its metrics are read (blocking until it finished). So that a window's time is its steps' own, a
+        # step is read before the next is called when it has already finished, and before a call that compiles
+        # (a batch shape not seen yet). Compile time spent while no step runs is left out of the window (it
+        # would be time the device waits); compiling while a step runs overlaps it and stays in.
         pending = None
+        shapes_seen = set()
 
-        def finish(step_idx, m, stamp):
+        def call_step(trainable, opt_state, batch):
+            idle = pending is None
+            before = compile_time.take()
+            if idle:  # e.g. eager ops run for the first time while logging
+                steplog.exclude(before, compiled=True)
+            t_call = time.perf_counter()
+            out = step_fn(trainable, frozen, opt_state, batch)
+            compiled = compile_time.take()
+            if idle and compiled:
+                if not _is_ready(out[2]):  # the call returned before running: all of it was compiling and loading
+                    compiled = max(compiled, time.perf_counter() - t_call)
+                steplog.exclude(compiled, compiled=True)
+            return out
+
+        def finish(step_idx, m):
             nonlocal bad_in_row
             m = jax.device_get(m)
+            stamp = time.perf_counter()
+            compile_time.take()  # compiled while steps ran: that time stays in the window
             loss = float(m["loss"])
             if int(m["skipped"]):
                 bad_in_row += 1
@@ -555,20 +574,28 @@ class SFTTrainer:
             steplog.step(step_idx, m, stamp, last=step_idx + 1 == total)
 
         try:
-            for step in range(start, total):
-                batch = self._device_batch(loader, step, mesh)
-                trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
-                stamp = time.perf_counter()
+            with compile_time:
+                for step in range(start, total):
+                    batch = self._device_batch(loader, step, mesh)
+                    shape = tuple(sorted((k, tuple(v.shape)) for k, v in batch.items()))
+                    if pending is not None and (shape not in shapes_seen or _is_ready(pending[1])):
+                        finish(*pending)
+                        pending = None
+                    shapes_seen.add(shape)
+                    trainable, opt_state, metrics = call_step(trainable, opt_state, batch)
+                    if pending is not None:
+                        finish(*pending)
+                    pending = (step, metrics)
+                    bar.update(1)
+                    if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
+                        finish(*pending)
+                        pending = None
+                        t_save = time.perf_counter()
+                        self._save_checkpoint(step + 1, trainable, opt_state)
+                        steplog.exclude(time.perf_counter() - t_save)
+                        compile_time.take()  # (inside the time just left out)
                 if pending is not None:
                     finish(*pending)
-                pending = (step, metrics, stamp)
-                bar.update(1)
-                if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
-                    finish(*pending)
-                    pending = None
-                    self._save_checkpoint(step + 1, trainable, opt_state)
-            if pending is not None:
-                finish(*pending)
         finally:
             bar.close()
             nnx.update(model, trainable)
@@ -614,6 +641,43 @@ class SFTTrainer:
                 "eval_steps_per_second": round(len(loader) / runtime, 3), "epoch": self.state.epoch}
 
 
+def _is_ready(metrics: dict) -> bool:
+    """Whether the step that returned `metrics` has finished (host values count as finished)."""
+    is_ready = getattr(metrics["loss"], "is_ready", None)
+    return is_ready is None or is_ready()
+
+
+class CompileTime:
+    """Wall seconds jax spends tracing, lowering and compiling while this context is entered, from
+    jax.monitoring's compile events (nested events counted once). take() returns the seconds since its last call."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self._spans: list[tuple[float, float]] = []
+
+    def _record(self, event: str, start: float, end: float, **kwargs) -> None:
+        if event in self.EVENTS:
+            self._spans.append((start, end))
+
+    def __enter__(self) -> "CompileTime":
+        jax.monitoring.register_event_time_span_listener(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_time_span_listener(self._record)
+
+    def take(self) -> float:
+        spans, self._spans = self._spans, []
+        total, reached = 0.0, float("-inf")
+        for start, end in sorted(spans):
+            if end > reached:
+                total += end - max(start, reached)
+                reached = end
+        return total
+
+
 class _StepLog:
     """The per-step bookkeeping of one train() call: trainer.state (global_step, epoch, loss_history) after
     every step; every logging_steps steps (and on the first and last) a log entry averaging the loss over the
@@ -622,6 +686,8 @@ class _StepLog:
 
     def __init__(self, trainer: SFTTrainer, steps_per_epoch: int, schedule, bar, t0: float):
         self.args, self.state, self.reporters = trainer.args, trainer.state, trainer._reporters
+        self.window_excluded = 0.0  # seconds of the current window not spent running steps (compiling, saving)
+        self.window_compiled = 0.0  # of which compiling
         self.metrics_path = Path(trainer.args.output_dir) / "metrics.jsonl"
         self.steps_per_epoch = steps_per_epoch  # batches per epoch
         self.schedule, self.bar = schedule, bar
@@ -637,8 +703,17 @@ class _StepLog:
         a = self.args
         return done % a.logging_steps == 0 or last or (a.logging_first_step and done == 1)
 
+    def exclude(self, seconds: float, compiled: bool = False) -> None:
+        """Leave `seconds` (compiling, a checkpoint save, an evaluation) out of the current window's
+        tokens_per_second."""
+        self.window_excluded += seconds
+        if compiled:
+            self.window_compiled += seconds
+
     def step(self, step_idx: int, m: dict, stamp: float, last: bool) -> None:
-        """Record optimizer step `step_idx` (0-based) from its host metrics `m`, returned at time `stamp`."""
+        """Record optimizer step `step_idx` (0-based) from its host metrics `m`, finished at time `stamp`. A logged
+        window's tokens_per_second is its steps' target tokens over the time since the previous window ended,
+        without compile time (recorded as compile_seconds) and checkpoint saves."""
         loss = float(m["loss"])
         done = step_idx + 1
         self.state.loss_history.append(loss)
@@ -653,10 +728,13 @@ class _StepLog:
                  "learning_rate": float(self.schedule(step_idx)), "epoch": self.state.epoch, "step": done}
         if self.window_aux:
             entry["aux_loss"] = sum(self.window_aux) / len(self.window_aux)
-        tokens_per_second = self.window_tokens / max(stamp - self.window_t0, 1e-9)
+        seconds = stamp - self.window_t0 - self.window_excluded
+        tokens_per_second = self.window_tokens / max(seconds, 1e-9)
+        compiled = self.window_compiled
         self.window_losses, self.window_aux, self.window_tokens, self.window_t0 = [], [], 0, stamp
+        self.window_excluded = self.window_compiled = 0.0
         self.log(entry)
-        self._write_record(entry, tokens_per_second)
+        self._write_record(entry, tokens_per_second, compiled)
 
     def log(self, entry: dict) -> None:
         """Append `entry` (with its "step") to log_history and send it to the report_to integrations."""
@@ -664,10 +742,12 @@ class _StepLog:
         if self.reporters is not None:
             self.reporters.log(entry, entry["step"])
 
-    def _write_record(self, entry: dict, tokens_per_second: float) -> None:
+    def _write_record(self, entry: dict, tokens_per_second: float, compile_seconds: float = 0.0) -> None:
         """One metrics.jsonl line (also printed) and the progress bar's postfix."""
         record = {"step": entry["step"], "loss": entry["loss"], "learning_rate": entry["learning_rate"],
                   "grad_norm": entry["grad_norm"], "tokens_per_second": tokens_per_second, "epoch": entry["epoch"]}
+        if compile_seconds > 0:
+            record["compile_seconds"] = round(compile_seconds, 3)  # left out of tokens_per_second
         if "aux_loss" in entry:
             record["aux_loss"] = entry["aux_loss"]
         mem = device_memory_gib()
