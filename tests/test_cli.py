@@ -120,6 +120,27 @@ def test_tiny_preset_sets_defaults_and_explicit_flags_win(monkeypatch, capsys):
     assert "--preset {tiny}" in helped and "--learning_rate 0.002" in helped and "--report_to" in helped
 
 
+@pytest.mark.parametrize("command", ["train", "generate", "export"])
+def test_help_shows_every_default(command):
+    """Every option in `unsloth-jax <command> --help` shows its default."""
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    entries, current = [], None
+    for line in sub.format_help().splitlines():
+        if line.startswith("  -"):
+            current = [line]
+            entries.append(current)
+        elif current is not None and line.startswith("    "):
+            current.append(line)
+        else:
+            current = None
+    options = [e for e in entries if not e[0].strip().startswith("-h")]
+    assert len(options) == len([a for a in sub._actions if a.help != argparse.SUPPRESS and a.dest != "help"])
+    missing = [e[0].split()[0] for e in options if "(default:" not in " ".join(e)]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--r", "0"], ("--r", "0")),
     (["--max_seq_length", "0"], ("--max_seq_length", "0")),
@@ -461,6 +482,30 @@ def test_bad_record_field_is_exit_2(tmp_path, capsys):
     rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and f"{data}, line 2" in err and "output" in err
+
+
+def test_errors_name_flags_and_the_fields_a_record_has(tmp_path, capsys):
+    """Messages from the library name the flags a CLI user types (--max_steps, --dataset_text_field,
+    --skip_bad_lines), not Python arguments; a record missing a field is reported with the fields it has."""
+    import re
+
+    def error(*flags):
+        rc = main(["-q", "train", "--output_dir", str(tmp_path / "o"), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        return err
+
+    err = error("--max_steps", "-1", "--num_train_epochs", "0")
+    assert "--num_train_epochs" in err and "--max_steps" in err and not re.search(r"(?<!-)max_steps", err), err
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"content": "a document"}\n')
+    err = error("--dataset", str(texts))
+    assert "--dataset_text_field" in err and "--skip_bad_lines" in err and "['content']" in err, err
+    assert not re.search(r"(?<!-)(dataset_text_field|skip_bad_lines)", err) and "formatting_func" not in err, err
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "input": "d"}\n')
+    err = error("--dataset", str(alpaca))
+    assert "line 2: missing field 'output'" in err and "the record has fields ['input', 'instruction']" in err, err
 
 
 def test_missing_paths_are_exit_2(tmp_path, capsys):

@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -44,6 +45,24 @@ log = logging.getLogger("unsloth_jax")
 
 class UsageError(Exception):
     """A problem with the command line the user can fix (exit code 2)."""
+
+
+def _as_flags(message: str) -> str:
+    """A library message (TrainingArguments, dataset checks) with `train`'s flags for the Python argument names
+    in it: `name=True` of a switch becomes `--name`, a name with an underscore `--name`, and a message that starts
+    with an argument's name gets `--` (formatting_func, which has no flag, is dropped)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    flags = {a.dest: a for a in sub._actions if a.option_strings and a.dest != "help"}
+    message = message.replace("formatting_func / dataset_text_field", "dataset_text_field")
+    for dest, action in flags.items():
+        if "_" not in dest:
+            continue
+        name = rf"(?<![-\w./'\"]){dest}(?![\w/])"
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            message = re.sub(name + r"=True\b", f"--{dest}", message)
+        message = re.sub(name, f"--{dest}", message)
+    first = message.split(" ", 1)[0]
+    return f"--{message}" if first in flags else message
 
 
 # ------------------------------------------------------------------------------------------------- parsing
@@ -111,17 +130,18 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="named defaults for the flags below and --lora_alpha; explicit flags still win. tiny: "
                         + " ".join(f"--{k} {v:g}" for k, v in PRESETS["tiny"].items())
                         + " (the bundled tiny model: learns the sample's facts in a minute or two on a CPU)")
-    t.add_argument("--per_device_train_batch_size", type=int, default=2)
-    t.add_argument("--gradient_accumulation_steps", type=int, default=4)
-    t.add_argument("--warmup_steps", type=int, default=5)
+    t.add_argument("--per_device_train_batch_size", type=int, default=2, help="rows per micro-batch (per device)")
+    t.add_argument("--gradient_accumulation_steps", type=int, default=4,
+                   help="micro-batches per optimizer step")
+    t.add_argument("--warmup_steps", type=int, default=5, help="steps of linear learning-rate warmup")
     t.add_argument("--max_steps", type=int, default=400, help="optimizer steps (-1: use --num_train_epochs)")
     t.add_argument("--num_train_epochs", type=float, default=1.0, help="used when --max_steps is -1")
-    t.add_argument("--learning_rate", type=float, default=2e-4)
-    t.add_argument("--logging_steps", type=int, default=1)
-    t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS)
-    t.add_argument("--weight_decay", type=float, default=0.01)
-    t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS)
-    t.add_argument("--seed", type=int, default=3407)
+    t.add_argument("--learning_rate", type=float, default=2e-4, help="peak learning rate")
+    t.add_argument("--logging_steps", type=int, default=1, help="log the loss every N steps")
+    t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS, help="optimizer")
+    t.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS, help="learning-rate schedule")
+    t.add_argument("--seed", type=int, default=3407, help="seed of the data order")
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
     t.add_argument("--overwrite_output_dir", action="store_true",
@@ -198,9 +218,10 @@ def _add_gguf_args(s) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; above 0 samples")
-    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "whose probability reaches top_p")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
@@ -230,9 +251,10 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
                     help="prompt formatting: auto (the format an adapter was trained on: alpaca, chat, or raw for "
                          "text data; otherwise the tokenizer's chat template when it has one, else alpaca), alpaca, "
                          "chat or raw")
-    ge.add_argument("--max_seq_length", type=int, default=2048)
-    ge.add_argument("--dtype", type=_dtype, default=None)
-    ge.add_argument("--load_in_4bit", action="store_true")
+    ge.add_argument("--max_seq_length", type=int, default=2048, help="longest prompt + answer in tokens")
+    ge.add_argument("--dtype", type=_dtype, default=None,
+                    help="bfloat16, float16 or float32; None: bfloat16 where supported, else float32")
+    ge.add_argument("--load_in_4bit", action="store_true", help="keep the base weights in NF4")
     _add_sampling_args(ge)
 
     ex = sub.add_parser("export", help="export a saved adapter as a merged 16-bit model and/or GGUF",
@@ -457,7 +479,7 @@ def _training_arguments(args, mesh=None):
             report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh,
             overwrite_output_dir=args.overwrite_output_dir, resume_from_checkpoint=args.resume_from_checkpoint)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--{e}") from None  # the messages start with the argument's name, a flag name here
+        raise UsageError(_as_flags(str(e))) from None  # the messages name arguments that are flags here
 
 
 def _check_generate_flags(args) -> None:
@@ -792,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unsloth-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except DatasetFormatError as e:
-        print(f"unsloth-jax {args.command}: dataset error: {e}", file=sys.stderr)
+        print(f"unsloth-jax {args.command}: dataset error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"unsloth-jax {args.command}: training stopped: {e}", file=sys.stderr)
