@@ -143,6 +143,8 @@ def test_report_to_unknown_names_the_value():
     ({"bf16": "yes"}, TypeError, ("bf16", "'yes'")),
     ({"overwrite_output_dir": "yes"}, TypeError, ("overwrite_output_dir", "'yes'")),
     ({"resume_from_checkpoint": 3}, TypeError, ("resume_from_checkpoint", "3")),
+    ({"eval_strategy": "sometimes"}, ValueError, ("eval_strategy", "'sometimes'", "steps")),
+    ({"eval_steps": 0}, ValueError, ("eval_steps", "0")),
 ])
 def test_training_arguments_checked_at_construction(kwargs, error, words):
     with pytest.raises(error) as e:
@@ -253,6 +255,63 @@ def test_tokens_per_second_is_each_windows_tokens_over_its_steps_run_time(tmp_pa
         if "compile_seconds" in record:
             assert shapes[k] not in shapes[:k], (k, shapes)  # compiled: a shape not seen before
     assert sum(r.get("compile_seconds", 0) for r in records) > 0
+
+
+def test_sft_config_carries_trls_sft_arguments(tmp_path, rng):
+    """SFTConfig (TRL's name, exported at the top level) gives SFTTrainer dataset_text_field, max_length (or its
+    older name max_seq_length), packing and completion_only_loss; SFTTrainer's own keyword arguments still win."""
+    from transformers import AutoTokenizer
+
+    from unsloth_jax import SFTConfig
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    model = _model()
+    docs = [{"body": f"a document about {w} and why it matters so much to everyone"} for w in ("jax", "flax", "nnx")]
+    out = str(tmp_path / "out")
+    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=docs,
+                         args=SFTConfig(output_dir=out, dataset_text_field="body", max_length=8, packing=True))
+    assert trainer.max_seq_length == 8 and trainer.packing
+    assert [e["input_ids"] for e in trainer.train_examples] == [tok(d["body"]).input_ids[:8] for d in docs]
+    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=docs, max_seq_length=32, packing=False,
+                         args=SFTConfig(output_dir=out, dataset_text_field="body", max_seq_length=8, packing=True))
+    assert trainer.max_seq_length == 32 and not trainer.packing
+    assert SFTConfig(max_seq_length=12).max_length == 12 and SFTConfig(max_length=12).max_seq_length == 12
+    with pytest.raises(ValueError, match="max_length=8 and max_seq_length=12"):
+        SFTConfig(max_length=8, max_seq_length=12)
+    with pytest.raises(ValueError, match="assistant_only_loss=True"):
+        SFTConfig(assistant_only_loss=True)
+    pairs = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
+    labels = {flag: [e["labels"] for e in SFTTrainer(model=model, processing_class=tok, train_dataset=pairs,
+                                                     args=SFTConfig(output_dir=out, completion_only_loss=flag))
+                     .train_examples] for flag in (None, False)}
+    prompt_len = len(tok("2 + 2 =").input_ids)
+    assert all(x == -100 for x in labels[None][0][:prompt_len])  # TRL's default: the completion only
+    assert -100 not in labels[False][0]
+
+
+def test_eval_strategy_steps_epoch_and_no(tmp_path, rng):
+    """eval_strategy (transformers' name): "steps" evaluates every eval_steps steps and after training, "epoch"
+    after each epoch and after training, "no" never, None (the default) after training; an evaluation during
+    training is of the weights at that step (a run stopped there gives the same eval_loss)."""
+    data, evals = _dataset(rng, n=8), _dataset(rng, n=4)
+    runs = []
+
+    def run(**kw):
+        kw = {"output_dir": str(tmp_path / f"run{len(runs)}"), "per_device_train_batch_size": 2, "max_steps": 6,
+              "learning_rate": 1e-2, "lr_scheduler_type": "constant", "save_steps": 0, "seed": 1, **kw}
+        trainer = SFTTrainer(model=_model(), train_dataset=data, eval_dataset=evals, max_seq_length=32,
+                             args=TrainingArguments(**kw))
+        trainer.train()
+        runs.append(trainer)
+        return {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+
+    by_steps = run(eval_strategy="steps", eval_steps=2)
+    assert list(by_steps) == [2, 4, 6]
+    assert list(run(eval_strategy="epoch")) == [4, 6]  # 8 rows in batches of 2: 4 steps an epoch
+    assert list(run(eval_strategy="no")) == []
+    assert list(run()) == [6]
+    stopped = run(max_steps=2)
+    assert by_steps[2] == pytest.approx(stopped[2], rel=1e-6) and by_steps[2] != pytest.approx(by_steps[6])
 
 
 def test_float_warmup_steps_is_a_ratio(tmp_path, rng):

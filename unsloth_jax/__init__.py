@@ -32,6 +32,7 @@ _EXPORTS = {
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",
+    "SFTConfig": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",
     "DPOTrainer": "unsloth_jax.train.preference",
     "DPOConfig": "unsloth_jax.train.preference",

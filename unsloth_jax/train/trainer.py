@@ -40,7 +40,7 @@ from unsloth_jax.train import optim
 from unsloth_jax.train.reporting import Reporters, default_logging_dir, resolve_report_to
 from unsloth_jax.train.state import TrainerState, TrainOutput, planned_train_samples, train_metrics
 from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
-from unsloth_jax.train.validation import check_max_seq_length, validate_training_arguments
+from unsloth_jax.train.validation import check_max_seq_length, validate_sft_config, validate_training_arguments
 
 log = logging.getLogger("unsloth_jax")
 
@@ -85,6 +85,10 @@ class TrainingArguments:
     overwrite_output_dir: bool = False
     # train()'s default resume_from_checkpoint: True (the newest checkpoint in output_dir) or a checkpoint path.
     resume_from_checkpoint: str | bool | None = None
+    # With an eval_dataset: None evaluates once, after training; "no" never; "steps" every eval_steps steps (None:
+    # logging_steps) and after training; "epoch" after each epoch and after training.
+    eval_strategy: str | None = None
+    eval_steps: int | None = None
     # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
     # {"data": 2, "fsdp": 4}; None trains on one device. Checked (and built) when train() starts.
     mesh: object = None
@@ -92,6 +96,33 @@ class TrainingArguments:
     def __post_init__(self):
         validate_training_arguments(self)
         self.report_to = resolve_report_to(self.report_to)
+
+
+@dataclasses.dataclass
+class SFTConfig(TrainingArguments):
+    """TRL's SFTConfig: TrainingArguments plus the SFT data arguments, which SFTTrainer reads when its own keyword
+    arguments do not give them (SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., processing_class=...)).
+
+    dataset_text_field: the field of plain-text records. max_length (TRL's name; max_seq_length, its older one, is
+    the same value): the longest training sequence; None (unlike TRL's 1024): the model's max_seq_length, as
+    Unsloth. packing: several examples per row. completion_only_loss: the loss on the completion of
+    prompt-completion records only (None: yes, as TRL). assistant_only_loss: only False (for chat data use
+    unsloth_jax.data.train_on_responses_only). dataset_num_proc: accepted, unused.
+    """
+
+    dataset_text_field: str = "text"
+    max_length: int | None = None
+    max_seq_length: int | None = None
+    packing: bool = False
+    completion_only_loss: bool | None = None
+    assistant_only_loss: bool = False
+    dataset_num_proc: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_sft_config(self)
+        self.max_length = self.max_seq_length = (self.max_length if self.max_length is not None
+                                                 else self.max_seq_length)
 
 
 def checkpoints_in(output_dir) -> list[tuple[int, Path]]:
@@ -232,15 +263,25 @@ def _pad_to(batch: dict, length: int, pad_id: int) -> dict:
 class SFTTrainer:
     """Supervised fine-tuning of a LoRA model (see module docstring)."""
 
-    def __init__(self, model, tokenizer=None, train_dataset=None, eval_dataset=None, dataset_text_field: str = "text",
-                 max_seq_length: int | None = None, formatting_func=None, packing: bool = False,
-                 args: TrainingArguments | None = None, processing_class=None, dataset_num_proc=None, **kwargs):
+    def __init__(self, model, tokenizer=None, train_dataset=None, eval_dataset=None,
+                 dataset_text_field: str | None = None, max_seq_length: int | None = None, formatting_func=None,
+                 packing: bool | None = None, args: TrainingArguments | None = None, processing_class=None,
+                 dataset_num_proc=None, **kwargs):
+        """dataset_text_field, max_seq_length and packing not given here come from an SFTConfig `args` (TRL's
+        way), else default to "text", the model's max_seq_length and False."""
         if kwargs:
             raise TypeError(f"SFTTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         check_max_seq_length(max_seq_length)  # 0 is an error, not "not given"
         self.args = args or TrainingArguments()
+        if dataset_text_field is None:
+            dataset_text_field = getattr(self.args, "dataset_text_field", "text")
+        if max_seq_length is None:
+            max_seq_length = getattr(self.args, "max_length", None)
+        if packing is None:
+            packing = getattr(self.args, "packing", False)
+        self.completion_only_loss = getattr(self.args, "completion_only_loss", None) is not False
         self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
         if model.lora is None and not model.full_finetuning:
@@ -264,7 +305,8 @@ class SFTTrainer:
             return pretokenized_examples(records, self.model.config.vocab_size)
         if self.tokenizer is None:
             raise TrainingError("a tokenizer is needed to tokenize a text dataset")
-        return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func)
+        return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func,
+                              completion_only_loss=self.completion_only_loss)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -594,6 +636,14 @@ class SFTTrainer:
                         self._save_checkpoint(step + 1, trainable, opt_state)
                         steplog.exclude(time.perf_counter() - t_save)
                         compile_time.take()  # (inside the time just left out)
+                    if self._evaluates_after(step + 1, total, steplog):
+                        if pending is not None:
+                            finish(*pending)
+                            pending = None
+                        t_eval = time.perf_counter()
+                        steplog.log({**self._evaluate_state(graphdef, trainable, frozen), "step": step + 1})
+                        steplog.exclude(time.perf_counter() - t_eval)
+                        compile_time.take()
                 if pending is not None:
                     finish(*pending)
         finally:
@@ -614,7 +664,7 @@ class SFTTrainer:
                                         args.gradient_accumulation_steps, loader.num_rows, args.num_train_epochs)
         metrics = train_metrics(t0, t_end, steps_run=run, total_steps=total, planned_samples=planned,
                                 losses_run=state.loss_history[len(state.loss_history) - run:], epoch=state.epoch)
-        if self.eval_examples:
+        if self.eval_examples and args.eval_strategy != "no":
             steplog.log({**self.evaluate(), "step": total})
         steplog.log({**metrics, "step": total})
         if distributed.is_main_process():
@@ -626,9 +676,24 @@ class SFTTrainer:
         "eval_runtime" (s), "eval_samples_per_second", "eval_steps_per_second", "epoch"}."""
         if not self.eval_examples:
             raise TrainingError("evaluate() needs an eval_dataset (SFTTrainer(..., eval_dataset=...))")
+        return self._evaluate_state(*lora.split(self.model))
+
+    def _evaluates_after(self, done: int, total: int, steplog: "_StepLog") -> bool:
+        """Whether eval_strategy asks for an evaluation after `done` of `total` steps, the last excepted (training
+        ends with one)."""
+        a = self.args
+        if not self.eval_examples or done >= total:
+            return False
+        if a.eval_strategy == "steps":
+            return done % (a.eval_steps or a.logging_steps) == 0
+        if a.eval_strategy == "epoch":
+            return int(steplog.epoch_at(done)) > int(steplog.epoch_at(done - 1))
+        return False
+
+    def _evaluate_state(self, graphdef, trainable, frozen) -> dict:
+        """evaluate() of the model given as split state (during training: the live trainable state)."""
         t0 = time.perf_counter()
         loader = self._loader(self.eval_examples, self.args.per_device_eval_batch_size, shuffle=False)
-        graphdef, trainable, frozen = lora.split(self.model)
         total = count = 0.0
         for i in range(len(loader)):
             batch = {k: v[None] for k, v in loader.batch(0, i).items()}
