@@ -11,8 +11,9 @@ defaults (learning rate 2e-4, LoRA r=16 alpha=16, batch 2 x 4 accumulation, 400 
 which suit real models. --model_name and --dataset default to the bundled tiny Llama (unsloth_jax/assets/tiny-llama)
 and unsloth_jax/assets/alpaca_sample.jsonl; `--preset tiny` sets the toy's own hyperparameters (PRESETS), which
 teach it the sample's facts in a minute or two on a laptop CPU. The adapter is saved to outputs/adapter. Problems
-a user can fix (a bad dataset line, a missing model directory, a bad flag value) print one message and exit with
-code 2, flag values before any model or data is loaded.
+a user can fix (a bad dataset line, a missing model directory, a bad flag value, an output path that cannot be
+written, a reused --output_dir) print one message and exit with code 2, flag values and output paths before any
+model or data is loaded.
 """
 from __future__ import annotations
 

@@ -570,7 +570,7 @@ class SFTTrainer:
         # only process 0 shows a bar; on it tqdm's own defaults (TQDM_DISABLE, ...) apply
         bar = tqdm(total=total, initial=start, desc="Training", unit="step", **({} if main else {"disable": True}))
         compile_time = CompileTime()
-        float(schedule(start))  # the log's learning rate: its jnp ops compile on the first call, not while a step runs
+        float(schedule(start))  # the logged learning rate's jnp ops compile on this first call, before timing
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
