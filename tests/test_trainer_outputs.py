@@ -141,6 +141,10 @@ def test_report_to_unknown_names_the_value():
     ({"weight_decay": -0.1}, ValueError, ("weight_decay", "-0.1")),
     ({"adam_beta2": 1.0}, ValueError, ("adam_beta2", "1")),
     ({"bf16": "yes"}, TypeError, ("bf16", "'yes'")),
+    ({"overwrite_output_dir": "yes"}, TypeError, ("overwrite_output_dir", "'yes'")),
+    ({"resume_from_checkpoint": 3}, TypeError, ("resume_from_checkpoint", "3")),
+    ({"eval_strategy": "sometimes"}, ValueError, ("eval_strategy", "'sometimes'", "steps")),
+    ({"eval_steps": 0}, ValueError, ("eval_steps", "0")),
 ])
 def test_training_arguments_checked_at_construction(kwargs, error, words):
     with pytest.raises(error) as e:
@@ -153,6 +157,161 @@ def test_training_arguments_accepts_hf_style_values():
     assert TrainingArguments(learning_rate=0, max_steps=-1, num_train_epochs=2).learning_rate == 0
     assert TrainingArguments(warmup_steps=0.1).warmup_steps == 0.1  # a ratio, as transformers 5 reads it
     assert TrainingArguments(per_device_train_batch_size=np.int64(4)).per_device_train_batch_size == 4
+
+
+def test_output_dir_of_an_earlier_run_needs_overwrite_or_resume(tmp_path, rng):
+    """A fresh train() into an output_dir holding an earlier run's files is refused naming overwrite_output_dir
+    (transformers' name); with overwrite_output_dir=True only the new run's files remain; a resume asked for with
+    TrainingArguments(resume_from_checkpoint=...) (transformers' argument) continues that run. An output_dir that
+    is a file is refused before the step compiles."""
+    from unsloth_jax.errors import TrainingError
+
+    data = _dataset(rng)
+    out = tmp_path / "out"
+
+    def trainer(**kw):
+        kw = {"output_dir": str(out), "per_device_train_batch_size": 2, "max_steps": 6, "learning_rate": 1e-3,
+              "save_steps": 3, "logging_steps": 1, "seed": 1, **kw}
+        return SFTTrainer(model=_model(), train_dataset=data, max_seq_length=32, args=TrainingArguments(**kw))
+
+    trainer().train()
+    with pytest.raises(TrainingError, match=r"holds an earlier run's files \(checkpoint-3, checkpoint-6, "
+                                            r"metrics.jsonl\); pass overwrite_output_dir=True"):
+        trainer().train()
+    second = trainer(max_steps=4, save_steps=2, overwrite_output_dir=True)
+    second.train()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]
+    steps = lambda: [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert steps() == [1, 2, 3, 4]
+    resumed = trainer(max_steps=4, save_steps=2, resume_from_checkpoint=str(out / "checkpoint-2"))
+    resumed.train()
+    np.testing.assert_allclose(resumed.state.loss_history, second.state.loss_history, rtol=1e-6)
+    assert steps() == [1, 2, 3, 4]  # the resumed steps replace the lines logged after checkpoint-2
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(TrainingError, match="output_dir .* is not a directory"):
+        trainer(output_dir=str(a_file)).train()
+
+
+def test_tokens_per_second_is_each_windows_tokens_over_its_steps_run_time(tmp_path, rng, monkeypatch):
+    """metrics.jsonl's tokens_per_second is the logged window's target tokens over the time its steps ran, without
+    compile time (reported as compile_seconds): each value is checked against the same compiled step re-run on
+    that step's own inputs after training (best of 3). The batches have three lengths, so steps compile mid-run;
+    counting their compilation made such steps 10-100x slow, and steps read as returned (before running) up to
+    10x fast."""
+    import time
+
+    import jax
+
+    import unsloth_jax.train.trainer as trainer_mod
+
+    calls = []  # per step call: (copies of the donated trainable and opt_state, frozen, batch, metrics)
+    steps = []
+    real_make = trainer_mod.make_train_step
+
+    def capture(*a, **kw):
+        fn = real_make(*a, **kw)
+        steps.append(fn)
+
+        class Step:
+            lower = staticmethod(fn.lower)
+
+            def __call__(self, trainable, frozen, opt_state, batch):
+                kept = jax.device_put((trainable, opt_state), may_alias=False)  # a copy that compiles nothing
+                out = fn(trainable, frozen, opt_state, batch)
+                calls.append((kept, frozen, batch, out[2]))
+                return out
+
+        return Step()
+
+    monkeypatch.setattr(trainer_mod, "make_train_step", capture)
+    lengths = [int(rng.integers(lo, hi)) for lo, hi in ((20, 60), (70, 120), (140, 250)) for _ in range(8)]
+    data = [{"input_ids": [int(x) for x in rng.integers(4, 200, size=n)]} for n in lengths]
+    trainer = SFTTrainer(model=_model(), train_dataset=data, max_seq_length=256,
+                         args=TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                                                max_steps=8, save_steps=0, logging_steps=1, seed=int(rng.integers(99))))
+    trainer.train()
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9)) and len(calls) == 8
+
+    def run_seconds(k):
+        (trainable, opt_state), frozen, batch, _ = calls[k]
+        best = float("inf")
+        for _ in range(3):
+            args = jax.block_until_ready(jax.device_put((trainable, opt_state), may_alias=False))
+            t0 = time.perf_counter()
+            jax.block_until_ready(steps[0](args[0], frozen, args[1], batch))
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    shapes = [tuple(batch["input_ids"].shape) for _, _, batch, _ in calls]
+    assert len(set(shapes)) >= 2, shapes  # some steps compiled during the run
+    ratios = [r["tokens_per_second"] / (int(calls[k][3]["tokens"]) / run_seconds(k)) for k, r in enumerate(records)]
+    print("logged / re-timed tokens_per_second:", [round(x, 2) for x in ratios], shapes)
+    # a shape's first run (just compiled) also starts up XLA's kernels: real time of that step, wider bounds
+    first = [shapes[k] not in shapes[:k] for k in range(len(shapes))]
+    assert all((0.05 if new else 0.25) < x < 4 for x, new in zip(ratios, first)), (ratios, shapes)
+    for k, record in enumerate(records):
+        if "compile_seconds" in record:
+            assert shapes[k] not in shapes[:k], (k, shapes)  # compiled: a shape not seen before
+    assert sum(r.get("compile_seconds", 0) for r in records) > 0
+
+
+def test_sft_config_carries_trls_sft_arguments(tmp_path, rng):
+    """SFTConfig (TRL's name, exported at the top level) gives SFTTrainer dataset_text_field, max_length (or its
+    older name max_seq_length), packing and completion_only_loss; SFTTrainer's own keyword arguments still win."""
+    from transformers import AutoTokenizer
+
+    from unsloth_jax import SFTConfig
+
+    tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    model = _model()
+    docs = [{"body": f"a document about {w} and why it matters so much to everyone"} for w in ("jax", "flax", "nnx")]
+    out = str(tmp_path / "out")
+    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=docs,
+                         args=SFTConfig(output_dir=out, dataset_text_field="body", max_length=8, packing=True))
+    assert trainer.max_seq_length == 8 and trainer.packing
+    assert [e["input_ids"] for e in trainer.train_examples] == [tok(d["body"]).input_ids[:8] for d in docs]
+    trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=docs, max_seq_length=32, packing=False,
+                         args=SFTConfig(output_dir=out, dataset_text_field="body", max_seq_length=8, packing=True))
+    assert trainer.max_seq_length == 32 and not trainer.packing
+    assert SFTConfig(max_seq_length=12).max_length == 12 and SFTConfig(max_length=12).max_seq_length == 12
+    with pytest.raises(ValueError, match="max_length=8 and max_seq_length=12"):
+        SFTConfig(max_length=8, max_seq_length=12)
+    with pytest.raises(ValueError, match="assistant_only_loss=True"):
+        SFTConfig(assistant_only_loss=True)
+    pairs = [{"prompt": "2 + 2 =", "completion": " 4"}, {"prompt": "3 + 3 =", "completion": " 6"}]
+    labels = {flag: [e["labels"] for e in SFTTrainer(model=model, processing_class=tok, train_dataset=pairs,
+                                                     args=SFTConfig(output_dir=out, completion_only_loss=flag))
+                     .train_examples] for flag in (None, False)}
+    prompt_len = len(tok("2 + 2 =").input_ids)
+    assert all(x == -100 for x in labels[None][0][:prompt_len])  # TRL's default: the completion only
+    assert -100 not in labels[False][0]
+
+
+def test_eval_strategy_steps_epoch_and_no(tmp_path, rng):
+    """eval_strategy (transformers' name): "steps" evaluates every eval_steps steps and after training, "epoch"
+    after each epoch and after training, "no" never, None (the default) after training; an evaluation during
+    training is of the weights at that step (a run stopped there gives the same eval_loss)."""
+    data, evals = _dataset(rng, n=8), _dataset(rng, n=4)
+    runs = []
+
+    def run(**kw):
+        kw = {"output_dir": str(tmp_path / f"run{len(runs)}"), "per_device_train_batch_size": 2, "max_steps": 6,
+              "learning_rate": 1e-2, "lr_scheduler_type": "constant", "save_steps": 0, "seed": 1, **kw}
+        trainer = SFTTrainer(model=_model(), train_dataset=data, eval_dataset=evals, max_seq_length=32,
+                             args=TrainingArguments(**kw))
+        trainer.train()
+        runs.append(trainer)
+        return {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+
+    by_steps = run(eval_strategy="steps", eval_steps=2)
+    assert list(by_steps) == [2, 4, 6]
+    assert list(run(eval_strategy="epoch")) == [4, 6]  # 8 rows in batches of 2: 4 steps an epoch
+    assert list(run(eval_strategy="no")) == []
+    assert list(run()) == [6]
+    stopped = run(max_steps=2)
+    assert by_steps[2] == pytest.approx(stopped[2], rel=1e-6) and by_steps[2] != pytest.approx(by_steps[6])
 
 
 def test_float_warmup_steps_is_a_ratio(tmp_path, rng):

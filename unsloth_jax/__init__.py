@@ -8,8 +8,22 @@ command's `--help` and `doctor`) starts without importing jax.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" notice (and only it): unsloth_jax uses transformers for
+    tokenizers and configs, which need no torch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+_transformers_log = logging.getLogger("transformers")  # transformers logs the notice when it is first imported
+if not any(isinstance(f, _NoTorchNotice) for f in _transformers_log.filters):
+    _transformers_log.addFilter(_NoTorchNotice())
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -18,6 +32,7 @@ _EXPORTS = {
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",
+    "SFTConfig": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",
     "DPOTrainer": "unsloth_jax.train.preference",
     "DPOConfig": "unsloth_jax.train.preference",

@@ -53,9 +53,10 @@ class Model(CausalLM):
 
     # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
     def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors); after full
-        fine-tuning, the whole model as a transformers checkpoint in its own dtype (hf.export.save_full;
-        kwargs: tokenizer, max_shard_size)."""
+        """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors; kwargs: tokenizer, also
+        written there); after full fine-tuning, the whole model as a transformers checkpoint in its own dtype
+        (hf.export.save_full; kwargs: tokenizer, max_shard_size). A GGUF-loaded model's adapter directory also
+        gets the base and tokenizer that transformers and PEFT need (hf.export.save_adapter)."""
         from unsloth_jax.hf import export
 
         if self.full_finetuning:

@@ -11,8 +11,9 @@ defaults (learning rate 2e-4, LoRA r=16 alpha=16, batch 2 x 4 accumulation, 400 
 which suit real models. --model_name and --dataset default to the bundled tiny Llama (unsloth_jax/assets/tiny-llama)
 and unsloth_jax/assets/alpaca_sample.jsonl; `--preset tiny` sets the toy's own hyperparameters (PRESETS), which
 teach it the sample's facts in a minute or two on a laptop CPU. The adapter is saved to outputs/adapter. Problems
-a user can fix (a bad dataset line, a missing model directory, a bad flag value) print one message and exit with
-code 2, flag values before any model or data is loaded.
+a user can fix (a bad dataset line, a missing model directory, a bad flag value, an output path that cannot be
+written, a reused --output_dir) print one message and exit with code 2, flag values and output paths before any
+model or data is loaded.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +48,24 @@ class UsageError(Exception):
     """A problem with the command line the user can fix (exit code 2)."""
 
 
+def _as_flags(message: str) -> str:
+    """A library message (TrainingArguments, dataset checks) with `train`'s flags for the Python argument names
+    in it: `name=True` of a switch becomes `--name`, a name with an underscore `--name`, and a message that starts
+    with an argument's name gets `--` (formatting_func, which has no flag, is dropped)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    flags = {a.dest: a for a in sub._actions if a.option_strings and a.dest != "help"}
+    message = message.replace("formatting_func / dataset_text_field", "dataset_text_field")
+    for dest, action in flags.items():
+        if "_" not in dest:
+            continue
+        name = rf"(?<![-\w./'\"]){dest}(?![\w/])"
+        if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+            message = re.sub(name + r"=True\b", f"--{dest}", message)
+        message = re.sub(name, f"--{dest}", message)
+    first = message.split(" ", 1)[0]
+    return f"--{message}" if first in flags else message
+
+
 # ------------------------------------------------------------------------------------------------- parsing
 def _bool_or_str(value: str):
     low = value.strip().lower()
@@ -52,6 +73,16 @@ def _bool_or_str(value: str):
         return True
     if low in ("false", "0", "no", "none"):
         return False
+    return value
+
+
+def _resume_value(value: str):
+    """--resume_from_checkpoint: true (the newest checkpoint in --output_dir), false/none, or a path."""
+    low = value.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no", "none", ""):
+        return None
     return value
 
 
@@ -64,7 +95,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
     m = p.add_argument_group("model")
     m.add_argument("--model_name", default=str(DEFAULT_MODEL),
-                   help="local Hugging Face model directory; the default is the bundled tiny Llama")
+                   help="local Hugging Face model directory or llama.cpp .gguf file; the default is the bundled "
+                        "tiny Llama")
     m.add_argument("--dataset", default=str(DEFAULT_DATASET),
                    help="a .jsonl/.json file or a directory of .jsonl files (text, alpaca, sharegpt or chatml records); "
                         "the default is the bundled alpaca sample")
@@ -99,19 +131,26 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="named defaults for the flags below and --lora_alpha; explicit flags still win. tiny: "
                         + " ".join(f"--{k} {v:g}" for k, v in PRESETS["tiny"].items())
                         + " (the bundled tiny model: learns the sample's facts in a minute or two on a CPU)")
-    t.add_argument("--per_device_train_batch_size", type=int, default=2)
-    t.add_argument("--gradient_accumulation_steps", type=int, default=4)
-    t.add_argument("--warmup_steps", type=int, default=5)
+    t.add_argument("--per_device_train_batch_size", type=int, default=2, help="rows per micro-batch (per device)")
+    t.add_argument("--gradient_accumulation_steps", type=int, default=4,
+                   help="micro-batches per optimizer step")
+    t.add_argument("--warmup_steps", type=int, default=5, help="steps of linear learning-rate warmup")
     t.add_argument("--max_steps", type=int, default=400, help="optimizer steps (-1: use --num_train_epochs)")
     t.add_argument("--num_train_epochs", type=float, default=1.0, help="used when --max_steps is -1")
-    t.add_argument("--learning_rate", type=float, default=2e-4)
-    t.add_argument("--logging_steps", type=int, default=1)
-    t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS)
-    t.add_argument("--weight_decay", type=float, default=0.01)
-    t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS)
-    t.add_argument("--seed", type=int, default=3407)
+    t.add_argument("--learning_rate", type=float, default=2e-4, help="peak learning rate")
+    t.add_argument("--logging_steps", type=int, default=1, help="log the loss every N steps")
+    t.add_argument("--optim", default="adamw_8bit", choices=OPTIMIZERS, help="optimizer")
+    t.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    t.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULERS, help="learning-rate schedule")
+    t.add_argument("--seed", type=int, default=3407, help="seed of the data order")
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
+    t.add_argument("--overwrite_output_dir", action="store_true",
+                   help="replace an earlier run's files in OUTPUT_DIR (metrics.jsonl, checkpoints, runs/, adapter/, "
+                        "merged_16bit/, gguf/); without it a reused OUTPUT_DIR is refused")
+    t.add_argument("--resume_from_checkpoint", type=_resume_value, default=None,
+                   help="continue an interrupted run: a checkpoint-N directory, or true for the newest in OUTPUT_DIR "
+                        "(checkpoints are saved every --save_steps steps)")
     t.add_argument("--packing", action="store_true", help="pack several short examples into each row")
     _add_mesh_args(p)
 
@@ -180,9 +219,10 @@ def _add_gguf_args(s) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; above 0 samples")
-    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                            "whose probability reaches top_p")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
@@ -202,17 +242,20 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
 
     ge = sub.add_parser("generate", help="generate text from a model or adapter (interactive without --prompt)",
                         formatter_class=fmt)
-    ge.add_argument("--model_name", default="outputs/adapter", help="model directory or saved adapter directory")
+    ge.add_argument("--model_name", default="outputs/adapter",
+                    help="model directory, saved adapter directory or .gguf file")
     ge.add_argument("--prompt", default=None, help="the prompt (or instruction, for alpaca formatting); omitted: "
                                                    "interactive chat on stdin")
     ge.add_argument("--input", default="", help="alpaca 'input' field for --prompt")
     ge.add_argument("--chat", action="store_true", help="format prompts with the tokenizer's chat template")
     ge.add_argument("--format", default="auto", choices=PROMPT_FORMATS,
-                    help="prompt formatting: auto (alpaca for adapters trained on alpaca data, chat for chat data), "
-                         "alpaca, chat or raw")
-    ge.add_argument("--max_seq_length", type=int, default=2048)
-    ge.add_argument("--dtype", type=_dtype, default=None)
-    ge.add_argument("--load_in_4bit", action="store_true")
+                    help="prompt formatting: auto (the format an adapter was trained on: alpaca, chat, or raw for "
+                         "text data; otherwise the tokenizer's chat template when it has one, else alpaca), alpaca, "
+                         "chat or raw")
+    ge.add_argument("--max_seq_length", type=int, default=2048, help="longest prompt + answer in tokens")
+    ge.add_argument("--dtype", type=_dtype, default=None,
+                    help="bfloat16, float16 or float32; None: bfloat16 where supported, else float32")
+    ge.add_argument("--load_in_4bit", action="store_true", help="keep the base weights in NF4")
     _add_sampling_args(ge)
 
     ex = sub.add_parser("export", help="export a saved adapter as a merged 16-bit model and/or GGUF",
@@ -242,6 +285,7 @@ def _setup_logging(quiet: bool) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False  # printed by this handler only, also once a library configures the root logger
     for name in ("unsloth_jax.data",):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -311,6 +355,79 @@ def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
 
 
 # -------------------------------------------------------------------------------------------- validation
+def _check_model_path(name, hint: str) -> None:
+    """UsageError unless `name` is a directory or a llama.cpp .gguf file (what from_pretrained loads)."""
+    path = Path(name)
+    if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        what = "not a model directory or .gguf file" if path.exists() else "model not found"
+        raise UsageError(f"{what}: {name} ({hint})")
+
+
+SAVE_DIRS = ("adapter", "merged_16bit", "gguf")  # what `train` writes under OUTPUT_DIR by default
+
+
+def _save_targets(args) -> dict[str, tuple[Path, str]]:
+    """What `train` saves after training: {"adapter" | "merged_16bit" | "gguf": (directory, the flag naming it)}."""
+    out = Path(args.output_dir)
+    if not args.save_model:
+        return {}
+    saved_here = args.save_path and args.save_method == "lora"
+    targets = {"adapter": (Path(args.save_path), "--save_path") if saved_here else (out / "adapter", "--output_dir")}
+    if args.save_method == "merged_16bit":
+        targets["merged_16bit"] = ((Path(args.save_path), "--save_path") if args.save_path else
+                                   (out / "merged_16bit", "--output_dir"))
+    if args.save_gguf:
+        targets["gguf"] = (Path(args.gguf_path), "--gguf_path") if args.gguf_path else (out / "gguf", "--output_dir")
+    return targets
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """UsageError unless `path` is a directory, or one that can be created, that this process may write into."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag}: {path} exists and is not a directory; pass another path")
+    probe = path.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"{flag}: {path} cannot be created, {probe} is not a directory; pass another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: {path} cannot be written, {probe} is not writable; pass another path")
+
+
+def _earlier_run_files(args) -> list[Path]:
+    """An earlier run's files in --output_dir: the trainer's (metrics.jsonl, checkpoints, runs/) and the saves."""
+    from unsloth_jax.train.trainer import previous_run_files
+
+    out = Path(args.output_dir)
+    return previous_run_files(out) + [out / d for d in SAVE_DIRS if (out / d).exists()]
+
+
+def _check_output_paths(args) -> None:
+    """Everything `train` will write, checked before any model or data is loaded: --output_dir and the save
+    directories can be written; a reused --output_dir needs --overwrite_output_dir or --resume_from_checkpoint;
+    the checkpoint to resume from exists."""
+    from unsloth_jax.train.trainer import checkpoints_in
+
+    out = Path(args.output_dir)
+    _check_writable(out, "--output_dir")
+    for path, flag in _save_targets(args).values():
+        _check_writable(path, flag)
+    resume = args.resume_from_checkpoint
+    if resume is True and not checkpoints_in(out):
+        raise UsageError(f"--resume_from_checkpoint true: --output_dir {out} holds no checkpoint (checkpoint-N "
+                         "directories are saved every --save_steps steps); pass a checkpoint directory, or drop the "
+                         "flag to start a new run")
+    if isinstance(resume, str) and not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume_from_checkpoint {resume}: not a checkpoint directory (a checkpoint-N directory "
+                         "with trainer_state.json, saved every --save_steps steps); pass one, or true for the newest "
+                         "in --output_dir")
+    earlier = [] if resume else _earlier_run_files(args)
+    if earlier and not args.overwrite_output_dir:
+        names = ", ".join(p.name for p in earlier[:6]) + (", ..." if len(earlier) > 6 else "")
+        raise UsageError(f"--output_dir {out} holds an earlier run's files ({names}); pass --overwrite_output_dir to "
+                         "replace them, --resume_from_checkpoint true to continue that run, or another --output_dir")
+
+
 def _positive_int(flag: str, value: int) -> None:
     if value < 1:
         raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -360,9 +477,10 @@ def _training_arguments(args, mesh=None):
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
             logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
             lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
-            report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh)
+            report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh,
+            overwrite_output_dir=args.overwrite_output_dir, resume_from_checkpoint=args.resume_from_checkpoint)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"--{e}") from None  # the messages start with the argument's name, a flag name here
+        raise UsageError(_as_flags(str(e))) from None  # the messages name arguments that are flags here
 
 
 def _check_generate_flags(args) -> None:
@@ -393,6 +511,7 @@ def cmd_train(args) -> int:
     _check_model_flags(args)
     mesh = _start_mesh(args)  # jax.distributed first: before any jax computation
     targs = _training_arguments(args, mesh)  # checks the training flags before any model or data is loaded
+    _check_output_paths(args)  # then where it will write
 
     from unsloth_jax import FastLanguageModel, SFTTrainer
     from unsloth_jax.data import RESPONSE_PARTS, load_records, train_on_responses_only, validate_records
@@ -401,9 +520,8 @@ def cmd_train(args) -> int:
     main = is_main_process()
     if not main:  # the other processes of a multi-host run keep quiet: process 0 logs
         logging.getLogger("unsloth_jax").setLevel(logging.WARNING)
-    if not Path(args.model_name).is_dir():
-        raise UsageError(f"model directory not found: {args.model_name} (pass --model_name with a local Hugging Face "
-                         "model directory, or omit it to use the bundled tiny model)")
+    _check_model_path(args.model_name, "pass --model_name with a local Hugging Face model directory or a .gguf "
+                                        "file, or omit it to use the bundled tiny model")
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl/.json file or a directory "
                          "of .jsonl files)")
@@ -448,37 +566,69 @@ def cmd_train(args) -> int:
               f"{model.config.num_hidden_layers} layers) on {len(records)} {fmt} records from {args.dataset}; "
               f"{model.dtype.name}{' + NF4' if args.load_in_4bit else ''}, LoRA r={args.r} alpha={args.lora_alpha:g}"
               f"{', responses only' if responses_only else ''}")
+    out = Path(args.output_dir)
+    if args.overwrite_output_dir and not args.resume_from_checkpoint and main:  # the trainer removes its own files
+        from unsloth_jax.train.trainer import remove_paths
+
+        remove_paths([out / d for d in SAVE_DIRS if (out / d).exists()])
     trainer_stats = trainer.train()
     losses = trainer.state.loss_history or [float("nan")]
 
     saved = []
-    out = Path(args.output_dir)
+    rc = 0
     if not main:  # process 0 writes the exports and the summary
         return 0
-    if args.save_model:
-        adapter_dir = Path(args.save_path) if (args.save_path and args.save_method == "lora") else out / "adapter"
-        model.save_pretrained(str(adapter_dir))
-        tokenizer.save_pretrained(str(adapter_dir))
+    targets = _save_targets(args)
+    if targets:
+        adapter_dir = _save_adapter(model, tokenizer, targets["adapter"][0], out)
         _save_training_info(adapter_dir, {"dataset": str(args.dataset), "dataset_format": fmt,
                                           "base_model": str(Path(args.model_name).resolve()),
                                           "responses_only": bool(responses_only), "steps": trainer_stats.global_step,
                                           "final_loss": losses[-1]})
         saved.append(f"adapter -> {adapter_dir}")
-        if args.save_method == "merged_16bit":
-            merged_dir = Path(args.save_path) if args.save_path else out / "merged_16bit"
-            model.save_pretrained_merged(str(merged_dir), tokenizer, save_method="merged_16bit")
-            saved.append(f"merged_16bit -> {merged_dir}")
-        if args.save_gguf:
-            gguf_dir = Path(args.gguf_path) if args.gguf_path else out / "gguf"
-            _export_gguf(model, tokenizer, gguf_dir, args.quantization)
-            saved.append(f"gguf -> {gguf_dir}")
+        rc = 0 if adapter_dir == targets["adapter"][0] else 1
+        from unsloth_jax.errors import UnslothJaxError
+
+        try:
+            if "merged_16bit" in targets:
+                merged_dir = targets["merged_16bit"][0]
+                model.save_pretrained_merged(str(merged_dir), tokenizer, save_method="merged_16bit")
+                saved.append(f"merged_16bit -> {merged_dir}")
+            if "gguf" in targets:
+                _export_gguf(model, tokenizer, targets["gguf"][0], args.quantization)
+                saved.append(f"gguf -> {targets['gguf'][0]}")
+        except (OSError, UnslothJaxError) as e:
+            print(f"unsloth-jax train: error: export failed ({e}); the trained adapter is saved in {adapter_dir} "
+                  "(`unsloth-jax export --model_name` it to try again)", file=sys.stderr)
+            rc = 1
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
           f"{_loss_summary(trainer.state.log_history)} | "
           f"dtype {model.dtype.name}{_mesh_summary(mesh)} | kernels: {trainer.kernel_choices} | "
           f"memory: {_memory_summary()} | "
           f"metrics -> {out / 'metrics.jsonl'}" + (" | " + ", ".join(saved) if saved else ""))
-    return 0
+    return rc
+
+
+def _save_adapter(model, tokenizer, adapter_dir: Path, out: Path) -> Path:
+    """Save the trained adapter to `adapter_dir`; if that fails (OSError), to the first of OUTPUT_DIR, the current
+    directory and the temporary directory that works, saying where, so a finished training is never lost.
+    Returns the directory it was saved in."""
+    try:
+        model.save_pretrained(str(adapter_dir), tokenizer=tokenizer)
+        return adapter_dir
+    except OSError as e:
+        failure = e
+    name = f"adapter-rescued-{time.strftime('%Y%m%d-%H%M%S')}"
+    for parent in (out, Path.cwd(), Path(tempfile.gettempdir())):
+        try:
+            model.save_pretrained(str(parent / name), tokenizer=tokenizer)
+        except OSError:
+            continue
+        print(f"unsloth-jax train: error: could not save the adapter to {adapter_dir} ({failure}); saved it to "
+              f"{parent / name} instead", file=sys.stderr)
+        return parent / name
+    raise failure
 
 
 def _chat_response_parts(tokenizer) -> tuple[str, str]:
@@ -535,7 +685,9 @@ def _stop_ids(model, tokenizer, chat: bool) -> list[int]:
     return sorted(set(ids))
 
 
-def _resolve_format(args, model_dir: Path) -> str:
+def _resolve_format(args, model_dir: Path, tokenizer=None) -> str:
+    """The prompt format: --chat / --format when given; else the one the adapter was trained on (its
+    TRAINING_INFO); else the tokenizer's chat template when it has one, alpaca when it has none."""
     if args.chat:
         return "chat"
     if args.format != "auto":
@@ -546,7 +698,9 @@ def _resolve_format(args, model_dir: Path) -> str:
         return "chat"
     if trained in ("text", "prompt_completion"):
         return "raw"
-    return "alpaca"
+    if trained == "alpaca":
+        return "alpaca"
+    return "chat" if getattr(tokenizer, "chat_template", None) else "alpaca"
 
 
 def cmd_generate(args) -> int:
@@ -557,16 +711,15 @@ def cmd_generate(args) -> int:
 
     _check_generate_flags(args)
     model_dir = Path(args.model_name)
-    if not model_dir.is_dir():
-        raise UsageError(f"model directory not found: {model_dir} (train one with `unsloth-jax train`, or pass "
-                         "--model_name with a model or adapter directory)")
+    _check_model_path(model_dir, "train one with `unsloth-jax train`, or pass --model_name with a model or adapter "
+                                 "directory or a .gguf file")
     model, tokenizer = FastLanguageModel.from_pretrained(str(model_dir), max_seq_length=args.max_seq_length,
                                                          dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                                                          progress=False)
     if tokenizer is None:
         raise UsageError(f"{model_dir} has no usable tokenizer")
     FastLanguageModel.for_inference(model)
-    fmt = _resolve_format(args, model_dir)
+    fmt = _resolve_format(args, model_dir, tokenizer)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{model_dir}: the tokenizer has no chat template; use --format alpaca or raw")
     stop = _stop_ids(model, tokenizer, fmt == "chat")
@@ -662,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unsloth-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except DatasetFormatError as e:
-        print(f"unsloth-jax {args.command}: dataset error: {e}", file=sys.stderr)
+        print(f"unsloth-jax {args.command}: dataset error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"unsloth-jax {args.command}: training stopped: {e}", file=sys.stderr)

@@ -156,7 +156,15 @@ def _prompt_completion_problem(record: dict) -> str | None:
 
 
 def record_problem(record: Any, fmt: str, text_field: str = "text") -> str | None:
-    """Why ``record`` does not fit format ``fmt`` (a short reason), or None when it fits."""
+    """Why ``record`` does not fit format ``fmt`` (a short reason; for a missing field, also the fields the record
+    has), or None when it fits."""
+    problem = _format_problem(record, fmt, text_field)
+    if problem is not None and problem.startswith("missing field") and isinstance(record, dict):
+        problem += f"; the record has {'fields ' + str(sorted(record)[:10]) if record else 'no fields'}"
+    return problem
+
+
+def _format_problem(record: Any, fmt: str, text_field: str) -> str | None:
     if not isinstance(record, dict):
         return f"expected an object, got {type(record).__name__}"
     if fmt == "text":

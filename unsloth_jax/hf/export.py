@@ -12,6 +12,11 @@ resized PEFT also writes whole-module copies (`...modules_to_save.weight`, `...o
 untrained base table); those are not written here (this model keeps no untrained copy), and PEFT loads the
 adapter without them onto a model resized with `resize_token_embeddings(len(tokenizer))`.
 
+`base_model_name_or_path` is the source directory as an absolute path (a relative one would resolve only from
+the directory it was given in). A model loaded from a llama.cpp GGUF file has no base transformers or PEFT can
+open, so its adapter directory also holds that base: `base_model/` (the weights as loaded, i.e. dequantized, in
+the model's dtype, with config.json and the tokenizer), which `base_model_name_or_path` names, and the tokenizer.
+
 Everything is written into a temporary directory next to `out_dir` that replaces `out_dir` only once complete,
 so an interrupted export never leaves a directory that looks finished. When `out_dir` already exists, files
 that the new export does not produce and that are not stale export artifacts (weights, index, configs it
@@ -44,7 +49,9 @@ from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
+from unsloth_jax.models.layers import value_of
 from unsloth_jax.models.state import variable_at
+from unsloth_jax.quant import dense_kernel
 
 log = logging.getLogger("unsloth_jax")
 
@@ -57,7 +64,8 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
 # Files an export owns: a stale copy in the previous out_dir is dropped rather than carried over.
-_ADAPTER_ARTIFACTS = re.compile(r"^(adapter_config\.json|adapter_model\.(safetensors|bin))$")
+BASE_MODEL_DIR = "base_model"  # a GGUF-loaded model's adapter: its base as a transformers checkpoint
+_ADAPTER_ARTIFACTS = re.compile(r"^(adapter_config\.json|adapter_model\.(safetensors|bin)|base_model)$")
 _MERGED_ARTIFACTS = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|"
                                r"model-\d{5}-of-\d{5}\.safetensors|pytorch_model.*\.bin(\.index\.json)?)$")
 
@@ -410,29 +418,68 @@ def _np_dtype(dt) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dt == np.dtype(ml_dtypes.bfloat16) else dt
 
 
-def _write_adapter(model, directory: Path, base_model_name_or_path) -> None:
+def _gguf_source(model) -> Path | None:
+    """The GGUF file the model was loaded from, or None."""
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    return src if src is not None and src.is_file() and src.suffix.lower() == ".gguf" else None
+
+
+def _base_model_name(model) -> str | None:
+    """The model's source as adapter_config.json names it: an absolute path when it exists locally, else as given
+    (a hub id)."""
+    if model.model_dir is None:
+        return None
+    src = str(model.model_dir)
+    return os.path.abspath(src) if os.path.exists(src) else src
+
+
+def _write_adapter(model, directory: Path, base_model_name_or_path, out_dir, tokenizer=None) -> None:
+    """The adapter files into `directory` (which becomes `out_dir`), the tokenizer when given; for a GGUF-loaded
+    model also its base (BASE_MODEL_DIR) and the GGUF's tokenizer when none is given."""
     if model.lora is None:
         raise ConfigError("the model has no LoRA adapter to save; call FastLanguageModel.get_peft_model first "
                           "(or save the whole model with save_pretrained_merged)")
-    if base_model_name_or_path is None:
-        base_model_name_or_path = str(model.model_dir) if model.model_dir is not None else None
+    gguf = _gguf_source(model) if base_model_name_or_path is None else None
+    if gguf is not None:  # transformers and PEFT cannot open a GGUF as a base: write the one the adapter trained on
+        base_dir = directory / BASE_MODEL_DIR
+        base_dir.mkdir()
+        _write_merged(model, base_dir, tokenizer, "5GB", _resolve_out_dtype(model, weights_dtype(model)),
+                      fold_lora=False)
+        base_model_name_or_path = os.path.abspath(Path(out_dir) / BASE_MODEL_DIR)
+        _write_tokenizer(model, directory, tokenizer)
+    else:
+        if base_model_name_or_path is None:
+            base_model_name_or_path = _base_model_name(model)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
     write_safetensors_stream(directory / ADAPTER_WEIGHTS, _adapter_entries(model), {"format": "pt"})
     _write_json(directory / ADAPTER_CONFIG, _adapter_config(model, base_model_name_or_path))
 
 
-def save_adapter(model, out_dir, *, base_model_name_or_path=None) -> None:
+def save_adapter(model, out_dir, *, base_model_name_or_path=None, tokenizer=None) -> None:
     """Write a PEFT LoRA adapter directory that `peft.PeftModel.from_pretrained(hf_model, out_dir)` loads:
     adapter_config.json and adapter_model.safetensors (LoRA factors in float32 under PEFT's key names, plus
-    modules_to_save copies and trained biases where configured)."""
+    modules_to_save copies and trained biases where configured), and the tokenizer when given. A GGUF-loaded
+    model's adapter also gets its base and tokenizer (see the module docstring), so that
+    `peft.AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads it."""
     with atomic_directory(out_dir, _ADAPTER_ARTIFACTS) as tmp:
-        _write_adapter(model, tmp, base_model_name_or_path)
-    log.info("unsloth_jax: saved LoRA adapter to %s", out_dir)
+        _write_adapter(model, tmp, base_model_name_or_path, out_dir, tokenizer)
+    log.info("unsloth_jax: saved LoRA adapter to %s%s", out_dir,
+             f" (with its base, dequantized from the GGUF, in {BASE_MODEL_DIR}/)" if _gguf_source(model)
+             and base_model_name_or_path is None else "")
 
 
 # -------------------------------------------------------------------------------------------- merged
-def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
+def _base_kernel(lin, layer: int) -> np.ndarray:
+    """Layer `layer` of a projection's frozen kernel as a dense float32 [in, out] array, without its LoRA pair."""
+    kernel = value_of(lin.kernel)
+    return np.asarray(dense_kernel(jax.tree.map(lambda a: a[layer], kernel)), np.float32)
+
+
+def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_Entry]:
     """The merged checkpoint as planned tensors with HF names, in HF order (embeddings, layers, norm, head;
-    then the MoE tensors of MoE families)."""
+    then the MoE tensors of MoE families). fold_lora=False: the dense projections without their LoRA pairs."""
+    kernel_of = merged_kernel if fold_lora else _base_kernel
     from unsloth_jax.hf.moe_io import MergedExperts
 
     entries: list[_Entry] = []
@@ -444,12 +491,12 @@ def merged_entries(model, out_dtype: np.dtype) -> list[_Entry]:
             lins = [variable_parent(model, part.path) for part in spec.parts]
 
             def make(lins=lins, i=spec.layer):
-                return np.concatenate([merged_kernel(lin, i).T for lin in lins]).astype(out_dtype)
+                return np.concatenate([kernel_of(lin, i).T for lin in lins]).astype(out_dtype)
         elif spec.kind == "kernel":
             lin = variable_parent(model, spec.path)
 
             def make(lin=lin, i=spec.layer):
-                return np.ascontiguousarray(merged_kernel(lin, i).T).astype(out_dtype)
+                return np.ascontiguousarray(kernel_of(lin, i).T).astype(out_dtype)
         else:
             leaf = variable_at(model, spec.path)[...]
 
@@ -499,10 +546,10 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
 
 
 def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype,
-                  copy_tokenizer: bool = True) -> None:
+                  copy_tokenizer: bool = True, fold_lora: bool = True) -> None:
     limit = parse_size(max_shard_size)
     config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
-    entries = merged_entries(model, out_dtype)
+    entries = merged_entries(model, out_dtype, fold_lora)
     shards = plan_shards(entries, limit)
     meta = {"format": "pt"}
     if len(shards) == 1:
@@ -586,11 +633,7 @@ def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16
                               "a quantized llama.cpp file)")
         raise ConfigError(f"save_method={save_method!r} is not supported; use one of {', '.join(SAVE_METHODS)}")
     if save_method == "lora":
-        with atomic_directory(out_dir, _ADAPTER_ARTIFACTS) as tmp:
-            _write_adapter(model, tmp, None)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
-        log.info("unsloth_jax: saved LoRA adapter to %s", out_dir)
+        save_adapter(model, out_dir, tokenizer=tokenizer)
         return
     stale = _MERGED_ARTIFACTS if tokenizer is None else re.compile(
         _MERGED_ARTIFACTS.pattern + "|" + "|".join(re.escape(f) for f in _TOKENIZER_FILES))

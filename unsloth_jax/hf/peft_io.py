@@ -109,6 +109,8 @@ def base_model_path(adapter_dir) -> str:
             "and call unsloth_jax.hf.peft_io.load_adapter(model, adapter_dir)")
     p = Path(os.path.expanduser(str(name)))
     candidates = [p] if p.is_absolute() else [adapter_dir / p, Path.cwd() / p]
+    if p.name == "base_model":  # hf.export.BASE_MODEL_DIR: the base saved inside the adapter (GGUF), moved with it
+        candidates.append(adapter_dir / p.name)
     for c in candidates:
         if c.is_dir() or (c.is_file() and c.suffix.lower() == ".gguf"):
             return str(c)

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from unsloth_jax.train import optim
 from unsloth_jax.train.reporting import Reporters, default_logging_dir, resolve_report_to
 from unsloth_jax.train.state import TrainerState, TrainOutput, planned_train_samples, train_metrics
 from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
-from unsloth_jax.train.validation import check_max_seq_length, validate_training_arguments
+from unsloth_jax.train.validation import check_max_seq_length, validate_sft_config, validate_training_arguments
 
 log = logging.getLogger("unsloth_jax")
 
@@ -79,6 +80,15 @@ class TrainingArguments:
     logging_dir: str | None = None  # TensorBoard event files; None: OUTPUT_DIR/runs/<datetime>_<host>
     max_nonfinite_steps: int = 5  # consecutive skipped (non-finite) steps before training stops
     logging_first_step: bool = True
+    # An output_dir holding an earlier run's files (metrics.jsonl, checkpoint-N, runs/) is refused unless
+    # overwrite_output_dir=True (they are removed when train() starts) or the run resumes.
+    overwrite_output_dir: bool = False
+    # train()'s default resume_from_checkpoint: True (the newest checkpoint in output_dir) or a checkpoint path.
+    resume_from_checkpoint: str | bool | None = None
+    # With an eval_dataset: None evaluates once, after training; "no" never; "steps" every eval_steps steps (None:
+    # logging_steps) and after training; "epoch" after each epoch and after training.
+    eval_strategy: str | None = None
+    eval_steps: int | None = None
     # Several devices: a jax.sharding.Mesh from unsloth_jax.distributed.make_mesh, "data=2,fsdp=4" or
     # {"data": 2, "fsdp": 4}; None trains on one device. Checked (and built) when train() starts.
     mesh: object = None
@@ -86,6 +96,64 @@ class TrainingArguments:
     def __post_init__(self):
         validate_training_arguments(self)
         self.report_to = resolve_report_to(self.report_to)
+
+
+@dataclasses.dataclass
+class SFTConfig(TrainingArguments):
+    """TRL's SFTConfig: TrainingArguments plus the SFT data arguments, which SFTTrainer reads when its own keyword
+    arguments do not give them (SFTTrainer(model=..., args=SFTConfig(...), train_dataset=..., processing_class=...)).
+
+    dataset_text_field: the field of plain-text records. max_length (TRL's name; max_seq_length, its older one, is
+    the same value): the longest training sequence; None (unlike TRL's 1024): the model's max_seq_length, as
+    Unsloth. packing: several examples per row. completion_only_loss: the loss on the completion of
+    prompt-completion records only (None: yes, as TRL). assistant_only_loss: only False (for chat data use
+    unsloth_jax.data.train_on_responses_only). dataset_num_proc: accepted, unused.
+    """
+
+    dataset_text_field: str = "text"
+    max_length: int | None = None
+    max_seq_length: int | None = None
+    packing: bool = False
+    completion_only_loss: bool | None = None
+    assistant_only_loss: bool = False
+    dataset_num_proc: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_sft_config(self)
+        self.max_length = self.max_seq_length = (self.max_length if self.max_length is not None
+                                                 else self.max_seq_length)
+
+
+def checkpoints_in(output_dir) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoint-N directories in output_dir, oldest first."""
+    out = Path(output_dir)
+    found = []
+    if out.is_dir():
+        for p in out.iterdir():
+            m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+            if m and (p / "trainer_state.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def previous_run_files(output_dir) -> list[Path]:
+    """What an earlier train() left in output_dir: metrics.jsonl, checkpoint-N directories (complete or not) and
+    runs/ (TensorBoard's default logging_dir)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir()
+                  if p.name in ("metrics.jsonl", "runs") or re.fullmatch(r"(\.tmp-)?checkpoint-\d+", p.name))
+
+
+def remove_paths(paths) -> None:
+    """Delete files and directory trees."""
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _base_label(model) -> str:
@@ -195,15 +263,25 @@ def _pad_to(batch: dict, length: int, pad_id: int) -> dict:
 class SFTTrainer:
     """Supervised fine-tuning of a LoRA model (see module docstring)."""
 
-    def __init__(self, model, tokenizer=None, train_dataset=None, eval_dataset=None, dataset_text_field: str = "text",
-                 max_seq_length: int | None = None, formatting_func=None, packing: bool = False,
-                 args: TrainingArguments | None = None, processing_class=None, dataset_num_proc=None, **kwargs):
+    def __init__(self, model, tokenizer=None, train_dataset=None, eval_dataset=None,
+                 dataset_text_field: str | None = None, max_seq_length: int | None = None, formatting_func=None,
+                 packing: bool | None = None, args: TrainingArguments | None = None, processing_class=None,
+                 dataset_num_proc=None, **kwargs):
+        """dataset_text_field, max_seq_length and packing not given here come from an SFTConfig `args` (TRL's
+        way), else default to "text", the model's max_seq_length and False."""
         if kwargs:
             raise TypeError(f"SFTTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         check_max_seq_length(max_seq_length)  # 0 is an error, not "not given"
         self.args = args or TrainingArguments()
+        if dataset_text_field is None:
+            dataset_text_field = getattr(self.args, "dataset_text_field", "text")
+        if max_seq_length is None:
+            max_seq_length = getattr(self.args, "max_length", None)
+        if packing is None:
+            packing = getattr(self.args, "packing", False)
+        self.completion_only_loss = getattr(self.args, "completion_only_loss", None) is not False
         self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
         if model.lora is None and not model.full_finetuning:
@@ -227,7 +305,8 @@ class SFTTrainer:
             return pretokenized_examples(records, self.model.config.vocab_size)
         if self.tokenizer is None:
             raise TrainingError("a tokenizer is needed to tokenize a text dataset")
-        return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func)
+        return build_examples(records, self.tokenizer, self.max_seq_length, text_field, formatting_func,
+                              completion_only_loss=self.completion_only_loss)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -278,14 +357,66 @@ class SFTTrainer:
 
     # ----------------------------------------------------------------------------------- checkpoints
     def _checkpoints(self) -> list[tuple[int, Path]]:
-        out = Path(self.args.output_dir)
-        found = []
-        if out.is_dir():
-            for p in out.iterdir():
-                m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-                if m and (p / "trainer_state.json").is_file():
-                    found.append((int(m.group(1)), p))
-        return sorted(found)
+        return checkpoints_in(self.args.output_dir)
+
+    def _resume_path(self, resume_from_checkpoint) -> Path | None:
+        """The checkpoint directory a train() call resumes from, or None (a fresh run)."""
+        if not resume_from_checkpoint:
+            return None
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = Path(resume_from_checkpoint)
+            if not (path / "trainer_state.json").is_file():
+                raise TrainingError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is not a checkpoint "
+                                    "directory (a checkpoint-N directory with trainer_state.json, saved every "
+                                    "save_steps steps); pass one, or True for the newest in output_dir")
+            return path
+        ckpts = self._checkpoints()
+        if not ckpts:
+            log.warning("unsloth_jax: resume_from_checkpoint=True but %s holds no checkpoint; starting fresh",
+                        self.args.output_dir)
+            return None
+        return ckpts[-1][1]
+
+    def _prepare_output_dir(self, resuming: bool) -> None:
+        """Create output_dir before any slow work. A fresh run refuses one holding an earlier run's files, unless
+        overwrite_output_dir=True, which removes them (so only this run's files remain)."""
+        args, out = self.args, Path(self.args.output_dir)
+        if out.exists() and not out.is_dir():
+            raise TrainingError(f"output_dir {out} exists and is not a directory; pass another output_dir")
+        earlier = [] if resuming else previous_run_files(out)
+        if earlier and not args.overwrite_output_dir:
+            names = ", ".join(p.name for p in earlier[:5]) + (", ..." if len(earlier) > 5 else "")
+            raise TrainingError(f"output_dir {out} holds an earlier run's files ({names}); pass "
+                                "overwrite_output_dir=True to replace them, resume_from_checkpoint=True to continue "
+                                "that run, or another output_dir")
+        if earlier and distributed.is_main_process():
+            remove_paths(earlier)
+            log.info("unsloth_jax: overwrite_output_dir=True: removed %s from %s",
+                     ", ".join(p.name for p in earlier), out)
+        distributed.sync("prepare-output-dir")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainingError(f"output_dir {out} cannot be created ({e}); pass another output_dir") from e
+
+    def _keep_metrics_until(self, step: int) -> None:
+        """Drop the metrics.jsonl lines of steps after `step` (logged by the run a resume continues, after its
+        checkpoint), so the file holds each step once."""
+        path = Path(self.args.output_dir) / "metrics.jsonl"
+        if not path.is_file() or not distributed.is_main_process():
+            return
+        lines = path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):  # a line cut short by the crash
+                pass
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
 
     def _save_checkpoint(self, step: int, trainable, opt_state) -> None:
         import orbax.checkpoint as ocp
@@ -305,8 +436,6 @@ class SFTTrainer:
         distributed.sync(f"checkpoint-{step}")
         limit = self.args.save_total_limit
         if limit:
-            import shutil
-
             for _, old in self._checkpoints()[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -383,7 +512,8 @@ class SFTTrainer:
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Train for the configured steps; resume_from_checkpoint=True continues from the newest checkpoint in
-        output_dir (a path: from that checkpoint). Returns a TrainOutput; trainer.state keeps the log history."""
+        output_dir (a path: from that checkpoint; None: args.resume_from_checkpoint). Returns a TrainOutput;
+        trainer.state keeps the log history."""
         try:
             return self._train(resume_from_checkpoint)
         finally:
@@ -391,6 +521,10 @@ class SFTTrainer:
 
     def _train(self, resume_from_checkpoint) -> TrainOutput:
         args, model = self.args, self.model
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        resume_path = self._resume_path(resume_from_checkpoint)
+        self._prepare_output_dir(resuming=resume_path is not None)
         mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
         main = distributed.is_main_process()
         shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
@@ -410,17 +544,11 @@ class SFTTrainer:
                                   num_train_epochs=args.num_train_epochs,
                                   train_batch_size=args.per_device_train_batch_size)
         start = 0
-        if resume_from_checkpoint:
-            ckpts = self._checkpoints()
-            path = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, os.PathLike)) else (
-                ckpts[-1][1] if ckpts else None)
-            if path is None:
-                log.warning("unsloth_jax: resume_from_checkpoint=True but %s holds no checkpoint; starting fresh",
-                            args.output_dir)
-            else:
-                trainable, opt_state, start = self._restore(path, trainable, opt_state)
-                if main:
-                    print(f"Resuming from {path} at step {start}")
+        if resume_path is not None:
+            trainable, opt_state, start = self._restore(resume_path, trainable, opt_state)
+            self._keep_metrics_until(start)
+            if main:
+                print(f"Resuming from {resume_path} at step {start}")
         step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
         # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
         # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
@@ -431,7 +559,6 @@ class SFTTrainer:
             plan = plan_step_memory(step_fn, (trainable, frozen, opt_state), self._step_batch(loader, start),
                                     loader.longest_bucket, self.max_seq_length)
         self.kernel_choices = ops.format_choices(seen)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self._open_reporters()
         n_train = lora.count(trainable)
         if main:
@@ -442,20 +569,39 @@ class SFTTrainer:
             print(f"unsloth_jax: kernels: {self.kernel_choices} | {plan}" + (" (per device)" if mesh is not None else ""))
         # only process 0 shows a bar; on it tqdm's own defaults (TQDM_DISABLE, ...) apply
         bar = tqdm(total=total, initial=start, desc="Training", unit="step", **({} if main else {"disable": True}))
+        compile_time = CompileTime()
+        float(schedule(start))  # the logged learning rate's jnp ops compile on this first call, before timing
         t0 = time.perf_counter()
         steplog = _StepLog(self, len(loader), schedule, bar, t0)
         self.state.epoch = steplog.epoch_at(start)
         bad_in_row = 0
-        # (step, metrics, stamp) read one step late so the host never stalls the device. `stamp` is the wall
-        # time when that step's call returned: one step period after the previous stamp both when steps run
-        # ahead asynchronously and when each call blocks, so tokens / (stamp - previous stamp) is the rate
-        # either way (a timestamp taken when the late metrics are read would make the last window ~0 s long
-        # whenever the step was already finished).
+        # (step, metrics) read one step late so the host never stalls the device; a step's end time is taken
+        # when its metrics are read (blocking until it finished). So that a window's time is its steps' own, a
+        # step is read before the next is called when it has already finished, and before a call that compiles
+        # (a batch shape not seen yet). Compile time spent while no step runs is left out of the window (it
+        # would be time the device waits); compiling while a step runs overlaps it and stays in.
         pending = None
+        shapes_seen = set()
 
-        def finish(step_idx, m, stamp):
+        def call_step(trainable, opt_state, batch):
+            idle = pending is None
+            before = compile_time.take()
+            if idle:  # e.g. eager ops run for the first time while logging
+                steplog.exclude(before, compiled=True)
+            t_call = time.perf_counter()
+            out = step_fn(trainable, frozen, opt_state, batch)
+            compiled = compile_time.take()
+            if idle and compiled:
+                if not _is_ready(out[2]):  # the call returned before running: all of it was compiling and loading
+                    compiled = max(compiled, time.perf_counter() - t_call)
+                steplog.exclude(compiled, compiled=True)
+            return out
+
+        def finish(step_idx, m):
             nonlocal bad_in_row
             m = jax.device_get(m)
+            stamp = time.perf_counter()
+            compile_time.take()  # compiled while steps ran: that time stays in the window
             loss = float(m["loss"])
             if int(m["skipped"]):
                 bad_in_row += 1
@@ -470,20 +616,36 @@ class SFTTrainer:
             steplog.step(step_idx, m, stamp, last=step_idx + 1 == total)
 
         try:
-            for step in range(start, total):
-                batch = self._device_batch(loader, step, mesh)
-                trainable, opt_state, metrics = step_fn(trainable, frozen, opt_state, batch)
-                stamp = time.perf_counter()
+            with compile_time:
+                for step in range(start, total):
+                    batch = self._device_batch(loader, step, mesh)
+                    shape = tuple(sorted((k, tuple(v.shape)) for k, v in batch.items()))
+                    if pending is not None and (shape not in shapes_seen or _is_ready(pending[1])):
+                        finish(*pending)
+                        pending = None
+                    shapes_seen.add(shape)
+                    trainable, opt_state, metrics = call_step(trainable, opt_state, batch)
+                    if pending is not None:
+                        finish(*pending)
+                    pending = (step, metrics)
+                    bar.update(1)
+                    if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
+                        finish(*pending)
+                        pending = None
+                        t_save = time.perf_counter()
+                        self._save_checkpoint(step + 1, trainable, opt_state)
+                        steplog.exclude(time.perf_counter() - t_save)
+                        compile_time.take()  # (inside the time just left out)
+                    if self._evaluates_after(step + 1, total, steplog):
+                        if pending is not None:
+                            finish(*pending)
+                            pending = None
+                        t_eval = time.perf_counter()
+                        steplog.log({**self._evaluate_state(graphdef, trainable, frozen), "step": step + 1})
+                        steplog.exclude(time.perf_counter() - t_eval)
+                        compile_time.take()
                 if pending is not None:
                     finish(*pending)
-                pending = (step, metrics, stamp)
-                bar.update(1)
-                if args.save_steps and (step + 1) % args.save_steps == 0 and step + 1 < total:
-                    finish(*pending)
-                    pending = None
-                    self._save_checkpoint(step + 1, trainable, opt_state)
-            if pending is not None:
-                finish(*pending)
         finally:
             bar.close()
             nnx.update(model, trainable)
@@ -502,7 +664,7 @@ class SFTTrainer:
                                         args.gradient_accumulation_steps, loader.num_rows, args.num_train_epochs)
         metrics = train_metrics(t0, t_end, steps_run=run, total_steps=total, planned_samples=planned,
                                 losses_run=state.loss_history[len(state.loss_history) - run:], epoch=state.epoch)
-        if self.eval_examples:
+        if self.eval_examples and args.eval_strategy != "no":
             steplog.log({**self.evaluate(), "step": total})
         steplog.log({**metrics, "step": total})
         if distributed.is_main_process():
@@ -514,9 +676,24 @@ class SFTTrainer:
         "eval_runtime" (s), "eval_samples_per_second", "eval_steps_per_second", "epoch"}."""
         if not self.eval_examples:
             raise TrainingError("evaluate() needs an eval_dataset (SFTTrainer(..., eval_dataset=...))")
+        return self._evaluate_state(*lora.split(self.model))
+
+    def _evaluates_after(self, done: int, total: int, steplog: "_StepLog") -> bool:
+        """Whether eval_strategy asks for an evaluation after `done` of `total` steps, the last excepted (training
+        ends with one)."""
+        a = self.args
+        if not self.eval_examples or done >= total:
+            return False
+        if a.eval_strategy == "steps":
+            return done % (a.eval_steps or a.logging_steps) == 0
+        if a.eval_strategy == "epoch":
+            return int(steplog.epoch_at(done)) > int(steplog.epoch_at(done - 1))
+        return False
+
+    def _evaluate_state(self, graphdef, trainable, frozen) -> dict:
+        """evaluate() of the model given as split state (during training: the live trainable state)."""
         t0 = time.perf_counter()
         loader = self._loader(self.eval_examples, self.args.per_device_eval_batch_size, shuffle=False)
-        graphdef, trainable, frozen = lora.split(self.model)
         total = count = 0.0
         for i in range(len(loader)):
             batch = {k: v[None] for k, v in loader.batch(0, i).items()}
@@ -529,6 +706,43 @@ class SFTTrainer:
                 "eval_steps_per_second": round(len(loader) / runtime, 3), "epoch": self.state.epoch}
 
 
+def _is_ready(metrics: dict) -> bool:
+    """Whether the step that returned `metrics` has finished (host values count as finished)."""
+    is_ready = getattr(metrics["loss"], "is_ready", None)
+    return is_ready is None or is_ready()
+
+
+class CompileTime:
+    """Wall seconds jax spends tracing, lowering and compiling while this context is entered, from
+    jax.monitoring's compile events (nested events counted once). take() returns the seconds since its last call."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self._spans: list[tuple[float, float]] = []
+
+    def _record(self, event: str, start: float, end: float, **kwargs) -> None:
+        if event in self.EVENTS:
+            self._spans.append((start, end))
+
+    def __enter__(self) -> "CompileTime":
+        jax.monitoring.register_event_time_span_listener(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_time_span_listener(self._record)
+
+    def take(self) -> float:
+        spans, self._spans = self._spans, []
+        total, reached = 0.0, float("-inf")
+        for start, end in sorted(spans):
+            if end > reached:
+                total += end - max(start, reached)
+                reached = end
+        return total
+
+
 class _StepLog:
     """The per-step bookkeeping of one train() call: trainer.state (global_step, epoch, loss_history) after
     every step; every logging_steps steps (and on the first and last) a log entry averaging the loss over the
@@ -537,6 +751,8 @@ class _StepLog:
 
     def __init__(self, trainer: SFTTrainer, steps_per_epoch: int, schedule, bar, t0: float):
         self.args, self.state, self.reporters = trainer.args, trainer.state, trainer._reporters
+        self.window_excluded = 0.0  # seconds of the current window not spent running steps (compiling, saving)
+        self.window_compiled = 0.0  # of which compiling
         self.metrics_path = Path(trainer.args.output_dir) / "metrics.jsonl"
         self.steps_per_epoch = steps_per_epoch  # batches per epoch
         self.schedule, self.bar = schedule, bar
@@ -552,8 +768,17 @@ class _StepLog:
         a = self.args
         return done % a.logging_steps == 0 or last or (a.logging_first_step and done == 1)
 
+    def exclude(self, seconds: float, compiled: bool = False) -> None:
+        """Leave `seconds` (compiling, a checkpoint save, an evaluation) out of the current window's
+        tokens_per_second."""
+        self.window_excluded += seconds
+        if compiled:
+            self.window_compiled += seconds
+
     def step(self, step_idx: int, m: dict, stamp: float, last: bool) -> None:
-        """Record optimizer step `step_idx` (0-based) from its host metrics `m`, returned at time `stamp`."""
+        """Record optimizer step `step_idx` (0-based) from its host metrics `m`, finished at time `stamp`. A logged
+        window's tokens_per_second is its steps' target tokens over the time since the previous window ended,
+        without compile time (recorded as compile_seconds) and checkpoint saves."""
         loss = float(m["loss"])
         done = step_idx + 1
         self.state.loss_history.append(loss)
@@ -568,10 +793,13 @@ class _StepLog:
                  "learning_rate": float(self.schedule(step_idx)), "epoch": self.state.epoch, "step": done}
         if self.window_aux:
             entry["aux_loss"] = sum(self.window_aux) / len(self.window_aux)
-        tokens_per_second = self.window_tokens / max(stamp - self.window_t0, 1e-9)
+        seconds = stamp - self.window_t0 - self.window_excluded
+        tokens_per_second = self.window_tokens / max(seconds, 1e-9)
+        compiled = self.window_compiled
         self.window_losses, self.window_aux, self.window_tokens, self.window_t0 = [], [], 0, stamp
+        self.window_excluded = self.window_compiled = 0.0
         self.log(entry)
-        self._write_record(entry, tokens_per_second)
+        self._write_record(entry, tokens_per_second, compiled)
 
     def log(self, entry: dict) -> None:
         """Append `entry` (with its "step") to log_history and send it to the report_to integrations."""
@@ -579,10 +807,12 @@ class _StepLog:
         if self.reporters is not None:
             self.reporters.log(entry, entry["step"])
 
-    def _write_record(self, entry: dict, tokens_per_second: float) -> None:
+    def _write_record(self, entry: dict, tokens_per_second: float, compile_seconds: float = 0.0) -> None:
         """One metrics.jsonl line (also printed) and the progress bar's postfix."""
         record = {"step": entry["step"], "loss": entry["loss"], "learning_rate": entry["learning_rate"],
                   "grad_norm": entry["grad_norm"], "tokens_per_second": tokens_per_second, "epoch": entry["epoch"]}
+        if compile_seconds > 0:
+            record["compile_seconds"] = round(compile_seconds, 3)  # left out of tokens_per_second
         if "aux_loss" in entry:
             record["aux_loss"] = entry["aux_loss"]
         mem = device_memory_gib()

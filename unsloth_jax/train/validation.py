@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from unsloth_jax.validation import (require_choice, require_int, require_optional_bool, require_path,
-                                    require_real)
+from unsloth_jax.validation import (require_bool, require_choice, require_int, require_optional_bool,
+                                    require_path, require_real)
 
 
 def check_warmup_steps(value) -> None:
@@ -62,5 +62,30 @@ def validate_training_arguments(args) -> None:
     require_choice("lr_scheduler_type", args.lr_scheduler_type, SCHEDULERS)
     for name in ("bf16", "fp16", "dataloader_drop_last", "logging_first_step"):
         require_optional_bool(name, getattr(args, name))
+    require_bool("overwrite_output_dir", args.overwrite_output_dir)
+    if args.eval_strategy is not None:
+        require_choice("eval_strategy", args.eval_strategy, ("no", "steps", "epoch"))
+    if args.eval_steps is not None:
+        require_int("eval_steps", args.eval_steps, minimum=1)
+    if not isinstance(args.resume_from_checkpoint, (bool, type(None))):
+        require_path("resume_from_checkpoint", args.resume_from_checkpoint)
     if args.bf16 and args.fp16:
         raise ValueError("bf16=True and fp16=True: pick one")
+
+
+def validate_sft_config(args) -> None:
+    """Check SFTConfig's own fields (see trainer.SFTConfig)."""
+    if not isinstance(args.dataset_text_field, str) or not args.dataset_text_field:
+        raise TypeError(f"dataset_text_field must be a field name (a non-empty string), got "
+                        f"{args.dataset_text_field!r}")
+    check_max_seq_length(args.max_length)
+    check_max_seq_length(args.max_seq_length)
+    if None not in (args.max_length, args.max_seq_length) and args.max_length != args.max_seq_length:
+        raise ValueError(f"max_length={args.max_length} and max_seq_length={args.max_seq_length} name the same "
+                         "value (max_seq_length is its older name); pass one")
+    require_bool("packing", args.packing)
+    require_optional_bool("completion_only_loss", args.completion_only_loss)
+    require_bool("assistant_only_loss", args.assistant_only_loss)
+    if args.assistant_only_loss:
+        raise ValueError("assistant_only_loss=True is not supported; for chat data call "
+                         "unsloth_jax.data.train_on_responses_only(trainer, instruction_part, response_part)")
