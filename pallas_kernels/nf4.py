@@ -441,4 +441,17 @@ def qlora_linear(x, q: NF4Weight, a, b, scale, *, impl: str | None = None,
     lora = jnp.dot(jnp.dot(x, a.astype(x.dtype)), b.astype(x.dtype))
     return base + (scale * lora).astype(x.dtype)
 
+
+# Names that moved to pallas_kernels.nf4_format (the bitsandbytes format) when the kernels and the format were
+# split: asking this module for one says where it went.
+_MOVED_TO_FORMAT = ("quantize_nf4", "stack_nf4", "nf4_from_bnb_tensors", "nf4_to_bnb_tensors", "decoded_absmax")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_FORMAT:
+        raise AttributeError(f"pallas_kernels.nf4.{name} moved to pallas_kernels.nf4_format.{name} (the NF4 format "
+                             f"lives there, the kernels here): `from pallas_kernels.nf4_format import {name}`"
+                             + (" or `from pallas_kernels import quantize_nf4`" if name == "quantize_nf4" else ""))
+    raise AttributeError(f"module 'pallas_kernels.nf4' has no attribute '{name}'")
+
 __all__ = ["dequantize_nf4", "nf4_matmul", "qlora_linear"]

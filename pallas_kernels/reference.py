@@ -160,6 +160,20 @@ def token_logprobs(hidden, lm_head, labels, softcap=None, temperature=1.0, ignor
     return _map_token_chunks(chunk_logprobs, hidden, labels, chunk_size, ignore_index).reshape(-1)[:T]
 
 
+def token_mean_logits(hidden, lm_head, softcap=None, chunk_size=1024):
+    """Mean over the vocabulary of each token's logits [T] f32 (TRL's logits/chosen and logits/rejected are
+    means of these), never holding [T, V]: without softcap the mean is linear, hidden @ mean(lm_head); with
+    softcap, chunks of [chunk, V] logits as `cross_entropy`. hidden [T, D], lm_head [V, D]. Not differentiated
+    (a logged metric)."""
+    hidden, lm_head = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(lm_head)
+    if softcap is None:
+        return hidden.astype(jnp.float32) @ jnp.mean(lm_head.astype(jnp.float32), axis=0)
+    T = hidden.shape[0]
+    dummy = jnp.zeros((T,), jnp.int32)
+    return _map_token_chunks(lambda h_c, _: jnp.mean(_ce_logits(h_c, lm_head, softcap), axis=-1), hidden, dummy,
+                             chunk_size, -100).reshape(-1)[:T]
+
+
 # ---- attention: flash_attention's twin (pallas_kernels/flash_attention.py) and ops' XLA attention ----
 def _attention_keep_mask(seq_len, causal, sliding_window, segment_ids):
     """Boolean keep-mask [B or 1, S, S], or None when nothing is masked."""

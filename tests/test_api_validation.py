@@ -71,3 +71,18 @@ def test_for_inference_and_for_training_return_the_model_unchanged(tiny):
     assert FastLanguageModel.for_training(model, use_gradient_checkpointing=False) is model
     assert FastLanguageModel.for_training(model) is model
     assert model.gradient_checkpointing == mode and nnx.graphdef(model) == graph
+
+
+def test_moved_names_say_where_they_went():
+    """Public names that moved fail with an error naming the replacement (issue 38, item 17)."""
+    import pallas_kernels.nf4 as nf4_kernels
+    from unsloth_jax import lora
+
+    with pytest.raises(AttributeError, match=r"pallas_kernels\.nf4_format\.quantize_nf4"):
+        nf4_kernels.quantize_nf4
+    with pytest.raises(AttributeError, match=r"pallas_kernels\.nf4_format\.stack_nf4"):
+        nf4_kernels.stack_nf4
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        nf4_kernels.no_such_name
+    with pytest.raises(TypeError, match=r"lora\.split\(model\).*nnx\.merge"):
+        lora.split({"model": {"layers": {}}})

@@ -85,6 +85,22 @@ def test_token_logprobs_equals_full_log_softmax(rng):
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_token_mean_logits_equals_the_full_logits_mean(softcap, rng):
+    """The vocabulary mean of each token's logits without [T, V] logits (linear without softcap, chunked with it)
+    equals the mean of the full logits, over ragged chunks."""
+    import jax.numpy as jnp
+    from unsloth_jax import ops
+
+    h = jnp.asarray(rng.normal(size=(37, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(101, 16)) * 2, jnp.float32)
+    z = h @ w.T
+    if softcap is not None:
+        z = softcap * jnp.tanh(z / softcap)
+    got = ops.token_mean_logits(h, w, softcap=softcap, chunk=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(z.mean(-1)), rtol=1e-5, atol=1e-5)
+
+
 def test_sequence_logps_match_transformers(tmp_path, rng):
     """Our per-sequence completion log-probabilities of right-padded prompt + completion rows equal the ones
     transformers computes for the same tiny Llama."""
@@ -211,6 +227,14 @@ def test_dpo_first_loss_is_ln2_and_reference_is_the_base(dpo_run):
     base_chosen, base_rejected = base["logps"][:b].mean(), base["logps"][b:].mean()
     assert abs(hist[0]["logps/chosen"] - base_chosen) < 1e-3 * abs(base_chosen)
     assert abs(hist[0]["logps/rejected"] - base_rejected) < 1e-3 * abs(base_rejected)
+    # TRL's logits/chosen and logits/rejected: the base's logits averaged over vocabulary and completion tokens
+    with torch.no_grad():
+        logits = _hf(TINY_MODEL)(input_ids=torch.tensor(batch["input_ids"], dtype=torch.long),
+                                 attention_mask=torch.tensor(batch["attention_mask"])).logits.float()[:, :-1]
+    comp = torch.tensor(batch["completion_mask"][:, 1:]).bool()
+    for name, rows in (("logits/chosen", slice(0, b)), ("logits/rejected", slice(b, None))):
+        want = float(logits[rows][comp[rows]].mean())
+        assert abs(hist[0][name] - want) < 1e-4 * max(abs(want), 1.0), (name, hist[0][name], want)
     last = hist[-1]
     assert last["rewards/margins"] > 0.05 and last["loss"] < math.log(2) - 0.02  # it learned the preference
     assert abs(last["logps/chosen"] - base_chosen) > 0.1  # the policy is no longer the base ...
@@ -219,7 +243,7 @@ def test_dpo_first_loss_is_ln2_and_reference_is_the_base(dpo_run):
     assert result.global_step == 4 and "train_runtime" in result.metrics
     assert trainer.state.log_history[-1]["step"] == 4 and "train_loss" in trainer.state.log_history[-1]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                "logps/rejected", "loss", "grad_norm", "learning_rate", "epoch"):
+                "logps/rejected", "logits/chosen", "logits/rejected", "loss", "grad_norm", "learning_rate", "epoch"):
         assert key in hist[0], key
 
 

@@ -211,6 +211,11 @@ def split(model: CausalLM, trainable=None):
     """(graphdef, trainable state, frozen state) of `model`: nnx.split by `trainable` (default: the model's own
     trainable_filter(model.lora, model.full_finetuning)). The two states are pure pytrees with disjoint
     leaves."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"lora.split takes the model (an nnx.Module from FastLanguageModel), got "
+                        f"{type(model).__name__}: the split of a params dict into (trainable, frozen) moved to the NNX "
+                        "module, so call `graphdef, trainable, frozen = lora.split(model)` (nnx.split(model, "
+                        "nnx.LoRAParam, ...)) and `nnx.merge(graphdef, trainable, frozen)` to join them")
     wrt = trainable_filter(model.lora, model.full_finetuning) if trainable is None else trainable
     return nnx.split(model, wrt, ...)
 

@@ -728,8 +728,16 @@ def token_logprobs(hidden: jax.Array, lm_head: jax.Array, labels: jax.Array, *, 
                               ignore_index=ignore_index, chunk_size=chunk)
 
 
+def token_mean_logits(hidden: jax.Array, lm_head: jax.Array, *, softcap: float | None = None,
+                      chunk: int = 1024) -> jax.Array:
+    """Mean over the vocabulary of each token's logits [T] (f32) for hidden [T, D] and lm_head [V, D], without
+    [T, V] logits (pallas_kernels.reference.token_mean_logits); no gradient (TRL's logits/* log keys)."""
+    _note("token_mean_logits", "xla")
+    return ref.token_mean_logits(hidden, lm_head, softcap=softcap, chunk_size=chunk)
+
+
 __all__ = ["OPS", "IMPLS", "Policy", "LayerSlice", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
            "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "offload_attention_path",
            "offload_weights", "offload_copies", "rms_norm", "rope", "glu",
            "glu_linear", "linear", "grouped_matmul", "attention", "paged_attention", "attention_mask",
-           "cross_entropy", "token_logprobs", "use_pallas", "PALLAS_WINS"]
+           "cross_entropy", "token_logprobs", "token_mean_logits", "use_pallas", "PALLAS_WINS"]

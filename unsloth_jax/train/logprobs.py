@@ -23,19 +23,24 @@ from unsloth_jax.models.decoder import CausalLM, make_batch
 
 
 def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array, *, remat: str = "none",
-                temperature: float = 1.0, chunk: int = 1024) -> jax.Array:
+                temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False):
     """[B, S-1] float32: entry t is log p(input_ids[:, t+1]) given the tokens up to t (logits / temperature).
 
     input_ids, attention_mask: int32 [B, S], right padded. Entries whose target is padding hold log-probs of
-    the padding token and must be masked by the caller (`masked_sum`).
+    the padding token and must be masked by the caller (`masked_sum`). mean_logits=True: also each position's
+    logits averaged over the vocabulary, [B, S-1] (no gradient), as a second item.
     """
     side = make_batch(input_ids, attention_mask, right_padded=True)
     h = model.hidden_states(input_ids, side, remat_mode=remat)
     b, s, d = h.shape
     targets = input_ids[:, 1:].reshape(-1)
-    lp = ops.token_logprobs(h[:, :-1].reshape(-1, d), model.head_weight(), targets,
-                            softcap=model.config.final_softcap, temperature=temperature, chunk=chunk)
-    return lp.reshape(b, s - 1)
+    flat = h[:, :-1].reshape(-1, d)
+    softcap = model.config.final_softcap
+    lp = ops.token_logprobs(flat, model.head_weight(), targets, softcap=softcap, temperature=temperature,
+                            chunk=chunk).reshape(b, s - 1)
+    if not mean_logits:
+        return lp
+    return lp, ops.token_mean_logits(flat, model.head_weight(), softcap=softcap, chunk=chunk).reshape(b, s - 1)
 
 
 def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:

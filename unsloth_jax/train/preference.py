@@ -180,7 +180,7 @@ def dpo_objective(cfg: DPOConfig):
             loss = loss + w * jnp.mean(dpo_loss(pc, pr, rc, rr, beta=cfg.beta, loss_type=loss_type,
                                                 label_smoothing=cfg.label_smoothing, chosen_lengths=lc,
                                                 rejected_lengths=lr))
-        metrics = preference_metrics(cfg.beta * (pc - rc), cfg.beta * (pr - rr), pc, pr)
+        metrics = preference_metrics(cfg.beta * (pc - rc), cfg.beta * (pr - rr), pc, pr) | logit_metrics(pol)
         return loss, metrics
 
     return pair_loss
@@ -197,7 +197,7 @@ def orpo_objective(cfg: ORPOConfig):
         nll = -jnp.sum(pol["all_logps"][:b]) / jnp.maximum(jnp.sum(pol["all_lengths"][:b]), 1)
         log_odds, ratio = orpo_odds_ratio(ac, ar)
         loss = nll - cfg.beta * jnp.mean(ratio)
-        metrics = preference_metrics(cfg.beta * ac, cfg.beta * ar, ac, ar)
+        metrics = preference_metrics(cfg.beta * ac, cfg.beta * ar, ac, ar) | logit_metrics(pol)
         metrics.update({"nll_loss": nll, "log_odds_ratio": jnp.mean(ratio), "log_odds_chosen": jnp.mean(log_odds)})
         return loss, metrics
 
@@ -208,11 +208,22 @@ def orpo_objective(cfg: ORPOConfig):
 def sequence_stats(model, batch: dict, *, remat: str = "none", chunk: int = 1024) -> dict:
     """Per-row sums over rows [R, S]: logps / lengths over completion tokens (completion_mask), all_logps /
     all_lengths over every real token after the first (attention_mask), all f32 [R]."""
-    lp = token_logps(model, batch["input_ids"], batch["attention_mask"], remat=remat, chunk=chunk)
+    lp, mean_logits = token_logps(model, batch["input_ids"], batch["attention_mask"], remat=remat, chunk=chunk,
+                                  mean_logits=True)
     completion = batch["completion_mask"][:, 1:]
     real = batch["attention_mask"][:, 1:]
     return {"logps": masked_sum(lp, completion), "lengths": jnp.sum(completion, axis=-1).astype(jnp.float32),
-            "all_logps": masked_sum(lp, real), "all_lengths": jnp.sum(real, axis=-1).astype(jnp.float32)}
+            "all_logps": masked_sum(lp, real), "all_lengths": jnp.sum(real, axis=-1).astype(jnp.float32),
+            "logit_sums": masked_sum(mean_logits, completion)}
+
+
+def logit_metrics(pol: dict) -> dict:
+    """TRL's logits/chosen and logits/rejected: the policy's logits averaged over the vocabulary and over every
+    completion token of the chosen (first half) or rejected rows."""
+    b = pol["logps"].shape[0] // 2
+    sums, lengths = pol["logit_sums"], pol["lengths"]
+    return {"logits/chosen": jnp.sum(sums[:b]) / jnp.maximum(jnp.sum(lengths[:b]), 1),
+            "logits/rejected": jnp.sum(sums[b:]) / jnp.maximum(jnp.sum(lengths[b:]), 1)}
 
 
 def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_reference: bool,
@@ -520,7 +531,8 @@ class _PairTrainer(RLTrainerBase):
 class DPOTrainer(_PairTrainer):
     """TRL's DPOTrainer for a LoRA model: `ref_model=None` is the base with the adapters switched off (the same
     weights, no copy); another Model may be passed as an explicit reference. Log keys: loss, rewards/chosen,
-    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected."""
+    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen,
+    logits/rejected."""
 
     name = "DPO"
     config_class = DPOConfig
@@ -532,7 +544,8 @@ class DPOTrainer(_PairTrainer):
 
 class ORPOTrainer(_PairTrainer):
     """TRL's ORPOTrainer (no reference model). Log keys: loss, rewards/* (beta x average log-probabilities),
-    logps/chosen, logps/rejected (per-token averages), nll_loss, log_odds_ratio, log_odds_chosen."""
+    logps/chosen, logps/rejected (per-token averages), logits/chosen, logits/rejected, nll_loss, log_odds_ratio,
+    log_odds_chosen."""
 
     name = "ORPO"
     config_class = ORPOConfig
