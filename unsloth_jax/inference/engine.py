@@ -24,7 +24,8 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
+import weakref
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,8 @@ class Engine:
             raise ValueError(f"Engine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if kv_cache_gib is not None and not kv_cache_gib > 0:
             raise ValueError(f"Engine: kv_cache_gib must be > 0, got {kv_cache_gib!r}")
-        self.model, self.tokenizer = model, tokenizer
+        self._model = weakref.ref(model)  # generation.engine_for keys engines by model, weakly
+        self.tokenizer = tokenizer
         self.max_rows, self.page_size, self.chunk = max_rows, page_size, chunk
         self.gpu_memory_utilization, self.kv_cache_gib = gpu_memory_utilization, kv_cache_gib
         self.weights = weights
@@ -157,6 +159,13 @@ class Engine:
         # timings of the last generate call (seconds; the decode ones include reading the tokens back)
         self.last_stats: dict[str, float] = {}
         _enable_compile_cache()
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("Engine: its model no longer exists")
+        return model
 
     # ------------------------------------------------------------------------------------------ inputs
     def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
@@ -270,11 +279,12 @@ class Engine:
             return
         self._summaries.add(key)
         per_page = paging.page_bytes(self.model.config, self.page_size, self.model.dtype)
-        impl = "pallas" if ops.use_pallas("paged_attention", jnp.zeros((1, 1, self.model.config.head_dim),
-                                                                          self.model.dtype)) else "xla"
+        probe = jax.ShapeDtypeStruct((1, 1, self.model.config.head_dim), self.model.dtype)
+        kernels = [op for op in ("paged_attention", "decode_linear") if ops.use_pallas(op, probe)]
         print(f"unsloth_jax generate: {sequences} sequences on {rows} rows, KV pool {pool_pages} pages x "
               f"{self.page_size} tokens ({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode "
-              f"attention {impl}, dtype {jnp.dtype(self.model.dtype).name}", file=sys.stderr)
+              f"kernels {'+'.join(kernels) or 'none (XLA)'}, dtype {jnp.dtype(self.model.dtype).name}",
+              file=sys.stderr)
 
 
 def _memory_stats() -> dict | None:
