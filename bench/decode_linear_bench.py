@@ -32,13 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import device_ms  # noqa: E402
+from bench.timing import device_ms, emit  # noqa: E402
 from pallas_kernels.decode_linear import DecodeConfig, pick_config, resolve_config, stacked_linear  # noqa: E402
 
 SHAPES = [  # (model, projection, K, N)
@@ -62,14 +61,6 @@ TIMING = dict(runs=10, target_ms=2.0, max_bytes=2 << 30)
 SWEEP_TIMING = dict(runs=5, target_ms=1.0, max_bytes=1 << 30)
 
 
-def _meta():
-    dev = jax.devices()[0]
-    return {"jax_version": jax.__version__, "device": getattr(dev, "device_kind", str(dev))}
-
-
-def emit(**kw):
-    kw.update(_meta())
-    print(json.dumps(kw), flush=True)
 
 
 def _inputs(m, k, n, r, seed=0):

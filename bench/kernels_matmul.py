@@ -33,7 +33,7 @@ import subprocess  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.timing import device_ms, temp_bytes  # noqa: E402
+from bench.timing import device_ms, emit, temp_bytes  # noqa: E402
 import pallas_kernels.reference as reference  # noqa: E402
 from pallas_kernels.cross_entropy import cross_entropy, pick_config as ce_pick_config  # noqa: E402
 from pallas_kernels.lora_linear import (lora_linear, pick_config as lora_pick_config,  # noqa: E402
@@ -58,14 +58,6 @@ CE_SHAPES = [  # (model, T, D, V, softcap)
 CE_QUICK = [CE_SHAPES[0]]
 
 
-def _meta():
-    dev = jax.devices()[0]
-    return {"jax_version": jax.__version__, "device": getattr(dev, "device_kind", str(dev))}
-
-
-def emit(**kw):
-    kw.update(_meta())
-    print(json.dumps(kw), flush=True)
 
 
 def _tf(flops, ms):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ import pallas_kernels.nf4 as nf4  # noqa: E402
 import pallas_kernels.nf4_format as nf4_format  # noqa: E402
 import pallas_kernels.reference as ref  # noqa: E402
 from pallas_kernels._common import resolve_interpret  # noqa: E402
-from bench.timing import device_ms, temp_bytes  # noqa: E402
+from bench.timing import device_ms, emit, temp_bytes  # noqa: E402
 
 # (label, in_features, out_features)
 LAYERS = [
@@ -42,15 +41,7 @@ LAYERS = [
 M_MAIN = [1, 16, 4096, 8192]
 M_THRESHOLD = [64, 256, 1024]
 HBM_CEILING_GBPS = 3000.0
-DEVICE = jax.devices()[0].device_kind
-JAX_VERSION = jax.__version__
 INTERPRET = resolve_interpret(None)  # False on a GPU; lets the harness be smoke-tested on a CPU
-
-
-def emit(**rec):
-    rec.setdefault("jax_version", JAX_VERSION)
-    rec.setdefault("device", DEVICE)
-    print(json.dumps(rec), flush=True)
 
 
 def make_weight(key, n_out, n_in):

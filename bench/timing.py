@@ -18,6 +18,7 @@ run alone.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -94,3 +95,11 @@ def temp_bytes(fn: Callable, *args: Any) -> int | None:
     """Temporary bytes of the compiled single-call program (XLA's memory analysis)."""
     m = _memory_analysis(fn, args)
     return None if m is None else int(m.temp_size_in_bytes)
+
+
+def emit(**record) -> None:
+    """Print one benchmark measurement as a JSON line, with the jax version and the device kind."""
+    dev = jax.devices()[0]
+    record.setdefault("jax_version", jax.__version__)
+    record.setdefault("device", getattr(dev, "device_kind", str(dev)))
+    print(json.dumps(record), flush=True)

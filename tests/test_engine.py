@@ -31,6 +31,17 @@ def _prompts(rng, lengths, vocab=256):
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
+def _live_lora(model_dir, rng, dtype="float32"):
+    """The model of model_dir (float32) with LoRA r=4 whose B factors are random (so the adapters change the
+    output)."""
+    model, _ = FastLanguageModel.from_pretrained(model_dir, dtype=dtype, load_tokenizer=False, progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    for i, lin in enumerate(model.projections().values()):
+        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, i), lin.lora_b[...].shape)
+    return model
+
+
 # ------------------------------------------------------------------------------------------------ sampler
 def _hf_probs(logits, seen_ids, p: SamplingParams):
     """transformers' logits processors (the ones TRL's in-process generation runs), in generate's order."""
@@ -188,11 +199,7 @@ def test_weight_layouts_agree(llama, rng):
     the same greedy tokens in float32 with a live LoRA; in bfloat16, merged and unmerged LoRA give log-probs
     within bf16 rounding of each other on the same tokens."""
     _, base = llama
-    model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False, progress=False)
-    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
-    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    for i, lin in enumerate(model.projections().values()):
-        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, i), lin.lora_b[...].shape)
+    model = _live_lora(base.model_dir, rng)
     prompts = _prompts(rng, [9, 4, 17])
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     got = {w: Engine(model, weights=w).generate(prompts, greedy) for w in ("shared", "copy", "merged")}
@@ -256,11 +263,7 @@ def test_decode_kernels_in_the_engine_equal_xla(llama, rng, impl):
     from unsloth_jax import ops
 
     _, base = llama
-    model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False, progress=False)
-    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
-    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
-    for i, lin in enumerate(model.projections().values()):
-        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, i), lin.lora_b[...].shape)
+    model = _live_lora(base.model_dir, rng)
     prompts = _prompts(rng, [5, 19])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     want = Engine(model).generate(prompts, params)
