@@ -153,6 +153,8 @@ def test_help_shows_every_default(command):
     (["--lora_dropout", "1.5"], ("--lora_dropout", "1.5")),
     (["--report_to", "wandb"], ("--report_to", "wandb")),
     (["--use_gradient_checkpointing", "sometimes"], ("--use_gradient_checkpointing", "sometimes")),
+    (["--use_gradient_checkpointing", "unsloth,layer_loop=sideways"], ("--use_gradient_checkpointing", "sideways")),
+    (["--use_gradient_checkpointing", "save_attention", "--layers_per_checkpoint", "4"], ("--layers_per_checkpoint",)),
     (["--save_gguf", "--quantization", "q9_9"], ("--quantization", "q9_9")),
 ])
 def test_bad_train_flag_values_are_one_message_and_exit_2_before_loading(flags, words, tmp_path, monkeypatch,
@@ -301,13 +303,23 @@ def test_a_failed_final_save_keeps_the_trained_adapter(tmp_path, rng, monkeypatc
 
 
 def test_cli_checkpointing_values_are_the_apis():
-    """--use_gradient_checkpointing takes every value get_peft_model does (the CLI keeps its own copy so that
-    --help imports no jax): a value missing here would be refused by the CLI but work in Python."""
-    from unsloth_jax.cli import GRADIENT_CHECKPOINTING_VALUES, _bool_or_str
-    from unsloth_jax.train.step import GRADIENT_CHECKPOINTING
+    """--use_gradient_checkpointing takes every value get_peft_model does, as the same LayerStackPolicy: the CLI
+    parses the flag with the API's parser (Unsloth's true / false / unsloth, the mode names, settings after
+    commas) and hands get_peft_model the policy."""
+    from argparse import Namespace
 
-    api = {_bool_or_str(str(v)) for v in GRADIENT_CHECKPOINTING if v is not None}
-    assert api == set(GRADIENT_CHECKPOINTING_VALUES)
+    from unsloth_jax.cli import _bool_or_str, _check_model_flags
+    from unsloth_jax.models.layer_stack import REMAT_MODES, UNSLOTH_VALUES, LayerStackPolicy
+
+    base = dict(max_seq_length=8, r=4, lora_alpha=8.0, lora_dropout=0.0, layers_per_checkpoint=1, save_model=False,
+                save_gguf=False)
+    for value in [v for v in UNSLOTH_VALUES if v is not None] + list(REMAT_MODES) + ["offload,layer_loop=unrolled"]:
+        args = Namespace(**base, use_gradient_checkpointing=_bool_or_str(str(value)))
+        _check_model_flags(args)
+        assert args.use_gradient_checkpointing == LayerStackPolicy.parse(value), value
+    args = Namespace(**dict(base, layers_per_checkpoint=4), use_gradient_checkpointing=True)
+    _check_model_flags(args)
+    assert args.use_gradient_checkpointing == "full_every_4"
 
 
 @pytest.mark.parametrize("flags, flag", [(["--max_new_tokens", "0"], "--max_new_tokens"),

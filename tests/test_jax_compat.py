@@ -52,10 +52,10 @@ def test_is_tracer():
 
 
 def test_offload_policy_outcomes_are_public():
-    """models/decoder.py's OffloadWithAttention policy returns jax.ad_checkpoint.Offloadable / Recompute."""
+    """models/layer_stack.py's OffloadWithAttention policy returns jax.ad_checkpoint.Offloadable / Recompute."""
     missing = [n for n in ("Offloadable", "Recompute") if not hasattr(jax.ad_checkpoint, n)]
     assert not missing, (f"jax {jax.__version__}: jax.ad_checkpoint lacks {missing}, which the offload_attention "
-                         "remat policy (models/decoder.py, OffloadWithAttention) returns")
+                         "remat policy (models/layer_stack.py, OffloadWithAttention) returns")
     assert jax.ad_checkpoint.Offloadable(src="device", dst="pinned_host").dst == "pinned_host"
 
 

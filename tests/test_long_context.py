@@ -244,7 +244,7 @@ def test_two_level_remat_matches_the_plain_step(family, rng, monkeypatch):
 
 def test_two_level_remat_mode_names(monkeypatch):
     import unsloth_jax.train.step as step_mod
-    from unsloth_jax.models.decoder import parse_remat, two_level_mode
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
 
     assert step_mod.resolve_remat(True, 4) == "full_every_4"
     monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)
@@ -252,15 +252,17 @@ def test_two_level_remat_mode_names(monkeypatch):
     with pytest.raises(ValueError, match="layers_per_checkpoint"):
         step_mod.resolve_remat(False, 4)
 
-    assert parse_remat("offload") == ("offload", 1) and parse_remat("full_every_4") == ("full", 4)
-    assert two_level_mode("offload", 4) == "offload_every_4" and two_level_mode("full", 1) == "full"
+    parse = LayerStackPolicy.parse
+    assert (parse("offload").mode, parse("offload").layers_per_checkpoint) == ("offload", 1)
+    assert (parse("full_every_4").mode, parse("full_every_4").layers_per_checkpoint) == ("full", 4)
+    assert parse("offload", 4) == "offload_every_4" and parse("full", 1) == "full"
     for bad in ("offload_every_0", "save_attention_every_2", "full_every_", "full_every_04", "fast"):
         with pytest.raises(ValueError, match="unknown remat mode"):
-            parse_remat(bad)
+            parse(bad)
     with pytest.raises(ValueError, match="layers_per_checkpoint"):
-        two_level_mode("save_attention", 4)
+        parse("save_attention", 4)
     with pytest.raises(ValueError, match="layers_per_checkpoint must be an integer"):
-        two_level_mode("full", 0)
+        parse("full", 0)
 
 
 def test_two_level_remat_keeps_fewer_layer_inputs():

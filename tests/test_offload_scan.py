@@ -15,7 +15,7 @@ from tests.helpers import inner_jaxprs, rel_err
 from unsloth_jax import lora, ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models import CausalLM
-from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS, copy_chunks, offloaded_layer_scan
+from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, OFFLOAD_COMPILER_OPTIONS, copy_chunks, offloaded_layer_scan
 from unsloth_jax.train.step import loss_and_count
 
 LAYERS, TOKENS, HIDDEN, RANK = 5, 12, 16, 2
@@ -171,24 +171,33 @@ def _custom_vjp_calls(remat: str) -> int:
 
 def test_the_decoder_runs_the_host_offload_modes_through_the_prefetched_scan_only(monkeypatch):
     """"offload" and "offload_attention" run the layer stack as one custom VJP (the prefetched scan); the
-    two-level policy-based mode does not, nor "offload_attention" under the ops setting offload_attention=policy.
-    The scan's weight slicing and copies follow the ops settings (prefetching by default with kept values only)."""
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
-    for remat, weights in (("offload", "in_step"), ("offload_attention", "prefetch")):
-        with ops.recording_choices() as seen:
-            assert _custom_vjp_calls(remat) == 1
-        assert seen["offload_weights"] == [weights] and seen["offload_copies"] == ["blocks"], remat
+    two-level policy-based mode does not, nor "offload_attention" under the layer-stack setting
+    offload_attention=policy. The scan's weight slicing and copies follow the layer-stack settings (prefetching
+    by default with kept values only, copies in blocks)."""
+    import unsloth_jax.models.layer_stack as layer_stack
+
+    calls = []
+    real_scan = layer_stack.offloaded_layer_scan
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["prefetch_weights"], kwargs["chunk_bytes"]))
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(layer_stack, "offloaded_layer_scan", spy)
+    for remat, prefetch in (("offload", False), ("offload_attention", True)):
+        calls.clear()
+        assert _custom_vjp_calls(remat) == 1
+        assert set(calls) == {(prefetch, OFFLOAD_CHUNK_BYTES)}, remat
     assert _custom_vjp_calls("offload_every_2") == 0
-    monkeypatch.setenv(ops.ENV_VAR, "offload_weights=prefetch,offload_copies=whole")
-    with ops.recording_choices() as seen:
-        assert _custom_vjp_calls("offload") == 1
-    assert seen["offload_weights"] == ["prefetch"] and seen["offload_copies"] == ["whole"]
-    monkeypatch.setenv(ops.ENV_VAR, "offload_attention=policy")
-    assert _custom_vjp_calls("offload_attention") == 0
+    calls.clear()
+    assert _custom_vjp_calls("offload,offload_weights=prefetch,offload_copies=whole") == 1
+    assert set(calls) == {(True, None)}
+    assert _custom_vjp_calls("offload_attention,offload_attention=policy") == 0
 
 
 def test_step_compiler_options_only_for_the_prefetched_offload_on_gpu(monkeypatch):
     import unsloth_jax.train.step as step_mod
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
 
     monkeypatch.delenv(ops.ENV_VAR, raising=False)
     assert step_mod.step_compiler_options("offload") is None  # the CPU
@@ -197,6 +206,7 @@ def test_step_compiler_options_only_for_the_prefetched_offload_on_gpu(monkeypatc
     assert step_mod.step_compiler_options("offload_attention") == OFFLOAD_COMPILER_OPTIONS
     for mode in ("none", "full", "offload_every_4", "save_attention"):
         assert step_mod.step_compiler_options(mode) is None, mode
-    monkeypatch.setenv(ops.ENV_VAR, "offload_attention=policy")
-    assert step_mod.step_compiler_options("offload_attention") is None
-    assert step_mod.step_compiler_options("offload_attention", ops.Policy()) == OFFLOAD_COMPILER_OPTIONS
+    assert step_mod.step_compiler_options("offload_attention,offload_attention=policy") is None
+    # the layer-stack policy alone decides; the ops policy policy_jit passes holds kernel choices only
+    policy = LayerStackPolicy.parse("offload_attention")
+    assert step_mod.step_compiler_options(policy, ops.Policy()) == OFFLOAD_COMPILER_OPTIONS

@@ -73,6 +73,14 @@ def test_policy_validation_and_precedence(clean_policy, monkeypatch):
     assert hash(policy) == hash(ops.current_policy()) and policy == ops.current_policy()
     assert policy.with_impl("rope", "auto").requested("rope") == "auto"
 
+    # the layer stack's settings are not ops settings any more: asking for one here says where it went
+    with pytest.raises(ValueError, match=r"layer_loop is not an ops setting any more.*layer-stack policy.*"
+                                         r"\"offload,layer_loop=unrolled\""):
+        ops.set_impl("layer_loop", "unrolled")
+    monkeypatch.setenv(ops.ENV_VAR, "offload_weights=prefetch")
+    with pytest.raises(ValueError, match=r"UNSLOTH_JAX_IMPL.*offload_weights is not an ops setting"):
+        ops.current_policy()
+
 
 def test_cudnn_attention_is_guarded_by_dtype_and_head_dim():
     def q(dtype, d):
@@ -135,8 +143,8 @@ def test_fp8_gemm_output_dtype_follows_the_activation_unless_asked(clean_policy,
 
 @pytest.mark.parametrize("remat", ["full", "offload"])
 def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng, remat):
-    """layer_loop=unrolled: the same loss and LoRA gradients as the layer scan, and the lowered program has no
-    while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays);
+    """The layer-stack setting layer_loop=unrolled: the same loss and LoRA gradients as the layer scan, and the
+    lowered program has no while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays);
     also for "offload", whose custom-VJP layer scan (models.offload) unrolls both of its scans."""
     cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=3))
     model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
@@ -149,12 +157,10 @@ def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng, remat):
     micro = {"input_ids": ids, "labels": ids, "attention_mask": jnp.ones_like(ids)}
     got = {}
     for loop in ("scan", "unrolled"):
-        ops.set_impl("layer_loop", loop)
-        with ops.recording_choices() as seen:
-            fn = jax.jit(jax.value_and_grad(
-                lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=remat)[0]))
-            loops = fn.lower(t).as_text().count("stablehlo.while")
-        assert seen["layer_loop"] == [loop]
+        stack = f"{remat},layer_loop={loop}"  # the layer-stack setting (unsloth_jax.models.layer_stack)
+        fn = jax.jit(jax.value_and_grad(
+            lambda t_: loss_and_count(nnx.merge(graphdef, t_, f), micro, remat=stack)[0]))
+        loops = fn.lower(t).as_text().count("stablehlo.while")
         value, grads = fn(t)
         got[loop] = (loops, float(value), [np.asarray(g) for g in jax.tree.leaves(grads)])
     assert got["unrolled"][0] == got["scan"][0] - 2, (got["scan"][0], got["unrolled"][0])

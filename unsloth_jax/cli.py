@@ -38,8 +38,6 @@ PRESETS = {
     "tiny": {"learning_rate": 2e-3, "lora_alpha": 64, "max_steps": 600, "per_device_train_batch_size": 4,
              "gradient_accumulation_steps": 1, "logging_steps": 10},
 }
-# what get_peft_model takes (unsloth_jax.train.step.GRADIENT_CHECKPOINTING; kept here so --help imports no jax)
-GRADIENT_CHECKPOINTING_VALUES = (True, False, "unsloth", "full", "offload", "offload_attention", "save_attention")
 
 log = logging.getLogger("unsloth_jax")
 
@@ -117,7 +115,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                     help='"unsloth" (offload checkpointed activations to the host on GPUs), true (recompute each '
                          'layer), "offload_attention" (as "unsloth", also offloading the attention output and '
                          'softmax statistics: no attention forward in the backward pass; long sequences), '
-                         '"save_attention" (as true, keeping q, k, v and the attention output), false')
+                         '"save_attention" (as true, keeping q, k, v and the attention output), false; layer-stack '
+                         'settings may follow after commas: "unsloth,layer_loop=unrolled" '
+                         '(unsloth_jax.models.layer_stack)')
     lo.add_argument("--layers_per_checkpoint", type=int, default=1,
                     help="keep only every K-th layer input across the stack and recompute K layers at a time in "
                          "the backward pass (long sequences: L/K + K layer inputs kept instead of L); 1: per layer")
@@ -441,15 +441,18 @@ def _check_model_flags(args) -> None:
         raise UsageError(f"--lora_alpha must be > 0, got {args.lora_alpha:g}")
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout:g}")
-    if args.use_gradient_checkpointing not in GRADIENT_CHECKPOINTING_VALUES:
-        names = ", ".join(str(v).lower() for v in GRADIENT_CHECKPOINTING_VALUES)
-        raise UsageError(f"--use_gradient_checkpointing must be one of {names}, got "
-                         f"{args.use_gradient_checkpointing!r}")
     if args.layers_per_checkpoint < 1:
         raise UsageError(f"--layers_per_checkpoint must be >= 1, got {args.layers_per_checkpoint}")
     if args.layers_per_checkpoint > 1 and args.use_gradient_checkpointing is False:
         raise UsageError("--layers_per_checkpoint needs gradient checkpointing (--use_gradient_checkpointing "
                          "unsloth or true)")
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
+
+    try:  # the flag's one parse: get_peft_model gets the LayerStackPolicy
+        args.use_gradient_checkpointing = LayerStackPolicy.parse(
+            args.use_gradient_checkpointing, args.layers_per_checkpoint, argument="--use_gradient_checkpointing")
+    except ValueError as e:
+        raise UsageError(str(e).replace("layers_per_checkpoint", "--layers_per_checkpoint")) from None
     if args.save_model and args.save_gguf:
         _check_gguf_methods(args.quantization)
 

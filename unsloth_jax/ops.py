@@ -18,13 +18,9 @@ fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("bf16" for 16-bit
 `fp8_gemm_out`), and nf4_gemm,
 how an NF4 base multiplies: "dequantized" to the compute dtype (QLoRA as bitsandbytes runs it; the default) or
 "fp8" (dequantized straight to e4m3 for the FP8 GEMMs, pallas_kernels.nf4_fp8: FP8 numerics, asked for only).
-layer_loop is not a kernel either: the decoder layers run as one `lax.scan` over the stacked layer weights
-("scan", the default: one compiled layer body) or "unrolled" (`unroll=True`: straight-line code, each layer's
-weights a static slice, longer compiles; `layer_loop`). Nor are the host-offload settings: offload_attention
-(remat "offload_attention" through models.offload's prefetched layer scan, "scan", the default, or jax's
-offload policy, "policy"), offload_weights (that scan slices each layer's weights one iteration ahead,
-"prefetch", or at the iteration's start, "in_step"; auto: prefetch only where attention's residuals are kept)
-and offload_copies (its host copies in row blocks of at most 32 MiB, "blocks", the default, or "whole").
+How the decoder layers loop, save, recompute and offload is not an ops setting: it is the layer-stack policy
+(unsloth_jax.models.layer_stack.LayerStackPolicy, given with the remat mode); asking for its settings here
+(layer_loop, offload_attention, offload_weights, offload_copies, MOVED_TO_LAYER_STACK) is an error saying so.
 """
 from __future__ import annotations
 
@@ -91,17 +87,21 @@ IMPLS = {
     "grouped_matmul": ("xla", "pallas"),
     "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
     "nf4_gemm": ("dequantized", "fp8"),  # not a kernel: NF4 bases in the compute dtype or as FP8 GEMMs
-    "layer_loop": ("scan", "unrolled"),  # not a kernel: the decoder layers as one lax.scan or unrolled
-    # not kernels: how the host-offload remat modes run (models.offload; the defaults measured in BENCHMARKS.md)
-    "offload_attention": ("scan", "policy"),  # remat "offload_attention" by the prefetched scan or jax's policy
-    "offload_weights": ("prefetch", "in_step"),  # that scan slices layer weights an iteration ahead or in step
-    "offload_copies": ("blocks", "whole"),  # its host copies in blocks of <= 32 MiB or whole arrays
 }
 OPS = tuple(IMPLS)
 KERNEL_OPS = tuple(op for op in OPS if "pallas" in IMPLS[op])  # the ops with a Pallas kernel
+# Settings that were ops settings and are now the layer stack's (unsloth_jax.models.layer_stack.SETTINGS)
+MOVED_TO_LAYER_STACK = ("layer_loop", "offload_attention", "offload_weights", "offload_copies")
 
 
 def _check(op: str, impl: str, source: str) -> None:
+    if op in MOVED_TO_LAYER_STACK:
+        example = ("offload_attention" if op == "offload_attention" else "offload") + f",{op}={impl}"
+        raise ValueError(f"{source}: {op} is not an ops setting any more: it is a setting of the layer-stack "
+                         f"policy, given with the remat mode, e.g. use_gradient_checkpointing=\"{example}\" "
+                         f"(get_peft_model, from_pretrained, the CLI's --use_gradient_checkpointing), "
+                         f"make_train_step(..., remat=\"{example}\") or "
+                         f"unsloth_jax.models.layer_stack.LayerStackPolicy({op}=...)")
     if op not in IMPLS:
         raise ValueError(f"{source}: unknown op {op!r}; ops: {', '.join(OPS)}")
     if impl != "auto" and impl not in IMPLS[op]:
@@ -658,34 +658,12 @@ def _setting(op: str, auto: str, policy: Policy | None = None) -> str:
     return chosen
 
 
-def layer_loop() -> str:
-    """How the decoder layers loop under the active policy: "scan" (auto) or "unrolled"; recorded as a choice."""
-    return _setting("layer_loop", "scan")
-
-
-def offload_attention_path(policy: Policy | None = None) -> str:
-    """How remat "offload_attention" runs: "scan" (auto: models.offload's prefetched layer scan) or "policy"
-    (jax's offload policy)."""
-    return _setting("offload_attention", "scan", policy)
-
-
-def offload_weights(kept: bool) -> str:
-    """Where the host-offload layer scan slices each layer's weights: "prefetch" (one iteration ahead; auto
-    where the scan keeps attention's residuals, `kept`) or "in_step" (at the iteration's start; auto else)."""
-    return _setting("offload_weights", "prefetch" if kept else "in_step")
-
-
 def decode_compiler_options(policy: Policy) -> dict | None:
     """XLA options of the engine's decode loop under `policy` (decode_gemm): None, or cuBLAS GEMMs with
     dynamic-slice fusion, which lets a GEMM read layer i's slice of a stacked kernel without copying it."""
     if _setting("decode_gemm", "xla", policy) == "cublas_inplace":
         return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
     return None
-
-
-def offload_copies() -> str:
-    """How the host-offload layer scan copies: "blocks" (auto: row blocks of at most 32 MiB) or "whole"."""
-    return _setting("offload_copies", "blocks")
 
 
 # --------------------------------------------------------------------------------------- cross entropy
@@ -737,7 +715,6 @@ def token_mean_logits(hidden: jax.Array, lm_head: jax.Array, *, softcap: float |
 
 
 __all__ = ["OPS", "IMPLS", "Policy", "LayerSlice", "set_impl", "current_policy", "policy_scope", "active_policy", "policy_jit",
-           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "offload_attention_path",
-           "offload_weights", "offload_copies", "rms_norm", "rope", "glu",
+           "chosen_impls", "recording_choices", "format_choices", "per_batch_shard", "rms_norm", "rope", "glu",
            "glu_linear", "linear", "grouped_matmul", "attention", "paged_attention", "attention_mask",
            "cross_entropy", "token_logprobs", "token_mean_logits", "use_pallas", "PALLAS_WINS"]

@@ -132,7 +132,7 @@ class Attention(nnx.Module):
         new_cache = None
         sinks = None if self.sinks is None else jax.lax.stop_gradient(self.sinks[...])
         if cache is None:
-            # names for the "save_attention" remat policy (unsloth_jax.models.decoder.remat)
+            # names for the "save_attention" remat policy (unsloth_jax.models.layer_stack)
             q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
             out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
                                 kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,

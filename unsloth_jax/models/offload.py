@@ -24,9 +24,9 @@ contiguous blocks of its rows), each its own async copy: XLA's latency-hiding sc
 overlap window the same (a few kernels), whatever its size. With `prefetch_weights` each iteration also slices
 the next layer's weights out of the stack (carried to the next iteration) instead of its own at its start: the
 profiles showed the layers' first kernels waiting for their weight slices (MemcpyD2D on the copy streams, queued
-behind the host copies). Both are measured in benchmarks/HISTORY.md (fourteenth session); the decoder takes both from
-the ops policy (offload_copies, offload_weights: prefetching by default with `keep` only, where it measured
-faster).
+behind the host copies). Both are measured in benchmarks/HISTORY.md (fourteenth session); the layer stack takes both
+from its LayerStackPolicy (models.layer_stack: offload_copies, offload_weights; prefetching by default with `keep`
+only, where it measured faster).
 
 Gradients are taken only for the `layers` leaves that carry a tangent (the trainable ones, via custom_vjp's
 symbolic zeros); frozen weights get none and cost no dW. `side` (RoPE tables, masks, positions) must not be
@@ -50,7 +50,8 @@ from unsloth_jax.backend import is_tracer, vjp_closure
 # kinds the host copies run on the compute stream).
 OFFLOAD_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL"}
 
-# The largest piece of an offloaded array copied to or from the host as one async copy (ops "offload_copies").
+# The largest piece of an offloaded array copied to or from the host as one async copy (layer-stack setting
+# offload_copies=blocks).
 OFFLOAD_CHUNK_BYTES = 32 * 2 ** 20
 
 

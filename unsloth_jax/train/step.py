@@ -21,6 +21,7 @@ micro-batches) in the metrics.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -32,17 +33,13 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.models.decoder import HOST_OFFLOAD_MODES, CausalLM, make_batch, two_level_mode
+from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.models.layer_stack import NO_REMAT, OFFLOAD_SETTINGS, LayerStackPolicy
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
 from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
 
 log = logging.getLogger("unsloth_jax")
-
-# Unsloth's use_gradient_checkpointing values (False / True / "unsloth") and the project's remat modes
-GRADIENT_CHECKPOINTING = {False: "none", None: "none", "none": "none", True: "full", "full": "full",
-                          "unsloth": "offload", "offload": "offload", "offload_attention": "offload_attention",
-                          "save_attention": "save_attention"}
 
 
 def host_offload_supported() -> bool:
@@ -50,18 +47,17 @@ def host_offload_supported() -> bool:
     return on_gpu()
 
 
-def step_compiler_options(remat: str, policy: ops.Policy | None = None) -> dict | None:
-    """XLA options for a train step under `remat` and the ops `policy` (default: the current one): on the GPU,
-    "offload" and (unless the policy says offload_attention=policy) "offload_attention", whose layer scan
-    prefetches its host copies (unsloth_jax.models.offload), get OFFLOAD_COMPILER_OPTIONS, which put those
-    copies on their own streams beside the compute; else None (the policy-based offload modes measured no gain
-    from them). The train steps pass it to ops.policy_jit as a function of the policy, so it follows the policy
-    of each call."""
+def step_compiler_options(remat, policy: ops.Policy | None = None) -> dict | None:
+    """XLA options for a train step under the layer-stack policy `remat` (a LayerStackPolicy, or what
+    LayerStackPolicy.parse reads): on the GPU, a per-layer host offload that runs as the prefetched layer scan
+    (unsloth_jax.models.offload: "offload", and "offload_attention" unless its setting offload_attention=policy)
+    gets OFFLOAD_COMPILER_OPTIONS, which put its host copies on their own streams beside the compute; else None
+    (the policy-based offload modes measured no gain from them). The train steps pass it to ops.policy_jit, which
+    calls it with the ops `policy` of each call; the ops policy holds kernel choices only, so it is not read."""
     if not on_gpu():
         return None
-    scanned = remat == "offload" or (remat == "offload_attention"
-                                     and ops.offload_attention_path(policy or ops.current_policy()) == "scan")
-    return OFFLOAD_COMPILER_OPTIONS if scanned else None
+    stack = LayerStackPolicy.parse(remat)
+    return OFFLOAD_COMPILER_OPTIONS if stack.offload_scan and stack.layers_per_checkpoint == 1 else None
 
 
 def commit_to_devices(tree):
@@ -70,25 +66,21 @@ def commit_to_devices(tree):
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)
 
 
-def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) -> str:
-    """Map Unsloth's use_gradient_checkpointing (False/True/"unsloth") to a remat mode, with the offload
-    fallback (plain remat, one notice) where the backend has no pinned host memory.
+def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) -> LayerStackPolicy:
+    """The LayerStackPolicy of get_peft_model's (and from_pretrained's) use_gradient_checkpointing: Unsloth's
+    False / True / "unsloth", a remat mode name (unsloth_jax.models.layer_stack) or a LayerStackPolicy, with the
+    offload fallback (plain remat, one notice) where the backend has no pinned host memory.
 
     layers_per_checkpoint > 1 (long sequences, with True or "unsloth"): two-level checkpointing, only every
     layers_per_checkpoint-th layer input is kept across the stack (on the device for True, in pinned host
     memory for "unsloth") and the layers between are recomputed group by group in the backward pass
-    ("full_every_K" / "offload_every_K", see unsloth_jax.models.decoder)."""
-    if use_gradient_checkpointing not in GRADIENT_CHECKPOINTING:
-        names = ", ".join(repr(v) for v in GRADIENT_CHECKPOINTING if v is not None)
-        raise ValueError(f"use_gradient_checkpointing must be one of {names}, got {use_gradient_checkpointing!r}")
-    mode = GRADIENT_CHECKPOINTING[use_gradient_checkpointing]
-    if mode in HOST_OFFLOAD_MODES and not host_offload_supported():
+    ("full_every_K" / "offload_every_K", see unsloth_jax.models.layer_stack)."""
+    policy = LayerStackPolicy.parse(use_gradient_checkpointing, argument="use_gradient_checkpointing")
+    if policy.offload != "none" and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
                     "per-layer rematerialisation on %s", jax.default_backend())
-        mode = "full"
-    if layers_per_checkpoint != 1:
-        mode = two_level_mode(mode, layers_per_checkpoint)
-    return mode
+        policy = dataclasses.replace(policy, offload="none", **{k: getattr(NO_REMAT, k) for k in OFFLOAD_SETTINGS})
+    return LayerStackPolicy.parse(policy, layers_per_checkpoint, argument="use_gradient_checkpointing")
 
 
 def aux_loss_enabled(model: CausalLM) -> bool:
@@ -96,10 +88,11 @@ def aux_loss_enabled(model: CausalLM) -> bool:
     return model.config.is_moe and model.config.output_router_logits
 
 
-def loss_terms(model: CausalLM, batch: dict, *, remat: str = "none",
+def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,
                loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(mean next-token loss over target tokens, number of target tokens, load-balancing loss or None) of
-    `model` on one micro-batch [B, S]; the aux loss only when aux_loss_enabled(model)."""
+    `model` on one micro-batch [B, S]; the aux loss only when aux_loss_enabled(model). remat: the layer-stack
+    policy (a LayerStackPolicy, or what LayerStackPolicy.parse reads)."""
     ids = batch["input_ids"]
     segments = batch.get("segment_ids")
     side = make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
@@ -116,7 +109,7 @@ def loss_terms(model: CausalLM, batch: dict, *, remat: str = "none",
     return loss, jnp.sum(targets != -100), aux
 
 
-def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
+def loss_and_count(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,
                    loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
     """(mean next-token loss over target tokens, number of target tokens) of `model` on one micro-batch [B, S];
     plus router_aux_loss_coef * the load-balancing loss where aux_loss_enabled(model), as transformers adds it."""
@@ -126,7 +119,7 @@ def loss_and_count(model: CausalLM, batch: dict, *, remat: str = "none",
     return loss, n
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat: str = "full",
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat="full",
                     loss_chunk: int = 1024, donate: bool = True, mesh=None):
     """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
 
@@ -135,8 +128,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
     skipped (1 when the update was dropped for a non-finite loss or gradient). The op policy in force at each
     call is a static argument (see unsloth_jax.ops.policy_jit).
-    remat: a mode of unsloth_jax.models.decoder.REMAT_MODES or a two-level "full_every_K" / "offload_every_K"
-    (resolve_remat builds it from use_gradient_checkpointing and layers_per_checkpoint).
+    remat: how the layer stack saves, recomputes and offloads: a LayerStackPolicy (model.gradient_checkpointing,
+    which get_peft_model sets), a name LayerStackPolicy.parse reads ("none", "full", "offload",
+    "offload_attention", "save_attention", "full_every_K" / "offload_every_K", with settings after commas:
+    "offload,layer_loop=unrolled"), or Unsloth's False / True / "unsloth"; parsed here once, a ValueError naming
+    `remat` for anything else. Unlike get_peft_model, an offload mode is kept on a backend without pinned host
+    memory (its copies are no-ops on the CPU).
     Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 
@@ -145,6 +142,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     both axes, large frozen weights over fsdp, the rest replicated) and places its arguments there (a no-op
     for arguments already placed, e.g. by `distributed.shard_state`). `batch` is the global batch.
     """
+    remat = LayerStackPolicy.parse(remat, argument="remat")
 
     def micro_loss(trainable, frozen, micro):
         model = nnx.merge(graphdef, trainable, frozen)

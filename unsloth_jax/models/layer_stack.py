@@ -1,0 +1,414 @@
+"""The layer stack: how the L decoder layers run in training and decoding, and what they keep for the backward pass.
+
+    policy = LayerStackPolicy.parse("offload")                  # or use_gradient_checkpointing=..., remat=...
+    x, kv = run_layers(model.model.layers, cfg, x, cos, sin, batch, policy=policy)
+
+`LayerStackPolicy` is the one value that says how the stack saves, recomputes and offloads (frozen, hashable,
+compared by value; jitted code holds it as a static value, so it is part of the jit key). It is parsed once,
+where the user gives it (get_peft_model / from_pretrained's use_gradient_checkpointing and layers_per_checkpoint,
+the CLI's --use_gradient_checkpointing, make_train_step's remat), stored on the model as
+`model.gradient_checkpointing`, and read here:
+
+    checkpoint             what each layer keeps for its backward pass: "none" (everything: no recomputation),
+                           "full" (its input only; the layer is recomputed), "save_attention" (its input, and q, k,
+                           v after RoPE and the attention output: no recomputation of the q/k/v projections)
+    offload                what goes to pinned host memory instead of staying on the device: "none", "inputs"
+                           (the layer inputs), "inputs_and_attention" (and attention's forward residuals: its
+                           output and softmax statistics, so the backward pass does not rerun attention's forward)
+    layers_per_checkpoint  K > 1: two-level checkpointing (below), only every K-th layer input kept
+    layer_loop             "scan" (one lax.scan over the stacked weights) or "unrolled" (unroll=True: straight-line
+                           code, each layer's weights a static slice; longer compiles)
+    offload_attention      how "inputs_and_attention" runs: "scan" (models.offload's prefetched custom-VJP scan)
+                           or "policy" (jax's offload policy under jax.checkpoint)
+    offload_weights        that scan slices each layer's weights one iteration ahead ("prefetch") or at the
+                           iteration's start ("in_step"); "auto": prefetch where attention's residuals are kept
+    offload_copies         its host copies in row blocks of at most 32 MiB ("blocks") or whole ("whole")
+
+Its name (str(policy)) is the remat mode users know, and `parse` reads it back: "none", "full", "offload"
+(Unsloth's use_gradient_checkpointing="unsloth"), "offload_attention", "save_attention", the two-level
+"full_every_K" / "offload_every_K", each followed by any non-default setting: "offload,layer_loop=unrolled".
+`parse` also takes Unsloth's False / True / "unsloth". A policy compares equal to its name.
+
+`run_layers` runs `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for Gemma 2, whose
+sliding and global layers alternate, 6 for Gemma 3; a Qwen3-MoE with dense layers repeats its pattern of expert
+and dense MLPs), merging one layer's slice of the stacked state into a module per step (`nnx.merge`), so compile
+time does not grow with depth and each layer of a group keeps a static attention window, RoPE table and MLP kind.
+When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a second, one-step
+scan. Each group runs under `jax.checkpoint` (`checkpointed`), except that the host-offload modes in training go
+through `models.offload.offloaded_layer_scan` (the prefetched custom-VJP scan) instead.
+
+Two-level checkpointing (layers_per_checkpoint = K > 1, for long sequences): the scan groups are themselves
+grouped K layers at a time (K rounded up to a multiple of the period), an outer scan runs over those checkpointed
+groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and each runs an
+inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra forward of
+it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
+
+Adding a remat mode: a row of MODES (its name -> (checkpoint, offload)), and, for a new checkpoint or offload
+value, its jax.checkpoint policy in `_jax_policy` (or its own path in `run_layers`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
+
+from unsloth_jax.config import ModelConfig
+from unsloth_jax.models.attention import Batch, KVCache
+from unsloth_jax.models.layers import gathered
+from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, offloaded_layer_scan
+
+# The per-layer remat modes by name: (what each layer keeps, what goes to pinned host memory).
+MODES = {
+    "none": ("none", "none"),
+    "full": ("full", "none"),
+    "offload": ("full", "inputs"),
+    "offload_attention": ("full", "inputs_and_attention"),
+    "save_attention": ("save_attention", "none"),
+}
+REMAT_MODES = tuple(MODES)
+TWO_LEVEL_BASES = ("full", "offload")  # the per-layer modes a two-level mode "<base>_every_<K>" builds on
+# Unsloth's use_gradient_checkpointing values (parse takes them besides the names) and the mode each means
+UNSLOTH_VALUES = {False: "none", None: "none", True: "full", "unsloth": "offload"}
+CHECKPOINTS = ("none", "full", "save_attention")
+OFFLOADS = ("none", "inputs", "inputs_and_attention")
+# The settings that are not the mode itself: their choices, the default first.
+SETTINGS = {
+    "layer_loop": ("scan", "unrolled"),
+    "offload_attention": ("scan", "policy"),
+    "offload_weights": ("auto", "prefetch", "in_step"),
+    "offload_copies": ("blocks", "whole"),
+}
+OFFLOAD_SETTINGS = ("offload_attention", "offload_weights", "offload_copies")  # read under host offload only
+
+ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
+# The residuals of attention's forward pass that its backward reads besides q, k, v ("offload_attention" keeps
+# them): the outputs of cuDNN's fused forward (jax.nn.dot_product_attention, implementation="cudnn": the
+# attention output and the softmax statistics), by primitive name, and the flash kernel's, by checkpoint name.
+CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
+FLASH_RESIDUAL_NAMES = ("flash_out", "flash_lse")  # pallas_kernels.flash_attention names them
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"LayerStackPolicy: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerStackPolicy:
+    """How the layer stack saves, recomputes and offloads (module docstring). Frozen and hashable; equal to
+    another policy with the same fields, and to its name (`str(policy)`, which `parse` reads back)."""
+
+    checkpoint: str = "none"
+    offload: str = "none"
+    layers_per_checkpoint: int = 1
+    layer_loop: str = "scan"
+    offload_attention: str = "scan"
+    offload_weights: str = "auto"
+    offload_copies: str = "blocks"
+
+    def __post_init__(self):
+        _choice("checkpoint", self.checkpoint, CHECKPOINTS)
+        _choice("offload", self.offload, OFFLOADS)
+        for name, choices in SETTINGS.items():
+            _choice(name, getattr(self, name), choices)
+        if (self.checkpoint, self.offload) not in MODES.values():
+            raise ValueError(f"LayerStackPolicy: checkpoint={self.checkpoint!r} with offload={self.offload!r} is "
+                             f"not a remat mode; the modes: "
+                             + ", ".join(f"{m} = ({c}, {o})" for m, (c, o) in MODES.items()))
+        k = self.layers_per_checkpoint
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"layers_per_checkpoint must be an integer >= 1, got {k!r}")
+        if k > 1 and self.mode not in TWO_LEVEL_BASES:
+            raise ValueError(f"layers_per_checkpoint needs gradient checkpointing on the device or with host "
+                             f"offload (remat mode one of {TWO_LEVEL_BASES}), got remat mode {self.mode!r}")
+
+    # ---- names
+    @property
+    def mode(self) -> str:
+        """The per-layer remat mode: a key of MODES."""
+        return next(m for m, pair in MODES.items() if pair == (self.checkpoint, self.offload))
+
+    @property
+    def name(self) -> str:
+        """"offload", "full_every_4", "offload,layer_loop=unrolled": the mode, then the non-default settings."""
+        k = self.layers_per_checkpoint
+        head = self.mode if k == 1 else f"{self.mode}_every_{k}"
+        return ",".join([head] + [f"{s}={getattr(self, s)}" for s, choices in SETTINGS.items()
+                                  if getattr(self, s) != choices[0]])
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"LayerStackPolicy({self.name!r})"
+
+    def __eq__(self, other):
+        if isinstance(other, LayerStackPolicy):
+            return dataclasses.astuple(self) == dataclasses.astuple(other)
+        if isinstance(other, str):
+            return self.name == other
+        return NotImplemented
+
+    def __hash__(self):
+        return hash(self.name)  # equal policies have equal names, and a policy equals its name
+
+    @classmethod
+    def parse(cls, value, layers_per_checkpoint: int = 1, *, argument: str = "remat") -> "LayerStackPolicy":
+        """The policy of a user's value: a LayerStackPolicy (as it is), a name (class docstring: "offload",
+        "full_every_4", "offload_attention,offload_weights=in_step"), or Unsloth's False / True / "unsloth".
+        layers_per_checkpoint > 1 makes a per-layer mode two-level. ValueError naming `argument` otherwise."""
+        if isinstance(value, cls):
+            policy = value
+        else:
+            if isinstance(value, bool) or value is None:
+                value = UNSLOTH_VALUES[value]
+            if not isinstance(value, str):
+                raise ValueError(f"{argument}: unknown remat mode {value!r}; {_SYNTAX}")
+            head, *items = (s.strip() for s in value.split(","))
+            head = UNSLOTH_VALUES.get(head, head)
+            base, sep, k = head.partition("_every_")
+            if head in MODES:
+                base, k = head, 1
+            elif sep and base in TWO_LEVEL_BASES and k.isdigit() and int(k) >= 1 and k == str(int(k)):
+                k = int(k)
+            else:
+                raise ValueError(f"{argument}: unknown remat mode {head!r} in {value!r}; {_SYNTAX}")
+            settings = {}
+            for item in items:
+                key, eq, choice = (s.strip() for s in item.partition("="))
+                if not eq or key not in SETTINGS or choice not in SETTINGS[key]:
+                    raise ValueError(f"{argument}: {item!r} in {value!r} is not a layer-stack setting; "
+                                     + "; ".join(f"{s}: {'|'.join(c)}" for s, c in SETTINGS.items()))
+                settings[key] = choice
+            checkpoint, offload = MODES[base]
+            policy = cls(checkpoint, offload, k, **settings)
+        if layers_per_checkpoint != 1:
+            if isinstance(layers_per_checkpoint, bool) or not isinstance(layers_per_checkpoint, int) \
+                    or layers_per_checkpoint < 1:
+                raise ValueError(f"layers_per_checkpoint must be an integer >= 1, got {layers_per_checkpoint!r}")
+            if policy.layers_per_checkpoint not in (1, layers_per_checkpoint):
+                raise ValueError(f"{argument}={value!r} already keeps every {policy.layers_per_checkpoint}-th "
+                                 f"layer input; layers_per_checkpoint={layers_per_checkpoint} contradicts it")
+            policy = dataclasses.replace(policy, layers_per_checkpoint=layers_per_checkpoint)
+        return policy
+
+    # ---- what the layer stack reads
+    @property
+    def offload_scan(self) -> bool:
+        """Whether the host offload runs as models.offload's prefetched custom-VJP scan (for one checkpointed
+        layer group at a time; run_layers uses it in training without router statistics)."""
+        return self.offload == "inputs" or (self.offload == "inputs_and_attention"
+                                            and self.offload_attention == "scan")
+
+    @property
+    def prefetch_weights(self) -> bool:
+        """Whether that scan slices each layer's weights one iteration ahead (auto: with attention's residuals
+        kept, where it measured faster)."""
+        if self.offload_weights == "auto":
+            return self.offload == "inputs_and_attention"
+        return self.offload_weights == "prefetch"
+
+    @property
+    def copy_chunk_bytes(self) -> int | None:
+        """The largest piece of that scan's host copies (None: whole arrays)."""
+        return OFFLOAD_CHUNK_BYTES if self.offload_copies == "blocks" else None
+
+
+_SYNTAX = (f"use one of {', '.join(REMAT_MODES)}, a two-level mode (\"full_every_K\", \"offload_every_K\", K >= 1), "
+           "Unsloth's False / True / \"unsloth\", or a LayerStackPolicy; layer-stack settings follow the mode after "
+           "commas (\"offload,layer_loop=unrolled\")")
+NO_REMAT = LayerStackPolicy()
+FULL = LayerStackPolicy("full")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadWithAttention:
+    """Remat policy of "offload_attention": the value named `offloaded` and attention's forward residuals
+    (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES) go to pinned host memory; everything else is
+    recomputed (the policy outcomes jax.ad_checkpoint.Offloadable / Recompute)."""
+
+    offloaded: str
+
+    def __call__(self, prim, *_, **params):
+        named = params.get("name") if prim.name == "name" else None
+        if named == self.offloaded or attention_residuals_saveable(prim, **params):
+            return Offloadable(src="device", dst="pinned_host")
+        return Recompute
+
+
+def attention_residuals_saveable(prim, *_, **params) -> bool:
+    """Remat policy keeping attention's forward residuals (CUDNN_ATTENTION_FORWARD outputs, FLASH_RESIDUAL_NAMES)
+    and recomputing the rest: the prefetched "offload_attention" scan sends what it keeps to pinned host memory."""
+    return prim.name in CUDNN_ATTENTION_FORWARD or (prim.name == "name"
+                                                     and params.get("name") in FLASH_RESIDUAL_NAMES)
+
+
+def _jax_policy(policy: LayerStackPolicy, offloaded: str):
+    """The jax.checkpoint policy of one checkpointed unit under `policy`'s checkpoint and offload; the value
+    named `offloaded` (the unit's input) is what "inputs" sends to pinned host memory."""
+    if policy.checkpoint == "save_attention":
+        return jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES)
+    if policy.offload == "inputs":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
+            offload_src="device", offload_dst="pinned_host")
+    if policy.offload == "inputs_and_attention":
+        return OffloadWithAttention(offloaded)
+    return jax.checkpoint_policies.nothing_saveable
+
+
+def checkpointed(fn, policy: LayerStackPolicy, *, offloaded: str = "layer_input"):
+    """`fn` under `policy`'s per-layer rematerialisation (its layers_per_checkpoint is not read): as it is for
+    checkpoint "none", else under jax.checkpoint with `_jax_policy`."""
+    if policy.checkpoint == "none":
+        return fn
+    return jax.checkpoint(fn, policy=_jax_policy(policy, offloaded))
+
+
+def remat(fn, mode, *, offloaded: str = "layer_input"):
+    """`fn` under the per-layer remat mode `mode` (a name of REMAT_MODES, or a LayerStackPolicy): "none";
+    "full" (recompute everything in the backward pass); "offload" (as full, but the values named `offloaded` go
+    to pinned host memory instead); "offload_attention" (as offload, and attention's forward residuals go to
+    pinned host memory too: its output and softmax statistics, Hq (hd + 2) 16-bit values per token and layer,
+    so the backward pass reruns the projections but not attention's forward; for long sequences, where
+    attention dominates); "save_attention" (as full, but each layer's q, k, v after RoPE and the attention output
+    are kept: about (2 Hq + 2 Hkv) hd 16-bit values per token and layer). The two-level modes are built by
+    `run_layers`."""
+    policy = LayerStackPolicy.parse(mode, argument="mode")
+    if policy.layers_per_checkpoint != 1:
+        raise ValueError(f"remat() takes a per-layer mode ({', '.join(REMAT_MODES)}); {mode!r} is two-level "
+                         "(run_layers builds those)")
+    return checkpointed(fn, policy, offloaded=offloaded)
+
+
+def group_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
+    """The attention window of each layer of one scan group (length cfg.layer_period)."""
+    return (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:cfg.layer_period]
+
+
+def group_sparse(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
+    return (cfg.layer_sparse or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
+
+
+def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
+               policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
+               router_stats: bool = False):
+    """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
+    x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step scan over the remaining L mod
+    period layers, if any). Layer i has the window and MLP kind of layer i % period, so the tail's layers are
+    those of the first `tail` layers of a group.
+    policy: the LayerStackPolicy (module docstring); under two-level checkpointing the scan groups run in
+    checkpointed groups of ceil(K / period) scan groups (the last one shorter when they do not divide
+    L // period); the L mod period tail layers keep per-layer "full" remat.
+
+    cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
+    (Gemma 3, from `DecoderModel.rope`), or None.
+    cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index.
+    Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
+    router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
+    """
+    period = cfg.layer_period
+    groups, tail = divmod(cfg.num_hidden_layers, period)
+    windows = group_windows(cfg)
+    sparse = group_sparse(cfg)
+    ropes = tuple(local_rope if (local_rope is not None and w is not None) else (cos, sin) for w in windows)
+    graphdef, state = nnx.split(layers)
+
+    def run_group(h, xs_group, ropes, batch):
+        h = checkpoint_name(h, "layer_input")
+        layer_states = xs_group if cache is None else xs_group[0]
+        size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
+        new_k, new_v, stats = [], [], []
+        for j in range(size):
+            layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
+            layer_cache = None
+            if cache is not None:
+                layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)
+            h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j])
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
+        stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
+        return h, (kv_out, stats_out)
+
+    def group_body(h, xs_group):
+        return run_group(h, xs_group, ropes, batch)
+
+    unroll = policy.layer_loop == "unrolled"  # True: no while loop, every layer's weights a static slice
+    inner = -(-policy.layers_per_checkpoint // period)  # scan groups per checkpointed group (two-level)
+    two_level = inner > 1
+    body = checkpointed(group_body, FULL if two_level else policy)
+    # the host-offload modes in training: the hand-written VJP that prefetches the offloaded inputs
+    # (models.offload); with attention's forward residuals kept beside each layer's input under
+    # "inputs_and_attention"
+    prefetched = policy.offload_scan and not two_level and cache is None and not router_stats
+    keep = attention_residuals_saveable if policy.offload == "inputs_and_attention" else None
+
+    def outer_body(h, xs_outer):
+        """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
+        group's backward runs); only this group's input h is kept across the stack."""
+        h = checkpoint_name(h, "group_input")
+        return jax.lax.scan(body, h, xs_outer, unroll=unroll)
+
+    outer = checkpointed(outer_body, policy, offloaded="group_input") if two_level else None
+
+    def scan(h, start, count, size, per_outer=None):
+        """Scan `body` over `count` groups of `size` layers starting at layer `start`; with per_outer, scan
+        `outer` over `count` groups of `per_outer` such groups. Returns (h, (kv, stats)) with kv and stats
+        flattened to one leading layer axis (or None)."""
+        shape = (count, size) if per_outer is None else (count, per_outer, size)
+        n = math.prod(shape)
+
+        def grouped(a):
+            if start or n != a.shape[0]:
+                a = a[start:start + n]
+            return a.reshape(shape + a.shape[1:])
+
+        xs = jax.tree.map(grouped, state)
+        if prefetched:  # never two-level, so per_outer is None here
+            h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
+                                     (ropes, batch), keep=keep, unroll=unroll, chunk_bytes=policy.copy_chunk_bytes,
+                                     prefetch_weights=policy.prefetch_weights)
+            return h, (None, None)
+        if cache is not None:
+            xs = (xs, grouped(cache.k), grouped(cache.v))
+        h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
+        return h, jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), ys)
+
+    # (first layer, groups, layers per scan group, scan groups per checkpointed group or None), in layer order
+    if two_level:
+        n_outer, rest = divmod(groups, inner)
+        segments = [(0, n_outer, period, inner)] if n_outer else []
+        if rest:  # fewer than `inner` scan groups left: one checkpointed group of `rest`
+            segments.append((n_outer * inner * period, 1, period, rest))
+    else:
+        segments = [(0, groups, period, None)] if groups else []
+    if tail:  # the last L mod period layers, under the per-layer policy
+        segments.append((groups * period, 1, tail, None))
+    kvs, stats_parts = [], []
+    for start, count, size, per_outer in segments:
+        x, (kv, stats) = scan(x, start, count, size, per_outer)
+        kvs.append(kv)
+        if stats is not None:
+            stats_parts.append(stats)
+    kv = None
+    if cache is not None:  # the segments' layers are consecutive: concatenate in that order
+        kv = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kvs))
+        kv = (kv[0].reshape(cache.k.shape), kv[1].reshape(cache.v.shape))
+    stats = None
+    if stats_parts:
+        stats = stats_parts[0] if len(stats_parts) == 1 else jax.tree.map(
+            lambda *a: jnp.concatenate(a), *stats_parts)
+    return (x, kv, stats) if router_stats else (x, kv)
+
+
+__all__ = ["LayerStackPolicy", "NO_REMAT", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
+           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse"]
