@@ -23,6 +23,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.models.layer_stack import NO_REMAT
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
@@ -37,14 +38,15 @@ _CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float
 
 class Model(CausalLM):
     """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
-    `max_seq_length`, `gradient_checkpointing` (the remat mode get_peft_model chose: "none", "full",
-    "offload", "offload_attention", "save_attention", or with layers_per_checkpoint=K "full_every_K" /
-    "offload_every_K")."""
+    `max_seq_length`, `gradient_checkpointing` (the layer-stack policy get_peft_model chose, an
+    unsloth_jax.models.layer_stack.LayerStackPolicy that prints as, and compares equal to, its remat mode: "none",
+    "full", "offload", "offload_attention", "save_attention", or with layers_per_checkpoint=K "full_every_K" /
+    "offload_every_K"; the trainers pass it to their steps)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.max_seq_length = 2048
-        self.gradient_checkpointing = "none"
+        self.gradient_checkpointing = NO_REMAT
         self.gpu_memory_utilization: float | None = None  # the generation engine's KV pool cap (from_pretrained)
 
     def trainable_filter(self):
@@ -166,12 +168,11 @@ def _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs: d
     return full_finetuning
 
 
-def _setup_full_finetuning(model: Model, use_gradient_checkpointing, layers_per_checkpoint: int) -> None:
-    """Mark every weight of a freshly loaded model trainable and set its remat mode (see from_pretrained)."""
-    from unsloth_jax.train.step import resolve_remat
-
+def _setup_full_finetuning(model: Model, gradient_checkpointing) -> None:
+    """Mark every weight of a freshly loaded model trainable and set its layer-stack policy (from_pretrained's
+    use_gradient_checkpointing and layers_per_checkpoint, resolved before loading)."""
     lora_lib.enable_full_finetuning(model)
-    model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
+    model.gradient_checkpointing = gradient_checkpointing
     weights = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     print(f"unsloth_jax: full fine-tuning: {lora_lib.count(model):,d} trainable parameters in "
           f"{'/'.join(sorted(weights))}; AdamW moments in float32 (8-bit with optim='adamw_8bit')")
@@ -243,12 +244,17 @@ class FastLanguageModel:
         per-output-channel scales; FP8 GEMMs on Hopper GPUs, emulated elsewhere).
         full_finetuning=True: every weight trains (no LoRA; get_peft_model then has no effect), the weights in
         `dtype` and AdamW's moments in float32 (or 8-bit with optim="adamw_8bit"); use_gradient_checkpointing
-        (False / True / "unsloth") and layers_per_checkpoint (see get_peft_model) are its remat mode. A 4-bit
+        (False / True / "unsloth" ...) and layers_per_checkpoint (see get_peft_model) are its remat mode. A 4-bit
         or FP8 base, or a mixture-of-experts model, cannot be fully fine-tuned.
         MoE families also take transformers' config overrides output_router_logits=True (add
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
+        gradient_checkpointing = None
+        if full_finetuning:  # the remat arguments are read in full fine-tuning only (else get_peft_model's)
+            from unsloth_jax.train.step import resolve_remat
+
+            gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
         gpu_memory_utilization = kwargs.pop("gpu_memory_utilization", None)
         if gpu_memory_utilization is not None:
             gpu_memory_utilization = require_real("gpu_memory_utilization", gpu_memory_utilization, minimum=0,
@@ -286,7 +292,7 @@ class FastLanguageModel:
                                           load_tokenizer, progress)
             model.gpu_memory_utilization = gpu_memory_utilization
             if full_finetuning:
-                _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
+                _setup_full_finetuning(model, gradient_checkpointing)
             return model, tokenizer
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(
@@ -323,7 +329,7 @@ class FastLanguageModel:
         model.max_seq_length = max_seq_length
         model.gpu_memory_utilization = gpu_memory_utilization
         if full_finetuning:
-            _setup_full_finetuning(model, use_gradient_checkpointing, layers_per_checkpoint)
+            _setup_full_finetuning(model, gradient_checkpointing)
         seconds = time.perf_counter() - start
         tokenizer = _load_tokenizer(model_dir) if load_tokenizer else None
         mem = device_memory_gib()
@@ -347,14 +353,15 @@ class FastLanguageModel:
         device elsewhere, the layer recomputed in the backward pass), True (kept on the device), False (no
         recomputation), "offload_attention" (as "unsloth", and each layer's attention output and softmax
         statistics go to pinned host memory too, so the backward pass skips attention's forward: long
-        sequences) or "save_attention" (also keep each layer's q, k, v and attention output).
+        sequences) or "save_attention" (also keep each layer's q, k, v and attention output); any of these
+        (or "none", "full", "offload") may carry layer-stack settings after commas, "offload,layer_loop=unrolled",
+        or be an unsloth_jax.models.layer_stack.LayerStackPolicy. It is parsed here, once, into
+        model.gradient_checkpointing (a LayerStackPolicy).
         layers_per_checkpoint (an unsloth_jax extension, for sequences whose L layer inputs do not fit in host
         or device memory): with "unsloth" or True, keep only every layers_per_checkpoint-th layer input across
         the stack (rounded up to whole groups of alternating layer kinds: Gemma 2: 2, Gemma 3: 6) and recompute
         one group at a time in the backward pass: L / K + K layer inputs kept instead of L, for one more
         forward pass of the layers. 1 (default): per-layer checkpointing."""
-        from unsloth_jax.train.step import resolve_remat
-
         if kwargs:
             raise TypeError(f"get_peft_model() got unexpected keyword argument(s): {', '.join(kwargs)}")
         if not isinstance(model, CausalLM):
@@ -365,6 +372,9 @@ class FastLanguageModel:
             return model
         if loftq_config:
             raise NotImplementedError("loftq_config is not supported")
+        from unsloth_jax.train.step import resolve_remat
+
+        gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
         r = require_int("r", r, minimum=1)
         lora_alpha = require_real("lora_alpha", lora_alpha, minimum=0, min_exclusive=True)
         lora_dropout = require_real("lora_dropout", lora_dropout, minimum=0, maximum=1, max_exclusive=True)
@@ -387,7 +397,7 @@ class FastLanguageModel:
                                          modules_to_save=saved, target_parameters=expert_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
         if isinstance(model, Model):
-            model.gradient_checkpointing = resolve_remat(use_gradient_checkpointing, layers_per_checkpoint)
+            model.gradient_checkpointing = gradient_checkpointing
             if max_seq_length:
                 model.max_seq_length = max_seq_length
         _, trainable, _ = lora_lib.split(model)
