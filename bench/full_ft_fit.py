@@ -48,7 +48,7 @@ def _gib(tree) -> float:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)) / GIB
 
 
-def analyse(name: str, cfg: ModelConfig, batch: int, seq: int, remat: str, optim: str) -> dict:
+def analyse(name: str, cfg: ModelConfig, batch: int, seq: int, remat, optim: str) -> dict:
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     lora.enable_full_finetuning(model)
     graphdef, trainable, frozen = lora.split(model)
@@ -68,7 +68,7 @@ def analyse(name: str, cfg: ModelConfig, batch: int, seq: int, remat: str, optim
     limit = stats.get("bytes_limit")
     moments = sorted({str(x.dtype) for x in jax.tree.leaves(opt_state) if x.ndim})
     return {"name": "full_ft_fit", "shape": name, "params": lora.count(trainable), "batch": batch, "seq": seq,
-            "remat": remat, "optim": optim, "optimizer_state": state_dtype(optim), "state_dtypes": moments,
+            "remat": str(remat), "optim": optim, "optimizer_state": state_dtype(optim), "state_dtypes": moments,
             "weights_gib": round(_gib(trainable), 3), "optimizer_state_gib": round(_gib(opt_state), 3),
             **{k.replace("_size_in_bytes", "_gib"): round(v, 3) for k, v in parts.items()},
             "estimate_gib": round(estimate, 3),

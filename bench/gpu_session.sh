@@ -125,8 +125,8 @@ for st in $stages; do
       done ;;
     offloadab)
       # Llama-3-8B rows through bench/train_bench_cmdbuf.py, one JSON line each in offload_ab.jsonl; OFFLOADAB_RUNS:
-      # "command buffers|environment (e.g. UNSLOTH_JAX_IMPL=nf4_gemm=fp8,offload_weights=prefetch)|train_bench
-      # flags", + joined
+      # "command buffers|environment (e.g. UNSLOTH_JAX_IMPL=nf4_gemm=fp8)|train_bench flags", + joined (the
+      # offload scan's settings go with --remat: --remat+unsloth,offload_weights=prefetch)
       $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>&1 | tail -1
       for run in ${OFFLOADAB_RUNS:-"limited||--batch+1+--seq+32768+--remat+unsloth+--load-in-4bit+--steps+3+--warmup+1"}; do
         IFS='|' read -r cb ev fl <<< "$run"; fl=${fl//+/ }; ev=${ev//+/ }

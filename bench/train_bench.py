@@ -41,8 +41,10 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false", "save_attention",
-                                                              "offload_attention"])
+    ap.add_argument("--remat", default="unsloth",
+                    help="use_gradient_checkpointing: unsloth, true, false, or a remat mode of "
+                         "unsloth_jax.models.layer_stack (full, offload_attention, save_attention, ...), layer-stack "
+                         "settings after commas: unsloth,layer_loop=unrolled or offload_attention,offload_copies=whole")
     ap.add_argument("--layers-per-checkpoint", type=int, default=1,
                     help="two-level checkpointing with --remat unsloth/true: keep every K-th layer input only")
     ap.add_argument("--steps", type=int, default=13)
@@ -120,7 +122,7 @@ def main() -> None:
     stats = jax.devices()[0].memory_stats() or {}
     line = {"name": "train_step", "model_dir": os.path.basename(a.model_dir.rstrip("/")), "batch": a.batch,
             "seq": a.seq, "remat": a.remat,
-            "layers_per_checkpoint": a.layers_per_checkpoint, "remat_mode": model.gradient_checkpointing,
+            "layers_per_checkpoint": a.layers_per_checkpoint, "remat_mode": str(model.gradient_checkpointing),
             "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
             "optim": a.optim, "full_finetuning": a.full_finetuning, "optimizer_state": state_dtype(a.optim),
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
