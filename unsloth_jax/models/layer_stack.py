@@ -4,7 +4,8 @@
     x, kv = run_layers(model.model.layers, cfg, x, cos, sin, batch, policy=policy)
 
 `LayerStackPolicy` is the one value that says how the stack saves, recomputes and offloads (frozen, hashable,
-compared by value; jitted code holds it as a static value, so it is part of the jit key). It is parsed once,
+compared by value; traced code holds it as a static Python value: a train step closes over its own, and it is part of
+the model's graphdef, so another policy is another compiled program, never a stale one). It is parsed once,
 where the user gives it (get_peft_model / from_pretrained's use_gradient_checkpointing and layers_per_checkpoint,
 the CLI's --use_gradient_checkpointing, make_train_step's remat), stored on the model as
 `model.gradient_checkpointing`, and read here:
@@ -44,7 +45,9 @@ inner scan of per-layer "full" remat: the backward pass recomputes one checkpoin
 it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
 
 Adding a remat mode: a row of MODES (its name -> (checkpoint, offload)), and, for a new checkpoint or offload
-value, its jax.checkpoint policy in `_jax_policy` (or its own path in `run_layers`).
+value, that value in CHECKPOINTS / OFFLOADS and its jax.checkpoint policy in `_jax_policy` (or its own path in
+`run_layers`); parsing, naming, the API, the CLI and the steps follow. A new setting: a row of SETTINGS and a
+field of that name (default first in its row), read in `run_layers`.
 """
 from __future__ import annotations
 
