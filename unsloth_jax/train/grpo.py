@@ -40,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unsloth_jax import ops
+from unsloth_jax import distributed, ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.generation import default_eos_ids, engine_for
 from unsloth_jax.inference import SamplingParams
+from unsloth_jax.train.base import RunPlan
 from unsloth_jax.train.logprobs import reference_model, token_logps
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.preference import encode_prompt, is_conversational
@@ -303,21 +304,27 @@ class GRPOTrainer(RLTrainerBase):
     """TRL's GRPOTrainer for a LoRA model, generating with the project's KV cache in this process (see the
     module docstring). reward_funcs: a callable or a list of callables f(prompts, completions, **kwargs) ->
     list of floats (None: no reward for that completion); kwargs hold completion_ids, trainer_state and every
-    other column of the dataset, one entry per completion."""
+    other column of the dataset, one entry per completion.
+
+    On the trainer base (unsloth_jax.train.base) it supplies a step's batch (generated, scored and batched every
+    num_iterations steps, from the prompt stream), the jitted step, its log keys, evaluate() (eval_dataset:
+    TRL's eval_reward, eval_rewards/<func>/mean, ... of completions sampled for held-out prompts) and, in its
+    checkpoints, the generation counter, the prompt stream position, num_tokens and the generation batch the next
+    steps reuse."""
 
     name = "GRPO"
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, tokenizer=None, **kwargs):
+                 processing_class=None, reward_processing_classes=None, tokenizer=None, callbacks=None, **kwargs):
         if kwargs:
             raise TypeError(f"GRPOTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
         args = args if args is not None else GRPOConfig()
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"GRPOTrainer: args must be a GRPOConfig, got {type(args).__name__}")
-        super().__init__(model, args, tokenizer, processing_class)
-        if eval_dataset is not None or reward_processing_classes is not None:
-            raise NotImplementedError("GRPOTrainer: eval_dataset and reward_processing_classes (reward models) are "
-                                      "not supported; pass reward functions")
+        super().__init__(model, args, tokenizer, processing_class, callbacks)
+        if reward_processing_classes is not None:
+            raise NotImplementedError("GRPOTrainer: reward_processing_classes (reward models) are not supported; "
+                                      "pass reward functions")
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         for f in funcs:
             if not callable(f):
@@ -336,18 +343,9 @@ class GRPOTrainer(RLTrainerBase):
         self.records = records_of(train_dataset)
         if not self.records:
             raise TrainingError("GRPOTrainer needs a non-empty train_dataset of records with a 'prompt'")
-        self.prompt_ids = []
-        for i, rec in enumerate(self.records):
-            if not isinstance(rec, dict) or "prompt" not in rec:
-                got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
-                raise DatasetFormatError(f"train_dataset[{i}]: GRPO records need a 'prompt' (a string or a list of "
-                                         f"messages), got {got}")
-            ids = encode_prompt(self.tokenizer, rec["prompt"])
-            if args.max_prompt_length is not None:
-                ids = ids[-args.max_prompt_length:]
-            if not ids:
-                raise DatasetFormatError(f"train_dataset[{i}]: the prompt is empty after tokenization")
-            self.prompt_ids.append(ids)
+        self.prompt_ids = self._encode_prompts(self.records, "train_dataset")
+        self.eval_records = records_of(eval_dataset)
+        self.eval_prompt_ids = self._encode_prompts(self.eval_records, "eval_dataset")
         self.conversational = is_conversational(self.records[0])
         self.pad_id = pad_token_id(self.tokenizer, model)
         eos = {int(e) for e in default_eos_ids(model)}
@@ -355,31 +353,54 @@ class GRPOTrainer(RLTrainerBase):
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = sorted(eos)
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
-        self._tokens_seen = 0
         self._compiled = None
+        self._reset_stream()
+
+    def _encode_prompts(self, records: list, name: str) -> list[list[int]]:
+        """Token ids of each record's prompt (cut to its last max_prompt_length tokens)."""
+        out = []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict) or "prompt" not in rec:
+                got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
+                raise DatasetFormatError(f"{name}[{i}]: GRPO records need a 'prompt' (a string or a list of "
+                                         f"messages), got {got}")
+            ids = encode_prompt(self.tokenizer, rec["prompt"])
+            if self.args.max_prompt_length is not None:
+                ids = ids[-self.args.max_prompt_length:]
+            if not ids:
+                raise DatasetFormatError(f"{name}[{i}]: the prompt is empty after tokenization")
+            out.append(ids)
+        return out
+
+    def _reset_stream(self) -> None:
+        """The training-progress state a checkpoint keeps, at the start of a run."""
+        self._generation = 0  # generation batches made (the sampling seed of the next is derived from it)
+        self._prompt_position = 0  # position in the prompt stream of the next generation batch's first prompt
+        self._tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
+        self._batch = None  # the generation batch the steps until the next generation use (device arrays)
+        self._gen_metrics = None  # its host metrics
 
     # ---------------------------------------------------------------------------------------- pieces
     @property
     def prompts_per_step(self) -> int:
         return self.args.generation_batch_size // self.args.num_generations
 
-    def _prompt_indices(self, generation: int) -> np.ndarray:
-        """Dataset rows of generation batch `generation`: a stream of seeded per-epoch permutations."""
-        n, k = len(self.records), self.prompts_per_step
-        start = generation * k
+    def _prompt_rows(self, position: int, count: int) -> np.ndarray:
+        """Dataset rows at positions position .. position+count-1 of the prompt stream: seeded per-epoch
+        permutations of the records, one after another (in order with shuffle_dataset=False)."""
+        n = len(self.records)
         out = []
-        for pos in range(start, start + k):
+        for pos in range(position, position + count):
             epoch, i = divmod(pos, n)
             perm = (np.random.default_rng([self.args.seed, epoch]).permutation(n) if self.args.shuffle_dataset
                     else np.arange(n))
             out.append(int(perm[i]))
         return np.asarray(out)
 
-    def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
-        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the rows,
-        each repeated num_generations times, sampled with the model's current weights."""
+    def _sample(self, unique: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) of the prompts
+        `unique`, each sampled num_generations times by the generation engine with the model's current weights."""
         a, g = self.args, self.args.num_generations
-        unique = [self.prompt_ids[r] for r in rows]
         params = [SamplingParams(n=g, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
                                  max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids, ignore_eos=True,
@@ -390,10 +411,16 @@ class GRPOTrainer(RLTrainerBase):
         truncated = [c.finish_reason == "length" for o in outs for c in o.outputs]
         return prompts, completions, truncated
 
-    def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
-        """rewards [N, F] (float64, NaN where a function returned None) of the completions of `rows`."""
+    def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the train
+        dataset's rows, each repeated num_generations times, sampled with the model's current weights."""
+        return self._sample([self.prompt_ids[r] for r in rows], seed)
+
+    def _score(self, records: list[dict], completion_ids: list[list[int]]) -> np.ndarray:
+        """rewards [N, F] (float64, NaN where a function returned None) of completions, each of `records`
+        num_generations times."""
         g = self.args.num_generations
-        recs = [self.records[r] for r in rows for _ in range(g)]
+        recs = [rec for rec in records for _ in range(g)]
         prompts = [rec["prompt"] for rec in recs]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
@@ -411,6 +438,27 @@ class GRPOTrainer(RLTrainerBase):
         if np.any(np.all(np.isnan(out), axis=1)):
             log.warning("unsloth_jax: every reward function returned None for some completions; their advantage is 0")
         return out
+
+    def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
+        """rewards [N, F] (float64, NaN where a function returned None) of the completions of the train
+        dataset's `rows`."""
+        return self._score([self.records[r] for r in rows], completion_ids)
+
+    def _reward_metrics(self, rewards_per_func: np.ndarray, completions: list, truncated: list) -> dict:
+        """TRL's reward and completion log keys of one batch of scored completions."""
+        _, rewards, std = grpo_advantages(rewards_per_func, self.reward_weights, self.args.num_generations,
+                                          self.args.scale_rewards)
+        lengths = np.asarray([len(c) for c in completions], np.float64)
+        metrics = {"reward": float(_nanmean(rewards)), "reward_std": float(_nanstd(rewards)),
+                   "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0))),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(np.mean(truncated))}
+        for j, name in enumerate(self.reward_func_names):
+            col = rewards_per_func[:, j]
+            metrics[f"rewards/{name}/mean"] = float(_nanmean(col))
+            metrics[f"rewards/{name}/std"] = float(_nanstd(col))
+        return metrics
 
     def build_batch(self, prompts, completions, truncated, advantages, rng) -> dict:
         """The step's [A, B, S] micro-batches (rows shuffled, as TRL does): prompt + completion right padded to a
@@ -434,33 +482,27 @@ class GRPOTrainer(RLTrainerBase):
         batch["num_items"] = np.float32(cmask.sum())
         return batch
 
-    def _generation_round(self, generation: int, trainable) -> tuple[dict, dict]:
-        """Generate, score and batch one generation batch -> (host batch, host metrics)."""
-        args = self.args
+    def _generation_round(self, trainable) -> tuple[dict, dict]:
+        """Generate, score and batch the next generation batch of the prompt stream -> (host batch, host metrics);
+        advances the generation counter and the stream position."""
+        args, generation = self.args, self._generation
         nnx.update(self.model, trainable)  # the sampler runs the weights being trained
         t0 = time.perf_counter()
-        rows = self._prompt_indices(generation)
+        rows = self._prompt_rows(self._prompt_position, self.prompts_per_step)
         sample_seed = (args.seed * 1000003 + generation) % 2**31
         prompts, completions, truncated = self.generate_completions(rows, seed=sample_seed)
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
-        advantages, rewards, std = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
-                                                   args.scale_rewards)
+        advantages, _, _ = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
+                                           args.scale_rewards)
         t2 = time.perf_counter()
         batch = self.build_batch(prompts, completions, truncated, advantages,
                                  np.random.default_rng([args.seed, generation, 7]))
-        lengths = np.asarray([len(c) for c in completions], np.float64)
-        self._tokens_seen += int(sum(len(p) for p in prompts) + lengths.sum())
-        metrics = {"reward": float(_nanmean(rewards)),
-                   "reward_std": float(_nanstd(rewards)),
-                   "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0))),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(np.mean(truncated)), "num_tokens": float(self._tokens_seen)}
-        for j, name in enumerate(self.reward_func_names):
-            col = rewards_per_func[:, j]
-            metrics[f"rewards/{name}/mean"] = float(_nanmean(col))
-            metrics[f"rewards/{name}/std"] = float(_nanstd(col))
+        self._generation += 1
+        self._prompt_position += len(rows)
+        self._tokens_seen += int(sum(len(p) for p in prompts) + sum(len(c) for c in completions))
+        metrics = {**self._reward_metrics(rewards_per_func, completions, truncated),
+                   "num_tokens": float(self._tokens_seen)}
         self.timing["generation"] += t1 - t0
         self.timing["rewards"] += t2 - t1
         metrics["time/generation"], metrics["time/rewards"] = t1 - t0, t2 - t1
@@ -473,19 +515,14 @@ class GRPOTrainer(RLTrainerBase):
         rounds = math.ceil(a.num_train_epochs * len(self.records) / self.prompts_per_step)
         return max(1, rounds * a.num_iterations)
 
-    # ------------------------------------------------------------------------------------------ train
-    def train(self, resume_from_checkpoint=None):
-        """Run GRPO; returns TrainOutput(global_step, training_loss, metrics) (metrics with the generation /
-        rewards / train time split) and keeps the log in trainer.state.log_history. The trained LoRA weights
-        are written back into the model."""
-        if resume_from_checkpoint:
-            raise NotImplementedError("GRPOTrainer does not save or resume orbax checkpoints yet; save the adapter "
-                                      "with model.save_pretrained(...) after train()")
+    # ------------------------------------------------------------------------ for the trainer base
+    def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
         total = self._steps()
         want_ref = args.beta != 0.0
         want_old = args.num_iterations > 1
-        graphdef, trainable, frozen, ref_trainable = self.split_state(want_ref)
+        graphdef, trainable, frozen, self._ref_trainable = self.split_state(want_ref)
+        self._frozen = frozen
         # The jitted step and scorer are kept for a later train() with the same model structure, step count and
         # arguments (the seed aside: it only steers sampling), so training again does not compile again.
         key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)))
@@ -495,50 +532,107 @@ class GRPOTrainer(RLTrainerBase):
             scorer = (make_grpo_scorer(graphdef, args, want_old=want_old, want_ref=want_ref)
                       if (want_old or want_ref) else None)
             self._compiled = (key, schedule, optimizer, step_fn, scorer)
-        _, schedule, optimizer, step_fn, scorer = self._compiled
+        _, schedule, optimizer, self._step_fn, self._scorer = self._compiled
         opt_state = commit_to_devices(optimizer.init(trainable))
-        self.summary_line(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of up to "
-                          f"{args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
-                          f"beta={args.beta}")
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
-        self._tokens_seen = 0
-        carry = {"trainable": trainable, "opt_state": opt_state, "batch": None, "gen_metrics": None}
+        self._reset_stream()
+        return RunPlan(total=total, schedule=schedule,
+                       epoch_at=lambda done: done / args.num_iterations * self.prompts_per_step / len(self.records),
+                       planned_samples=total * args.generation_batch_size,
+                       summary=(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of "
+                                f"up to {args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
+                                f"beta={args.beta}"),
+                       train_state={"trainable": trainable, "opt_state": opt_state})
 
-        def run_step(step):
-            if step % args.num_iterations == 0:
-                host_batch, gen_metrics = self._generation_round(step // args.num_iterations, carry["trainable"])
-                t0 = time.perf_counter()
-                batch = jax.device_put(host_batch)
-                if scorer is not None:
-                    batch.update(scorer(carry["trainable"], frozen, ref_trainable, batch))
-                carry["batch"], carry["gen_metrics"] = batch, gen_metrics
-                score_s = time.perf_counter() - t0
-            else:
-                score_s = 0.0
-                gen_metrics = {**carry["gen_metrics"], "time/generation": 0.0, "time/rewards": 0.0}
+    def next_batch(self, step: int):
+        """Every num_iterations steps a new generation batch (generated with the current weights, scored, and
+        given old / reference log-probabilities when the loss needs them); the steps between reuse it."""
+        if step % self.args.num_iterations == 0:
+            host_batch, self._gen_metrics = self._generation_round(self.train_state["trainable"])
             t0 = time.perf_counter()
-            carry["trainable"], carry["opt_state"], metrics = step_fn(carry["trainable"], frozen, carry["opt_state"],
-                                                                     dict(carry["batch"]))
-            jax.block_until_ready(metrics)
-            train_s = time.perf_counter() - t0 + score_s
-            self.timing["train"] += train_s
-            return {**metrics, **gen_metrics, "time/train": train_s}
+            batch = jax.device_put(host_batch)
+            if self._scorer is not None:
+                batch.update(self._scorer(self.train_state["trainable"], self._frozen, self._ref_trainable, batch))
+            self._batch = batch
+            return {"arrays": batch, "metrics": self._gen_metrics, "score_seconds": time.perf_counter() - t0}
+        return {"arrays": self._batch, "score_seconds": 0.0,
+                "metrics": {**self._gen_metrics, "time/generation": 0.0, "time/rewards": 0.0}}
 
-        def time_split():
-            t = self.timing
-            busy = max(sum(t.values()), 1e-9)
+    def run_step(self, state: dict, batch) -> tuple[dict, dict]:
+        t0 = time.perf_counter()
+        trainable, opt_state, metrics = self._step_fn(state["trainable"], self._frozen, state["opt_state"],
+                                                      dict(batch["arrays"]))
+        jax.block_until_ready(metrics)
+        train_s = time.perf_counter() - t0 + batch["score_seconds"]
+        self.timing["train"] += train_s
+        return {"trainable": trainable, "opt_state": opt_state}, {**metrics, **batch["metrics"], "time/train": train_s}
+
+    def final_metrics(self) -> dict:
+        t = self.timing
+        busy = max(sum(t.values()), 1e-9)
+        if distributed.is_main_process():
             print(f"unsloth_jax GRPO time: generation {t['generation']:.1f}s ({100 * t['generation'] / busy:.0f}%), "
                   f"rewards {t['rewards']:.1f}s, training {t['train']:.1f}s ({100 * t['train'] / busy:.0f}%)")
-            return {"generation_runtime": round(t["generation"], 4), "reward_runtime": round(t["rewards"], 4),
-                    "update_runtime": round(t["train"], 4)}
+        return {"generation_runtime": round(t["generation"], 4), "reward_runtime": round(t["rewards"], 4),
+                "update_runtime": round(t["train"], 4)}
 
-        try:
-            return self.run_steps(total, schedule, run_step,
-                                  lambda done: done / args.num_iterations * self.prompts_per_step / len(self.records),
-                                  planned_samples=total * args.generation_batch_size, extra_summary=time_split)
-        finally:
-            nnx.update(model, carry["trainable"])
+    # ----------------------------------------------------------------------------------- checkpoints
+    def checkpoint_record(self) -> dict:
+        return {"generation": self._generation, "prompt_position": self._prompt_position,
+                "tokens_seen": self._tokens_seen, "generation_metrics": self._gen_metrics}
 
+    def write_checkpoint_files(self, directory) -> None:
+        """The generation batch in use (with its old / reference log-probabilities), which the steps up to the
+        next generation reuse (num_iterations > 1)."""
+        if self.args.num_iterations > 1 and self._batch is not None:
+            with open(directory / GENERATION_BATCH, "wb") as fh:
+                np.savez(fh, **jax.device_get(self._batch))
+
+    def restore_trainer_state(self, record: dict, directory) -> None:
+        self._generation = int(record["generation"])
+        self._prompt_position = int(record["prompt_position"])
+        self._tokens_seen = int(record["tokens_seen"])
+        self._gen_metrics = record["generation_metrics"]
+        path = directory / GENERATION_BATCH
+        if self.args.num_iterations > 1 and path.is_file():
+            with np.load(path) as saved:
+                self._batch = jax.device_put({k: saved[k] for k in saved.files})
+
+    # ------------------------------------------------------------------------------------ evaluation
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_records)
+
+    def evaluate(self) -> dict:
+        """TRL's eval_ keys of the model's current weights on eval_dataset: num_generations completions per
+        held-out prompt, sampled by the generation engine with this trainer's sampling settings and the same
+        seed at every evaluation (evaluations differ by the weights only), per_device_eval_batch_size completions
+        per engine call, scored by the reward functions: eval_reward, eval_reward_std, eval_rewards/<func>/mean
+        and /std, eval_frac_reward_zero_std, eval_completions/* and eval_runtime, eval_samples_per_second,
+        eval_steps_per_second."""
+        if not self.eval_records:
+            raise TrainingError("evaluate() needs an eval_dataset (GRPOTrainer(..., eval_dataset=...))")
+        a = self.args
+        t0 = time.perf_counter()
+        per_call = max(1, a.per_device_eval_batch_size // a.num_generations)
+        rewards, completions, truncated = [], [], []
+        calls = range(0, len(self.eval_records), per_call)
+        for start in calls:
+            rows = range(start, min(start + per_call, len(self.eval_records)))
+            _, comps, trunc = self._sample([self.eval_prompt_ids[r] for r in rows],
+                                           seed=(a.seed * 1000003 + 999_983 + start) % 2**31)
+            rewards.append(self._score([self.eval_records[r] for r in rows], comps))
+            completions += comps
+            truncated += trunc
+        metrics = self._reward_metrics(np.concatenate(rewards), completions, truncated)
+        runtime = time.perf_counter() - t0
+        out = {f"eval_{k}": v for k, v in metrics.items()}
+        out.update({"eval_runtime": round(runtime, 4),
+                    "eval_samples_per_second": round(len(self.eval_records) / runtime, 3),
+                    "eval_steps_per_second": round(len(calls) / runtime, 3)})
+        return out
+
+
+GENERATION_BATCH = "generation_batch.npz"  # in a GRPO checkpoint: the generation batch its next steps reuse
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GRPO_LOSS_TYPES", "grpo_advantages", "grpo_loss", "make_grpo_step",
            "make_grpo_scorer"]

@@ -32,6 +32,7 @@ from flax import nnx
 from unsloth_jax import ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
+from unsloth_jax.train.base import RunPlan
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.step import apply_gradients, commit_to_devices, step_compiler_options
 from unsloth_jax.train.trainer import TrainingArguments
@@ -408,15 +409,17 @@ class _PairOrder:
 
 # --------------------------------------------------------------------------------------------- trainers
 class _PairTrainer(RLTrainerBase):
-    """The loop DPOTrainer and ORPOTrainer share (see the module docstring)."""
+    """What DPOTrainer and ORPOTrainer supply to the trainer base (unsloth_jax.train.base): the tokenized pairs,
+    the batch of a step (pairs of micro-batch g = step x gradient_accumulation_steps + j, a seeded permutation
+    per epoch), the jitted preference step, and evaluate()."""
 
     config_class = TrainingArguments
     needs_reference = False
 
     def __init__(self, model, ref_model=None, args=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, tokenizer=None, data_collator=None, **kwargs):
+                 processing_class=None, tokenizer=None, data_collator=None, callbacks=None, **kwargs):
         args = self._args_with(args, kwargs)
-        super().__init__(model, args, tokenizer, processing_class)
+        super().__init__(model, args, tokenizer, processing_class, callbacks)
         if data_collator is not None:
             raise TypeError(f"{type(self).__name__}: data_collator is not supported (batches are built internally)")
         if ref_model is not None and ref_model is model:
@@ -433,6 +436,9 @@ class _PairTrainer(RLTrainerBase):
         self.eval_pairs = (tokenize_pairs(eval_dataset, self.tokenizer, name="eval_dataset", **lengths)
                            if eval_dataset is not None else None)
         self.pad_id = pad_token_id(self.tokenizer, model)
+        self._compiled = None  # (key, schedule, optimizer, jitted step), kept between train() calls
+        self._ref_state = None  # the step's ref_state argument of the last train()
+        self._eval_fn = None  # (key, jitted eval step), kept between evaluations
 
     def _args_with(self, args, kwargs):
         """args (default: the config class's defaults) with TRL config fields given to the trainer applied
@@ -461,60 +467,69 @@ class _PairTrainer(RLTrainerBase):
             return int(a.max_steps)
         return max(1, int(math.ceil(a.num_train_epochs * order.per_epoch / a.gradient_accumulation_steps)))
 
+    def _needs_reference(self) -> bool:
+        return self.needs_reference and not getattr(self.args, "reference_free", False)
+
     def _reference_parts(self, ref_trainable):
         """(ref_graphdef or None, the state the step's ref_state argument gets)."""
         if self.ref_model is None:
             return None, ref_trainable
         return nnx.split(self.ref_model)
 
-    def train(self, resume_from_checkpoint=None):
-        """Run the preference optimisation; returns TrainOutput(global_step, training_loss, metrics) and keeps
-        the log in trainer.state.log_history. The trained LoRA weights are written back into the model."""
-        if resume_from_checkpoint:
-            raise NotImplementedError(f"{type(self).__name__} does not save or resume orbax checkpoints yet; save "
-                                      "the adapter with model.save_pretrained(...) after train()")
+    # ------------------------------------------------------------------------ for the trainer base
+    def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
-        order = _PairOrder(len(self.train_pairs), args.per_device_train_batch_size, args.seed,
-                           args.dataloader_drop_last)
+        self._order = order = _PairOrder(len(self.train_pairs), args.per_device_train_batch_size, args.seed,
+                                         args.dataloader_drop_last)
         total = self._steps(order)
-        schedule, optimizer = self.make_optimizer(total)
-        needs_ref = self.needs_reference and not getattr(args, "reference_free", False)
+        needs_ref = self._needs_reference()
         graphdef, trainable, frozen, ref_trainable = self.split_state(needs_ref and self.ref_model is None)
-        ref_graphdef, ref_state = self._reference_parts(ref_trainable)
+        ref_graphdef, self._ref_state = self._reference_parts(ref_trainable)
+        self._frozen = frozen
+        # The jitted step is kept for a later train() with the same model structure, step count and arguments
+        # (the seed aside: it only orders the pairs), so training again does not compile again.
+        key = (graphdef, ref_graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)))
+        if self._compiled is None or self._compiled[0] != key:
+            schedule, optimizer = self.make_optimizer(total)
+            step_fn = make_preference_step(graphdef, optimizer, self.objective(), needs_reference=needs_ref,
+                                           ref_graphdef=ref_graphdef, remat=model.gradient_checkpointing)
+            self._compiled = (key, schedule, optimizer, step_fn)
+        _, schedule, optimizer, self._step_fn = self._compiled
         opt_state = commit_to_devices(optimizer.init(trainable))  # committed, like the step's outputs: one compile
-        step_fn = make_preference_step(graphdef, optimizer, self.objective(), needs_reference=needs_ref,
-                                       ref_graphdef=ref_graphdef, remat=model.gradient_checkpointing)
         accum = args.gradient_accumulation_steps
-        self.summary_line(f"{len(self.train_pairs)} pairs, {total} steps, beta={args.beta}")
-        carry = {"trainable": trainable, "opt_state": opt_state}
+        return RunPlan(total=total, schedule=schedule, epoch_at=lambda done: done * accum / order.per_epoch,
+                       planned_samples=total * accum * args.per_device_train_batch_size,
+                       summary=f"{len(self.train_pairs)} pairs, {total} steps, beta={args.beta}",
+                       train_state={"trainable": trainable, "opt_state": opt_state})
 
-        def run_step(step):
-            batch = jax.device_put(self._batch(order, self.train_pairs, step * accum, accum))
-            carry["trainable"], carry["opt_state"], metrics = step_fn(carry["trainable"], frozen, carry["opt_state"],
-                                                                     ref_state, batch)
-            return metrics
+    def next_batch(self, step: int):
+        accum = self.args.gradient_accumulation_steps
+        return jax.device_put(self._batch(self._order, self.train_pairs, step * accum, accum))
 
-        def evaluate():
-            nnx.update(model, carry["trainable"])
-            return self.evaluate()
+    def run_step(self, state: dict, batch) -> tuple[dict, dict]:
+        trainable, opt_state, metrics = self._step_fn(state["trainable"], self._frozen, state["opt_state"],
+                                                      self._ref_state, batch)
+        return {"trainable": trainable, "opt_state": opt_state}, metrics
 
-        try:
-            return self.run_steps(total, schedule, run_step, lambda done: done * accum / order.per_epoch,
-                                  planned_samples=total * accum * args.per_device_train_batch_size,
-                                  evaluate=evaluate if self.eval_pairs else None)
-        finally:
-            nnx.update(model, carry["trainable"])
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_pairs)
 
     def evaluate(self) -> dict:
-        """eval_loss and TRL's eval_rewards/*, eval_logps/* over eval_dataset (means over its batches)."""
+        """eval_loss and TRL's eval_rewards/*, eval_logps/* over eval_dataset (means over its batches) of the
+        model's current weights."""
         if not self.eval_pairs:
             raise TrainingError("evaluate() needs an eval_dataset")
         args = self.args
-        needs_ref = self.needs_reference and not getattr(args, "reference_free", False)
+        needs_ref = self._needs_reference()
         graphdef, trainable, frozen, ref_trainable = self.split_state(needs_ref and self.ref_model is None)
+        if ref_trainable is not None and self._ref_state is not None:
+            ref_trainable = self._ref_state  # after (or while) training: the values training started from
         ref_graphdef, ref_state = self._reference_parts(ref_trainable)
-        eval_fn = make_preference_step(graphdef, None, self.objective(), needs_reference=needs_ref,
-                                       ref_graphdef=ref_graphdef, remat="none", train=False)
+        key = (graphdef, ref_graphdef, needs_ref)
+        if self._eval_fn is None or self._eval_fn[0] != key:
+            self._eval_fn = (key, make_preference_step(graphdef, None, self.objective(), needs_reference=needs_ref,
+                                                       ref_graphdef=ref_graphdef, remat="none", train=False))
+        eval_fn = self._eval_fn[1]
         order = _PairOrder(len(self.eval_pairs), args.per_device_eval_batch_size, args.seed, False)
         sums: dict[str, float] = {}
         for g in range(order.per_epoch):
