@@ -1,4 +1,8 @@
-"""Shared pytest fixtures: fresh random seeds (printed, so a failure can be replayed), GPU gating, a fixed umask."""
+"""Shared pytest fixtures: fresh random seeds (printed, so a failure can be replayed), GPU gating, a fixed umask.
+
+Seeds: every test that takes `seed` or `rng` draws a fresh seed per run; UNSLOTH_JAX_TEST_SEED=<n> replays one, and
+UNSLOTH_JAX_SEED_SWEEP=<count> runs each such test once per seed for `count` consecutive seeds from there (how the
+statistical bounds were set: `UNSLOTH_JAX_SEED_SWEEP=100 pytest tests/test_optim.py -k adam_8bit`)."""
 from __future__ import annotations
 
 import os
@@ -32,9 +36,21 @@ def fresh_seed(what: str = "test") -> int:
     return value
 
 
+def pytest_generate_tests(metafunc):
+    """UNSLOTH_JAX_SEED_SWEEP=<count>: parametrize `seed` (and so `rng`) over `count` seeds."""
+    count = int(os.environ.get("UNSLOTH_JAX_SEED_SWEEP", "0"))
+    if count > 0 and "seed" in metafunc.fixturenames:
+        first = fresh_seed("sweep first") if "UNSLOTH_JAX_TEST_SEED" in os.environ else 0
+        seeds = [(first + i) % (1 << 32) for i in range(count)]
+        metafunc.parametrize("seed", seeds, ids=[f"seed{s}" for s in seeds], indirect=True)
+
+
 @pytest.fixture
-def seed() -> int:
-    """A fresh seed per test (see fresh_seed)."""
+def seed(request) -> int:
+    """A fresh seed per test (see fresh_seed), or the sweep's seed."""
+    if hasattr(request, "param"):
+        print(f"test seed = {request.param}  (replay with UNSLOTH_JAX_TEST_SEED={request.param})")
+        return request.param
     return fresh_seed()
 
 
