@@ -86,7 +86,10 @@ def test_rms_norm_block_configs(rng):
     loss = lambda f: (lambda a, b: jnp.sum(jnp.sin(f(a, b))))
     val, grads = jax.jit(jax.value_and_grad(loss(kern), argnums=(0, 1)))(x, w)
     ref_val, ref_grads = jax.value_and_grad(loss(lambda a, b: ref.rms_norm(a, b, 1e-6, 0.0)), argnums=(0, 1))(x, w)
-    assert abs(float(val) - float(ref_val)) <= 1e-5 * max(1.0, abs(float(ref_val)))
+    # A sum of 30,100 terms: its rounding error scales with sum |term|, not with |sum| (which can be near 0).
+    # Over 3,000 seeds |val - ref_val| / sum|sin(ref)| was at most 3.7e-9 (the old 1e-5 * max(1, |ref_val|)
+    # failed 17 of them).
+    assert abs(float(val) - float(ref_val)) <= 1e-7 * float(jnp.sum(jnp.abs(jnp.sin(ref.rms_norm(x, w, 1e-6, 0.0)))))
     for a, b in zip(grads, ref_grads):
         assert rel_err(a, b) < TOL["float32"]
 
