@@ -62,9 +62,10 @@ class _Q8(NamedTuple):
 
 
 def _quantize(x: jax.Array, signed: bool) -> _Q8:
-    """Block-wise 8-bit with square-root companding: x ~ scale * sign(c) * (|c| / 127)^2 (m) or
-    scale * (c / 255)^2 (v). Companding keeps relative precision for small entries, which Adam's second moment
-    needs; the scale is each block's absmax."""
+    """Block-wise 8-bit with companding: x ~ scale * sign(c) * (|c| / 127)^2 (m, square root) or
+    scale * (c / 255)^4 (v, fourth root, so sqrt(v) is kept like m: a v entry rounds to 0 only where |m| does
+    too, never leaving a step m / eps). Companding keeps relative precision for small entries, which Adam's
+    second moment needs; the scale is each block's absmax."""
     flat = x.reshape(-1).astype(jnp.float32)
     pad = -flat.size % _BLOCK
     blocks = jnp.pad(flat, (0, pad)).reshape(-1, _BLOCK)
@@ -73,13 +74,13 @@ def _quantize(x: jax.Array, signed: bool) -> _Q8:
     if signed:
         codes = jnp.round(jnp.sign(blocks) * unit * 127).astype(jnp.int8)
     else:
-        codes = jnp.round(unit * 255).astype(jnp.uint8)
+        codes = jnp.round(jnp.sqrt(unit) * 255).astype(jnp.uint8)
     return _Q8(codes, scale)
 
 
 def _dequantize(q: _Q8, like: jax.Array, signed: bool) -> jax.Array:
     c = q.codes.astype(jnp.float32) / (127.0 if signed else 255.0)
-    vals = jnp.sign(c) * c * c * q.scale[:, None]
+    vals = (jnp.sign(c) * c * c if signed else jnp.square(c * c)) * q.scale[:, None]
     return vals.reshape(-1)[: like.size].reshape(like.shape)
 
 
