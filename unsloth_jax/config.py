@@ -429,3 +429,116 @@ def _phi3_fields(raw: dict, source: str) -> dict:
 
 # model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
 _FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}
+
+
+# --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The SigLIP vision tower of a vision-language model (HF `vision_config`, model_type siglip_vision_model).
+    Defaults are SigLIP's (transformers' SiglipVisionConfig)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 16
+    layer_norm_eps: float = 1e-6
+    activation: str = "gelu_tanh"
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguageConfig:
+    """A Gemma 3 vision-language checkpoint (config.json model_type "gemma3", Gemma3ForConditionalGeneration):
+    the text decoder's `ModelConfig`, the SigLIP `VisionConfig`, and how images become tokens: each image gives
+    `mm_tokens_per_image` soft tokens, written where input_ids hold `image_token_index`."""
+
+    text: ModelConfig
+    vision: VisionConfig
+    mm_tokens_per_image: int = 256
+    image_token_index: int = 262144
+    boi_token_index: int = 255999
+    eoi_token_index: int = 256000
+    model_type: str = "gemma3"
+
+    @property
+    def tokens_per_side(self) -> int:
+        return math.isqrt(self.mm_tokens_per_image)
+
+    @property
+    def pool_kernel(self) -> int:
+        """Side of the average-pooling window over the patch grid (patches per side / tokens per side)."""
+        return self.vision.patches_per_side // self.tokens_per_side
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "VisionLanguageConfig":
+        return _parse_vision_language(raw, source)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "VisionLanguageConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return _parse_vision_language(raw, str(path))
+
+
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
+
+
+def _parse_vision_language(raw: dict, source: str) -> VisionLanguageConfig:
+    if raw.get("model_type") not in VISION_LANGUAGE_MODEL_TYPES:
+        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not a supported "
+                                           f"vision-language model ({', '.join(VISION_LANGUAGE_MODEL_TYPES)})")
+    text_raw = dict(_need(raw, "text_config", source))
+    text_raw.setdefault("model_type", "gemma3_text")
+    if text_raw["model_type"] != "gemma3_text":
+        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'gemma3_text'")
+    if "tie_word_embeddings" in raw:  # the top-level flag is the one Gemma3ForConditionalGeneration ties by
+        text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    text = _parse(text_raw, source + " text_config")
+    if text.final_softcap is not None:
+        log.warning("unsloth_jax: %s sets text_config.final_logit_softcapping, which transformers' "
+                    "Gemma3ForConditionalGeneration never applies; ignored here too", source)
+        text = dataclasses.replace(text, final_softcap=None)
+    v = dict(raw.get("vision_config") or {})
+    if v.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ConfigError(f"{source}: vision_config.model_type {v.get('model_type')!r} is not supported "
+                          "(only siglip_vision_model)")
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        raise ConfigError(f"{source}: vision_config.hidden_act {act!r} is not supported (only gelu_pytorch_tanh)")
+    d = VisionConfig()
+    vision = VisionConfig(**{f.name: type(getattr(d, f.name))(v.get(f.name, getattr(d, f.name)))
+                             for f in dataclasses.fields(VisionConfig) if f.name != "activation"})
+    if vision.hidden_size % vision.num_attention_heads:
+        raise ConfigError(f"{source}: vision_config.hidden_size={vision.hidden_size} is not a multiple of "
+                          f"num_attention_heads={vision.num_attention_heads}")
+    if vision.image_size % vision.patch_size:
+        raise ConfigError(f"{source}: vision_config.image_size={vision.image_size} is not a multiple of "
+                          f"patch_size={vision.patch_size}")
+    mm = int(raw.get("mm_tokens_per_image", 256))
+    side = math.isqrt(mm)
+    if side * side != mm or side == 0 or vision.patches_per_side % side:
+        raise ConfigError(f"{source}: mm_tokens_per_image={mm} must be a square whose side divides the "
+                          f"{vision.patches_per_side} patches per image side")
+    return VisionLanguageConfig(
+        text=text, vision=vision, mm_tokens_per_image=mm,
+        image_token_index=int(raw.get("image_token_index", raw.get("image_token_id", 262144))),
+        boi_token_index=int(raw.get("boi_token_index", 255999)), eoi_token_index=int(raw.get("eoi_token_index", 256000)))

@@ -539,21 +539,27 @@ def attention_mask(
     kv_valid: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
+    block_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Boolean mask [B or 1, q_len, kv_len]: True where query i may attend key j.
 
     Query i sits at absolute index q_offset + i (decoding with a cache); causal means j <= that index; a
     window w keeps only keys with index > query index - w (HF's definition); kv_valid [B, kv_len] masks padding;
-    segment_ids [B, S] restricts attention to equal ids (packing).
+    segment_ids [B, S] restricts attention to equal ids (packing). block_ids [B, S] int (q_len == kv_len,
+    q_offset 0): tokens of one block (equal ids >= 0; -1 for none) also see each other's later tokens (Gemma 3's
+    image tokens), i.e. (causal or same block) and window, as transformers' create_masks_for_vision_model.
     """
     qi = (jnp.arange(q_len) + q_offset)[:, None]
     kj = jnp.arange(kv_len)[None, :]
     mask = jnp.ones((q_len, kv_len), bool)
     if causal:
         mask = mask & (kj <= qi)
-    if window is not None:
-        mask = mask & (qi - kj < window)
     mask = mask[None]
+    if block_ids is not None:
+        same = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+        mask = mask | same
+    if window is not None:
+        mask = mask & (qi - kj < window)[None]
     if kv_valid is not None:
         mask = mask & kv_valid[:, None, :].astype(bool)
     if segment_ids is not None:
@@ -580,8 +586,13 @@ def attention(
     q_offset: jax.Array | int = 0,
     kv_lengths: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    block_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
+
+    block_ids [B, S] (full-sequence calls only): bidirectional blocks on top of the causal mask (see
+    attention_mask; Gemma 3's image tokens). Calls with block_ids run on XLA (TODO: neither cuDNN nor the flash
+    kernel takes such a mask).
 
     kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
     the length are padding. sinks [Hq] (gpt-oss): a learned logit per head added to every softmax denominator
@@ -598,6 +609,13 @@ def attention(
     # (pallas_kernels/flash_attention.py) takes attention sinks, so calls with sinks run on XLA, which
     # materialises the [B, H, S, S] scores. A flash kernel that adds exp(sink - m) to its running denominator
     # (or returns its log-sum-exp, so out * sigmoid(lse - sink) corrects it) would serve them.
+    if block_ids is not None:
+        if not full_sequence:
+            raise ValueError("attention: block_ids needs a full-sequence call (no cache, q_len == kv_len)")
+        _note("attention", "xla")
+        mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
+                              segment_ids=segment_ids, block_ids=block_ids)
+        return ref.attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
     if sinks is not None:
         _note("attention", "xla")
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,

@@ -21,6 +21,7 @@ class Batch(NamedTuple):
     kv_valid: jax.Array | None  # attention_mask (1 = real token); None when there is no padding
     segment_ids: jax.Array | None  # packing: attend only within equal ids
     kv_lengths: jax.Array | None = None  # [B] real lengths when the padding is known to be on the right
+    block_ids: jax.Array | None = None  # bidirectional blocks (Gemma 3 images): equal ids >= 0, -1 elsewhere
 
 
 class KVCache(NamedTuple):
@@ -136,7 +137,7 @@ class Attention(nnx.Module):
             q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
             out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
                                 kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,
-                                sinks=sinks)
+                                sinks=sinks, block_ids=batch.block_ids)
             out = checkpoint_name(out, "attn_out")
         else:  # KVCache, PagedPrefill or PagedDecode: the cache writes this call's keys/values and attends
             out, new_cache = cache.attend(q, k, v, scale=self.scale, window=window, softcap=self.softcap, sinks=sinks)

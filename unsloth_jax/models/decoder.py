@@ -131,12 +131,18 @@ class DecoderModel(nnx.Module):
                           policy=LayerStackPolicy.parse(remat_mode, argument="remat_mode"), cache=cache,
                           local_rope=local_rope, router_stats=router_stats)
 
-    def __call__(self, input_ids: jax.Array, batch: Batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
-                 dtype=None, router_stats: bool = False):
+    def __call__(self, input_ids: jax.Array | None, batch: Batch, *,
+                 remat_mode: LayerStackPolicy | str = NO_REMAT, dtype=None, router_stats: bool = False,
+                 inputs_embeds: jax.Array | None = None):
         """Final-normed hidden states [B, S, D] for input_ids [B, S] under the layer-stack policy `remat_mode`
-        (run_layers); with router_stats=True (MoE families) (hidden states, RouterStats of the MoE layers)."""
+        (run_layers); with router_stats=True (MoE families) (hidden states, RouterStats of the MoE layers).
+        inputs_embeds [B, S, D], when given, replaces the embedding of input_ids (already scaled: the caller's
+        `embed` output, e.g. with image features written in)."""
         remat_mode = LayerStackPolicy.parse(remat_mode, argument="remat_mode")
-        x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
+        if inputs_embeds is not None:
+            x = inputs_embeds.astype(dtype or inputs_embeds.dtype)
+        else:
+            x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
         (cos, sin), local = self.rope(batch.positions)
         if router_stats:
             x, _, stats = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local,
