@@ -168,3 +168,42 @@ def test_config_parses_gemma3_vision_fields(checkpoint):
     cfg = VisionLanguageConfig.from_pretrained(checkpoint[0])
     assert (cfg.mm_tokens_per_image, cfg.image_token_index, cfg.pool_kernel) == (MM_TOKENS, IMAGE, 2)
     assert cfg.vision.num_patches == 16 and cfg.text.model_type == "gemma3_text" and cfg.text.tie_word_embeddings
+
+
+@pytest.mark.slow
+def test_fast_vision_model_loads_and_trains_lora_on_the_language_layers(checkpoint, ours, rng):
+    """FastVisionModel.from_pretrained gives the same logits (no processor files: processor None);
+    get_peft_model adds LoRA to the 7 language projections only; a gradient through images reaches lora_b."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from unsloth_jax import FastVisionModel, lora
+
+    model, processor = FastVisionModel.from_pretrained(checkpoint[0], dtype="float32")
+    assert processor is None
+    ids, types, mask, pixels = _inputs(rng)
+    kw = dict(attention_mask=mask, pixel_values=pixels, token_type_ids=types)
+    np.testing.assert_array_equal(np.asarray(model(ids, **kw)), np.asarray(ours(ids, **kw)))
+    with pytest.raises(NotImplementedError, match="finetune_vision_layers"):
+        FastVisionModel.get_peft_model(model, r=4, finetune_vision_layers=True)
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+    assert len(paths) == 14 and all(p.startswith("model.layers.") for p in paths), sorted(paths)
+    assert all(lin.lora_a is None for lin in model.vision_projections().values())
+    np.testing.assert_allclose(np.asarray(model(ids, **kw)), np.asarray(ours(ids, **kw)), rtol=0, atol=0)  # B = 0
+
+    graphdef, trainable, frozen = lora.split(model)
+    labels = jnp.asarray(np.where(mask == 1, ids, -100)[:, 1:])
+
+    def loss(trainable):
+        logits = nnx.merge(graphdef, trainable, frozen)(ids, **kw)[:, :-1]
+        logp = jax.nn.log_softmax(logits)
+        picked = jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+        return -jnp.sum(jnp.where(labels >= 0, picked, 0.0)) / jnp.sum(labels >= 0)
+
+    value, grads = jax.value_and_grad(loss)(trainable)
+    assert np.isfinite(float(value))
+    norms = {".".join(map(str, p)): float(jnp.linalg.norm(v.get_value() if hasattr(v, "get_value") else v))
+             for p, v in nnx.to_flat_state(grads)}
+    assert all(n > 0 for p, n in norms.items() if p.endswith("lora_b")), norms

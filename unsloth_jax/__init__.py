@@ -29,6 +29,8 @@ if not any(isinstance(f, _NoTorchNotice) for f in _transformers_log.filters):
 _EXPORTS = {
     "FastLanguageModel": "unsloth_jax.api",
     "Model": "unsloth_jax.api",
+    "FastVisionModel": "unsloth_jax.api",
+    "VisionModel": "unsloth_jax.api",
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
     "SFTTrainer": "unsloth_jax.train",

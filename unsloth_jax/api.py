@@ -24,6 +24,7 @@ from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
+from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
@@ -396,7 +397,7 @@ class FastLanguageModel:
                                          lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
                                          modules_to_save=saved, target_parameters=expert_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
-        if isinstance(model, Model):
+        if isinstance(model, (Model, VisionModel)):
             model.gradient_checkpointing = gradient_checkpointing
             if max_seq_length:
                 model.max_seq_length = max_seq_length
@@ -419,4 +420,93 @@ class FastLanguageModel:
         return model
 
 
-__all__ = ["FastLanguageModel", "Model", "is_bfloat16_supported"]
+class VisionModel(Gemma3ForConditionalGeneration):
+    """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
+    unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
+    input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
+    Not yet: saving, generation, and training steps that feed pixel_values (the trainers run the text path)."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.max_seq_length = 2048
+        self.gradient_checkpointing = NO_REMAT
+
+    def trainable_filter(self):
+        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
+        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def __repr__(self) -> str:
+        c, v = self.config, self.vl_config.vision
+        lora = f", lora r={self.lora.r}" if self.lora else ""
+        return (f"VisionModel(gemma3, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision layers="
+                f"{v.num_hidden_layers}, image {v.image_size}px / patch {v.patch_size}, dtype={self.dtype.name}{lora})")
+
+
+class FastVisionModel:
+    """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) only."""
+
+    @staticmethod
+    def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
+                        load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
+        """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"). Returns
+        (VisionModel, processor): transformers' AutoProcessor of the directory, or None where it has none
+        (no preprocessor_config.json) or it cannot be built. dtype as FastLanguageModel.from_pretrained.
+        load_in_4bit is not supported yet (ConfigError)."""
+        from unsloth_jax.config import VisionLanguageConfig
+        from unsloth_jax.hf.vision_io import load_vision_language_model
+
+        for key in kwargs:
+            if key not in _FROM_PRETRAINED_IGNORED and key not in ("use_gradient_checkpointing", "load_in_8bit"):
+                raise TypeError(f"FastVisionModel.from_pretrained() got an unexpected keyword argument {key!r}")
+        if require_bool("load_in_4bit", load_in_4bit) or kwargs.get("load_in_8bit"):
+            raise ConfigError("FastVisionModel.from_pretrained: quantized loading (load_in_4bit / load_in_8bit) of "
+                              "vision-language models is not supported yet; load it in 16 or 32 bits")
+        model_dir = _check_model_name(model_name)
+        if not model_dir.is_dir():
+            raise CheckpointNotFoundError(f"model directory not found: {model_dir}")
+        max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
+        compute_dtype = resolve_dtype(dtype)
+        start = time.perf_counter()
+        cfg = VisionLanguageConfig.from_pretrained(model_dir)
+        model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=VisionModel)
+        jax.block_until_ready(nnx.state(model))
+        model.max_seq_length = max_seq_length
+        processor = None
+        if require_bool("load_processor", load_processor) and (model_dir / "preprocessor_config.json").is_file():
+            try:
+                from transformers import AutoProcessor
+
+                processor = AutoProcessor.from_pretrained(str(model_dir))
+            except (OSError, ValueError, ImportError) as e:
+                log.warning("unsloth_jax: no usable processor in %s (%s); returning None", model_dir, e)
+        log.info("unsloth_jax: loaded %s (gemma3 vision-language, %d + %d layers) in %.1fs as %s", model_dir.name,
+                 cfg.text.num_hidden_layers, cfg.vision.num_hidden_layers, time.perf_counter() - start,
+                 compute_dtype.name)
+        return model, processor
+
+    @staticmethod
+    def get_peft_model(model: VisionModel, r: int = 16, *, finetune_vision_layers: bool = False,
+                       finetune_language_layers: bool = True, finetune_attention_modules: bool = True,
+                       finetune_mlp_modules: bool = True, target_modules=None, **kwargs):
+        """LoRA on the language layers (FastLanguageModel.get_peft_model's arguments in kwargs): the attention
+        projections (finetune_attention_modules) and MLP projections (finetune_mlp_modules), or the
+        target_modules given. finetune_vision_layers=True is not supported yet (NotImplementedError: the vision
+        Linears take LoRA pairs, but no step trains them yet)."""
+        if not isinstance(model, VisionModel):
+            raise TypeError(f"FastVisionModel.get_peft_model needs a model from FastVisionModel.from_pretrained, got "
+                            f"{type(model).__name__}")
+        if require_bool("finetune_vision_layers", finetune_vision_layers):
+            raise NotImplementedError("finetune_vision_layers=True: LoRA on the vision tower is not supported yet; "
+                                      "pass finetune_vision_layers=False (LoRA on the language layers)")
+        if not require_bool("finetune_language_layers", finetune_language_layers):
+            raise ValueError("finetune_language_layers=False leaves nothing to adapt (vision layers are not "
+                             "supported yet)")
+        if target_modules is None:
+            target_modules = ((("q_proj", "k_proj", "v_proj", "o_proj") if finetune_attention_modules else ())
+                              + (("gate_proj", "up_proj", "down_proj") if finetune_mlp_modules else ()))
+            if not target_modules:
+                raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
+        return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules, **kwargs)
+
+
+__all__ = ["FastLanguageModel", "FastVisionModel", "Model", "VisionModel", "is_bfloat16_supported"]
