@@ -165,6 +165,11 @@ def test_hub_key_spelling_loads_and_missing_keys_are_named(checkpoint, ours, tmp
 
 
 def test_config_parses_gemma3_vision_fields(checkpoint):
+    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.errors import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):
+        ModelConfig.from_pretrained(checkpoint[0])
     cfg = VisionLanguageConfig.from_pretrained(checkpoint[0])
     assert (cfg.mm_tokens_per_image, cfg.image_token_index, cfg.pool_kernel) == (MM_TOKENS, IMAGE, 2)
     assert cfg.vision.num_patches == 16 and cfg.text.model_type == "gemma3_text" and cfg.text.tie_word_embeddings
@@ -207,3 +212,38 @@ def test_fast_vision_model_loads_and_trains_lora_on_the_language_layers(checkpoi
     norms = {".".join(map(str, p)): float(jnp.linalg.norm(v.get_value() if hasattr(v, "get_value") else v))
              for p, v in nnx.to_flat_state(grads)}
     assert all(n > 0 for p, n in norms.items() if p.endswith("lora_b")), norms
+
+
+def test_image_blocks_mask():
+    """token_type_ids -> block ids -> mask: (causal or same image run) and window; two runs stay apart."""
+    from unsloth_jax import ops
+    from unsloth_jax.models.vision import image_block_ids
+
+    types = np.array([[0, 1, 1, 1, 0, 1, 1, 0]])
+    blocks = np.asarray(image_block_ids(types))
+    np.testing.assert_array_equal(blocks, [[-1, 0, 0, 0, -1, 1, 1, -1]])
+    mask = np.asarray(ops.attention_mask(8, 8, causal=True, window=None, block_ids=blocks))[0]
+    want = np.tril(np.ones((8, 8), bool))
+    for run in ([1, 2, 3], [5, 6]):
+        want[np.ix_(run, run)] = True
+    np.testing.assert_array_equal(mask, want)
+    windowed = np.asarray(ops.attention_mask(8, 8, causal=True, window=2, block_ids=blocks))[0]
+    q, k = np.indices((8, 8))
+    np.testing.assert_array_equal(windowed, want & (q - k < 2))  # the window still cuts a block's far past
+
+
+@pytest.mark.slow
+def test_bfloat16_error_is_transformers_own(checkpoint, rng):
+    """dtype=bfloat16: ours against transformers' float32 logits errs no more than transformers' bfloat16 does."""
+    path, hf = checkpoint
+    ids, types, mask, pixels = _inputs(rng)
+    real = mask.astype(bool)
+    ref = _hf_logits(hf, ids, types, mask, pixels)
+    out = np.asarray(load_vision_language_model(path, dtype="bfloat16")(ids, attention_mask=mask, pixel_values=pixels,
+                                                                        token_type_ids=types))
+    hf16 = _hf_model().to(torch.bfloat16)
+    with torch.no_grad():
+        ref16 = hf16(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types),
+                     pixel_values=torch.tensor(pixels).to(torch.bfloat16)).logits.float().numpy()
+    ours, theirs = rel_err(out[real], ref[real]), rel_err(ref16[real], ref[real])
+    assert ours < 2 * theirs + 1e-3, (ours, theirs)

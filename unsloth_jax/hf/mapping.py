@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.config import ModelConfig, VisionLanguageConfig
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
@@ -285,7 +285,7 @@ def vl_canonical_name(name: str) -> str:
     return name
 
 
-def vision_language_specs(cfg) -> dict[str, TensorSpec]:
+def vision_language_specs(cfg: VisionLanguageConfig) -> dict[str, TensorSpec]:
     """Every tensor a Gemma 3 vision-language checkpoint (`cfg`: config.VisionLanguageConfig) must hold, keyed by
     canonical name. Text tensors keep the text decoder's specs (module paths under `model` / `lm_head`); vision
     kinds: "patch" (the conv weight [Dv, C, p, p] -> kernel [C*p*p, Dv]), "kernel" (transposed), "norm"/"bias"/
