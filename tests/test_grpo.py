@@ -209,7 +209,8 @@ def test_step_and_reference_equal_transformers_peft_and_trl(tmp_path, rng):
         low_sum += (low * mask[rows]).sum().item()
         high_sum += (high * mask[rows]).sum().item()
     assert abs(float(metrics["loss"]) - total) < 1e-4 * max(1.0, abs(total))
-    assert abs(float(metrics["kl"]) - kl_sum / num_items) < 1e-4
+    # the KL term exp(ref - policy) - (ref - policy) - 1 reaches tens on some seeds: a relative bound (as the loss's)
+    assert abs(float(metrics["kl"]) - kl_sum / num_items) < 1e-4 * max(1.0, kl_sum / num_items)
     assert abs(float(metrics["clip_ratio/low_mean"]) - low_sum / num_items) < 1e-6
     assert abs(float(metrics["clip_ratio/high_mean"]) - high_sum / num_items) < 1e-6
     assert float(metrics["clip_ratio/region_mean"]) > 0
