@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 
 from tests.helpers import ASSETS, TINY_MODEL, rel_err  # noqa: E402
 from unsloth_jax import FastLanguageModel, GRPOConfig, GRPOTrainer, lora  # noqa: E402
 from unsloth_jax.train import grpo as G  # noqa: E402
+from unsloth_jax.train.logprobs import token_logps  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- TRL's formulas, in torch
@@ -312,8 +314,100 @@ def test_grpo_config_checks():
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, min_p=1.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, repetition_penalty=0)
+    spg = GRPOConfig(output_dir="o", per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=2)
+    assert (spg.steps_per_generation, spg.generation_batch_size) == (2, 8)  # TRL's default: one step's completions
+    spg = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=2, steps_per_generation=3)
+    assert spg.generation_batch_size == 12 and spg.generate_every == 3 and spg.needs_old_logps
+    gbs = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+    assert gbs.steps_per_generation == 4
+    both = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=8,
+                      steps_per_generation=2, gradient_accumulation_steps=2)
+    assert both.generation_batch_size == 8 and not both.needs_old_logps  # generations align with optimizer steps
+    with pytest.raises(ValueError, match="generation_batch_size=8 and steps_per_generation=3 disagree"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=8,
+                   steps_per_generation=3)
+    with pytest.raises(ValueError, match="generation_batch_size=6 must be a multiple of per_device_train_batch_size"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=2, generation_batch_size=6)
+    with pytest.raises(ValueError, match="generation_batch_size = .* = 6 completions must be a multiple of "
+                                         "num_generations=4"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=2, num_generations=4, steps_per_generation=3)
     with pytest.raises(ValueError, match="steps_per_generation"):
-        GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=4)
+        GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=0)
+
+
+def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, monkeypatch):
+    """steps_per_generation=2 (one micro-batch per step): one engine call serves two optimizer steps; the
+    generation's advantages are normalized per prompt group over both steps' slices; the second step's loss is
+    TRL's clipped "dapo" loss (numpy, below) with the ratio taken against log-probabilities of the rollout-time
+    weights (recomputed here from a copy of those weights) and normalized by the whole generation's completion
+    tokens, and differs from the on-policy value (ratio 1) it would have without them."""
+    model, tok = _tiny(r=4)
+    calls = []
+    real_engine_for = G.engine_for
+
+    def counting_engine_for(m):
+        engine = real_engine_for(m)
+
+        class Counting:
+            def generate(self, *a, **kw):
+                calls.append(1)
+                return engine.generate(*a, **kw)
+        return Counting()
+
+    monkeypatch.setattr(G, "engine_for", counting_engine_for)
+
+    def varied(prompts, completions, completion_ids, **kwargs):
+        return [float(np.mean(np.asarray(c) % 7)) for c in completion_ids]
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, steps_per_generation=2,
+                      num_generations=4, max_completion_length=8, max_steps=4, learning_rate=3e-2, logging_steps=1,
+                      epsilon=0.2, loss_type="dapo", temperature=0.9, save_steps=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=varied, args=args, train_dataset=_alpaca_prompts(4),
+                          processing_class=tok)
+    seen = []
+    real_step = trainer.run_step
+
+    def recording(state, batch):
+        seen.append((jax.tree.map(np.array, state["trainable"]), jax.tree.map(np.array, batch["arrays"])))
+        return real_step(state, batch)
+
+    trainer.run_step = recording
+    trainer.train()
+    assert len(calls) == 2 and len(seen) == 4  # 4 steps, 2 generations
+
+    # advantages of the first generation: both steps' slices together hold 2 groups of 4 with zero-sum advantages
+    groups = {}
+    for _, b in seen[:2]:
+        for ids, att, cm, adv in zip(b["input_ids"][0], b["attention_mask"][0], b["completion_mask"][0],
+                                     b["advantages"][0]):
+            groups.setdefault(tuple(ids[:np.argmax(cm)]), []).append(float(adv))
+    assert sorted(len(v) for v in groups.values()) == [4, 4]
+    assert all(abs(sum(v)) < 1e-4 for v in groups.values()) and any(abs(x) > 0.1 for v in groups.values() for x in v)
+
+    def logps(trainable, b):
+        nnx.update(model, trainable)
+        return np.asarray(token_logps(model, jnp.asarray(b["input_ids"][0]), jnp.asarray(b["attention_mask"][0]),
+                                      temperature=0.9), np.float64)
+
+    rollout_weights = seen[0][0]
+    tokens = sum(float(b["completion_mask"][0].sum()) for _, b in seen[:2])  # the generation's (TRL's normalizer)
+    for k in (0, 1):
+        weights, b = seen[k]
+        mask = b["completion_mask"][0][:, 1:].astype(np.float64)
+        old = logps(rollout_weights, b)
+        ratio = np.exp(logps(weights, b) - old)
+        adv = b["advantages"][0][:, None].astype(np.float64)
+        per_token = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv)
+        expect = float((per_token * mask).sum() / tokens)
+        got = trainer.state.loss_history[k]
+        assert abs(got - expect) < 1e-4 * max(1.0, abs(expect)), (k, got, expect)
+        if k == 1:
+            on_policy = float((-adv * mask).sum() / tokens)
+            assert np.max(np.abs(np.log(ratio)) * mask) > 1e-2  # the first step moved the policy
+            assert abs(got - on_policy) > 1e-3 * max(1.0, abs(on_policy)), (got, on_policy)
+    for _, b in seen[:2]:  # the buffer's old log-probabilities: the rollout policy's
+        mask = b["completion_mask"][0][:, 1:]
+        assert np.max(np.abs((b["old_logps"][0] - logps(rollout_weights, b)) * mask)) < 1e-4
 
 
 @pytest.mark.slow
