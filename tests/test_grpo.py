@@ -410,6 +410,101 @@ def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, mo
         assert np.max(np.abs((b["old_logps"][0] - logps(rollout_weights, b)) * mask)) < 1e-4
 
 
+def _tiny_reward_model(path, seed=0):
+    """A random LlamaForSequenceClassification (one label) of the bundled tiny model's shape, saved to `path` with
+    the bundled tokenizer; returns the model."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(TINY_MODEL), num_labels=1, dtype="float32")
+    torch.manual_seed(seed)
+    rm = transformers.LlamaForSequenceClassification(config).float().eval()
+    rm.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL)).save_pretrained(path)
+    return rm
+
+
+def _direct_rewards(rm, tok, texts):
+    """logits[0, 0] of the torch model on each text alone (no padding, no special tokens added)."""
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            ids = tok(t, add_special_tokens=False, return_tensors="pt")
+            out.append(float(rm(**ids).logits[0, 0]))
+    return np.asarray(out)
+
+
+def test_reward_models_by_instance_and_path_score_as_torch(tmp_path):
+    """reward_funcs with a transformers sequence-classification model (its tokenizer without a pad token: eos is
+    used) and a saved model's path (tokenizer loaded from there): the rewards the trainer uses are the torch
+    models' logits[:, 0] on each prompt + completion text, the logged rewards/<name>/mean of a training step
+    their mean over the step's completions."""
+    import copy
+
+    import transformers
+
+    model, tok = _tiny(r=2)
+    rm_a = _tiny_reward_model(tmp_path / "rm_a", seed=1)
+    rm_b = _tiny_reward_model(tmp_path / "rm_b", seed=2)
+    ref_b = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_b"), num_labels=1)
+    no_pad = copy.deepcopy(tok)
+    no_pad.pad_token = None
+    assert no_pad.pad_token_id is None
+    data = _alpaca_prompts(2)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, max_steps=1, logging_steps=1, save_steps=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[rm_a, str(tmp_path / "rm_b")], args=args, train_dataset=data,
+                          processing_class=tok, reward_processing_classes=[no_pad, None])
+    assert trainer.reward_func_names[1] == "rm_b"
+    sampled = {}
+    real_generate = trainer.generate_completions
+
+    def recording(rows, seed):
+        out = real_generate(rows, seed)
+        sampled.update(rows=rows, completions=out[1])
+        return out
+
+    trainer.generate_completions = recording
+    trainer.train()
+    texts = [data[r]["prompt"] + t for r, t in zip(np.repeat(sampled["rows"], 2),
+                                                    tok.batch_decode(sampled["completions"], skip_special_tokens=True))]
+    direct_a, direct_b = _direct_rewards(rm_a, tok, texts), _direct_rewards(ref_b, tok, texts)
+    assert np.std(direct_a) > 1e-4 and np.max(np.abs(direct_a - direct_b)) > 1e-3  # the completions and models differ
+    used = trainer.score_completions(sampled["rows"], sampled["completions"])
+    np.testing.assert_allclose(used, np.stack([direct_a, direct_b], 1), rtol=1e-5, atol=1e-5)
+    entry = trainer.state.log_history[0]
+    assert entry["rewards/rm_b/mean"] == pytest.approx(np.mean(direct_b), abs=1e-5)
+    assert entry[f"rewards/{trainer.reward_func_names[0]}/mean"] == pytest.approx(np.mean(direct_a), abs=1e-5)
+    assert no_pad.pad_token == tok.eos_token and rm_a.config.pad_token_id == tok.eos_token_id
+
+
+def test_reward_model_on_conversational_prompts_and_argument_errors(tmp_path):
+    """A reward model path scores conversational prompts on the chat template of prompt + completion messages
+    (as TRL's _calculate_rewards); a bad path raises naming it; reward_processing_classes must match
+    reward_funcs."""
+    import transformers
+
+    model, tok = _tiny(r=2)
+    rm_a = _tiny_reward_model(tmp_path / "rm_a", seed=1)
+    _tiny_reward_model(tmp_path / "rm_b", seed=2)
+    ref_b = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_b"), num_labels=1)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2)
+    chat = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(2)]
+    conv = GRPOTrainer(model=model, reward_funcs=str(tmp_path / "rm_b"), args=args, train_dataset=chat,
+                       processing_class=tok)
+    ids = [tok("Yes, one two.")["input_ids"][1:] + [tok.eos_token_id], tok("No.")["input_ids"][1:]] * 2
+    got = conv.score_completions(np.array([1, 0]), ids)[:, 0]
+    rendered = [tok.apply_chat_template(chat[r]["prompt"] + [{"role": "assistant", "content": t}], tokenize=False)
+                for r, t in zip([1, 1, 0, 0], tok.batch_decode(ids, skip_special_tokens=True))]
+    np.testing.assert_allclose(got, _direct_rewards(ref_b, tok, rendered), rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match="'" + str(tmp_path / "missing") + "'"):
+        GRPOTrainer(model=model, reward_funcs=str(tmp_path / "missing"), args=args, train_dataset=chat,
+                    processing_class=tok)
+    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries for 2"):
+        GRPOTrainer(model=model, reward_funcs=[rm_a, ref_b], args=args, train_dataset=chat, processing_class=tok,
+                    reward_processing_classes=[tok])
+
+
 @pytest.mark.slow
 def test_grpo_bench_runs_on_cpu_with_tiny_shapes():
     """bench/grpo_bench.py (the H200 GRPO benchmark) runs end to end on the bundled tiny model and prints its

@@ -38,6 +38,8 @@ import functools
 import inspect
 import logging
 import math
+import os
+import sys
 import time
 
 import jax
@@ -337,14 +339,61 @@ def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool,
 
 # -------------------------------------------------------------------------------------------- the trainer
 def _reward_name(func) -> str:
+    """TRL's reward name: a reward model's name_or_path after its last "/", else the function's name."""
+    if _is_torch_module(func) and getattr(func, "config", None) is not None:
+        return str(getattr(func.config, "_name_or_path", "") or type(func).__name__).rstrip("/").split("/")[-1]
     return getattr(func, "__name__", type(func).__name__)
+
+
+def _is_torch_module(obj) -> bool:
+    """Whether obj is a torch.nn.Module (without importing torch when nothing imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def load_reward_model(path):
+    """A reward model from a path or hub name: transformers' AutoModelForSequenceClassification with one label
+    (torch, on the CPU), in eval mode; ValueError naming the path when it cannot be loaded."""
+    try:
+        from transformers import AutoModelForSequenceClassification
+    except ImportError as err:  # pragma: no cover - transformers is a dependency of the test setup
+        raise ImportError(f"GRPOTrainer: reward model {str(path)!r} needs transformers and torch") from err
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1)
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, HFValidationError, ...
+        raise ValueError(f"GRPOTrainer: reward_funcs entry {str(path)!r} is neither a callable nor a loadable reward "
+                         f"model (AutoModelForSequenceClassification.from_pretrained({str(path)!r}, num_labels=1) "
+                         f"failed: {type(err).__name__}: {err})") from err
+    return model.eval()
+
+
+def _reward_tokenizer(model, tokenizer):
+    """The tokenizer of a reward model (given, or loaded from the model's name_or_path), with pad_token = eos when
+    it has none; the model's config.pad_token_id set to it (the score is read at the last non-pad token)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        source = getattr(getattr(model, "config", None), "_name_or_path", "")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"GRPOTrainer: no tokenizer for reward model {source!r} (loading one from its path "
+                             f"failed: {type(err).__name__}: {err}); pass it in reward_processing_classes") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
 
 
 class GRPOTrainer(RLTrainerBase):
     """TRL's GRPOTrainer for a LoRA model, generating with the project's KV cache in this process (see the
-    module docstring). reward_funcs: a callable or a list of callables f(prompts, completions, **kwargs) ->
-    list of floats (None: no reward for that completion); kwargs hold completion_ids, trainer_state and every
-    other column of the dataset, one entry per completion.
+    module docstring). reward_funcs: one or a list of: callables f(prompts, completions, **kwargs) -> list of
+    floats (None: no reward for that completion; kwargs hold completion_ids, trainer_state and every other column
+    of the dataset, one entry per completion); reward models, a transformers AutoModelForSequenceClassification
+    (torch) or its path (loaded with num_labels=1), scoring logits[:, 0] of each prompt + completion text (the chat
+    template of prompt + completion messages for conversational prompts), run by torch on its device (the CPU
+    here); reward_processing_classes: their tokenizers, one per reward function (None: loaded from the model's
+    path; pad_token = eos when it has none).
 
     On the trainer base (unsloth_jax.train.base) it supplies a step's batch (micro-batches sliced from the buffered
     generation batch, generated, scored and batched every steps_per_generation x num_iterations micro-batches from
@@ -363,19 +412,28 @@ class GRPOTrainer(RLTrainerBase):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"GRPOTrainer: args must be a GRPOConfig, got {type(args).__name__}")
         super().__init__(model, args, tokenizer, processing_class, callbacks)
-        if reward_processing_classes is not None:
-            raise NotImplementedError("GRPOTrainer: reward_processing_classes (reward models) are not supported; "
-                                      "pass reward functions")
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        for f in funcs:
-            if not callable(f):
-                raise TypeError(f"GRPOTrainer: reward_funcs must be callables f(prompts, completions, **kwargs), got "
-                                f"{f!r} (reward models by name are not supported)")
-            if inspect.iscoroutinefunction(f):
-                raise TypeError(f"GRPOTrainer: async reward function {_reward_name(f)} is not supported")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
             raise TypeError("GRPOTrainer needs at least one reward function")
-        self.reward_funcs = list(funcs)
+        procs = reward_processing_classes
+        procs = [None] * len(funcs) if procs is None else list(procs) if isinstance(procs, (list, tuple)) else [procs]
+        if len(procs) != len(funcs):
+            raise ValueError(f"GRPOTrainer: reward_processing_classes has {len(procs)} entries for {len(funcs)} "
+                             "reward functions (one per reward function, None for the callables)")
+        for i, f in enumerate(funcs):
+            if isinstance(f, (str, os.PathLike)):
+                funcs[i] = f = load_reward_model(f)
+            if _is_torch_module(f):
+                procs[i] = _reward_tokenizer(f, procs[i])
+                f.eval()
+                continue
+            if not callable(f):
+                raise TypeError(f"GRPOTrainer: reward_funcs must be callables f(prompts, completions, **kwargs), "
+                                f"transformers sequence-classification models or their paths, got {f!r}")
+            if inspect.iscoroutinefunction(f):
+                raise TypeError(f"GRPOTrainer: async reward function {_reward_name(f)} is not supported")
+        self.reward_funcs = funcs
+        self.reward_processing_classes = procs
         self.reward_func_names = [_reward_name(f) for f in funcs]
         weights = args.reward_weights or [1.0] * len(funcs)
         if len(weights) != len(funcs):
@@ -470,6 +528,9 @@ class GRPOTrainer(RLTrainerBase):
         kwargs = {k: [rec.get(k) for rec in recs] for k in keys}
         out = np.full((len(recs), len(self.reward_funcs)), np.nan)
         for j, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if _is_torch_module(func):
+                out[:, j] = self._model_rewards(func, self.reward_processing_classes[j], prompts, completions)
+                continue
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
                           trainer_state=self.state, **kwargs)
             values = list(values)
@@ -480,6 +541,22 @@ class GRPOTrainer(RLTrainerBase):
         if np.any(np.all(np.isnan(out), axis=1)):
             log.warning("unsloth_jax: every reward function returned None for some completions; their advantage is 0")
         return out
+
+    def _model_rewards(self, model, tokenizer, prompts: list, completions: list) -> np.ndarray:
+        """[N] float64: a reward model's logits[:, 0] of each prompt + completion text (conversational: the chat
+        template of the prompt and completion messages), right padded, one torch forward on the model's device."""
+        import torch
+
+        if self.conversational:
+            texts = [tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        enc = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            logits = model(**{k: v.to(device) for k, v in enc.items()}).logits
+        return logits[:, 0].float().cpu().numpy().astype(np.float64)
 
     def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of the completions of the train
