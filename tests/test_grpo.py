@@ -410,6 +410,49 @@ def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, mo
         assert np.max(np.abs((b["old_logps"][0] - logps(rollout_weights, b)) * mask)) < 1e-4
 
 
+def test_several_generations_in_one_step(tmp_path, monkeypatch):
+    """gradient_accumulation_steps = 2 x steps_per_generation: each optimizer step generates twice (the same
+    weights, so no old log-probabilities are kept, as TRL decides), and "dapo" normalizes each micro-batch by its
+    own generation's completion tokens (TRL's num_items_in_batch); the logged reward is the two generations'
+    mean."""
+    model, tok = _tiny(r=2)
+    calls, rewards = [], []
+    real_engine_for = G.engine_for
+
+    class Counting:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, *a, **kw):
+            calls.append(1)
+            return self.engine.generate(*a, **kw)
+
+    monkeypatch.setattr(G, "engine_for", lambda m: Counting(real_engine_for(m)))
+
+    def varied(prompts, completions, completion_ids, **kwargs):
+        out = [float(np.mean(np.asarray(c) % 5)) for c in completion_ids]
+        rewards.append(np.mean(out))
+        return out
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      steps_per_generation=1, num_generations=2, max_completion_length=6, max_steps=2,
+                      logging_steps=1, save_steps=0)
+    assert not args.needs_old_logps
+    trainer = GRPOTrainer(model=model, reward_funcs=varied, args=args, train_dataset=_alpaca_prompts(4),
+                          processing_class=tok)
+    seen = []
+    real_step = trainer.run_step
+    trainer.run_step = lambda state, batch: (seen.append(jax.tree.map(np.array, batch["arrays"])),
+                                             real_step(state, batch))[1]
+    trainer.train()
+    assert len(calls) == 4 and len(seen) == 2
+    for b in seen:
+        assert "old_logps" not in b and b["input_ids"].shape[:2] == (2, 2)
+        np.testing.assert_array_equal(b["num_items"], b["completion_mask"].sum(axis=(1, 2)))
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["reward"] for e in entries] == pytest.approx([np.mean(rewards[:2]), np.mean(rewards[2:])])
+
+
 def _tiny_reward_model(path, seed=0):
     """A random LlamaForSequenceClassification (one label) of the bundled tiny model's shape, saved to `path` with
     the bundled tokenizer; returns the model."""

@@ -370,6 +370,9 @@ def load_reward_model(path):
 def _reward_tokenizer(model, tokenizer):
     """The tokenizer of a reward model (given, or loaded from the model's name_or_path), with pad_token = eos when
     it has none; the model's config.pad_token_id set to it (the score is read at the last non-pad token)."""
+    if getattr(model, "config", None) is None:
+        raise TypeError(f"GRPOTrainer: reward model {type(model).__name__} is a torch module without a transformers "
+                        "config; pass a transformers AutoModelForSequenceClassification (or wrap it in a function)")
     if tokenizer is None:
         from transformers import AutoTokenizer
 
