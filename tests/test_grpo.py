@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 
 from tests.helpers import ASSETS, TINY_MODEL, rel_err  # noqa: E402
 from unsloth_jax import FastLanguageModel, GRPOConfig, GRPOTrainer, lora  # noqa: E402
 from unsloth_jax.train import grpo as G  # noqa: E402
+from unsloth_jax.train.logprobs import token_logps  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- TRL's formulas, in torch
@@ -313,8 +315,238 @@ def test_grpo_config_checks():
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, min_p=1.5)
     with pytest.raises(ValueError, match="repetition_penalty"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, repetition_penalty=0)
+    spg = GRPOConfig(output_dir="o", per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=2)
+    assert (spg.steps_per_generation, spg.generation_batch_size) == (2, 8)  # TRL's default: one step's completions
+    spg = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=2, steps_per_generation=3)
+    assert spg.generation_batch_size == 12 and spg.generate_every == 3 and spg.needs_old_logps
+    gbs = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+    assert gbs.steps_per_generation == 4
+    both = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=8,
+                      steps_per_generation=2, gradient_accumulation_steps=2)
+    assert both.generation_batch_size == 8 and not both.needs_old_logps  # generations align with optimizer steps
+    with pytest.raises(ValueError, match="generation_batch_size=8 and steps_per_generation=3 disagree"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, generation_batch_size=8,
+                   steps_per_generation=3)
+    with pytest.raises(ValueError, match="generation_batch_size=6 must be a multiple of per_device_train_batch_size"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=2, generation_batch_size=6)
+    with pytest.raises(ValueError, match="generation_batch_size = .* = 6 completions must be a multiple of "
+                                         "num_generations=4"):
+        GRPOConfig(output_dir="o", per_device_train_batch_size=2, num_generations=4, steps_per_generation=3)
     with pytest.raises(ValueError, match="steps_per_generation"):
-        GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=4)
+        GRPOConfig(output_dir="o", per_device_train_batch_size=8, steps_per_generation=0)
+
+
+def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, monkeypatch):
+    """steps_per_generation=2 (one micro-batch per step): one engine call serves two optimizer steps; the
+    generation's advantages are normalized per prompt group over both steps' slices; the second step's loss is
+    TRL's clipped "dapo" loss (numpy, below) with the ratio taken against log-probabilities of the rollout-time
+    weights (recomputed here from a copy of those weights) and normalized by the whole generation's completion
+    tokens, and differs from the on-policy value (ratio 1) it would have without them."""
+    model, tok = _tiny(r=4)
+    calls = []
+    real_engine_for = G.engine_for
+
+    def counting_engine_for(m):
+        engine = real_engine_for(m)
+
+        class Counting:
+            def generate(self, *a, **kw):
+                calls.append(1)
+                return engine.generate(*a, **kw)
+        return Counting()
+
+    monkeypatch.setattr(G, "engine_for", counting_engine_for)
+
+    def varied(prompts, completions, completion_ids, **kwargs):
+        return [float(np.mean(np.asarray(c) % 7)) for c in completion_ids]
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, steps_per_generation=2,
+                      num_generations=4, max_completion_length=8, max_steps=4, learning_rate=3e-2, logging_steps=1,
+                      epsilon=0.2, loss_type="dapo", temperature=0.9, save_steps=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=varied, args=args, train_dataset=_alpaca_prompts(4),
+                          processing_class=tok)
+    seen = []
+    real_step = trainer.run_step
+
+    def recording(state, batch):
+        seen.append((jax.tree.map(np.array, state["trainable"]), jax.tree.map(np.array, batch["arrays"])))
+        return real_step(state, batch)
+
+    trainer.run_step = recording
+    trainer.train()
+    assert len(calls) == 2 and len(seen) == 4  # 4 steps, 2 generations
+
+    # advantages of the first generation: both steps' slices together hold 2 groups of 4 with zero-sum advantages
+    groups = {}
+    for _, b in seen[:2]:
+        for ids, att, cm, adv in zip(b["input_ids"][0], b["attention_mask"][0], b["completion_mask"][0],
+                                     b["advantages"][0]):
+            groups.setdefault(tuple(ids[:np.argmax(cm)]), []).append(float(adv))
+    assert sorted(len(v) for v in groups.values()) == [4, 4]
+    assert all(abs(sum(v)) < 1e-4 for v in groups.values()) and any(abs(x) > 0.1 for v in groups.values() for x in v)
+
+    def logps(trainable, b):
+        nnx.update(model, trainable)
+        return np.asarray(token_logps(model, jnp.asarray(b["input_ids"][0]), jnp.asarray(b["attention_mask"][0]),
+                                      temperature=0.9), np.float64)
+
+    rollout_weights = seen[0][0]
+    tokens = sum(float(b["completion_mask"][0].sum()) for _, b in seen[:2])  # the generation's (TRL's normalizer)
+    for k in (0, 1):
+        weights, b = seen[k]
+        mask = b["completion_mask"][0][:, 1:].astype(np.float64)
+        old = logps(rollout_weights, b)
+        ratio = np.exp(logps(weights, b) - old)
+        adv = b["advantages"][0][:, None].astype(np.float64)
+        per_token = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv)
+        expect = float((per_token * mask).sum() / tokens)
+        got = trainer.state.loss_history[k]
+        assert abs(got - expect) < 1e-4 * max(1.0, abs(expect)), (k, got, expect)
+        if k == 1:
+            on_policy = float((-adv * mask).sum() / tokens)
+            assert np.max(np.abs(np.log(ratio)) * mask) > 1e-2  # the first step moved the policy
+            assert abs(got - on_policy) > 1e-3 * max(1.0, abs(on_policy)), (got, on_policy)
+    for _, b in seen[:2]:  # the buffer's old log-probabilities: the rollout policy's
+        mask = b["completion_mask"][0][:, 1:]
+        assert np.max(np.abs((b["old_logps"][0] - logps(rollout_weights, b)) * mask)) < 1e-4
+
+
+def test_several_generations_in_one_step(tmp_path, monkeypatch):
+    """gradient_accumulation_steps = 2 x steps_per_generation: each optimizer step generates twice (the same
+    weights, so no old log-probabilities are kept, as TRL decides), and "dapo" normalizes each micro-batch by its
+    own generation's completion tokens (TRL's num_items_in_batch); the logged reward is the two generations'
+    mean."""
+    model, tok = _tiny(r=2)
+    calls, rewards = [], []
+    real_engine_for = G.engine_for
+
+    class Counting:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, *a, **kw):
+            calls.append(1)
+            return self.engine.generate(*a, **kw)
+
+    monkeypatch.setattr(G, "engine_for", lambda m: Counting(real_engine_for(m)))
+
+    def varied(prompts, completions, completion_ids, **kwargs):
+        out = [float(np.mean(np.asarray(c) % 5)) for c in completion_ids]
+        rewards.append(np.mean(out))
+        return out
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      steps_per_generation=1, num_generations=2, max_completion_length=6, max_steps=2,
+                      logging_steps=1, save_steps=0)
+    assert not args.needs_old_logps
+    trainer = GRPOTrainer(model=model, reward_funcs=varied, args=args, train_dataset=_alpaca_prompts(4),
+                          processing_class=tok)
+    seen = []
+    real_step = trainer.run_step
+    trainer.run_step = lambda state, batch: (seen.append(jax.tree.map(np.array, batch["arrays"])),
+                                             real_step(state, batch))[1]
+    trainer.train()
+    assert len(calls) == 4 and len(seen) == 2
+    for b in seen:
+        assert "old_logps" not in b and b["input_ids"].shape[:2] == (2, 2)
+        np.testing.assert_array_equal(b["num_items"], b["completion_mask"].sum(axis=(1, 2)))
+    entries = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["reward"] for e in entries] == pytest.approx([np.mean(rewards[:2]), np.mean(rewards[2:])])
+
+
+def _tiny_reward_model(path, seed=0):
+    """A random LlamaForSequenceClassification (one label) of the bundled tiny model's shape, saved to `path` with
+    the bundled tokenizer; returns the model."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(TINY_MODEL), num_labels=1, dtype="float32")
+    torch.manual_seed(seed)
+    rm = transformers.LlamaForSequenceClassification(config).float().eval()
+    rm.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL)).save_pretrained(path)
+    return rm
+
+
+def _direct_rewards(rm, tok, texts):
+    """logits[0, 0] of the torch model on each text alone (no padding, no special tokens added)."""
+    out = []
+    with torch.no_grad():
+        for t in texts:
+            ids = tok(t, add_special_tokens=False, return_tensors="pt")
+            out.append(float(rm(**ids).logits[0, 0]))
+    return np.asarray(out)
+
+
+def test_reward_models_by_instance_and_path_score_as_torch(tmp_path):
+    """reward_funcs with a transformers sequence-classification model (its tokenizer without a pad token: eos is
+    used) and a saved model's path (tokenizer loaded from there): the rewards the trainer uses are the torch
+    models' logits[:, 0] on each prompt + completion text, the logged rewards/<name>/mean of a training step
+    their mean over the step's completions."""
+    import copy
+
+    import transformers
+
+    model, tok = _tiny(r=2)
+    rm_a = _tiny_reward_model(tmp_path / "rm_a", seed=1)
+    rm_b = _tiny_reward_model(tmp_path / "rm_b", seed=2)
+    ref_b = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_b"), num_labels=1)
+    no_pad = copy.deepcopy(tok)
+    no_pad.pad_token = None
+    assert no_pad.pad_token_id is None
+    data = _alpaca_prompts(2)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=6, max_steps=1, logging_steps=1, save_steps=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[rm_a, str(tmp_path / "rm_b")], args=args, train_dataset=data,
+                          processing_class=tok, reward_processing_classes=[no_pad, None])
+    assert trainer.reward_func_names[1] == "rm_b"
+    sampled = {}
+    real_generate = trainer.generate_completions
+
+    def recording(rows, seed):
+        out = real_generate(rows, seed)
+        sampled.update(rows=rows, completions=out[1])
+        return out
+
+    trainer.generate_completions = recording
+    trainer.train()
+    texts = [data[r]["prompt"] + t for r, t in zip(np.repeat(sampled["rows"], 2),
+                                                    tok.batch_decode(sampled["completions"], skip_special_tokens=True))]
+    direct_a, direct_b = _direct_rewards(rm_a, tok, texts), _direct_rewards(ref_b, tok, texts)
+    assert np.std(direct_a) > 1e-4 and np.max(np.abs(direct_a - direct_b)) > 1e-3  # the completions and models differ
+    used = trainer.score_completions(sampled["rows"], sampled["completions"])
+    np.testing.assert_allclose(used, np.stack([direct_a, direct_b], 1), rtol=1e-5, atol=1e-5)
+    entry = trainer.state.log_history[0]
+    assert entry["rewards/rm_b/mean"] == pytest.approx(np.mean(direct_b), abs=1e-5)
+    assert entry[f"rewards/{trainer.reward_func_names[0]}/mean"] == pytest.approx(np.mean(direct_a), abs=1e-5)
+    assert no_pad.pad_token == tok.eos_token and rm_a.config.pad_token_id == tok.eos_token_id
+
+
+def test_reward_model_on_conversational_prompts_and_argument_errors(tmp_path):
+    """A reward model path scores conversational prompts on the chat template of prompt + completion messages
+    (as TRL's _calculate_rewards); a bad path raises naming it; reward_processing_classes must match
+    reward_funcs."""
+    import transformers
+
+    model, tok = _tiny(r=2)
+    rm_a = _tiny_reward_model(tmp_path / "rm_a", seed=1)
+    _tiny_reward_model(tmp_path / "rm_b", seed=2)
+    ref_b = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm_b"), num_labels=1)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2)
+    chat = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(2)]
+    conv = GRPOTrainer(model=model, reward_funcs=str(tmp_path / "rm_b"), args=args, train_dataset=chat,
+                       processing_class=tok)
+    ids = [tok("Yes, one two.")["input_ids"][1:] + [tok.eos_token_id], tok("No.")["input_ids"][1:]] * 2
+    got = conv.score_completions(np.array([1, 0]), ids)[:, 0]
+    rendered = [tok.apply_chat_template(chat[r]["prompt"] + [{"role": "assistant", "content": t}], tokenize=False)
+                for r, t in zip([1, 1, 0, 0], tok.batch_decode(ids, skip_special_tokens=True))]
+    np.testing.assert_allclose(got, _direct_rewards(ref_b, tok, rendered), rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match="'" + str(tmp_path / "missing") + "'"):
+        GRPOTrainer(model=model, reward_funcs=str(tmp_path / "missing"), args=args, train_dataset=chat,
+                    processing_class=tok)
+    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries for 2"):
+        GRPOTrainer(model=model, reward_funcs=[rm_a, ref_b], args=args, train_dataset=chat, processing_class=tok,
+                    reward_processing_classes=[tok])
 
 
 @pytest.mark.slow

@@ -50,6 +50,13 @@ def _make(kind, out, seed, **kw):
     if kind == "orpo":
         args = ORPOConfig(per_device_train_batch_size=2, beta=0.2, **common)
         return ORPOTrainer(model=model, args=args, train_dataset=_pairs(6), processing_class=tok)
+    if kind == "grpo_spg":
+        # steps_per_generation = 5 over 2 accumulation micro-batches: generations at micro-steps 0 and 5, so step
+        # 2 (micro 4, 5) takes slices of two generations and checkpoint-3 (micro 6) falls inside the second
+        args = GRPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=5,
+                          num_generations=2, max_completion_length=6, beta=0.04, **common)
+        return GRPOTrainer(model=model, reward_funcs=_length_reward, args=args, train_dataset=_prompts(5),
+                           processing_class=tok)
     # GRPO with a reference (beta > 0) and num_iterations = 2: checkpoint-3 falls inside a generation batch,
     # which step 4 reuses (old and reference log-probabilities included)
     args = GRPOConfig(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, beta=0.04,
@@ -81,16 +88,19 @@ def _logged(trainer, keys) -> list[dict]:
     return [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
 
 
-@pytest.mark.parametrize("kind", ["dpo", "orpo", "grpo"])
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "grpo", "grpo_spg"])
 def test_rl_trainers_resume_to_the_uninterrupted_run(kind, tmp_path, seed):
     """A run interrupted after its step-3 checkpoint and resumed (train(resume_from_checkpoint=True) in a fresh
     trainer and model; and TrainingArguments(resume_from_checkpoint=<path>)) gives the uninterrupted run's step
     losses bit for bit, its trained LoRA weights, its log entries (GRPO: rewards and num_tokens, i.e. the same
-    prompts and completions), and metrics.jsonl holds each step once."""
+    prompts and completions), and metrics.jsonl holds each step once. grpo_spg: steps_per_generation=5 with 2
+    accumulation steps, the checkpoint inside a generation buffer."""
     seed = seed % 2**16
     full = _make(kind, tmp_path / "full", seed)
     full.train()
     _interrupt(_make(kind, tmp_path / "part", seed), at_step=4)
+    if kind.startswith("grpo"):
+        assert (tmp_path / "part" / "checkpoint-3" / "generation_batch.npz").is_file()
     assert [p.name for p in sorted((tmp_path / "part").glob("checkpoint-*"))] == ["checkpoint-3"]
     shutil.copytree(tmp_path / "part", tmp_path / "part2")
     keys = ["loss", "step", "epoch", "learning_rate", "reward", "num_tokens", "rewards/chosen", "nll_loss"]

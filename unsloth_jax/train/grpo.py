@@ -7,24 +7,29 @@
                           processing_class=tokenizer)
     trainer.train()
 
-Each optimizer step, as TRL's GRPOTrainer with its default batching (generation_batch_size =
-per_device_train_batch_size x gradient_accumulation_steps completions, num_generations per prompt):
+As TRL's GRPOTrainer: a generation (rollout) makes generation_batch_size = per_device_train_batch_size x
+steps_per_generation completions (default steps_per_generation = gradient_accumulation_steps: one optimizer
+step's), num_generations per prompt, split into steps_per_generation micro-batches that the next optimizer steps'
+gradient-accumulation micro-batches take in turn (num_iterations times over):
   1. generate: the next prompts (a seeded permutation per epoch) are sampled num_generations times each by the
      generation engine (unsloth_jax.inference: one prefill per prompt, its num_generations completions share
      the prompt's cache pages; temperature, top_p, top_k, min_p and repetition_penalty as TRL's; in this
      process, with the current LoRA weights: the model the step trains is the model that samples; no server);
-  2. score: every reward function on the decoded completions; rewards (weighted sum) normalised within each
-     prompt's group (scale_rewards "group"; "batch"; "none") into advantages;
-  3. train: the completions as right-padded [A, B, S] micro-batches through one jitted step: per-token
-     log-probabilities (chunked, logits / temperature as TRL), the clipped surrogate
+  2. score: every reward function on the decoded completions (reward models: torch, on the host CPU); rewards
+     (weighted sum) normalised within each prompt's group over the whole generation batch (scale_rewards
+     "group"; "batch"; "none") into advantages;
+  3. train: each optimizer step's completions as right-padded [A, B, S] micro-batches through one jitted step:
+     per-token log-probabilities (chunked, logits / temperature as TRL), the clipped surrogate
      -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) with r = exp(logp - logp_old), plus beta x the k3 KL
      estimate exp(ref - logp) - (ref - logp) - 1 to the reference (the base with the adapters dropped, from the
      same frozen arrays), aggregated per loss_type ("dapo", "grpo", "bnpo", "dr_grpo").
-With num_iterations > 1 a generation batch serves that many optimizer steps, and logp_old is computed once after
-generation; otherwise logp_old = stop_gradient(logp). The log has TRL's keys (loss, reward, reward_std,
-rewards/<func>/mean and /std, frac_reward_zero_std, completions/mean_length, min/max_length, clipped_ratio, kl,
-clip_ratio/low_mean, high_mean, region_mean, num_tokens) plus time/generation, time/rewards, time/train
-(seconds per step); TrainOutput.metrics holds the totals of that split.
+When an optimizer step can end inside a generation's use (gradient_accumulation_steps not a multiple of
+steps_per_generation x num_iterations), logp_old is computed once after generation, from the rollout's weights;
+otherwise logp_old = stop_gradient(logp). "dapo" normalizes by the generation batch's completion tokens (TRL's
+num_items_in_batch). The log has TRL's keys (loss, reward, reward_std, rewards/<func>/mean and /std,
+frac_reward_zero_std, completions/mean_length, min/max_length, clipped_ratio, kl, clip_ratio/low_mean,
+high_mean, region_mean, num_tokens; the reward keys of the step's latest generation) plus time/generation,
+time/rewards, time/train (seconds per step); TrainOutput.metrics holds the totals of that split.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import functools
 import inspect
 import logging
 import math
+import os
+import sys
 import time
 
 import jax
@@ -62,8 +69,10 @@ SCALE_REWARDS = ("group", "batch", "none")
 class GRPOConfig(TrainingArguments):
     """TRL's GRPOConfig (the fields that apply in-process), with TRL's defaults.
 
-    per_device_train_batch_size counts completions, as in TRL; a step's completions
-    (per_device_train_batch_size x gradient_accumulation_steps) must be a multiple of num_generations.
+    per_device_train_batch_size counts completions, as in TRL. generation_batch_size (completions per generation)
+    = per_device_train_batch_size x steps_per_generation (micro-batches per generation): give either (the other
+    is derived) or both (they must agree); neither: steps_per_generation = gradient_accumulation_steps. It must
+    be a multiple of num_generations.
     beta: the KL coefficient (0: no reference pass). epsilon / epsilon_high: the clipping range (epsilon_high
     None: epsilon). delta: optional upper clamp of the ratio (two-sided GRPO). scale_rewards: "group" (True),
     "batch" or "none" (False). importance_sampling_level "token" or "sequence" (GSPO).
@@ -131,22 +140,52 @@ class GRPOConfig(TrainingArguments):
         if self.min_p is not None:
             require_real("min_p", self.min_p, minimum=0, maximum=1)
         require_real("repetition_penalty", self.repetition_penalty, minimum=0, min_exclusive=True)
-        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        spg = self.steps_per_generation
-        if (self.generation_batch_size not in (None, batch)) or (spg not in (None, self.gradient_accumulation_steps)):
-            raise ValueError(f"generation_batch_size / steps_per_generation other than one optimizer step's "
-                             f"completions (per_device_train_batch_size x gradient_accumulation_steps = {batch}) "
-                             "are not supported")
-        self.generation_batch_size, self.steps_per_generation = batch, self.gradient_accumulation_steps
-        if batch % self.num_generations:
-            raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {batch} completions per "
-                             f"step must be a multiple of num_generations={self.num_generations}")
+        self._resolve_generation_batch()
         if self.reward_weights is not None:
             self.reward_weights = [float(w) for w in self.reward_weights]
+
+    def _resolve_generation_batch(self) -> None:
+        """TRL's generation_batch_size = per_device_train_batch_size x steps_per_generation (completions per
+        generation): either one given derives the other, neither gives steps_per_generation =
+        gradient_accumulation_steps."""
+        b = self.per_device_train_batch_size
+        gbs, spg = self.generation_batch_size, self.steps_per_generation
+        if gbs is not None:
+            require_int("generation_batch_size", gbs, minimum=1)
+            if gbs % b:
+                raise ValueError(f"generation_batch_size={gbs} must be a multiple of per_device_train_batch_size={b} "
+                                 "(a generation is split into micro-batches of that size)")
+        if spg is not None:
+            require_int("steps_per_generation", spg, minimum=1)
+        if gbs is None and spg is None:
+            spg = self.gradient_accumulation_steps
+        elif spg is None:
+            spg = gbs // b
+        elif gbs is not None and gbs != b * spg:
+            raise ValueError(f"generation_batch_size={gbs} and steps_per_generation={spg} disagree: "
+                             f"generation_batch_size must be per_device_train_batch_size x steps_per_generation = "
+                             f"{b * spg} (or give only one of them)")
+        self.generation_batch_size, self.steps_per_generation = b * spg, spg
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(f"generation_batch_size = per_device_train_batch_size x steps_per_generation = "
+                             f"{self.generation_batch_size} completions must be a multiple of "
+                             f"num_generations={self.num_generations}")
 
     @property
     def epsilon_low(self) -> float:
         return self.epsilon
+
+    @property
+    def generate_every(self) -> int:
+        """Micro-batches (gradient-accumulation steps) served by one generation: steps_per_generation x
+        num_iterations."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Whether a generation's samples can meet an updated policy (an optimizer step ends inside a
+        generation's use), so the clipped ratio needs the rollout policy's log-probabilities, as TRL decides."""
+        return self.gradient_accumulation_steps % self.generate_every != 0
 
 
 # ------------------------------------------------------------------------------------------ advantages
@@ -196,11 +235,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, eps
               delta: float | None = None, importance_sampling_level: str = "token"):
     """One micro-batch's share of TRL's GRPO loss, and its statistics.
 
-    logps, old_logps [B, T] f32 (old: the sampling policy's; equal to logps' values when num_iterations = 1),
+    logps, old_logps [B, T] f32 (old: the sampling policy's; equal to logps' values when generations align with
+    optimizer steps),
     ref_logps [B, T] or None (beta = 0), advantages [B], mask [B, T] (completion tokens). The value returned
     sums over a step's micro-batches to TRL's loss: "grpo" (per-sequence token means, averaged) and "bnpo"
     (the micro-batch's token mean) and "dr_grpo" (token sum / (B x max_completion_length)) are divided by
-    accumulation_steps; "dapo" divides the token sum by num_items, the completion tokens of the whole step.
+    accumulation_steps; "dapo" divides the token sum by num_items, the completion tokens of the micro-batch's
+    generation batch (TRL's num_items_in_batch: the whole step's with the default steps_per_generation).
     stats: sums over masked tokens (kl, clip_low, clip_high, clip_region) and their count "n_tokens".
     """
     mask = mask.astype(jnp.float32)
@@ -242,10 +283,11 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
                    chunk: int = 1024):
     """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
     micro-batches: input_ids, attention_mask, completion_mask (int32), advantages [A, B] f32, and when needed
-    old_logps / ref_logps [A, B, S-1] f32; num_items (completion tokens of the step) f32 scalar."""
+    old_logps / ref_logps [A, B, S-1] f32; num_items f32 [A] or a scalar: "dapo"'s normalizer of each micro-batch,
+    the completion tokens of the generation batch it came from (TRL's num_items_in_batch)."""
     accum = cfg.gradient_accumulation_steps
 
-    def micro(trainable, frozen, mb, num_items):
+    def micro(trainable, frozen, mb):
         model = nnx.merge(graphdef, trainable, frozen)
         lp = token_logps(model, mb["input_ids"], mb["attention_mask"], remat=remat, temperature=cfg.temperature,
                          chunk=chunk)
@@ -254,12 +296,12 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
                          beta=cfg.beta, epsilon_low=cfg.epsilon_low,
                          epsilon_high=cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high,
                          loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                         num_items=num_items, accumulation_steps=accum, delta=cfg.delta,
+                         num_items=mb["num_items"], accumulation_steps=accum, delta=cfg.delta,
                          importance_sampling_level=cfg.importance_sampling_level)
 
     def step(trainable, frozen, opt_state, batch):
-        num_items = batch.pop("num_items")
-        fn = lambda params, mb: micro(params, frozen, mb, num_items)  # noqa: E731
+        batch = dict(batch, num_items=jnp.broadcast_to(batch["num_items"], batch["advantages"].shape[:1]))
+        fn = lambda params, mb: micro(params, frozen, mb)  # noqa: E731
         loss, sums, grads = scan_micro_batches(fn, trainable, batch, with_grad=True)
         new_params, new_opt, upd = apply_gradients(optimizer, trainable, opt_state, grads, loss)
         n = jnp.maximum(sums.pop("n_tokens"), 1.0)
@@ -297,17 +339,68 @@ def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool,
 
 # -------------------------------------------------------------------------------------------- the trainer
 def _reward_name(func) -> str:
+    """TRL's reward name: a reward model's name_or_path after its last "/", else the function's name."""
+    if _is_torch_module(func) and getattr(func, "config", None) is not None:
+        return str(getattr(func.config, "_name_or_path", "") or type(func).__name__).rstrip("/").split("/")[-1]
     return getattr(func, "__name__", type(func).__name__)
+
+
+def _is_torch_module(obj) -> bool:
+    """Whether obj is a torch.nn.Module (without importing torch when nothing imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def load_reward_model(path):
+    """A reward model from a path or hub name: transformers' AutoModelForSequenceClassification with one label
+    (torch, on the CPU), in eval mode; ValueError naming the path when it cannot be loaded."""
+    try:
+        from transformers import AutoModelForSequenceClassification
+    except ImportError as err:  # pragma: no cover - transformers is a dependency of the test setup
+        raise ImportError(f"GRPOTrainer: reward model {str(path)!r} needs transformers and torch") from err
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1)
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, HFValidationError, ...
+        raise ValueError(f"GRPOTrainer: reward_funcs entry {str(path)!r} is neither a callable nor a loadable reward "
+                         f"model (AutoModelForSequenceClassification.from_pretrained({str(path)!r}, num_labels=1) "
+                         f"failed: {type(err).__name__}: {err})") from err
+    return model.eval()
+
+
+def _reward_tokenizer(model, tokenizer):
+    """The tokenizer of a reward model (given, or loaded from the model's name_or_path), with pad_token = eos when
+    it has none; the model's config.pad_token_id set to it (the score is read at the last non-pad token)."""
+    if getattr(model, "config", None) is None:
+        raise TypeError(f"GRPOTrainer: reward model {type(model).__name__} is a torch module without a transformers "
+                        "config; pass a transformers AutoModelForSequenceClassification (or wrap it in a function)")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        source = getattr(getattr(model, "config", None), "_name_or_path", "")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"GRPOTrainer: no tokenizer for reward model {source!r} (loading one from its path "
+                             f"failed: {type(err).__name__}: {err}); pass it in reward_processing_classes") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
 
 
 class GRPOTrainer(RLTrainerBase):
     """TRL's GRPOTrainer for a LoRA model, generating with the project's KV cache in this process (see the
-    module docstring). reward_funcs: a callable or a list of callables f(prompts, completions, **kwargs) ->
-    list of floats (None: no reward for that completion); kwargs hold completion_ids, trainer_state and every
-    other column of the dataset, one entry per completion.
+    module docstring). reward_funcs: one or a list of: callables f(prompts, completions, **kwargs) -> list of
+    floats (None: no reward for that completion; kwargs hold completion_ids, trainer_state and every other column
+    of the dataset, one entry per completion); reward models, a transformers AutoModelForSequenceClassification
+    (torch) or its path (loaded with num_labels=1), scoring logits[:, 0] of each prompt + completion text (the chat
+    template of prompt + completion messages for conversational prompts), run by torch on its device (the CPU
+    here); reward_processing_classes: their tokenizers, one per reward function (None: loaded from the model's
+    path; pad_token = eos when it has none).
 
-    On the trainer base (unsloth_jax.train.base) it supplies a step's batch (generated, scored and batched every
-    num_iterations steps, from the prompt stream), the jitted step, its log keys, evaluate() (eval_dataset:
+    On the trainer base (unsloth_jax.train.base) it supplies a step's batch (micro-batches sliced from the buffered
+    generation batch, generated, scored and batched every steps_per_generation x num_iterations micro-batches from
+    the prompt stream), the jitted step, its log keys, evaluate() (eval_dataset:
     TRL's eval_reward, eval_rewards/<func>/mean, ... of completions sampled for held-out prompts) and, in its
     checkpoints, the generation counter, the prompt stream position, num_tokens and the generation batch the next
     steps reuse."""
@@ -322,19 +415,28 @@ class GRPOTrainer(RLTrainerBase):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"GRPOTrainer: args must be a GRPOConfig, got {type(args).__name__}")
         super().__init__(model, args, tokenizer, processing_class, callbacks)
-        if reward_processing_classes is not None:
-            raise NotImplementedError("GRPOTrainer: reward_processing_classes (reward models) are not supported; "
-                                      "pass reward functions")
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        for f in funcs:
-            if not callable(f):
-                raise TypeError(f"GRPOTrainer: reward_funcs must be callables f(prompts, completions, **kwargs), got "
-                                f"{f!r} (reward models by name are not supported)")
-            if inspect.iscoroutinefunction(f):
-                raise TypeError(f"GRPOTrainer: async reward function {_reward_name(f)} is not supported")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
             raise TypeError("GRPOTrainer needs at least one reward function")
-        self.reward_funcs = list(funcs)
+        procs = reward_processing_classes
+        procs = [None] * len(funcs) if procs is None else list(procs) if isinstance(procs, (list, tuple)) else [procs]
+        if len(procs) != len(funcs):
+            raise ValueError(f"GRPOTrainer: reward_processing_classes has {len(procs)} entries for {len(funcs)} "
+                             "reward functions (one per reward function, None for the callables)")
+        for i, f in enumerate(funcs):
+            if isinstance(f, (str, os.PathLike)):
+                funcs[i] = f = load_reward_model(f)
+            if _is_torch_module(f):
+                procs[i] = _reward_tokenizer(f, procs[i])
+                f.eval()
+                continue
+            if not callable(f):
+                raise TypeError(f"GRPOTrainer: reward_funcs must be callables f(prompts, completions, **kwargs), "
+                                f"transformers sequence-classification models or their paths, got {f!r}")
+            if inspect.iscoroutinefunction(f):
+                raise TypeError(f"GRPOTrainer: async reward function {_reward_name(f)} is not supported")
+        self.reward_funcs = funcs
+        self.reward_processing_classes = procs
         self.reward_func_names = [_reward_name(f) for f in funcs]
         weights = args.reward_weights or [1.0] * len(funcs)
         if len(weights) != len(funcs):
@@ -379,10 +481,11 @@ class GRPOTrainer(RLTrainerBase):
         self._tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         self._batch = None  # the generation batch the steps until the next generation use (device arrays)
         self._gen_metrics = None  # its host metrics
+        self._score_seconds = 0.0  # time spent on old / reference log-probabilities in the current next_batch
 
     # ---------------------------------------------------------------------------------------- pieces
     @property
-    def prompts_per_step(self) -> int:
+    def prompts_per_generation(self) -> int:
         return self.args.generation_batch_size // self.args.num_generations
 
     def _prompt_rows(self, position: int, count: int) -> np.ndarray:
@@ -428,6 +531,9 @@ class GRPOTrainer(RLTrainerBase):
         kwargs = {k: [rec.get(k) for rec in recs] for k in keys}
         out = np.full((len(recs), len(self.reward_funcs)), np.nan)
         for j, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if _is_torch_module(func):
+                out[:, j] = self._model_rewards(func, self.reward_processing_classes[j], prompts, completions)
+                continue
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
                           trainer_state=self.state, **kwargs)
             values = list(values)
@@ -438,6 +544,22 @@ class GRPOTrainer(RLTrainerBase):
         if np.any(np.all(np.isnan(out), axis=1)):
             log.warning("unsloth_jax: every reward function returned None for some completions; their advantage is 0")
         return out
+
+    def _model_rewards(self, model, tokenizer, prompts: list, completions: list) -> np.ndarray:
+        """[N] float64: a reward model's logits[:, 0] of each prompt + completion text (conversational: the chat
+        template of the prompt and completion messages), right padded, one torch forward on the model's device."""
+        import torch
+
+        if self.conversational:
+            texts = [tokenizer.apply_chat_template(list(p) + list(c), tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        enc = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            logits = model(**{k: v.to(device) for k, v in enc.items()}).logits
+        return logits[:, 0].float().cpu().numpy().astype(np.float64)
 
     def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of the completions of the train
@@ -461,10 +583,11 @@ class GRPOTrainer(RLTrainerBase):
         return metrics
 
     def build_batch(self, prompts, completions, truncated, advantages, rng) -> dict:
-        """The step's [A, B, S] micro-batches (rows shuffled, as TRL does): prompt + completion right padded to a
-        multiple of loop.SEQUENCE_MULTIPLE, completion_mask on the completion tokens (zeroed for truncated ones with
-        mask_truncated_completions), advantages [A, B], num_items."""
-        a, b = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
+        """A generation batch's [steps_per_generation, B, S] micro-batches (rows shuffled, as TRL does): prompt +
+        completion right padded to a multiple of loop.SEQUENCE_MULTIPLE, completion_mask on the completion tokens
+        (zeroed for truncated ones with mask_truncated_completions), advantages [steps_per_generation, B],
+        num_items (its completion tokens, f32 scalar)."""
+        a, b = self.args.steps_per_generation, self.args.per_device_train_batch_size
         n = len(prompts)
         length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)))
         ids = np.full((n, length), self.pad_id, np.int32)
@@ -488,7 +611,7 @@ class GRPOTrainer(RLTrainerBase):
         args, generation = self.args, self._generation
         nnx.update(self.model, trainable)  # the sampler runs the weights being trained
         t0 = time.perf_counter()
-        rows = self._prompt_rows(self._prompt_position, self.prompts_per_step)
+        rows = self._prompt_rows(self._prompt_position, self.prompts_per_generation)
         sample_seed = (args.seed * 1000003 + generation) % 2**31
         prompts, completions, truncated = self.generate_completions(rows, seed=sample_seed)
         t1 = time.perf_counter()
@@ -512,15 +635,15 @@ class GRPOTrainer(RLTrainerBase):
         a = self.args
         if a.max_steps and a.max_steps > 0:
             return int(a.max_steps)
-        rounds = math.ceil(a.num_train_epochs * len(self.records) / self.prompts_per_step)
-        return max(1, rounds * a.num_iterations)
+        rounds = math.ceil(a.num_train_epochs * len(self.records) / self.prompts_per_generation)
+        return max(1, math.ceil(rounds * a.generate_every / a.gradient_accumulation_steps))
 
     # ------------------------------------------------------------------------ for the trainer base
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
         total = self._steps()
         want_ref = args.beta != 0.0
-        want_old = args.num_iterations > 1
+        want_old = args.needs_old_logps
         graphdef, trainable, frozen, self._ref_trainable = self.split_state(want_ref)
         self._frozen = frozen
         # The jitted step and scorer are kept for a later train() with the same model structure, step count and
@@ -537,26 +660,57 @@ class GRPOTrainer(RLTrainerBase):
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._reset_stream()
         return RunPlan(total=total, schedule=schedule,
-                       epoch_at=lambda done: done / args.num_iterations * self.prompts_per_step / len(self.records),
-                       planned_samples=total * args.generation_batch_size,
+                       epoch_at=lambda done: (done * args.gradient_accumulation_steps / args.generate_every
+                                              * self.prompts_per_generation / len(self.records)),
+                       planned_samples=total * args.per_device_train_batch_size * args.gradient_accumulation_steps,
                        summary=(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of "
                                 f"up to {args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
                                 f"beta={args.beta}"),
                        train_state={"trainable": trainable, "opt_state": opt_state})
 
+    def _new_generation(self) -> dict:
+        """Generate, score and batch the next generation batch and give it its old / reference log-probabilities
+        (when the loss needs them, from the weights at this point: the rollout policy); it becomes the buffer the
+        next generate_every micro-batches are sliced from. Returns its host metrics."""
+        host_batch, metrics = self._generation_round(self.train_state["trainable"])
+        t0 = time.perf_counter()
+        batch = jax.device_put(host_batch)
+        if self._scorer is not None:
+            batch.update(self._scorer(self.train_state["trainable"], self._frozen, self._ref_trainable, batch))
+        self._batch, self._gen_metrics = batch, metrics
+        self._score_seconds += time.perf_counter() - t0
+        return metrics
+
     def next_batch(self, step: int):
-        """Every num_iterations steps a new generation batch (generated with the current weights, scored, and
-        given old / reference log-probabilities when the loss needs them); the steps between reuse it."""
-        if step % self.args.num_iterations == 0:
-            host_batch, self._gen_metrics = self._generation_round(self.train_state["trainable"])
-            t0 = time.perf_counter()
-            batch = jax.device_put(host_batch)
-            if self._scorer is not None:
-                batch.update(self._scorer(self.train_state["trainable"], self._frozen, self._ref_trainable, batch))
-            self._batch = batch
-            return {"arrays": batch, "metrics": self._gen_metrics, "score_seconds": time.perf_counter() - t0}
-        return {"arrays": self._batch, "score_seconds": 0.0,
-                "metrics": {**self._gen_metrics, "time/generation": 0.0, "time/rewards": 0.0}}
+        """The [A, B, S] micro-batches of optimizer step `step`, as TRL's buffering: micro-step m (step x A + a)
+        takes slice m % steps_per_generation of the generation buffer, and a new generation (current weights) is
+        made at every m that is a multiple of steps_per_generation x num_iterations. A step can take slices of two
+        or more generations (then padded to one length); "dapo"'s num_items is per micro-batch, its generation's."""
+        args = self.args
+        accum, spg, every = args.gradient_accumulation_steps, args.steps_per_generation, args.generate_every
+        self._score_seconds = 0.0
+        made, pieces = [], []  # pieces: (generation buffer, slice index)
+        for m in range(step * accum, (step + 1) * accum):
+            if m % every == 0 or self._batch is None:
+                made.append(self._new_generation())
+            pieces.append((self._batch, m % spg))
+        if all(buf is pieces[0][0] for buf, _ in pieces) and [i for _, i in pieces] == list(
+                range(pieces[0][1], pieces[0][1] + accum)):
+            first, buf = pieces[0][1], pieces[0][0]
+            arrays = {k: v for k, v in buf.items() if k != "num_items"}
+            arrays = arrays if accum == spg else {k: v[first:first + accum] for k, v in arrays.items()}
+            arrays["num_items"] = jnp.full((accum,), buf["num_items"], jnp.float32)
+        else:
+            arrays = _stack_micro_batches(pieces, self.pad_id)
+        if not made:
+            metrics = {**self._gen_metrics, "time/generation": 0.0, "time/rewards": 0.0}
+        elif len(made) == 1:
+            metrics = made[0]
+        else:  # several generations in one step: their means averaged (TRL averages a logging window's values)
+            metrics = {k: float(np.mean([x[k] for x in made])) for k in made[0]}
+            metrics.update({k: float(sum(x[k] for x in made)) for k in ("time/generation", "time/rewards")},
+                           num_tokens=made[-1]["num_tokens"])
+        return {"arrays": arrays, "metrics": metrics, "score_seconds": self._score_seconds}
 
     def run_step(self, state: dict, batch) -> tuple[dict, dict]:
         t0 = time.perf_counter()
@@ -581,10 +735,17 @@ class GRPOTrainer(RLTrainerBase):
         return {"generation": self._generation, "prompt_position": self._prompt_position,
                 "tokens_seen": self._tokens_seen, "generation_metrics": self._gen_metrics}
 
+    def _buffer_in_use(self) -> bool:
+        """Whether the next step continues the buffered generation batch (it does not start with a generation)."""
+        a = self.args
+        return (self._batch is not None
+                and (self.state.global_step * a.gradient_accumulation_steps) % a.generate_every != 0)
+
     def write_checkpoint_files(self, directory) -> None:
-        """The generation batch in use (with its old / reference log-probabilities), which the steps up to the
-        next generation reuse (num_iterations > 1)."""
-        if self.args.num_iterations > 1 and self._batch is not None:
+        """The generation batch in use (with its old / reference log-probabilities), when the next steps take
+        more of its micro-batches (num_iterations > 1 or steps_per_generation > gradient_accumulation_steps,
+        saved inside a generation's use)."""
+        if self._buffer_in_use():
             with open(directory / GENERATION_BATCH, "wb") as fh:
                 np.savez(fh, **jax.device_get(self._batch))
 
@@ -594,9 +755,12 @@ class GRPOTrainer(RLTrainerBase):
         self._tokens_seen = int(record["tokens_seen"])
         self._gen_metrics = record["generation_metrics"]
         path = directory / GENERATION_BATCH
-        if self.args.num_iterations > 1 and path.is_file():
+        if path.is_file():
             with np.load(path) as saved:
                 self._batch = jax.device_put({k: saved[k] for k in saved.files})
+        elif self.state.global_step * self.args.gradient_accumulation_steps % self.args.generate_every:
+            raise TrainingError(f"{directory} was saved inside a generation batch but holds no {GENERATION_BATCH}: "
+                                "it cannot be resumed exactly")
 
     # ------------------------------------------------------------------------------------ evaluation
     def has_eval_data(self) -> bool:
@@ -630,6 +794,26 @@ class GRPOTrainer(RLTrainerBase):
                     "eval_samples_per_second": round(len(self.eval_records) / runtime, 3),
                     "eval_steps_per_second": round(len(calls) / runtime, 3)})
         return out
+
+
+def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
+    """One step's [A, B, S] arrays from (generation buffer, slice index) pairs of buffers of different lengths:
+    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere), num_items [A] per slice."""
+    length = max(buf["input_ids"].shape[-1] for buf, _ in pieces)
+    out = {}
+    for key in pieces[0][0]:
+        if key == "num_items":
+            out[key] = jnp.stack([jnp.asarray(buf[key], jnp.float32) for buf, _ in pieces])
+            continue
+        rows = []
+        for buf, i in pieces:
+            x = buf[key][i]
+            if x.ndim == 2:  # [B, S] or [B, S-1]: pad the sequence axis
+                width = length - buf["input_ids"].shape[-1]
+                x = jnp.pad(x, ((0, 0), (0, width)), constant_values=pad_id if key == "input_ids" else 0)
+            rows.append(x)
+        out[key] = jnp.stack(rows)
+    return out
 
 
 GENERATION_BATCH = "generation_batch.npz"  # in a GRPO checkpoint: the generation batch its next steps reuse
