@@ -14,36 +14,43 @@ import pytest
 
 
 def _share_compiled_programs() -> None:
-    """One on-disk XLA compile cache for the whole test run (its pytest-xdist workers included): many tests
-    compile the same programs (the tiny model's forward and train steps) in separate processes or under fresh
-    jit wrappers, and a program compiled once is then loaded. The directory is new for each run (the controller
-    makes it and the workers inherit the variable), so no run starts warm. UNSLOTH_JAX_TEST_COMPILE_CACHE=0 turns
-    it off. The JAX_* variables carry it into the processes tests start (the CLI, notebook kernels, the
-    two-process distributed run)."""
+    """One on-disk XLA compile cache for the test run's pytest processes (the controller makes a new directory
+    and its xdist workers inherit the variable, so no run starts warm): many tests compile the same programs
+    (the tiny model's forward and train steps) under fresh jit wrappers or in the other worker, and a program
+    compiled once is then loaded. Only in these processes: the processes tests start (the CLI, notebook kernels)
+    compile for themselves, and the two-process jax.distributed test hung at its shutdown barrier when its
+    processes shared the cache. UNSLOTH_JAX_TEST_COMPILE_CACHE=0 turns it off."""
     if os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE", "1") == "0":
         return
     path = os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="unsloth-jax-test-xla-")
         os.environ["UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR"] = path
-    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    for name, value in settings.items():
-        os.environ[name.upper()] = str(value)
-        jax.config.update(name, value)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _quick_cpu_codegen() -> None:
-    """On a machine without an NVIDIA GPU, XLA's LLVM backend at -O0 (XLA_FLAGS, read when the backend starts,
-    after this import; inherited by the processes tests start): the tests' tiny programs spend most of their
-    time compiling, and on the CI's 2 cores this cut a sample of training tests from 112 to 79 s. HLO-level
-    passes and float semantics are unchanged (no fast math either way). UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 keeps
-    the default level. The GPU suite (`pytest -m gpu` on the device machine) compiles as users do."""
+    """On a machine without an NVIDIA GPU, this process's XLA LLVM backend at -O0: the tests' tiny programs
+    spend most of their time compiling, and on the CI's 2 cores this cut a sample of training tests from 112 to
+    79 s. HLO-level passes and float semantics are unchanged (no fast math either way). XLA_FLAGS is read when
+    the backend starts, so it is set, the CPU backend started, and the variable restored: the processes tests
+    start (the CLI's training runs, notebook kernels), which mostly execute, compile at the default level.
+    UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 keeps the default level; the GPU suite is untouched."""
     if os.environ.get("UNSLOTH_JAX_TEST_QUICK_CODEGEN", "1") == "0" or os.path.exists("/dev/nvidiactl"):
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+    flags = os.environ.get("XLA_FLAGS")
+    if flags and "xla_backend_optimization_level" in flags:
+        return
+    os.environ["XLA_FLAGS"] = ((flags or "") + " --xla_backend_optimization_level=0").strip()
+    try:
+        jax.devices()
+    finally:
+        if flags is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = flags
 
 
 _quick_cpu_codegen()
@@ -57,8 +64,31 @@ def _has_gpu() -> bool:
         return False
 
 
+# Files whose tests run longest on a 2-core CPU (a minute or so each: subprocesses, notebooks, the real
+# SmolLM2 model): they start first, so pytest-xdist's workers do not end on them one at a time.
+_LONG_FIRST = ("test_cli.py", "test_distributed.py", "test_notebooks.py", "test_fp8_model.py", "test_readme.py",
+               "test_gguf_loading.py", "test_trainer_base.py", "test_grpo.py", "test_long_context.py")
+
+
+def _one_case_per_test(items: list) -> list:
+    """UNSLOTH_JAX_ONE_CASE_PER_TEST=1: the first parametrization of each test function only (.ci/run's second
+    stage, which checks that every kernel test runs on another jax version; the main stage runs every case)."""
+    seen, kept = set(), []
+    for item in items:
+        key = (item.path, getattr(item, "originalname", item.name))
+        if key not in seen:
+            seen.add(key)
+            kept.append(item)
+    return kept
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip @pytest.mark.gpu tests when no GPU is present."""
+    """Long-running files first; UNSLOTH_JAX_ONE_CASE_PER_TEST; skip @pytest.mark.gpu tests without a GPU."""
+    if os.environ.get("UNSLOTH_JAX_ONE_CASE_PER_TEST") == "1":
+        kept = _one_case_per_test(items)
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+    items.sort(key=lambda item: item.path.name not in _LONG_FIRST)  # stable: the order within each group stays
     if _has_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on the device machine)")

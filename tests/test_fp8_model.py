@@ -26,12 +26,13 @@ def test_fp8_logits_on_smollm2(smollm2, base):
     """FP8 base vs bf16 base, and an NF4 base as FP8 GEMMs (nf4_gemm=fp8) vs the same NF4 base dequantized.
     Measured (BENCHMARKS.md): 8.0% relative error against bf16, 85% top-1 agreement; 11.8% and 86% for the NF4
     base (whose e4m3 weights are as far from its dequantized weights, 2.6%, as FP8's from bf16's). The bounds
-    catch a broken FP8 path (a wrong scale or layout gives errors near 100%); they are not the issue's 5% goal."""
+    catch a broken FP8 path (a wrong scale or layout gives errors near 100%); they are not the issue's 5% goal.
+    Two prompts (108 tokens, deterministic; 8.4% / 91% and 11.7% / 87% there) keep it to a minute on 2 cores."""
     from bench.fp8_quality import logits_error
     from unsloth_jax import ops
 
     try:
-        out = logits_error(smollm2, base, n_prompts=4)
+        out = logits_error(smollm2, base, n_prompts=2)
     finally:
         ops.set_impl("nf4_gemm", "auto")
     print(out)
