@@ -75,6 +75,17 @@ class DecoderLayer(nnx.Module):
         return x + h, new_cache, stats
 
 
+def call_inputs(input_ids, attention_mask=None, positions=None, segment_ids=None) -> tuple[jax.Array, Batch]:
+    """A model call's arguments as (input_ids int32 [B, S], Batch): [S] ids become one row, attention_mask
+    [B, S] (1 = real) is cast to int32 in the ids' shape."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if input_ids.ndim == 1:
+        input_ids = input_ids[None]
+    if attention_mask is not None:
+        attention_mask = jnp.asarray(attention_mask, jnp.int32).reshape(input_ids.shape)
+    return input_ids, make_batch(input_ids, attention_mask, positions, segment_ids)
+
+
 def make_batch(input_ids, attention_mask=None, positions=None, segment_ids=None, right_padded: bool = False) -> Batch:
     """Side inputs of a forward pass. right_padded=True promises that every row's padding is at its end
     (training batches), which lets attention use cuDNN's sequence-length masking."""
@@ -212,10 +223,5 @@ class CausalLM(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         """Logits [B, S, V] (float32) for input_ids [B, S] (or [S]) of ints; attention_mask [B, S] 1 = real."""
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        if input_ids.ndim == 1:
-            input_ids = input_ids[None]
-        if attention_mask is not None:
-            attention_mask = jnp.asarray(attention_mask, jnp.int32).reshape(input_ids.shape)
-        batch = make_batch(input_ids, attention_mask, positions, segment_ids)
+        input_ids, batch = call_inputs(input_ids, attention_mask, positions, segment_ids)
         return self.logits_from_hidden(self.hidden_states(input_ids, batch))

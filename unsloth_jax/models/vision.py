@@ -29,7 +29,7 @@ from flax import nnx
 from unsloth_jax import ops
 from unsloth_jax.backend import is_tracer
 from unsloth_jax.config import VisionConfig, VisionLanguageConfig
-from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.models.decoder import CausalLM, call_inputs
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.models.layers import Embedding, Linear, RMSNorm
 
@@ -239,12 +239,7 @@ class Gemma3ForConditionalGeneration(CausalLM):
         mm_tokens_per_image image tokens each in input_ids), token_type_ids [B, S] (1 = image token: bidirectional
         within each image; None: causal everywhere, as transformers without token_type_ids), attention_mask
         [B, S] 1 = real."""
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        if input_ids.ndim == 1:
-            input_ids = input_ids[None]
-        if attention_mask is not None:
-            attention_mask = jnp.asarray(attention_mask, jnp.int32).reshape(input_ids.shape)
-        batch = make_batch(input_ids, attention_mask, positions, segment_ids)
+        input_ids, batch = call_inputs(input_ids, attention_mask, positions, segment_ids)
         if token_type_ids is not None:
             token_type_ids = jnp.asarray(token_type_ids, jnp.int32).reshape(input_ids.shape)
             batch = batch._replace(block_ids=image_block_ids(token_type_ids))
