@@ -17,18 +17,21 @@ def _share_compiled_programs() -> None:
     """One on-disk XLA compile cache for the test run's pytest processes (the controller makes a new directory
     and its xdist workers inherit the variable, so no run starts warm): many tests compile the same programs
     (the tiny model's forward and train steps) under fresh jit wrappers or in the other worker, and a program
-    compiled once is then loaded. Only in these processes: the processes tests start (the CLI, notebook kernels)
-    compile for themselves, and the two-process jax.distributed test hung at its shutdown barrier when its
-    processes shared the cache. UNSLOTH_JAX_TEST_COMPILE_CACHE=0 turns it off."""
+    compiled once is then loaded. The JAX_* variables carry it into the processes tests start (the CLI, notebook
+    kernels, the 8-device cases of tests/multidevice_cases.py), except the two-process jax.distributed run,
+    which hung at its shutdown barrier sharing it (test_distributed drops the variables for it).
+    UNSLOTH_JAX_TEST_COMPILE_CACHE=0 turns it off."""
     if os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE", "1") == "0":
         return
     path = os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="unsloth-jax-test-xla-")
         os.environ["UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR"] = path
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)
 
 
 def _quick_cpu_codegen() -> None:
