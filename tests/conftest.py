@@ -37,7 +37,9 @@ def _share_compiled_programs() -> None:
 def _quick_cpu_codegen() -> None:
     """On a machine without an NVIDIA GPU, this process's XLA LLVM backend at -O0: the tests' tiny programs
     spend most of their time compiling, and on the CI's 2 cores this cut a sample of training tests from 112 to
-    79 s. HLO-level passes and float semantics are unchanged (no fast math either way). XLA_FLAGS is read when
+    79 s. HLO-level passes are unchanged, but LLVM's code may round float32 differently in the last bits, so a
+    test that asks two programs for bit-identical results pins the level in its compiler_options (as
+    test_fp8_model's fused-GLU test does). XLA_FLAGS is read when
     the backend starts, so it is set, the CPU backend started, and the variable restored: the processes tests
     start (the CLI's training runs, notebook kernels), which mostly execute, compile at the default level.
     UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 keeps the default level; the GPU suite is untouched."""
