@@ -124,16 +124,22 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not Path(model_dir).is_dir():
-            raise CheckpointNotFoundError(f"model directory not found: {model_dir}")
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw, path = read_config_json(model_dir)
         return _parse(raw, str(path))
+
+
+def read_config_json(model_dir: str | os.PathLike) -> tuple[dict, Path]:
+    """(the parsed config.json of a Hugging Face model directory, its path); CheckpointNotFoundError for a missing
+    directory or file, ConfigError for invalid JSON, each naming the path."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise CheckpointNotFoundError(f"model directory not found: {model_dir}")
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        return json.loads(path.read_text()), path
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def _need(raw: dict, key: str, source: str):
@@ -493,13 +499,7 @@ class VisionLanguageConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "VisionLanguageConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw, path = read_config_json(model_dir)
         return _parse_vision_language(raw, str(path))
 
 
