@@ -54,6 +54,18 @@ def peak_gib() -> float:
     return round(stats.get("peak_bytes_in_use", 0) / 2**30, 3)
 
 
+class MemoryByStep:
+    """Callback: GPU bytes in use and the peak so far after each optimizer step (GiB), for a flat-memory check."""
+
+    def __init__(self):
+        self.in_use, self.peak = [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        stats = jax.devices()[0].memory_stats() or {}
+        self.in_use.append(round(stats.get("bytes_in_use", 0) / 2**30, 3))
+        self.peak.append(round(stats.get("peak_bytes_in_use", 0) / 2**30, 3))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
@@ -90,8 +102,9 @@ def main() -> None:
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=rows, num_generations=a.generations,
                       max_completion_length=a.completion, max_steps=a.steps, logging_steps=1, learning_rate=1e-6,
                       beta=a.beta, report_to="none")
+    memory = MemoryByStep()
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
-                          processing_class=tok)
+                          processing_class=tok, callbacks=[memory])
     result = trainer.train()
     grpo_peak = peak_gib()
     steps = [e for e in trainer.state.log_history if "time/generation" in e]
@@ -117,7 +130,8 @@ def main() -> None:
                       "train_padded_tokens_per_s": round(float(np.median(np.divide(padded, train_s))), 1),
                       "train_step_s": round(float(np.median(train_s)), 3),
                       "generation_fraction": round(float(np.sum(gen_s) / (np.sum(gen_s) + np.sum(train_s))), 3),
-                      "peak_gib": grpo_peak, "train_s_all": [round(e["time/train"], 3) for e in steps],
+                      "peak_gib": grpo_peak, "in_use_gib_by_step": memory.in_use,
+                      "peak_gib_by_step": memory.peak, "train_s_all": [round(e["time/train"], 3) for e in steps],
                       "final_loss": result.training_loss}), flush=True)
 
     # The SFT train step (what SFTTrainer runs: make_train_step) on the same model, rows of the GRPO step's shape.
