@@ -3,6 +3,8 @@
 # engine at the issue's shapes beside transformers' static cache, and GRPO. JSON lines under $OUT.
 #   bash bench/generate_session.sh a   # kernel GPU tests; Qwen2-1.5B engine rows beside transformers; 8B engine rows
 #   bash bench/generate_session.sh b   # transformers at 8B; GRPO at 1.5B; 8B NF4 engine row
+#   bash bench/generate_session.sh c   # the NF4 decode kernel: GPU tests, alone vs dequantize + GEMM and vs bf16,
+#                                      # a config sweep, the 8B NF4 engine row with and without it
 # Env: GEN_IMPLS (the kernel choices tried besides the default, space-separated UNSLOTH_JAX_IMPL values),
 # GEN_TIMEOUT, HF_TIMEOUT.
 set -u
@@ -44,6 +46,19 @@ if [ "$part" = a ]; then
   hf qwen2-1.5b 16,128
   $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
   engine llama3-8b 120 "$best" --rows 16,128 --weights shared
+elif [ "$part" = c ]; then
+  log "pytest -m gpu tests/kernels/test_nf4_decode.py"
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/kernels/test_nf4_decode.py > "$OUT/pytest_gpu_nf4_decode.txt" 2>&1
+  tail -3 "$OUT/pytest_gpu_nf4_decode.txt"
+  log "nf4_decode_bench"
+  timeout 150 $PY bench/nf4_decode_bench.py --models llama-3-8b --m 1,16,128 2>>$ERR | tee -a "$OUT/nf4_decode.jsonl" \
+    | cut -c1-220
+  $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
+  engine llama3-8b 100 "$best,nf4_decode=pallas" --rows 16 --weights shared --load-in-4bit
+  engine llama3-8b 100 "$best,nf4_decode=xla" --rows 16 --weights shared --load-in-4bit
+  log "nf4_decode_bench --sweep"
+  timeout ${SWEEP_TIMEOUT:-130} $PY bench/nf4_decode_bench.py --sweep --models llama-3-8b --proj gate_up,down --m 16 \
+    --budget-s ${SWEEP_BUDGET:-110} 2>>$ERR | tee -a "$OUT/nf4_decode_sweep.jsonl" | grep -c .
 else
   $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
   hf llama3-8b 16

@@ -98,8 +98,9 @@ for st in $stages; do
         --completion 256 --prompt-len 64 --steps 6 --warmup 2 ${GRPO_FLAGS:+${GRPO_FLAGS//+/ }} \
         2>>"$OUT/grpo_err.txt" | grep '^{"name' | tee -a "$OUT/grpo.jsonl" ;;
     ab)
-      # old (.bench_old) vs new (working tree), same checkpoint, same flags, alternating
-      for m in qwen2-1.5b llama3-8b; do
+      # old (.bench_old) vs new (working tree), same checkpoint, same flags, alternating; AB_MODELS; AB_GENERATE=1
+      # also times the engine (16 rows, both decode kernels forced on both sides) on each model after its train runs
+      for m in ${AB_MODELS:-qwen2-1.5b llama3-8b}; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
         b=4; [ $m = llama3-8b ] && b=2
         for i in $(seq ${AB_RUNS:-1}); do
@@ -109,6 +110,14 @@ for st in $stages; do
             PYTHONPATH=$root timeout ${TRAIN_TIMEOUT:-150} $PY $root/bench/train_bench.py $CK/$m --batch $b --seq 2048 \
               --remat true 2>>"$OUT/train_err.txt" | tail -1 | sed "s/^{/{\"side\": \"$side\", /" | tee -a "$OUT/ab.jsonl"
           done
+        done
+        [ "${AB_GENERATE:-0}" = 1 ] || continue
+        for side in old new; do
+          root=$PWD; [ $side = old ] && root=$PWD/.bench_old
+          log "ab generate $m $side"
+          PYTHONPATH=$root UNSLOTH_JAX_IMPL=paged_attention=pallas,decode_linear=pallas timeout ${GEN_TIMEOUT:-90} \
+            $PY $root/bench/generate_bench.py $CK/$m --rows 16 --weights shared 2>>"$OUT/train_err.txt" | grep '^{' \
+            | tail -1 | sed "s/^{/{\"side\": \"$side\", /" | tee -a "$OUT/ab_generate.jsonl" | cut -c1-300
         done
       done ;;
     offloadprobe)

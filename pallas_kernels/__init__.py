@@ -39,6 +39,7 @@ _EXPORTS = {
     "nf4_fp8_matmul": "pallas_kernels.nf4_fp8",
     "grouped_matmul": "pallas_kernels.grouped_matmul",
     "stacked_linear": "pallas_kernels.decode_linear",
+    "nf4_decode_linear": "pallas_kernels.nf4_decode",
     "paged_decode_attention": "pallas_kernels.decode_attention",
     "resolve_interpret": "pallas_kernels._common",
 }

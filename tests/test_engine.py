@@ -31,10 +31,11 @@ def _prompts(rng, lengths, vocab=256):
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
-def _live_lora(model_dir, rng, dtype="float32"):
+def _live_lora(model_dir, rng, dtype="float32", **load):
     """The model of model_dir (float32) with LoRA r=4 whose B factors are random (so the adapters change the
-    output)."""
-    model, _ = FastLanguageModel.from_pretrained(model_dir, dtype=dtype, load_tokenizer=False, progress=False)
+    output); `load`: more from_pretrained arguments (load_in_4bit=True)."""
+    model, _ = FastLanguageModel.from_pretrained(model_dir, dtype=dtype, load_tokenizer=False, progress=False,
+                                                 **load)
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
     key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
     for i, lin in enumerate(model.projections().values()):
@@ -256,14 +257,15 @@ def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
     np.testing.assert_array_equal(got[0].outputs[0].token_ids, want)
 
 
-@pytest.mark.parametrize("impl", ["decode_linear", "paged_attention"])
+@pytest.mark.parametrize("impl", ["decode_linear", "paged_attention", "nf4_decode"])
 def test_decode_kernels_in_the_engine_equal_xla(llama, rng, impl):
     """The engine with a decode kernel forced (Pallas, interpret mode on the CPU) gives the XLA path's greedy
-    tokens and log-probs, with a live LoRA (fused into the decode GEMM)."""
+    tokens and log-probs, with a live LoRA (fused into the decode GEMM; nf4_decode: on the NF4 base, against the
+    slice + dequantize + matmul path)."""
     from unsloth_jax import ops
 
     _, base = llama
-    model = _live_lora(base.model_dir, rng)
+    model = _live_lora(base.model_dir, rng, **({"load_in_4bit": True} if impl == "nf4_decode" else {}))
     prompts = _prompts(rng, [5, 19])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     want = Engine(model).generate(prompts, params)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_OPS = {"rms_norm": "rms_norm", "rope": "rope", "glu": "glu", "glu_fp8": "glu_fp8", "lora_linear": "linear",
               "cross_entropy": "cross_entropy", "flash_attention": "attention", "nf4": "nf4_matmul",
               "grouped_matmul": "grouped_matmul", "decode_attention": "paged_attention",
-              "decode_linear": "decode_linear"}
+              "decode_linear": "decode_linear", "nf4_decode": "nf4_decode"}
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # What each winning kernel's docstring says its default is: probes (dtype, last dim) picked / not picked.
 WHERE_PICKED = {
@@ -30,6 +30,7 @@ WHERE_PICKED = {
     "grouped_matmul": ([(BF16, 2048), (F16, 768)], [(F32, 2048)]),
     "paged_attention": ([(BF16, 64), (BF16, 128), (F16, 256)], [(F32, 128), (BF16, 96), (BF16, 512)]),
     "decode_linear": ([(BF16, 1536), (F16, 4096)], [(F32, 1536)]),
+    "nf4_decode": ([(BF16, 1536), (F16, 4096)], [(F32, 1536)]),
 }
 HEADINGS = {line[3:].strip() for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("## ")}
 KERNEL_MODULES = sorted(f.stem for f in (ROOT / "pallas_kernels").glob("*.py") if "pallas_call(" in f.read_text())

@@ -42,19 +42,20 @@ from unsloth_jax.backend import mesh_batch_axes
 
 @jax.tree_util.register_pytree_node_class
 class LayerSlice:
-    """Layer `layer` of a stacked projection kernel `stack` [L, in, out], not yet sliced: the generation engine
-    hands these to `linear`, whose decode kernel reads the layer in place (slicing inside a compiled step
-    copies the slice). `layer` is static (pytree aux data); `value()` is the plain slice."""
+    """Layer `layer` of a stacked projection kernel `stack` (a dense [L, in, out] array, or an NF4Weight stacked
+    over L layers), not yet sliced: the generation engine hands these to `linear`, whose decode kernels read the
+    layer in place (slicing inside a compiled step copies the slice). `layer` is static (pytree aux data);
+    `value()` is the plain slice (a [in, out] array or a one-layer NF4Weight)."""
 
-    def __init__(self, stack: jax.Array, layer: int):
+    def __init__(self, stack, layer: int):
         self.stack, self.layer = stack, int(layer)
 
-    def value(self) -> jax.Array:
-        return self.stack[self.layer]
+    def value(self):
+        return jax.tree.map(lambda a: a[self.layer], self.stack)
 
     @property
     def shape(self):
-        return self.stack.shape[1:]
+        return self.stack.shape if isinstance(self.stack, NF4Weight) else self.stack.shape[1:]
 
     @property
     def dtype(self):
@@ -80,6 +81,7 @@ IMPLS = {
     "attention": ("xla", "pallas", "cudnn"),
     "paged_attention": ("xla", "pallas"),  # decode attention over the generation engine's page pool
     "decode_linear": ("xla", "pallas"),  # the engine's decode GEMMs on a stacked kernel's layer, LoRA fused
+    "nf4_decode": ("xla", "pallas"),  # the same on a stacked NF4 weight, dequantized in registers
     # not a kernel: the engine's decode loop compiled with XLA's default GEMMs ("xla") or with cuBLAS GEMMs
     # that read a layer's weights in place from the stacked kernels (dynamic-slice fusion, "cublas_inplace")
     "decode_gemm": ("xla", "cublas_inplace"),
@@ -297,6 +299,7 @@ PALLAS_WINS = {
     # Qwen2-1.5B decode step at 16 rows took 2.99 ms against 4.46 ms for XLA's page gather and slice copies.
     "paged_attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
     "decode_linear": lambda x: x.dtype in (_BF16, jnp.float16),
+    "nf4_decode": lambda x: x.dtype in (_BF16, jnp.float16),
     # NF4 projections: the Pallas dequantize, then XLA's matmul.
     "nf4_matmul": lambda x: x.dtype == _BF16,
     # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
@@ -434,7 +437,10 @@ def linear(x: jax.Array, kernel, bias: jax.Array | None = None, lora=None, *, ke
     if kernel_grad and (isinstance(kernel, (NF4Weight, FP8Weight)) or lora is not None):
         raise ValueError("ops.linear: kernel_grad=True needs a dense kernel without LoRA (full fine-tuning)")
     if isinstance(kernel, LayerSlice):
-        if use_pallas("decode_linear", x):
+        if isinstance(kernel.stack, NF4Weight):
+            if _nf4_decode_applies(x, kernel.stack):
+                return _decode_linear_nf4(x, kernel, bias, lora)
+        elif use_pallas("decode_linear", x):
             return _decode_linear(x, kernel, bias, lora)
         kernel = kernel.value()
     if isinstance(kernel, NF4Weight):
@@ -474,6 +480,29 @@ def _decode_linear(x: jax.Array, kernel: LayerSlice, bias, lora) -> jax.Array:
                        bias=None if bias is None else bias.astype(x.dtype),
                        lora_a=None if a is None else a.astype(x.dtype),
                        lora_b=None if b is None else b.astype(x.dtype), lora_scale=float(scale))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _nf4_decode_applies(x: jax.Array, stack: NF4Weight) -> bool:
+    """Whether an NF4 decode projection runs pallas_kernels.nf4_decode (the policy picks it, the weight's layout
+    suits it, and the NF4 base multiplies in the compute dtype rather than as FP8 GEMMs)."""
+    from pallas_kernels.nf4_decode import supported
+
+    return (use_pallas("nf4_decode", x) and supported(stack)
+            and active_policy().requested("nf4_gemm") != "fp8")
+
+
+def _decode_linear_nf4(x: jax.Array, kernel: LayerSlice, bias, lora) -> jax.Array:
+    """linear() of decode rows x [..., in] on layer kernel.layer of a stacked NF4 weight, dequantized in
+    registers by pallas_kernels.nf4_decode (the layer read in place; LoRA and bias added by the kernel)."""
+    from pallas_kernels.nf4_decode import nf4_decode_linear
+
+    _note("nf4_decode", "pallas")
+    a, b, scale = lora if lora is not None else (None, None, 1.0)
+    flat = x.reshape(-1, x.shape[-1])
+    stack = jax.tree.map(jax.lax.stop_gradient, kernel.stack)
+    y = nf4_decode_linear(flat, stack, jnp.int32(kernel.layer), bias=bias, lora_a=a, lora_b=b,
+                          lora_scale=float(scale))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

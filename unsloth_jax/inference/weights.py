@@ -136,16 +136,21 @@ def _is_projection_kernel(path) -> bool:
 
 def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: bool = False):
     """Layer i as a module, inside a traced function: its slice of the stack and its own arrays. in_place
-    (decode steps of a "shared" plan): the dense projection kernels stay `ops.LayerSlice`s of the stack, which
-    `ops.linear` reads in place when its decode kernel is chosen (and slices otherwise)."""
+    (decode steps of a "shared" plan): the projection kernels (dense, or NF4) stay `ops.LayerSlice`s of the
+    stack, which `ops.linear` reads in place when its decode kernel is chosen (and slices otherwise)."""
     parts = list(weights.per_layer[i])
     if plan.sliced:
         def pick(path, a):
+            if isinstance(a, NF4Weight):
+                if in_place and len(a.stack_shape) == 1 and _is_projection_kernel(path):
+                    return ops.LayerSlice(a, i)
+                return jax.tree.map(lambda v: v[i], a)
             if in_place and a.ndim == 3 and jnp.issubdtype(a.dtype, jnp.floating) and _is_projection_kernel(path):
                 return ops.LayerSlice(a, i)
             return a[i]
 
-        parts.insert(0, jax.tree_util.tree_map_with_path(pick, weights.stacked))
+        parts.insert(0, jax.tree_util.tree_map_with_path(pick, weights.stacked,
+                                                         is_leaf=lambda a: isinstance(a, NF4Weight)))
     return nnx.merge(plan.layer_graphdef, *parts)
 
 
