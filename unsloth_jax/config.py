@@ -26,6 +26,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts fami
 class ModelConfig:
     """Static description of a decoder. Hashable, so it can be a static argument of jitted functions."""
 
+    # ---- shape ----
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -34,40 +35,45 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    # ---- special tokens, dtype and the output head (as the HF config gives them) ----
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    tie_word_embeddings: bool = False
+    final_softcap: float | None = None
+    # ---- attention ----
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    query_scale: float = 0.0  # softmax scale; 0 means head_dim ** -0.5
+    attn_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window size, or None for full attention
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
+    # ---- RoPE: rope_type "default" | "linear" | "llama3" | "longrope" | "yarn" ----
     rope_theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
+    rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
-    activation: str = "silu"  # "silu" | "gelu" (erf) | "gelu_tanh"
-    norm_offset: float = 0.0  # Gemma's (1 + w) RMSNorm
-    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden)
-    sandwich_norms: bool = False  # Gemma 2: post-attention and pre/post feed-forward norms
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    query_scale: float = 0.0  # softmax scale; 0 means head_dim ** -0.5
-    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window size, or None for full attention
     rope_local_theta: float = 0.0  # Gemma 3: plain-RoPE base of the sliding-window layers; 0 = all layers alike
     rotary_dim: int = 0  # Phi-3 partial_rotary_factor: RoPE on the first rotary_dim dims of a head; 0 = head_dim
     rope_short_factor: tuple[float, ...] = ()  # LongRoPE (Phi-3): per-frequency divisors up to the original length
     rope_long_factor: tuple[float, ...] = ()  # ... and beyond it (chosen by the largest position of a call)
     rope_attention_factor: float = 1.0  # LongRoPE / YaRN: cos and sin (not the local ones) are multiplied by this
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    torch_dtype: str | None = None
-    # ---- YaRN RoPE (gpt-oss): rope_type "yarn" ----
-    rope_beta_fast: float = 32.0
+    rope_beta_fast: float = 32.0  # YaRN (gpt-oss)
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
+    # ---- norms and embeddings ----
+    rms_norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # Gemma's (1 + w) RMSNorm
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden)
+    sandwich_norms: bool = False  # Gemma 2: post-attention and pre/post feed-forward norms
+    # ---- dense MLP ----
+    mlp_bias: bool = False
+    activation: str = "silu"  # "silu" | "gelu" (erf) | "gelu_tanh"
     # ---- mixture of experts (Qwen3-MoE, Mixtral, gpt-oss); num_experts = 0 means a dense MLP everywhere ----
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -84,7 +90,6 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     output_router_logits: bool = False  # as in transformers: add router_aux_loss_coef * aux loss to the loss
     router_aux_loss_coef: float = 0.001
-    attn_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax denominator
 
     @property
     def scale(self) -> float:
