@@ -30,22 +30,13 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.decode_linear_bench import SHAPES  # noqa: E402  (model, projection, K, N)
 from bench.timing import device_ms, emit  # noqa: E402
 from pallas_kernels.decode_linear import stacked_linear  # noqa: E402
 from pallas_kernels.nf4 import qlora_linear  # noqa: E402
 from pallas_kernels.nf4_decode import NF4DecodeConfig, nf4_decode_linear, pick_config  # noqa: E402
 from pallas_kernels.nf4_format import quantize_nf4, stack_nf4  # noqa: E402
 
-SHAPES = [  # (model, projection, K, N)
-    ("qwen2-1.5b", "q_o", 1536, 1536),
-    ("qwen2-1.5b", "k_v", 1536, 256),
-    ("qwen2-1.5b", "gate_up", 1536, 8960),
-    ("qwen2-1.5b", "down", 8960, 1536),
-    ("llama-3-8b", "q_o", 4096, 4096),
-    ("llama-3-8b", "k_v", 4096, 1024),
-    ("llama-3-8b", "gate_up", 4096, 14336),
-    ("llama-3-8b", "down", 14336, 4096),
-]
 L_STACK, LAYER, RANK, SCALE = 4, 3, 16, 2.0
 TIMING = dict(runs=10, target_ms=2.0, max_bytes=2 << 30)
 SWEEP_TIMING = dict(runs=5, target_ms=1.0, max_bytes=1 << 30)

@@ -117,6 +117,15 @@ def full_spec(shape):
     return pl.BlockSpec(tuple(shape), lambda *_: (0,) * nd)
 
 
+def split_k_output(m: int, n: int, splits: int, dtype):
+    """(out_shape, out_spec) for a [m, n] result computed over `splits` K ranges (grid axis 2): one split writes
+    it in `dtype`; several write float32 partials [splits, m, n], one slab per split, that the caller sums."""
+    if splits == 1:
+        return jax.ShapeDtypeStruct((m, n), dtype), full_spec((m, n))
+    return (jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+            pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0)))
+
+
 __all__ = ["resolve_interpret", "compiler_params", "next_pow2", "cdiv", "on_gpu", "pl", "plgpu", "and_masks",
            "range_mask", "mask_2d", "broadcast_mask", "load", "load_tile", "store_tile",
-           "grouped_pid", "full_spec"]
+           "grouped_pid", "full_spec", "split_k_output"]

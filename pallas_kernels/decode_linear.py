@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
-                                    plgpu, range_mask, resolve_interpret)
+                                    plgpu, range_mask, resolve_interpret, split_k_output)
 
 __all__ = ["stacked_linear", "DecodeConfig", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
 
@@ -279,12 +279,7 @@ def stacked_linear(x, w, layer, *, bias=None, lora_a=None, lora_b=None, lora_sca
     if has_lora:
         operands += [lora_a.astype(x.dtype), lora_b.astype(x.dtype)]
         in_specs += [full_spec(lora_a.shape), full_spec(lora_b.shape)]
-    if S == 1:
-        out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
-        out_spec = full_spec((M, N))
-    else:
-        out_shape = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
-        out_spec = pl.BlockSpec((None, M, N), lambda i, j, s: (s, 0, 0))
+    out_shape, out_spec = split_k_output(M, N, S, x.dtype)
     kernel = functools.partial(
         _kernel, M=M, K=K, N=N, R=r, RP=RP, bm=bm, bn=bn, bk=bk, steps=steps, splits=S,
         scale=float(lora_scale), has_bias=bias is not None and S == 1, has_lora=has_lora,

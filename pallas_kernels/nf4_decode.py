@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
-                                    plgpu, range_mask, resolve_interpret)
+                                    plgpu, range_mask, resolve_interpret, split_k_output)
 from pallas_kernels.nf4 import _nf4_lookup
 from pallas_kernels.nf4_format import DYNAMIC_MAP, NESTED_BLOCKSIZE, NF4_CODE, NF4Weight, no_fma
 
@@ -232,12 +232,7 @@ def nf4_decode_linear(x, q: NF4Weight, layer, *, bias=None, lora_a=None, lora_b=
         operands += [xa, b]
     if bias is not None and in_kernel:
         operands.append(bias.astype(x.dtype))
-    if in_kernel:
-        out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
-        out_spec = full_spec((M, N))
-    else:
-        out_shape = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
-        out_spec = pl.BlockSpec((None, M, N), lambda i, j, s: (s, 0, 0))
+    out_shape, out_spec = split_k_output(M, N, S, x.dtype)
     kernel = functools.partial(
         _kernel, M=M, N=N, K=K, blocksize=q.blocksize, nblocks2=q.nblocks2, bm=bm, bn=bn, bk2=bk2, steps=steps,
         splits=S, double=q.double_quant, lut=cfg.lut, has_lora=has_lora and in_kernel,
