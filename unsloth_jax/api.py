@@ -424,7 +424,8 @@ class VisionModel(Gemma3ForConditionalGeneration):
     """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
     unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
     input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
-    Not yet: saving, generation, and training steps that feed pixel_values (the trainers run the text path)."""
+    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md).
+    Not yet: saving, generation with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -450,8 +451,8 @@ class FastVisionModel:
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
         """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"). Returns
         (VisionModel, processor): transformers' AutoProcessor of the directory, or None where it has none
-        (no preprocessor_config.json) or it cannot be built. dtype as FastLanguageModel.from_pretrained.
-        load_in_4bit is not supported yet (ConfigError)."""
+        (no preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
+        FastLanguageModel.from_pretrained. load_in_4bit is not supported yet (ConfigError)."""
         from unsloth_jax.config import VisionLanguageConfig
         from unsloth_jax.hf.vision_io import load_vision_language_model
 
@@ -472,7 +473,8 @@ class FastVisionModel:
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         processor = None
-        if require_bool("load_processor", load_processor) and (model_dir / "preprocessor_config.json").is_file():
+        processor_files = ("preprocessor_config.json", "processor_config.json")  # transformers 4 / 5 names
+        if require_bool("load_processor", load_processor) and any((model_dir / f).is_file() for f in processor_files):
             try:
                 from transformers import AutoProcessor
 
