@@ -3,7 +3,6 @@ mlp switches, Unsloth's names) against transformers + PEFT targeting the same mo
 the same trainable parameter count, and equal loss and LoRA gradients (float32) on a batch with images."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

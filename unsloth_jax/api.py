@@ -430,8 +430,9 @@ class VisionModel(Gemma3ForConditionalGeneration):
     """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
     unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
     input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
-    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md).
-    Not yet: saving, generation with images."""
+    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
+    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers.
+    Not yet: generation with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -441,6 +442,22 @@ class VisionModel(Gemma3ForConditionalGeneration):
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
         return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
+        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
+        Gemma3ForConditionalGeneration, with the processor or tokenizer when given (hf.vision_export)."""
+        from unsloth_jax.hf.vision_export import save_vision_adapter
+
+        save_vision_adapter(self, save_directory, tokenizer, **kwargs)
+
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", dtype=None) -> None:
+        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Gemma3ForConditionalGeneration
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        from unsloth_jax.hf.vision_export import save_vision_merged
+
+        save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+                           dtype=dtype)
 
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision
