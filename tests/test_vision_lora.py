@@ -72,3 +72,29 @@ def test_switches_and_refusals(checkpoint):  # noqa: F811
     assert all(lin.lora_a is not None for lin in model.vision_projections().values())
     assert model.lora.vision_target_modules == ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
     assert model.lora.target_modules == ()
+
+
+@pytest.mark.slow
+def test_sft_trainer_trains_the_vision_lora_and_evaluates(checkpoint, tmp_path):  # noqa: F811
+    """SFTTrainer with finetune_vision_layers=True moves the vision pairs' B away from 0 (the gradient reaches
+    the tower inside the jitted step), and evaluate() on an eval_dataset gives the token-mean loss of the trained
+    model on the collated batch."""
+    import jax.numpy as jnp
+
+    from unsloth_jax import SFTConfig, SFTTrainer, UnslothVisionDataCollator
+    from unsloth_jax.train.step import loss_and_count
+
+    model, processor = _load(checkpoint[0], finetune_vision_layers=True)
+    records = vl_models.shapes_dataset(6)
+    collator = UnslothVisionDataCollator(model, processor)
+    args = SFTConfig(per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2,
+                     output_dir=str(tmp_path / "out"), report_to="none", dataset_text_field="",
+                     dataset_kwargs={"skip_prepare_dataset": True}, max_length=128)
+    trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=collator, train_dataset=records[:4],
+                         eval_dataset=records[4:], args=args)
+    trainer.train()
+    assert all(float(jnp.abs(lin.lora_b[...]).max()) > 0 for lin in model.vision_projections().values())
+    metrics = trainer.evaluate()
+    batch = {k: jnp.asarray(v) for k, v in collator(records[4:]).items()}
+    want = float(loss_and_count(model, batch)[0])
+    assert abs(metrics["eval_loss"] - want) / want < 1e-5, (metrics["eval_loss"], want)
