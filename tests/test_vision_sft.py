@@ -163,6 +163,14 @@ def test_collator_batch_is_the_processors_with_unsloths_masks(checkpoint):
     row = kept["labels"][0]
     assert tok.decode(row[row != -100]) == "The square is red.<end_of_turn>\n"
 
+    from types import SimpleNamespace
+
+    from unsloth_jax.data import train_on_responses_only
+
+    plain = UnslothVisionDataCollator(model, processor)  # the function form sets the collator's markers
+    train_on_responses_only(SimpleNamespace(data_collator=plain), vl_models.INSTRUCTION_PART, vl_models.RESPONSE_PART)
+    np.testing.assert_array_equal(plain(records[:1])["labels"], kept["labels"])
+
 
 def test_bad_records_are_named(checkpoint):
     from unsloth_jax import UnslothVisionDataCollator

@@ -330,6 +330,9 @@ class SFTTrainer(TrainerBase):
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
         self.mesh = mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
+        if mesh is not None and self.data_collator is not None:
+            raise TrainingError("TrainingArguments.mesh: vision-language batches run on one device for now; "
+                                "leave mesh unset")
         shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
         loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         self._train_loader = loader
