@@ -190,8 +190,8 @@ def test_fast_vision_model_loads_and_trains_lora_on_the_language_layers(checkpoi
     ids, types, mask, pixels = _inputs(rng)
     kw = dict(attention_mask=mask, pixel_values=pixels, token_type_ids=types)
     np.testing.assert_array_equal(np.asarray(model(ids, **kw)), np.asarray(ours(ids, **kw)))
-    with pytest.raises(NotImplementedError, match="finetune_vision_layers"):
-        FastVisionModel.get_peft_model(model, r=4, finetune_vision_layers=True)
+    with pytest.raises(ValueError, match="nothing to adapt"):
+        FastVisionModel.get_peft_model(model, r=4, finetune_language_layers=False)
     model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
     assert len(paths) == 14 and all(p.startswith("model.layers.") for p in paths), sorted(paths)

@@ -33,6 +33,7 @@ _EXPORTS = {
     "VisionModel": "unsloth_jax.api",
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
+    "UnslothVisionDataCollator": "unsloth_jax.data.vision",
     "SFTTrainer": "unsloth_jax.train",
     "SFTConfig": "unsloth_jax.train",
     "TrainingArguments": "unsloth_jax.train",

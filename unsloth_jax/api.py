@@ -345,7 +345,7 @@ class FastLanguageModel:
                        lora_dropout: float = 0.0, bias: str = "none", use_gradient_checkpointing="unsloth",
                        random_state: int = 3407, use_rslora: bool = False, modules_to_save=None, loftq_config=None,
                        max_seq_length: int | None = None, target_parameters=None, layers_per_checkpoint: int = 1,
-                       **kwargs):
+                       vision_target_modules=None, **kwargs):
         """Add LoRA adapters in place (nnx.LoRAParam lora_a / lora_b on each targeted projection) and return the
         model. target_modules may be PEFT's "all-linear" (the attention and dense MLP projections).
         target_parameters (MoE families, PEFT's name and form): expert weights to adapt, e.g.
@@ -362,7 +362,10 @@ class FastLanguageModel:
         or device memory): with "unsloth" or True, keep only every layers_per_checkpoint-th layer input across
         the stack (rounded up to whole groups of alternating layer kinds: Gemma 2: 2, Gemma 3: 6) and recompute
         one group at a time in the backward pass: L / K + K layer inputs kept instead of L, for one more
-        forward pass of the layers. 1 (default): per-layer checkpointing."""
+        forward pass of the layers. 1 (default): per-layer checkpointing.
+        vision_target_modules (vision-language models; FastVisionModel.get_peft_model sets it from
+        finetune_vision_layers): the vision tower's Linears to adapt (q_proj, k_proj, v_proj, out_proj, fc1, fc2);
+        target_modules may then be empty (no language LoRA)."""
         if kwargs:
             raise TypeError(f"get_peft_model() got unexpected keyword argument(s): {', '.join(kwargs)}")
         if not isinstance(model, CausalLM):
@@ -384,7 +387,9 @@ class FastLanguageModel:
         use_rslora = require_bool("use_rslora", use_rslora)
         if max_seq_length is not None:
             max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
-        targets = lora_lib.expand_targets(target_modules) if target_modules or not target_parameters else ()
+        vision_targets = tuple(vision_target_modules or ())
+        language = target_modules or not (target_parameters or vision_targets)  # empty only beside other targets
+        targets = lora_lib.expand_targets(target_modules) if language else ()
         saved = _saved_modules(model, modules_to_save)
         if lora_dropout:
             log.warning("unsloth_jax: lora_dropout=%s is accepted for compatibility but not applied "
@@ -395,7 +400,8 @@ class FastLanguageModel:
                              "dropout to a LoRA folded into an expert weight)")
         settings = lora_lib.LoraSettings(r=r, lora_alpha=lora_alpha, target_modules=targets,
                                          lora_dropout=lora_dropout, bias=bias, use_rslora=use_rslora,
-                                         modules_to_save=saved, target_parameters=expert_targets or None)
+                                         modules_to_save=saved, target_parameters=expert_targets or None,
+                                         vision_target_modules=vision_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
         if isinstance(model, (Model, VisionModel)):
             model.gradient_checkpointing = gradient_checkpointing
@@ -424,7 +430,9 @@ class VisionModel(Gemma3ForConditionalGeneration):
     """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
     unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
     input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
-    Not yet: saving, generation, and training steps that feed pixel_values (the trainers run the text path)."""
+    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
+    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers.
+    Not yet: generation with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -434,6 +442,22 @@ class VisionModel(Gemma3ForConditionalGeneration):
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
         return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
+        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
+        Gemma3ForConditionalGeneration, with the processor or tokenizer when given (hf.vision_export)."""
+        from unsloth_jax.hf.vision_export import save_vision_adapter
+
+        save_vision_adapter(self, save_directory, tokenizer, **kwargs)
+
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", dtype=None) -> None:
+        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Gemma3ForConditionalGeneration
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        from unsloth_jax.hf.vision_export import save_vision_merged
+
+        save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+                           dtype=dtype)
 
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision
@@ -450,8 +474,8 @@ class FastVisionModel:
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
         """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"). Returns
         (VisionModel, processor): transformers' AutoProcessor of the directory, or None where it has none
-        (no preprocessor_config.json) or it cannot be built. dtype as FastLanguageModel.from_pretrained.
-        load_in_4bit is not supported yet (ConfigError)."""
+        (no preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
+        FastLanguageModel.from_pretrained. load_in_4bit is not supported yet (ConfigError)."""
         from unsloth_jax.config import VisionLanguageConfig
         from unsloth_jax.hf.vision_io import load_vision_language_model
 
@@ -472,7 +496,8 @@ class FastVisionModel:
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         processor = None
-        if require_bool("load_processor", load_processor) and (model_dir / "preprocessor_config.json").is_file():
+        processor_files = ("preprocessor_config.json", "processor_config.json")  # transformers 4 / 5 names
+        if require_bool("load_processor", load_processor) and any((model_dir / f).is_file() for f in processor_files):
             try:
                 from transformers import AutoProcessor
 
@@ -488,25 +513,32 @@ class FastVisionModel:
     def get_peft_model(model: VisionModel, r: int = 16, *, finetune_vision_layers: bool = False,
                        finetune_language_layers: bool = True, finetune_attention_modules: bool = True,
                        finetune_mlp_modules: bool = True, target_modules=None, **kwargs):
-        """LoRA on the language layers (FastLanguageModel.get_peft_model's arguments in kwargs): the attention
-        projections (finetune_attention_modules) and MLP projections (finetune_mlp_modules), or the
-        target_modules given. finetune_vision_layers=True is not supported yet (NotImplementedError: the vision
-        Linears take LoRA pairs, but no step trains them yet)."""
+        """LoRA with Unsloth's switches (FastLanguageModel.get_peft_model's arguments in kwargs): on the language
+        layers (finetune_language_layers) and / or the vision tower's encoder layers (finetune_vision_layers),
+        their attention projections (finetune_attention_modules: language q/k/v/o_proj, vision q/k/v/out_proj)
+        and MLP projections (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
+        replaces the language choice (the vision choice still follows the switches). The projector stays frozen,
+        as in Unsloth."""
         if not isinstance(model, VisionModel):
             raise TypeError(f"FastVisionModel.get_peft_model needs a model from FastVisionModel.from_pretrained, got "
                             f"{type(model).__name__}")
-        if require_bool("finetune_vision_layers", finetune_vision_layers):
-            raise NotImplementedError("finetune_vision_layers=True: LoRA on the vision tower is not supported yet; "
-                                      "pass finetune_vision_layers=False (LoRA on the language layers)")
-        if not require_bool("finetune_language_layers", finetune_language_layers):
-            raise ValueError("finetune_language_layers=False leaves nothing to adapt (vision layers are not "
-                             "supported yet)")
+        vision = require_bool("finetune_vision_layers", finetune_vision_layers)
+        language = require_bool("finetune_language_layers", finetune_language_layers)
+        attention = require_bool("finetune_attention_modules", finetune_attention_modules)
+        mlp = require_bool("finetune_mlp_modules", finetune_mlp_modules)
+        if not (attention or mlp) and target_modules is None:
+            raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
         if target_modules is None:
-            target_modules = ((("q_proj", "k_proj", "v_proj", "o_proj") if finetune_attention_modules else ())
-                              + (("gate_proj", "up_proj", "down_proj") if finetune_mlp_modules else ()))
-            if not target_modules:
-                raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
-        return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules, **kwargs)
+            target_modules = ((("q_proj", "k_proj", "v_proj", "o_proj") if attention else ())
+                              + (("gate_proj", "up_proj", "down_proj") if mlp else ())) if language else ()
+        elif not language:
+            raise ValueError("target_modules names language projections, but finetune_language_layers=False")
+        vision_targets = (((("q_proj", "k_proj", "v_proj", "out_proj") if attention else ())
+                           + (("fc1", "fc2") if mlp else ())) if vision else ())
+        if not target_modules and not vision_targets:
+            raise ValueError("finetune_language_layers=False and finetune_vision_layers=False: nothing to adapt")
+        return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules,
+                                                vision_target_modules=vision_targets, **kwargs)
 
 
 __all__ = ["FastLanguageModel", "FastVisionModel", "Model", "VisionModel", "is_bfloat16_supported"]

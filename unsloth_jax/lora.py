@@ -50,6 +50,8 @@ class LoraSettings:
     use_rslora: bool = False
     modules_to_save: tuple[str, ...] | None = None
     target_parameters: tuple[str, ...] | None = None  # MoE expert weights, PEFT's names (EXPERT_PARAMETERS)
+    # a vision-language model's vision-tower Linears (models.vision.VISION_PROJS names: q_proj ... fc2)
+    vision_target_modules: tuple[str, ...] | None = None
 
     @property
     def scale(self) -> float:
@@ -111,9 +113,10 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
     if getattr(model, "full_finetuning", False):
         raise ValueError("this model is set up for full fine-tuning (every weight trains); LoRA adapters cannot "
                          "be added to it: load it again without full_finetuning=True to train LoRA")
-    targets = (expand_targets(settings.target_modules) if settings.target_modules or not settings.target_parameters
-               else ())
+    targets = (expand_targets(settings.target_modules) if settings.target_modules
+               or not (settings.target_parameters or settings.vision_target_modules) else ())
     expert_targets = expand_target_parameters(settings.target_parameters, model)
+    vision_targets = _vision_targets(settings.vision_target_modules, model, settings.bias)
     if settings.bias != "none" and model.config.expert_bias:
         raise ValueError(f"bias={settings.bias!r} is not supported for {model.config.model_type}: its router and "
                          "expert biases have no PEFT adapter form; use bias='none'")
@@ -125,7 +128,7 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
                     "its experts take LoRA through target_parameters=%s (PEFT's form)", absent,
                     model.config.model_type, list(EXPERT_PARAMETERS))
         targets = tuple(t for t in targets if t in projs)
-    if not targets and not expert_targets:
+    if not targets and not expert_targets and not vision_targets:
         raise ValueError(f"nothing to adapt: target_modules {list(settings.target_modules)} and target_parameters "
                          f"{list(settings.target_parameters or [])} match nothing in this model")
     keys = jax.random.split(key, len(targets)) if targets else []
@@ -148,8 +151,39 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
         else:
             grouped.lora_a = grouped.lora_b = None
             grouped.lora_scale = None
-    model.lora = dataclasses.replace(settings, target_modules=targets, target_parameters=expert_targets or None)
+    if hasattr(model, "vision_projections"):
+        _add_vision_lora(model, vision_targets, settings, jax.random.fold_in(key, 2))
+    model.lora = dataclasses.replace(settings, target_modules=targets, target_parameters=expert_targets or None,
+                                     vision_target_modules=vision_targets or None)
     return model
+
+
+def _vision_targets(names, model, bias: str) -> tuple[str, ...]:
+    """vision_target_modules checked against the model's vision Linears (ValueError naming unknown ones)."""
+    if not names:
+        return ()
+    if not hasattr(model, "vision_projections"):
+        raise ValueError(f"vision_target_modules={list(names)}: this model has no vision tower")
+    known = tuple(model.vision_projections())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown vision target module(s) {unknown}; choose from {list(known)}")
+    if bias != "none":
+        raise ValueError(f"bias={bias!r} is not supported with LoRA on the vision layers; use bias='none'")
+    return tuple(n for n in known if n in names)
+
+
+def _add_vision_lora(model, targets: tuple[str, ...], settings: LoraSettings, key: jax.Array) -> None:
+    """LoRA pairs [Lv, in, r] / [Lv, r, out] on the targeted vision-tower Linears (PEFT's init), none elsewhere."""
+    layers = model.vl_config.vision.num_hidden_layers
+    keys = dict(zip(targets, jax.random.split(key, max(len(targets), 1))))
+    for name, lin in model.vision_projections().items():
+        if name in targets:
+            lin.lora_a, lin.lora_b = _lora_pair(keys[name], (layers,), lin.in_features, lin.out_features, settings.r)
+            lin.lora_scale = float(settings.scale)
+        else:
+            lin.lora_a = lin.lora_b = None
+            lin.lora_scale = None
 
 
 _FULL_FT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -241,10 +241,17 @@ def train_on_responses_only(trainer: Any, instruction_part: str | None = "<|im_s
     :data:`unsloth_jax.data.RESPONSE_PARTS` (e.g. ``RESPONSE_PARTS["llama-3.1"]``).
 
     Logs a warning with the count of examples left without any trained token; raises DatasetFormatError when
-    that is every example (the response marker never occurs).
+    that is every example (the response marker never occurs). A trainer with an UnslothVisionDataCollator gets
+    the markers set on its collator instead, which masks each batch as it collates it.
     """
     if not response_part:
         raise ValueError("response_part must be a non-empty string")
+    collator = getattr(trainer, "data_collator", None)
+    if collator is not None and hasattr(collator, "train_on_responses_only"):
+        # vision records are collated per batch: the collator masks them (unsloth_jax.data.vision)
+        collator.train_on_responses_only = True
+        collator.instruction_part, collator.response_part = instruction_part, response_part
+        return trainer
     tok = tokenizer if tokenizer is not None else getattr(trainer, "tokenizer", None)
     if tok is None:
         tok = getattr(trainer, "processing_class", None)

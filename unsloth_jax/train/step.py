@@ -7,7 +7,9 @@
 
 `batch` holds int32 arrays [A, B, S] (A micro-batches for gradient accumulation; A may be 1): input_ids,
 labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
-attention_mask (padding on the right), and optionally positions, and segment_ids for packed rows. Gradients are taken with respect to
+attention_mask (padding on the right), and optionally positions, and segment_ids for packed rows. A
+vision-language model's batch adds pixel_values float32 [A, N, C, H, W] and token_type_ids [A, B, S]
+(unsloth_jax.data.vision). Gradients are taken with respect to
 `trainable` only; `frozen` enters the loss as a constant. The loss over the accumulated micro-batches equals
 the loss of one big batch (each micro-batch's mean is weighted by its count of target tokens).
 
@@ -101,12 +103,26 @@ def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = 
     if aux_loss_enabled(model):
         h, stats = model.hidden_states(ids, side, remat_mode=remat, router_stats=True)
         aux = load_balancing_loss(stats, model.config.num_experts)
+    elif "pixel_values" in batch:  # a vision-language batch (unsloth_jax.data.vision): images at the image tokens
+        h = vision_hidden_states(model, ids, side, batch, remat)
     else:
         h = model.hidden_states(ids, side, remat_mode=remat)
     targets = batch["labels"][:, 1:].reshape(-1)
     h = h[:, :-1].reshape(-1, h.shape[-1])
     loss = ops.cross_entropy(h, model.head_weight(), targets, softcap=model.config.final_softcap, chunk=loss_chunk)
     return loss, jnp.sum(targets != -100), aux
+
+
+def vision_hidden_states(model, ids: jax.Array, side, batch: dict, remat) -> jax.Array:
+    """Hidden states [B, S, D] of a vision-language model on a micro-batch with pixel_values [N, C, H, W] (the
+    images of its rows in order; trailing all-zero padding images, which no image token reads, are allowed) and
+    token_type_ids [B, S] (1 = image token: bidirectional within each image block)."""
+    from unsloth_jax.models.vision import image_block_ids
+
+    if not hasattr(model, "vl_config"):
+        raise TypeError(f"the batch holds pixel_values, but {type(model).__name__} is not a vision-language model")
+    side = side._replace(block_ids=image_block_ids(batch["token_type_ids"]))
+    return model.hidden_states(ids, side, remat_mode=remat, pixel_values=batch["pixel_values"])
 
 
 def loss_and_count(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,

@@ -30,6 +30,8 @@ from flax import nnx
 
 from unsloth_jax import backend, distributed, lora, ops
 from unsloth_jax.data import DataLoader, build_examples
+from unsloth_jax.data.vision import UnslothVisionDataCollator
+from unsloth_jax.data.vision_loader import VisionLoader
 from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train.base import RunPlan, TrainerBase, as_records
@@ -105,7 +107,9 @@ class SFTConfig(TrainingArguments):
     the same value): the longest training sequence; None (unlike TRL's 1024): the model's max_seq_length, as
     Unsloth. packing: several examples per row. completion_only_loss: the loss on the completion of
     prompt-completion records only (None: yes, as TRL). assistant_only_loss: only False (for chat data use
-    unsloth_jax.data.train_on_responses_only). dataset_num_proc: accepted, unused.
+    unsloth_jax.data.train_on_responses_only). dataset_num_proc: accepted, unused. remove_unused_columns and
+    dataset_kwargs (Unsloth's vision notebooks: False and {"skip_prepare_dataset": True}, which also lets
+    dataset_text_field be ""): accepted, unused.
     """
 
     dataset_text_field: str = "text"
@@ -115,6 +119,9 @@ class SFTConfig(TrainingArguments):
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
     dataset_num_proc: int | None = None
+    # Unsloth's vision notebooks pass these with a data collator; accepted (the collator prepares the data)
+    remove_unused_columns: bool = True
+    dataset_kwargs: dict | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -136,7 +143,9 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
     memory analysis of it, before step 1. Raises TrainingError when the step needs more device memory than the
     device has, naming the largest max_seq_length that would fit (estimated from the step's temporaries, which
     grow linearly with the tokens). The jit cache keeps the compiled step, so step 1 does not compile again."""
-    shapes = {k: jax.ShapeDtypeStruct((*v.shape[:-1], longest), v.dtype) for k, v in batch.items()}
+    # the [A, B, S] fields at the longest length; pixel_values [A, N, C, H, W] as they are
+    shapes = {k: jax.ShapeDtypeStruct((*v.shape[:-1], longest) if v.ndim == 3 else v.shape, v.dtype)
+              for k, v in batch.items()}
     compiled = step_fn.lower(*state, shapes).compile()
     ma = compiled.memory_analysis()
     if ma is None:
@@ -188,6 +197,19 @@ def _pad_to(batch: dict, length: int, pad_id: int) -> dict:
 
 
 
+def _vision_collator(data_collator, model):
+    """SFTTrainer's data_collator: None, or an UnslothVisionDataCollator for a vision-language model."""
+    if data_collator is None:
+        return None
+    if not isinstance(data_collator, UnslothVisionDataCollator):
+        raise TypeError(f"SFTTrainer(data_collator=...): only unsloth_jax's UnslothVisionDataCollator is supported "
+                        f"(text data is tokenized and batched by the trainer), got {type(data_collator).__name__}")
+    if not hasattr(model, "vl_config"):
+        raise TrainingError("data_collator=UnslothVisionDataCollator needs a vision-language model "
+                            "(FastVisionModel.from_pretrained)")
+    return data_collator
+
+
 class SFTTrainer(TrainerBase):
     """Supervised fine-tuning of a LoRA (or fully trained) model on the shared trainer loop (see the module
     docstring and unsloth_jax.train.base). It supplies the tokenized examples, the loader's batches, the jitted
@@ -196,13 +218,16 @@ class SFTTrainer(TrainerBase):
     def __init__(self, model, tokenizer=None, train_dataset=None, eval_dataset=None,
                  dataset_text_field: str | None = None, max_seq_length: int | None = None, formatting_func=None,
                  packing: bool | None = None, args: TrainingArguments | None = None, processing_class=None,
-                 dataset_num_proc=None, callbacks=None, **kwargs):
+                 dataset_num_proc=None, callbacks=None, data_collator=None, **kwargs):
         """dataset_text_field, max_seq_length and packing not given here come from an SFTConfig `args` (TRL's
-        way), else default to "text", the model's max_seq_length and False."""
+        way), else default to "text", the model's max_seq_length and False. data_collator: an
+        UnslothVisionDataCollator (unsloth_jax.data.vision) to train a FastVisionModel on chat records with
+        images; the records are checked here and collated batch by batch (no packing)."""
         if kwargs:
             raise TypeError(f"SFTTrainer() got unexpected keyword argument(s): {', '.join(kwargs)}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        self.data_collator = _vision_collator(data_collator, model)
         check_max_seq_length(max_seq_length)  # 0 is an error, not "not given"
         self.args = args or TrainingArguments()
         if dataset_text_field is None:
@@ -214,6 +239,10 @@ class SFTTrainer(TrainerBase):
         self.completion_only_loss = getattr(self.args, "completion_only_loss", None) is not False
         self.max_seq_length = int(max_seq_length if max_seq_length is not None else model.max_seq_length)
         self.packing = packing
+        if self.data_collator is not None and packing:
+            raise TrainingError("packing=True is not supported with a vision data collator; use packing=False")
+        if self.data_collator is not None and self.data_collator.max_seq_length is None:
+            self.data_collator.max_seq_length = self.max_seq_length  # rows are cut (never inside an image)
         if model.lora is None and not model.full_finetuning:
             raise TrainingError("the model has no LoRA adapters: call FastLanguageModel.get_peft_model(model, ...) "
                                 "first (or load it with full_finetuning=True to train every weight)")
@@ -230,6 +259,9 @@ class SFTTrainer(TrainerBase):
     # ------------------------------------------------------------------------------------------ data
     def _tokenize(self, dataset, text_field, formatting_func) -> list[dict]:
         records = as_records(dataset)
+        if self.data_collator is not None:  # vision records: checked now, collated per batch by the loader
+            self.data_collator.check(records)
+            return records
         if is_pretokenized(records):
             return pretokenized_examples(records, self.model.config.vocab_size)
         if self.tokenizer is None:
@@ -246,6 +278,11 @@ class SFTTrainer(TrainerBase):
         return 0
 
     def _loader(self, examples, batch_size, shuffle) -> DataLoader:
+        if self.data_collator is not None:
+            v = self.model.vl_config.vision
+            return VisionLoader(examples, self.data_collator, batch_size, self.max_seq_length, shuffle=shuffle,
+                                seed=self.args.seed, drop_last=self.args.dataloader_drop_last,
+                                image_shape=(v.num_channels, v.image_size, v.image_size))
         return DataLoader(examples, batch_size, self.max_seq_length, self._pad_id(), packing=self.packing,
                           shuffle=shuffle, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
@@ -257,6 +294,8 @@ class SFTTrainer(TrainerBase):
         for j in range(accum):
             g = step * accum + j
             micro.append(loader.batch(g // len(loader), g % len(loader), rows))
+        if isinstance(loader, VisionLoader):
+            return loader.stack(micro)
         length = max(m["input_ids"].shape[1] for m in micro)
         micro = [_pad_to(m, length, self._pad_id()) for m in micro]
         keys = [k for k in micro[0] if self.packing or k != "segment_ids"]  # unpacked rows: right padding only
@@ -291,6 +330,9 @@ class SFTTrainer(TrainerBase):
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
         self.mesh = mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
+        if mesh is not None and self.data_collator is not None:
+            raise TrainingError("TrainingArguments.mesh: vision-language batches run on one device for now; "
+                                "leave mesh unset")
         shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
         loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         self._train_loader = loader

@@ -75,7 +75,8 @@ def validate_training_arguments(args) -> None:
 
 def validate_sft_config(args) -> None:
     """Check SFTConfig's own fields (see trainer.SFTConfig)."""
-    if not isinstance(args.dataset_text_field, str) or not args.dataset_text_field:
+    skip_prepare = bool((getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"))
+    if not isinstance(args.dataset_text_field, str) or not (args.dataset_text_field or skip_prepare):
         raise TypeError(f"dataset_text_field must be a field name (a non-empty string), got "
                         f"{args.dataset_text_field!r}")
     check_max_seq_length(args.max_length)

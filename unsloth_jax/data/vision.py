@@ -1,0 +1,205 @@
+"""Vision-language SFT data: chat records with images -> model batches (Unsloth's UnslothVisionDataCollator).
+
+    collator = UnslothVisionDataCollator(model, processor)            # processor: transformers' Gemma3Processor
+    batch = collator(records)                                         # dict of numpy arrays, below
+
+A record holds `messages`, chat turns whose `content` is a string or a list of parts {"type": "text", "text": ...}
+and {"type": "image"} (the image itself in the part's "image" key, or, in order, in the record's `images` list:
+PIL images or uint8 / float arrays [H, W, C]). The collator renders each record with the processor's chat template,
+then lets the processor expand every image placeholder into its image-token block (Gemma 3: "\\n\\n<start_of_image>"
++ mm_tokens_per_image x "<image_soft_token>" + "<end_of_image>\\n\\n") and resize / normalise the images, so the
+ids and pixels are the processor's own. The batch:
+
+    input_ids, attention_mask, token_type_ids (1 = image soft token), labels: int32 [B, S], right-padded
+    pixel_values: float32 [N, C, H, W], the N images of the batch in row order
+
+labels are input_ids with -100 on padding and on the image tokens (soft tokens and the begin / end-of-image
+markers, as Unsloth masks them), and with train_on_responses_only on everything outside the assistant turns
+(between response_part and the next instruction_part, the text trainers' rule, unsloth_jax.data.response_only).
+Bad records (no messages, no images where the content asks for them, a placeholder count different from the
+images given) raise DatasetFormatError naming the record index and field.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from unsloth_jax.data.response_only import IGNORE_INDEX, apply_response_only
+from unsloth_jax.errors import DatasetFormatError
+
+
+def _bad(index: int, field: str, reason: str) -> DatasetFormatError:
+    return DatasetFormatError(f"vision dataset record {index}, field '{field}': {reason}")
+
+
+def _image_parts(messages: Any, index: int) -> list[dict]:
+    """The {"type": "image"} parts of a record's messages, in order (DatasetFormatError on a malformed turn)."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad(index, "messages", f"expected a non-empty list of chat turns, got {type(messages).__name__}")
+    parts = []
+    for t, turn in enumerate(messages):
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise _bad(index, "messages", f"turn {t} is not a {{'role', 'content'}} dict")
+        content = turn["content"]
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise _bad(index, "messages", f"turn {t}'s content is {type(content).__name__}, expected a string or "
+                                          "a list of {'type': 'text' | 'image'} parts")
+        for p, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "image"):
+                raise _bad(index, "messages", f"turn {t} part {p} has type {kind!r}; expected 'text' or 'image'")
+            if kind == "image":
+                parts.append(part)
+    return parts
+
+
+def _as_image(image: Any, index: int, field: str):
+    """A PIL image as is; an array [H, W, C] (uint8, or float in [0, 1]) as a uint8 array the processor reads."""
+    if hasattr(image, "convert") and hasattr(image, "size"):  # PIL.Image.Image
+        return image.convert("RGB")
+    if image is None or isinstance(image, (str, bytes, dict)):
+        raise _bad(index, field, f"an image must be a PIL image or an array [H, W, C], got {type(image).__name__}")
+    arr = np.asarray(image)
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+        raise _bad(index, field, f"image array of shape {list(arr.shape)}; expected [H, W, C] with C = 1, 3 or 4")
+    if np.issubdtype(arr.dtype, np.floating):
+        if not np.all(np.isfinite(arr)):
+            raise _bad(index, field, "image array holds NaN or infinite values")
+        arr = np.clip(np.rint(arr * 255.0), 0, 255)
+    arr = arr.astype(np.uint8)
+    if arr.shape[-1] == 1:
+        arr = np.repeat(arr, 3, axis=-1)
+    return arr[..., :3]
+
+
+def record_images(record: Any, index: int) -> list:
+    """The images of one record, in placeholder order: its `images` list, else the images inside the image
+    parts. DatasetFormatError (naming `index` and the field) when they are missing or their count differs from
+    the {"type": "image"} parts."""
+    if not isinstance(record, dict):
+        raise _bad(index, "messages", f"a record must be a dict, got {type(record).__name__}")
+    if "messages" not in record:
+        raise _bad(index, "messages", f"missing (the record has {sorted(record)})")
+    parts = _image_parts(record["messages"], index)
+    if "images" in record and record["images"] is not None:
+        images = record["images"]
+        images = [images] if not isinstance(images, (list, tuple)) else list(images)
+        field = "images"
+    else:
+        embedded = [p.get("image") for p in parts]
+        if parts and any(im is None for im in embedded):
+            raise _bad(index, "images", f"missing: the messages hold {len(parts)} image placeholder(s) but the "
+                                        "record has no 'images' list and the parts carry no 'image'")
+        images, field = embedded, "messages"
+    if len(images) != len(parts):
+        raise _bad(index, field, f"{len(parts)} image placeholder(s) in the messages but {len(images)} image(s)")
+    return [_as_image(im, index, field) for im in images]
+
+
+def _without_embedded_images(messages: list) -> list:
+    """The messages with each image part reduced to {"type": "image"} (chat templates only need the marker)."""
+    out = []
+    for turn in messages:
+        content = turn["content"]
+        if isinstance(content, list):
+            content = [{"type": "image"} if p.get("type") == "image" else p for p in content]
+        out.append({**turn, "content": content})
+    return out
+
+
+class UnslothVisionDataCollator:
+    """Records of chat `messages` with images -> a training batch (module docstring), with transformers'
+    processor doing the chat template, the image-token expansion and the pixel preprocessing.
+
+    model: the VisionModel (its vl_config gives the image token ids); processor: the model's transformers
+    processor (FastVisionModel.from_pretrained returns it). max_seq_length: longer rows are cut at the end
+    (None: no limit), but never inside an image block (DatasetFormatError). train_on_responses_only with
+    instruction_part / response_part (e.g. "<start_of_turn>user\\n" / "<start_of_turn>model\\n" for Gemma 3):
+    the loss on the assistant turns only."""
+
+    def __init__(self, model, processor, *, max_seq_length: int | None = None, ignore_index: int = IGNORE_INDEX,
+                 train_on_responses_only: bool = False, instruction_part: str | None = None,
+                 response_part: str | None = None, formatting_func=None):
+        if processor is None or not hasattr(processor, "apply_chat_template"):
+            raise TypeError("UnslothVisionDataCollator needs the model's transformers processor (FastVisionModel."
+                            f"from_pretrained returns it), got {type(processor).__name__}")
+        if train_on_responses_only and not response_part:
+            raise ValueError("train_on_responses_only=True needs response_part (e.g. '<start_of_turn>model\\n')")
+        cfg = model.vl_config
+        self.processor, self.tokenizer = processor, getattr(processor, "tokenizer", processor)
+        self.max_seq_length = max_seq_length
+        self.ignore_index = int(ignore_index)
+        self.train_on_responses_only = bool(train_on_responses_only)
+        self.instruction_part, self.response_part = instruction_part, response_part
+        self.formatting_func = formatting_func
+        self.image_token_index = int(cfg.image_token_index)
+        self.masked_ids = np.array([cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index])
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else getattr(self.tokenizer, "eos_token_id", 0) or 0)
+
+    def check(self, records: Sequence[dict], first_index: int = 0) -> None:
+        """Validate records without processing them (DatasetFormatError naming the first bad one)."""
+        for i, record in enumerate(records):
+            self._prepared(record, first_index + i)
+
+    def _prepared(self, record: Any, index: int) -> tuple[str, list]:
+        if self.formatting_func is not None:
+            record = self.formatting_func(record)
+        images = record_images(record, index)
+        messages = _without_embedded_images(record["messages"])
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return text, images
+
+    def __call__(self, records: Sequence[dict], indices: Sequence[int] | None = None) -> dict:
+        """records (B dicts; `indices` their dataset indices, for errors) -> the batch of the module docstring."""
+        indices = list(range(len(records))) if indices is None else list(indices)
+        texts, images = [], []
+        for record, index in zip(records, indices):
+            text, ims = self._prepared(record, index)
+            texts.append(text)
+            images.append(ims)
+        kw = {"images": images} if any(images) else {}
+        if kw and not all(images):
+            raise _bad(indices[[bool(x) for x in images].index(False)], "images",
+                       "a batch mixing rows with and without images is not supported; give every row an image")
+        # the chat template already wrote the special tokens (bos), so the processor must not add them again
+        out = self.processor(text=texts, padding=True, return_tensors="np", add_special_tokens=False, **kw)
+        ids = np.asarray(out["input_ids"], np.int32)
+        mask = np.asarray(out["attention_mask"], np.int32)
+        types = (np.asarray(out["token_type_ids"], np.int32) if "token_type_ids" in out
+                 else (ids == self.image_token_index).astype(np.int32))
+        labels = self._labels(ids, mask)
+        batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels}
+        batch = self._truncate(batch, indices)
+        if kw:
+            batch["pixel_values"] = np.asarray(out["pixel_values"], np.float32)
+        return batch
+
+    def _labels(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        labels = np.where((mask == 0) | np.isin(ids, self.masked_ids), self.ignore_index, ids).astype(np.int32)
+        if self.train_on_responses_only:
+            rows = [{"input_ids": ids[b][mask[b] == 1], "labels": labels[b][mask[b] == 1]} for b in range(len(ids))]
+            apply_response_only(rows, self.tokenizer, self.instruction_part, self.response_part)
+            for b, row in enumerate(rows):
+                labels[b, mask[b] == 1] = np.asarray(row["labels"], np.int32)
+        return labels
+
+    def _truncate(self, batch: dict, indices: list[int]) -> dict:
+        limit = self.max_seq_length
+        if limit is None or batch["input_ids"].shape[1] <= limit:
+            return batch
+        cut = batch["token_type_ids"][:, limit:] == 1
+        if np.any(cut):
+            row = int(np.nonzero(cut.any(axis=1))[0][0])
+            raise _bad(indices[row], "messages", f"the row is {int(batch['attention_mask'][row].sum())} tokens "
+                                                 f"with its image tokens, more than max_seq_length={limit}, and "
+                                                 "cutting it would split an image; raise max_seq_length")
+        return {k: v[:, :limit] for k, v in batch.items()}
+
+
+VisionDataCollator = UnslothVisionDataCollator
+
+__all__ = ["UnslothVisionDataCollator", "VisionDataCollator", "record_images"]

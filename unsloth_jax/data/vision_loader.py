@@ -1,0 +1,116 @@
+"""Deterministic batches of vision-language records for the trainers (the vision counterpart of DataLoader).
+
+    loader = VisionLoader(records, collator, batch_size=2, max_seq_length=512, seed=3407)
+    batch = loader.batch(epoch, index)          # the collator's dict, padded to a bucket length (below)
+
+`batch(epoch, index)` is a pure function of (epoch, index) and the constructor arguments, so a resumed run sees
+the same batches. Records are shuffled per epoch as DataLoader shuffles examples (SeedSequence([seed, epoch])),
+collated by an UnslothVisionDataCollator when their batch is asked for (images are preprocessed lazily, never
+all at once), and padded to the smallest of DataLoader's bucket lengths (powers of two from 64, then
+max_seq_length) that holds the batch, so a jitted step compiles for few shapes. The last batch is filled with
+empty rows (all padding, labels -100, no image) unless drop_last.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from unsloth_jax.data.packing import bucket_lengths, pick_bucket
+from unsloth_jax.data.response_only import IGNORE_INDEX
+
+# what padding holds in each [B, S] field; pixel_values are padded along the image axis with zero images
+_FILL = {"labels": IGNORE_INDEX}
+
+
+def pad_rows(batch: dict, length: int, rows: int, pad_token_id: int) -> dict:
+    """The [B, S] fields padded to [rows, length] (input_ids with pad_token_id, labels -100, others 0);
+    pixel_values [N, C, H, W] kept as they are."""
+    out = {}
+    for key, value in batch.items():
+        if key == "pixel_values":
+            out[key] = value
+            continue
+        b, s = value.shape
+        fill = pad_token_id if key == "input_ids" else _FILL.get(key, 0)
+        out[key] = np.pad(value, ((0, rows - b), (0, length - s)), constant_values=fill)
+    return out
+
+
+def pad_images(pixel_values: np.ndarray | None, count: int, image_shape: tuple[int, ...]) -> np.ndarray:
+    """pixel_values [N, C, H, W] (or None: no image) followed by zero images up to [count, C, H, W] float32.
+    The model reads image n at the n-th image-token block, so trailing images no token reads change nothing."""
+    pixel_values = np.zeros((0, *image_shape), np.float32) if pixel_values is None else pixel_values
+    extra = count - pixel_values.shape[0]
+    return np.concatenate([pixel_values, np.zeros((extra, *pixel_values.shape[1:]), np.float32)]) if extra else \
+        pixel_values
+
+
+def _image_slots(count: int, rows: int) -> int:
+    """count images rounded up to a multiple of rows (at least rows): one image per row keeps one shape."""
+    return max(rows, -(-count // rows) * rows)
+
+
+def stack_micro_batches(micro: list[dict], pad_token_id: int, image_shape: tuple[int, ...]) -> dict:
+    """Micro-batches (each [B, S_j] fields, pixel_values [N_j, C, H, W]) -> one [A, B, S] batch with
+    pixel_values [A, N, C, H, W]: S the longest S_j, N the largest N_j rounded up to a multiple of B (so steps
+    with one image per row keep one shape)."""
+    rows = micro[0]["input_ids"].shape[0]
+    length = max(m["input_ids"].shape[1] for m in micro)
+    n = _image_slots(max(0 if m.get("pixel_values") is None else m["pixel_values"].shape[0] for m in micro), rows)
+    padded = [pad_rows(m, length, rows, pad_token_id) for m in micro]
+    out = {k: np.stack([m[k] for m in padded]) for k in padded[0] if k != "pixel_values"}
+    out["pixel_values"] = np.stack([pad_images(m.get("pixel_values"), n, image_shape) for m in micro])
+    return out
+
+
+class VisionLoader:
+    """Batches of vision records through `collator` (an UnslothVisionDataCollator); see the module docstring."""
+
+    def __init__(self, records: Sequence[dict], collator, batch_size: int, max_seq_length: int, *,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, image_shape: tuple[int, ...]):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.records, self.collator = list(records), collator
+        self.batch_size, self.max_seq_length = int(batch_size), int(max_seq_length)
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.image_shape = tuple(image_shape)
+        self.bucket_lengths = bucket_lengths(self.max_seq_length)
+        self.num_rows = self.num_examples = len(self.records)
+        self.pad_token_id = collator.pad_token_id
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_rows // self.batch_size
+        return -(-self.num_rows // self.batch_size)
+
+    @property
+    def longest_bucket(self) -> int:
+        """The largest padded length a batch may have (row lengths are known only once collated)."""
+        return self.bucket_lengths[-1]
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_rows)
+        return np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch)])).permutation(self.num_rows)
+
+    def batch(self, epoch: int, index: int, rows: slice | None = None) -> dict:
+        """Batch `index` of `epoch`: [batch_size, S] int32 fields and pixel_values [N, C, H, W] float32 (only
+        `rows` of it when given: one host's share)."""
+        picked = self.order(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
+        out = self.collator([self.records[i] for i in picked], indices=[int(i) for i in picked])
+        length = pick_bucket(out["input_ids"].shape[1], self.bucket_lengths)
+        out = pad_rows(out, length, self.batch_size, self.pad_token_id)
+        n = 0 if out.get("pixel_values") is None else out["pixel_values"].shape[0]
+        out["pixel_values"] = pad_images(out.get("pixel_values"), _image_slots(n, self.batch_size),
+                                         self.image_shape)
+        if rows is not None:
+            raise NotImplementedError("vision batches are not split over hosts yet")
+        return out
+
+    def stack(self, micro: list[dict]) -> dict:
+        """The micro-batches of one optimizer step as one [A, B, S] batch (stack_micro_batches)."""
+        return stack_micro_batches(micro, self.pad_token_id, self.image_shape)
+
+
+__all__ = ["VisionLoader", "pad_images", "pad_rows", "stack_micro_batches"]

@@ -1,0 +1,192 @@
+"""Export a Gemma 3 vision-language model (api.VisionModel) to transformers / PEFT.
+
+    save_vision_adapter(model, "lora_model", processor)     # PEFT adapter for Gemma3ForConditionalGeneration
+    save_vision_merged(model, "merged", processor)          # W + scale * A @ B in 16 bits, a transformers checkpoint
+
+The adapter's keys are PEFT's for transformers' Gemma3ForConditionalGeneration module names
+(`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`,
+`base_model.model.model.vision_tower.encoder.layers.{i}.mlp.fc1.lora_B.weight`), and adapter_config.json's
+target_modules is a regex naming exactly the adapted modules of each tower (a plain list would also catch the
+other tower's q/k/v_proj). The merged checkpoint uses the tensor names transformers' save_pretrained writes
+(`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`): the text decoder's tensors come from
+export.merged_entries (the text export), the vision tower's and projector's from mapping.vision_language_specs, in
+the layouts the loader (hf.vision_io) reads back. Both are written through export's atomic directory.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from unsloth_jax.errors import ConfigError
+from unsloth_jax.hf import export
+from unsloth_jax.hf.mapping import PROJ_MODULE, vision_language_specs
+from unsloth_jax.lora import merged_kernel
+from unsloth_jax.models.state import variable_at
+
+log = logging.getLogger("unsloth_jax")
+
+LANGUAGE_LAYERS = "model.language_model.layers"  # transformers' module path of the decoder layers
+VISION_LAYERS = "model.vision_tower.encoder.layers"  # and of the SigLIP encoder layers
+# module path patterns in the adapter's target_modules regex (transformers 4's vision_model level allowed)
+_TOWER_PATTERNS = {"language": r"language_model(?:\.model)?\.layers",
+                   "vision": r"vision_tower(?:\.vision_model)?\.encoder\.layers"}
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def _vision_module(name: str) -> str:
+    return "self_attn" if name.endswith("proj") else "mlp"
+
+
+def _lora_modules(model) -> list[tuple[str, str, object, int]]:
+    """(tower, module path with {i}, Linear, layers) of every projection carrying a LoRA pair."""
+    lo = model.lora
+    out = []
+    projs = model.projections()
+    for name in lo.target_modules:
+        out.append(("language", f"{LANGUAGE_LAYERS}.{{i}}.{PROJ_MODULE[name]}.{name}", projs[name],
+                    model.config.num_hidden_layers))
+    vision = model.vision_projections()
+    for name in lo.vision_target_modules or ():
+        out.append(("vision", f"{VISION_LAYERS}.{{i}}.{_vision_module(name)}.{name}", vision[name],
+                    model.vl_config.vision.num_hidden_layers))
+    return out
+
+
+def target_modules_regex(model) -> str:
+    """adapter_config.json's target_modules: one alternative per tower, matching its adapted modules only."""
+    lo = model.lora
+    parts = []
+    for tower, names in (("language", lo.target_modules), ("vision", lo.vision_target_modules or ())):
+        if names:
+            parts.append(rf".*{_TOWER_PATTERNS[tower]}\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(names)})")
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _check_exportable(model) -> None:
+    lo = model.lora
+    if lo is None:
+        raise ConfigError("the model has no LoRA adapter to save; call FastVisionModel.get_peft_model first")
+    if lo.modules_to_save or lo.bias != "none":
+        raise ConfigError("saving a vision-language adapter with modules_to_save or trained biases is not supported "
+                          "yet; use get_peft_model(..., bias='none') without modules_to_save")
+
+
+def adapter_entries(model) -> list:
+    """The adapter's tensors: lora_A [r, in] / lora_B [out, r] float32 per layer under PEFT's names."""
+    f32 = np.dtype(np.float32)
+    entries = []
+    for _, path, lin, layers in _lora_modules(model):
+        a, b = lin.lora_a[...], lin.lora_b[...]
+        for i in range(layers):
+            p = "base_model.model." + path.format(i=i)
+            entries.append(export._Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
+                                         lambda a=a, i=i: np.asarray(a[i], np.float32).T))
+            entries.append(export._Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
+                                         lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+    return entries
+
+
+def _save_processor(model, directory: Path, processor) -> None:
+    """The processor (or tokenizer) given, else the tokenizer and processor files of the source directory."""
+    if processor is not None:
+        processor.save_pretrained(str(directory))
+        return
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    if src is None or not src.is_dir():
+        return
+    for fname in export._TOKENIZER_FILES + _PROCESSOR_FILES:
+        if (src / fname).is_file():
+            shutil.copyfile(src / fname, directory / fname)
+
+
+def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> None:
+    """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(Gemma3ForConditionalGeneration, out_dir)`
+    loads: adapter_config.json (target_modules a regex, module docstring) and adapter_model.safetensors, plus the
+    processor when given."""
+    _check_exportable(model)
+    config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
+    config["target_modules"] = target_modules_regex(model)
+    with export.atomic_directory(out_dir, export._ADAPTER_ARTIFACTS) as tmp:
+        if processor is not None:
+            processor.save_pretrained(str(tmp))
+        export.write_safetensors_stream(tmp / export.ADAPTER_WEIGHTS, adapter_entries(model), {"format": "pt"})
+        export._write_json(tmp / export.ADAPTER_CONFIG, config)
+    log.info("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
+
+
+def _vision_make(model, spec, out_dtype):
+    """A maker of one vision-tower / projector tensor in HF layout, LoRA folded into the adapted Linears."""
+    if spec.kind == "kernel":  # a stacked vision Linear: [in, out] -> HF [out, in]
+        lin = export.variable_parent(model, spec.path)
+        return lambda: np.ascontiguousarray(merged_kernel(lin, spec.layer).T).astype(out_dtype)
+    leaf = variable_at(model, spec.path)[...]
+    if spec.kind == "patch":  # kernel [C*p*p, Dv] -> conv weight [Dv, C, p, p]
+        return lambda: np.asarray(leaf, np.float32).T.reshape(spec.hf_shape).astype(out_dtype)
+    return lambda: np.asarray(np.asarray(leaf if spec.layer is None else leaf[spec.layer], np.float32)
+                              ).astype(out_dtype)
+
+
+def merged_entries(model, out_dtype: np.dtype) -> list:
+    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then vision."""
+    entries = []
+    for e in export.merged_entries(model, out_dtype):
+        name = "language_model." + e.name if e.name.startswith("model.") else e.name
+        entries.append(export._Entry(name, e.shape, e.dtype, e.make))
+    for name, spec in vision_language_specs(model.vl_config).items():
+        if not name.startswith(("language_model.", "lm_head.")):
+            entries.append(export._Entry(name, spec.hf_shape, out_dtype, _vision_make(model, spec, out_dtype)))
+    return entries
+
+
+def _merged_config(model, out_dtype: np.dtype) -> dict:
+    raw = export.source_config(model)
+    if raw is None:
+        raise ConfigError(f"cannot write config.json for the merged model: {model.model_dir!r} has no config.json")
+    raw.pop("quantization_config", None)
+    name = export._dtype_name(out_dtype)
+    for cfg in (raw, raw.get("text_config") or {}, raw.get("vision_config") or {}):
+        if "dtype" in cfg or cfg is raw:
+            cfg["dtype"] = name
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = name
+    return raw
+
+
+def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
+                       max_shard_size="5GB", dtype=None) -> None:
+    """Write the merged model as a transformers Gemma3ForConditionalGeneration checkpoint (save_method
+    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
+    the source says float16), with config.json from the source and the processor (given, else the source's
+    files); save_method "lora": the adapter only."""
+    if save_method == "lora":
+        save_vision_adapter(model, out_dir, processor)
+        return
+    if save_method not in export.SAVE_METHODS:
+        raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
+                          f"{', '.join(export.SAVE_METHODS)}")
+    out_dtype = export._resolve_out_dtype(model, dtype)
+    config = _merged_config(model, out_dtype)
+    entries = merged_entries(model, out_dtype)
+    shards = export.plan_shards(entries, export.parse_size(max_shard_size))
+    stale = re.compile(export._MERGED_ARTIFACTS.pattern)
+    with export.atomic_directory(out_dir, stale) as tmp:
+        if len(shards) == 1:
+            export.write_safetensors_stream(tmp / "model.safetensors", shards[0], {"format": "pt"})
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                export.write_safetensors_stream(tmp / fname, shard, {"format": "pt"})
+                weight_map.update({e.name: fname for e in shard})
+            export._write_json(tmp / export.INDEX_NAME, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                                         "weight_map": weight_map})
+        export._write_json(tmp / "config.json", config)
+        src = Path(model.model_dir) if model.model_dir is not None else None
+        if src is not None and (src / "generation_config.json").is_file():
+            shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
+        _save_processor(model, tmp, processor)
+    log.info("unsloth_jax: saved the merged %s vision-language model to %s", export._dtype_name(out_dtype), out_dir)
