@@ -213,6 +213,21 @@ def test_finetune_from_gguf_and_export(files, tmp_path, rng):
         assert saved(text).input_ids == ids_
 
 
+def test_fast_generate_text_prompts_use_the_files_tokenizer(files):
+    """model.fast_generate on text prompts (vLLM's / Unsloth's usual call, no tokenizer= argument) works for a
+    GGUF-loaded model: the tokenizer comes from the file's metadata, as from_pretrained's does."""
+    from unsloth_jax import SamplingParams
+
+    path, _, _, _ = files("llama")
+    model, tok = _ours(path)
+    text, ids = _chat_ids(tok, CHATS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    by_text = model.fast_generate([text], params)[0].outputs[0]
+    by_ids = model.fast_generate([ids], params)[0].outputs[0]
+    assert list(by_text.token_ids) == list(by_ids.token_ids) and by_text.text == tok.decode(by_ids.token_ids,
+                                                                                            skip_special_tokens=True)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def _retype(src: Path, dst: Path, pick, rng, drop_keys=(), arch=None, extra=None, add_keys=None) -> list:
     """Copy GGUF `src` to `dst` with metadata keys `drop_keys` left out, the architecture renamed to `arch`,

@@ -66,9 +66,14 @@ def _has_text(prompts) -> bool:
 
 
 def _model_tokenizer(model):
-    """The tokenizer saved beside the model's weights, or an error saying to pass one."""
+    """The tokenizer saved beside the model's weights (a GGUF-loaded model's: built from its file's metadata), or
+    an error saying to pass one."""
     model_dir = getattr(model, "model_dir", None)
     if model_dir:
+        from unsloth_jax.hf import gguf_loading
+
+        if gguf_loading.find_gguf(model_dir) is not None:  # model_dir is the .gguf file it was loaded from
+            return gguf_loading.gguf_tokenizer(gguf_loading.find_gguf(model_dir))
         try:
             from transformers import AutoTokenizer
 
