@@ -15,7 +15,9 @@ pytest.importorskip("ipykernel")
 
 from tests.helpers import ASSETS, ROOT, subprocess_env  # noqa: E402
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# 05_grpo_smollm2 is stored with its outputs (the reward curve of a full run) and tests/test_grpo_notebook.py runs it
+# shortened, so the checks here (no outputs; run at full length) leave it out.
+NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if p.stem != "05_grpo_smollm2")
 NEEDS = {"03_export": ("torch", "peft", "gguf"), "01_quickstart_lora": ("transformers",)}
 TRAINING = {"01_quickstart_lora", "02_qlora", "03_export", "04_functional_core"}
 # What a training notebook prints once it has trained: the first and last logged training loss, and (on the
