@@ -42,22 +42,27 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def smollm2_checkpoint(out_dir: Path) -> Path:
-    """A transformers (safetensors, bf16) copy of SmolLM2-135M-Instruct in out_dir, written once."""
+def smollm2_checkpoint(out_dir: Path, dtype: str = "bfloat16", source: Path | None = None) -> Path:
+    """A transformers (safetensors, `dtype`) copy of SmolLM2-135M-Instruct in out_dir, written once: of the GGUF
+    as transformers reads it (dequantized to float32), or of `source`, a float32 copy written here before (the
+    tests make that one once per run and their bf16 copy from it, instead of reading the GGUF twice)."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
     import torch
     import transformers
 
-    gguf = smollm2_gguf()
-    kw = dict(gguf_file=gguf.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
-    src = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    if source is None:
+        gguf = smollm2_gguf()
+        src_dir, kw = str(gguf.parent), dict(gguf_file=gguf.name)
+    else:
+        src_dir, kw = str(source), {}
+    tok = transformers.AutoTokenizer.from_pretrained(src_dir, **kw)
+    src = transformers.AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32, **kw)
     config = src.config
     if hasattr(config, "quantization_config"):  # the GGUF source is dequantized: the copy is a plain checkpoint
         del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.load_state_dict(src.state_dict())
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))

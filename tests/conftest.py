@@ -58,8 +58,17 @@ def _quick_cpu_codegen() -> None:
             os.environ["XLA_FLAGS"] = flags
 
 
+def _run_directory() -> None:
+    """UNSLOTH_JAX_TEST_RUN_DIR: a directory for this test run, shared by its pytest processes (made here, in the
+    controller, and inherited by its xdist workers, as the compile cache is), for files that several tests need
+    and one process makes (tests.helpers.made_once). Set from outside, it is kept."""
+    if not os.environ.get("UNSLOTH_JAX_TEST_RUN_DIR"):
+        os.environ["UNSLOTH_JAX_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="unsloth-jax-test-run-")
+
+
 _quick_cpu_codegen()
 _share_compiled_programs()
+_run_directory()
 
 
 def _has_gpu() -> bool:

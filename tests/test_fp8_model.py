@@ -12,13 +12,15 @@ pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from bench.fp8_quality import smollm2_checkpoint, smollm2_gguf
+    """A bf16 transformers copy of SmolLM2, made from the run's shared float32 copy of the GGUF."""
+    from bench.fp8_quality import smollm2_checkpoint
+    from tests.helpers import smollm2_float32_checkpoint
 
     try:
-        smollm2_gguf()
+        source = smollm2_float32_checkpoint()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"))
+    return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"), source=source)
 
 
 @pytest.mark.parametrize("base", ["bf16", "nf4"])

@@ -332,9 +332,14 @@ def _smollm2() -> Path:
 @pytest.mark.slow
 def test_smollm2_q4_1_matches_transformers(rng):
     """SmolLM2-135M-Instruct (llama architecture, Q4_1 + Q8_0 tensors, tied embeddings, byte-level BPE with the
-    'smollm' pre-tokenizer): our logits equal transformers' on the same GGUF (float32) on chat-templated
-    prompts, and the two tokenizers give the same ids and text."""
+    'smollm' pre-tokenizer): our logits equal transformers' on the same GGUF (float32; its reading of the file,
+    saved once per test run by tests.helpers.smollm2_float32_checkpoint) on chat-templated prompts, and the two
+    tokenizers give the same ids and text."""
+    from bench.fp8_quality import smollm2_gguf
+    from tests.helpers import smollm2_float32_checkpoint
+
     path = _smollm2()
+    assert smollm2_gguf() == path  # the file the shared float32 copy is read from
     model, ours = _ours(path)
     assert model.config.num_hidden_layers == 30 and model.config.tie_word_embeddings
     theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -346,7 +351,7 @@ def test_smollm2_q4_1_matches_transformers(rng):
         assert ids == theirs(text).input_ids, text
         assert ours.decode(ids) == theirs.decode(ids)
         prompts.append(ids)
-    hf = _hf_load(path.parent, gguf_file=path.name)
+    hf = _hf_load(smollm2_float32_checkpoint())
     for ids in prompts[1:3]:
         ref = _logits(hf, np.array([ids]))
         assert rel_err(np.asarray(model(np.array([ids]))), ref) < 1e-5

@@ -36,8 +36,17 @@ Params = dict
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _set_layer(buffer: jax.Array, value: jax.Array, layer) -> jax.Array:
-    """buffer[layer] = value, in place on devices that support donation (layer is traced: one compile per shape)."""
-    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), layer, 0)
+    """buffer[layer] = value, in place on devices that support donation (layer is traced: one compile per shape).
+    A float buffer is updated as unsigned integers of its width (the same bits): XLA's CPU backend converts a
+    float8 or bfloat16 update to float32 and back over the whole stack, which made loading a model in FP8 slow
+    (each layer's update rewrote its projection's whole stack)."""
+    value = value.astype(buffer.dtype)
+    if not jnp.issubdtype(buffer.dtype, jnp.floating):
+        return jax.lax.dynamic_update_index_in_dim(buffer, value, layer, 0)
+    bits = jnp.dtype(f"uint{8 * buffer.dtype.itemsize}")
+    updated = jax.lax.dynamic_update_index_in_dim(jax.lax.bitcast_convert_type(buffer, bits),
+                                                  jax.lax.bitcast_convert_type(value, bits), layer, 0)
+    return jax.lax.bitcast_convert_type(updated, buffer.dtype)
 
 
 def _describe(tree, leading: int = 0) -> str:
