@@ -222,6 +222,10 @@ def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: boo
     jax.block_until_ready(nnx.state(model))
     model.max_seq_length = max_seq_length
     tokenizer = gguf_loading.gguf_tokenizer(path) if load_tokenizer else None
+    if tokenizer is not None:  # fast_generate's text prompts: the model's path is the file, no tokenizer beside it
+        from unsloth_jax import generation
+
+        generation.set_default_tokenizer(model, tokenizer)
     cfg = model.config
     log.info("unsloth_jax: loaded %s (GGUF, %s, %d layers) in %.1fs as %s%s", path.name, cfg.model_type,
              cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,

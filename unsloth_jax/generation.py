@@ -26,6 +26,7 @@ from unsloth_jax.inference.sampling import SamplingParams
 log = logging.getLogger("unsloth_jax")
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its loader's tokenizer
 _STREAM_CHUNK = 4  # decode steps per host round trip when streaming
 
 
@@ -65,15 +66,19 @@ def _has_text(prompts) -> bool:
     return any(isinstance(p, str) or (isinstance(p, dict) and "prompt" in p) for p in items)
 
 
+def set_default_tokenizer(model, tokenizer) -> None:
+    """The tokenizer text prompts of `model` use when none is passed: the loader that built both calls this (a GGUF
+    file's tokenizer comes from its metadata, so the model's directory holds none to find)."""
+    _tokenizers[model] = tokenizer
+
+
 def _model_tokenizer(model):
-    """The tokenizer saved beside the model's weights (a GGUF-loaded model's: built from its file's metadata), or
-    an error saying to pass one."""
+    """The tokenizer its loader gave the model (`set_default_tokenizer`), else the one saved beside its weights,
+    else an error saying to pass one."""
+    if model in _tokenizers:
+        return _tokenizers[model]
     model_dir = getattr(model, "model_dir", None)
     if model_dir:
-        from unsloth_jax.hf import gguf_loading
-
-        if gguf_loading.find_gguf(model_dir) is not None:  # model_dir is the .gguf file it was loaded from
-            return gguf_loading.gguf_tokenizer(gguf_loading.find_gguf(model_dir))
         try:
             from transformers import AutoTokenizer
 
@@ -184,4 +189,4 @@ def _step_streamer(streamer, rows: int, pad: int):
     return on_tokens
 
 
-__all__ = ["generate", "fast_generate", "engine_for", "default_eos_ids", "SamplingParams"]
+__all__ = ["generate", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids", "SamplingParams"]
