@@ -80,8 +80,9 @@ def _has_gpu() -> bool:
 
 # Files whose tests run longest on a 2-core CPU (a minute or so each: subprocesses, notebooks, the real
 # SmolLM2 model): they start first, so pytest-xdist's workers do not end on them one at a time.
-_LONG_FIRST = ("test_cli.py", "test_distributed.py", "test_notebooks.py", "test_fp8_model.py", "test_readme.py",
-               "test_gguf_loading.py", "test_trainer_base.py", "test_grpo.py", "test_long_context.py")
+_LONG_FIRST = ("test_grpo_notebook.py", "test_cli.py", "test_distributed.py", "test_notebooks.py", "test_fp8_model.py",
+               "test_readme.py", "test_gguf_loading.py", "test_trainer_base.py", "test_grpo.py", "test_long_context.py",
+               "test_vision_lora.py", "test_vision_sft.py", "test_vision_export.py", "test_engine.py")
 
 
 def _one_case_per_test(items: list) -> list:
