@@ -56,18 +56,30 @@ def _image_parts(messages: Any, index: int) -> list[dict]:
     return parts
 
 
-def _as_image(image: Any, index: int, field: str):
-    """A PIL image as is; an array [H, W, C] (uint8, or float in [0, 1]) as a uint8 array the processor reads."""
-    if hasattr(image, "convert") and hasattr(image, "size"):  # PIL.Image.Image
-        return image.convert("RGB")
+def _is_pil(image: Any) -> bool:
+    return hasattr(image, "convert") and hasattr(image, "size")  # PIL.Image.Image
+
+
+def _checked_array(image: Any, index: int, field: str) -> np.ndarray | None:
+    """None for a PIL image; an array image [H, W, C] as an ndarray; DatasetFormatError for anything else."""
+    if _is_pil(image):
+        return None
     if image is None or isinstance(image, (str, bytes, dict)):
         raise _bad(index, field, f"an image must be a PIL image or an array [H, W, C], got {type(image).__name__}")
     arr = np.asarray(image)
     if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
         raise _bad(index, field, f"image array of shape {list(arr.shape)}; expected [H, W, C] with C = 1, 3 or 4")
+    if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr)):
+        raise _bad(index, field, "image array holds NaN or infinite values")
+    return arr
+
+
+def _as_image(image: Any, index: int, field: str):
+    """A PIL image as RGB; an array [H, W, C] (uint8, or float in [0, 1]) as a uint8 array the processor reads."""
+    arr = _checked_array(image, index, field)
+    if arr is None:
+        return image.convert("RGB")
     if np.issubdtype(arr.dtype, np.floating):
-        if not np.all(np.isfinite(arr)):
-            raise _bad(index, field, "image array holds NaN or infinite values")
         arr = np.clip(np.rint(arr * 255.0), 0, 255)
     arr = arr.astype(np.uint8)
     if arr.shape[-1] == 1:
@@ -75,10 +87,10 @@ def _as_image(image: Any, index: int, field: str):
     return arr[..., :3]
 
 
-def record_images(record: Any, index: int) -> list:
+def record_images(record: Any, index: int, convert: bool = True) -> list:
     """The images of one record, in placeholder order: its `images` list, else the images inside the image
     parts. DatasetFormatError (naming `index` and the field) when they are missing or their count differs from
-    the {"type": "image"} parts."""
+    the {"type": "image"} parts. convert=False: only checked, returned as given (no RGB / uint8 copies)."""
     if not isinstance(record, dict):
         raise _bad(index, "messages", f"a record must be a dict, got {type(record).__name__}")
     if "messages" not in record:
@@ -96,6 +108,10 @@ def record_images(record: Any, index: int) -> list:
         images, field = embedded, "messages"
     if len(images) != len(parts):
         raise _bad(index, field, f"{len(parts)} image placeholder(s) in the messages but {len(images)} image(s)")
+    if not convert:
+        for im in images:
+            _checked_array(im, index, field)
+        return images
     return [_as_image(im, index, field) for im in images]
 
 
@@ -141,14 +157,14 @@ class UnslothVisionDataCollator:
         self.pad_token_id = int(pad if pad is not None else getattr(self.tokenizer, "eos_token_id", 0) or 0)
 
     def check(self, records: Sequence[dict], first_index: int = 0) -> None:
-        """Validate records without processing them (DatasetFormatError naming the first bad one)."""
+        """Validate records without preprocessing their images (DatasetFormatError naming the first bad one)."""
         for i, record in enumerate(records):
-            self._prepared(record, first_index + i)
+            self._prepared(record, first_index + i, convert_images=False)
 
-    def _prepared(self, record: Any, index: int) -> tuple[str, list]:
+    def _prepared(self, record: Any, index: int, convert_images: bool = True) -> tuple[str, list]:
         if self.formatting_func is not None:
             record = self.formatting_func(record)
-        images = record_images(record, index)
+        images = record_images(record, index, convert=convert_images)
         messages = _without_embedded_images(record["messages"])
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         return text, images
