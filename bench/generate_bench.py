@@ -70,7 +70,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--tag", default="")
     ap.add_argument("--count-kernels", action="store_true", help="compile the decode loop again to count kernels")
+    ap.add_argument("--dump-hlo", metavar="FILE", help="with --count-kernels: write the compiled decode loop's HLO")
+    ap.add_argument("--profile", metavar="DIR", help="trace one more (untimed) call with jax.profiler into DIR")
+    ap.add_argument("--decode-configs", metavar="FILE", help="decode_linear configs to use (decode_linear_chain.py "
+                    "--write-best), in place of pallas_kernels.decode_linear.TUNED")
     a = ap.parse_args()
+    if a.decode_configs:
+        from pallas_kernels import decode_linear
+        with open(a.decode_configs) as f:
+            table = json.load(f)
+        decode_linear.TUNED.clear()
+        decode_linear.TUNED.update({tuple(int(v) for v in key.split(",")): decode_linear.DecodeConfig(**cfg)
+                                    for key, cfg in table.items()})
     kw = {"load_in_4bit": True} if a.load_in_4bit else {"load_in_fp8": True} if a.load_in_fp8 else {}
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype=a.dtype, load_tokenizer=False,
                                                  max_seq_length=a.prompt_len + a.new, progress=False, **kw)
@@ -105,9 +116,17 @@ def main() -> None:
             kernels = None
             if a.count_kernels:
                 try:
-                    kernels = loop_kernels(_decode_hlo(engine, prompts, params))
+                    hlo = _decode_hlo(engine, prompts, params)
+                    kernels = loop_kernels(hlo)
+                    if a.dump_hlo:
+                        with open(a.dump_hlo, "w") as f:
+                            f.write(hlo)
                 except Exception as e:  # noqa: BLE001 - a diagnostic only
                     kernels = f"unavailable: {type(e).__name__}"
+            if a.profile:
+                jax.profiler.start_trace(a.profile)
+                engine.generate(prompts, params)
+                jax.profiler.stop_trace()
             print(json.dumps({
                 "name": "engine_generate", "tag": a.tag, "model_dir": os.path.basename(a.model_dir.rstrip("/")),
                 "rows": rows, "weights": weights, "prompt_len": a.prompt_len, "new_tokens": a.new,
@@ -118,7 +137,8 @@ def main() -> None:
                 "prefill_s": round(st["prefill_s"], 4), "prepare_s": round(st["prepare_s"], 4),
                 "compile_s": round(first - wall, 2), "bound_ms": round(bound_ms, 4),
                 "fraction_of_bound": round(bound_ms / ms_step, 3), "kernels_per_step": kernels,
-                "peak_gib": peak_gib(), "chosen": ops.chosen_impls(), "jax": jax.__version__,
+                "peak_gib": peak_gib(), "chosen": ops.chosen_impls(),
+                "decode_configs": a.decode_configs or "", "jax": jax.__version__,
                 "device": jax.devices()[0].device_kind}), flush=True)
 
 

@@ -5,6 +5,10 @@
 #   bash bench/generate_session.sh b   # transformers at 8B; GRPO at 1.5B; 8B NF4 engine row
 #   bash bench/generate_session.sh c   # the NF4 decode kernel: GPU tests, alone vs dequantize + GEMM and vs bf16,
 #                                      # a config sweep, the 8B NF4 engine row with and without it
+#   bash bench/generate_session.sh d   # where the decode step's time goes: the 1.5B 16-row step profiled (kernel
+#                                      # times per step) with its HLO; decode_linear alone and its config sweep
+#   bash bench/generate_session.sh e   # decode_linear's configs swept layer after layer (decode_linear_chain.py),
+#                                      # then the 1.5B 16-row engine with the rule's configs and with the best
 # Env: GEN_IMPLS (the kernel choices tried besides the default, space-separated UNSLOTH_JAX_IMPL values),
 # GEN_TIMEOUT, HF_TIMEOUT.
 set -u
@@ -59,6 +63,30 @@ elif [ "$part" = c ]; then
   log "nf4_decode_bench --sweep"
   timeout ${SWEEP_TIMEOUT:-130} $PY bench/nf4_decode_bench.py --sweep --models llama-3-8b --proj gate_up,down --m 16 \
     --budget-s ${SWEEP_BUDGET:-110} 2>>$ERR | tee -a "$OUT/nf4_decode_sweep.jsonl" | grep -c .
+elif [ "$part" = d ]; then
+  $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>>$ERR | tail -1
+  engine qwen2-1.5b ${GEN_TIMEOUT:-170} "$best" --rows 16 --weights shared --new 64 --count-kernels \
+    --dump-hlo $OUT/decode_qwen2-1.5b_16.hlo.txt --profile /tmp/trace15
+  $PY bench/trace_summary.py /tmp/trace15 --steps 64 --top 60 > $OUT/trace_qwen2-1.5b_16.json 2>>$ERR
+  engine qwen2-1.5b 90 "$best" --rows 16 --weights merged --new 64 --count-kernels \
+    --dump-hlo $OUT/decode_qwen2-1.5b_16_merged.hlo.txt --profile /tmp/trace15m
+  $PY bench/trace_summary.py /tmp/trace15m --steps 64 --top 60 > $OUT/trace_qwen2-1.5b_16_merged.json 2>>$ERR
+  log "decode_linear_bench"
+  timeout 150 $PY bench/decode_linear_bench.py --m 1,16,128 2>>$ERR | tee -a "$OUT/decode_linear.jsonl" | cut -c1-200
+  log "decode_linear_bench --sweep --m 16"
+  timeout ${SWEEP_TIMEOUT:-150} $PY bench/decode_linear_bench.py --sweep --m 16 --models qwen2-1.5b --budget-s 130 2>>$ERR \
+    | tee -a "$OUT/decode_linear_sweep.jsonl" | grep -c .
+elif [ "$part" = e ]; then
+  $PY bench/make_checkpoint.py qwen2-1.5b $CK/qwen2-1.5b 2>>$ERR | tail -1
+  log "decode_linear_chain qwen2-1.5b m=16"
+  timeout 240 $PY bench/decode_linear_chain.py --models qwen2-1.5b --m 16 --budget-s ${CHAIN_BUDGET:-180} \
+    --write-best $OUT/decode_tuned_qwen2-1.5b.json 2>>$ERR | tee -a "$OUT/decode_linear_chain.jsonl" | grep -c .
+  log "decode_linear_chain llama-3-8b m=16 gate_up,down"
+  timeout 160 $PY bench/decode_linear_chain.py --models llama-3-8b --proj gate_up,down --m 16 \
+    --budget-s ${CHAIN_BUDGET_8B:-100} --write-best $OUT/decode_tuned_llama-3-8b.json 2>>$ERR \
+    | tee -a "$OUT/decode_linear_chain.jsonl" | grep -c .
+  engine qwen2-1.5b 110 "$best" --rows 16 --weights shared
+  engine qwen2-1.5b 110 "$best" --rows 16 --weights shared --decode-configs $OUT/decode_tuned_qwen2-1.5b.json
 else
   $PY bench/make_checkpoint.py llama3-8b $CK/llama3-8b 2>>$ERR | tail -1
   hf llama3-8b 16

@@ -3,8 +3,9 @@
 Wins: the generation engine's decode step on the H200 (BENCHMARKS.md, "Generation engine, 2026-12-04"): with
 this kernel and paged_decode_attention, Qwen2-1.5B at 16 rows ran 2.99 ms per step against 4.46 ms with XLA's
 in-step slices of the stacked kernels (the two kernels measured together). Default: ops.PALLAS_WINS["decode_linear"]
-picks it for 16-bit decode rows; its block configs are the untuned rule below (decode_linear_bench.py --sweep not
-run yet).
+picks it for 16-bit decode rows. Its block configs come from TUNED where a shape was measured in the engine,
+otherwise from the rule in `pick_config` (an untuned guess: a profile of that step showed these kernels at
+1.1-1.7 TB/s, a third of HBM bandwidth, so most shapes still have room).
 
     y = x @ w[layer] (+ bias) (+ lora_scale * (x @ lora_a) @ lora_b)      x [M, K], w [L, K, N], M = 1..256
 
@@ -49,7 +50,7 @@ from jax import lax
 from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
                                     plgpu, range_mask, resolve_interpret, split_k_output)
 
-__all__ = ["stacked_linear", "DecodeConfig", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
+__all__ = ["stacked_linear", "DecodeConfig", "TUNED", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
 
 #: Programs to aim for when choosing split-K and shrinking tiles: two per SM of an H200 (132 SMs), enough
 #: loads in flight to cover HBM latency for a streaming read.
@@ -72,8 +73,24 @@ class DecodeConfig:
     num_stages: int = 3
 
 
+#: Configs measured best on the H200 for 16-bit rows, by (rows bucket, K, N): rows bucket 16 for M <= 16, 64 for
+#: M <= 64, 128 above (bench/decode_linear_chain.py: every layer of a stack in turn, as the engine calls it).
+#: A shape not listed gets the rule below.
+TUNED: dict[tuple[int, int, int], DecodeConfig] = {
+    # Qwen2-1.5B down_proj at <= 16 rows: the engine's 16-row step 3.02 -> 2.81 ms (BENCHMARKS.md, generation,
+    # 2026-12-04f); the rule gave block_k 256 with 12 splits.
+    (16, 8960, 1536): DecodeConfig(block_m=16, block_n=64, block_k=128, splits=4, num_warps=4, num_stages=4),
+}
+
+
+def rows_bucket(m: int) -> int:
+    """TUNED's rows key: 16 for m <= 16, 64 for m <= 64, 128 above."""
+    return 16 if m <= 16 else 64 if m <= 64 else 128
+
+
 def pick_config(m: int, k: int, n: int, dtype, r: int = 0) -> DecodeConfig:
-    """The default config for x [m, k] @ w [k, n] (rank-r LoRA, 0 = none) in `dtype` (x's dtype).
+    """The default config for x [m, k] @ w [k, n] (rank-r LoRA, 0 = none) in `dtype` (x's dtype): the TUNED
+    entry for 16-bit rows of a measured shape, otherwise the rule below.
 
     Rule (initial guesses for the H200, to be replaced by the sweep of bench/decode_linear_bench.py):
       M <= 16  : 16 x 64 tiles, bk 256, 4 warps   (a GEMV: long K steps, many narrow N tiles)
@@ -83,6 +100,9 @@ def pick_config(m: int, k: int, n: int, dtype, r: int = 0) -> DecodeConfig:
     whole grid has fewer than TARGET_PROGRAMS tiles, picks split-K, and fits the stages in shared memory.
     """
     del r
+    tuned = TUNED.get((rows_bucket(m), k, n)) if jnp.dtype(dtype).itemsize == 2 else None
+    if tuned is not None:
+        return tuned
     bm = min(128, max(16, next_pow2(m)))
     if bm <= 16:
         cfg = DecodeConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels.reference as reference
-from pallas_kernels.decode_linear import (_SMEM_BUDGET, TARGET_PROGRAMS, DecodeConfig, _smem_bytes, pick_config,
-                                          resolve_config, stacked_linear)
+from pallas_kernels.decode_linear import (_SMEM_BUDGET, TARGET_PROGRAMS, TUNED, DecodeConfig, _smem_bytes,
+                                          pick_config, resolve_config, rows_bucket, stacked_linear)
 from tests.helpers import TOL, fast_jit, lower_for_cuda, rel_err
 
 L = 3
@@ -169,10 +169,25 @@ def test_config_rule_at_model_shapes(m, r):
             k_steps = -(-k // cfg.block_k)
             steps = -(-k_steps // cfg.splits)
             assert (cfg.splits - 1) * steps < k_steps, cfg   # the last split has at least one step
+            if jnp.dtype(dtype).itemsize == 2 and (rows_bucket(m), k, n) in TUNED:
+                continue   # a measured config: its grid is whatever ran fastest
             tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
             s_max = max(1, k * jnp.dtype(dtype).itemsize // (4 * m))   # partial-sum bytes <= one weight slice
             assert cfg.splits <= s_max or cfg.splits * (steps - 1) < k_steps, cfg
             assert tiles * cfg.splits >= min(TARGET_PROGRAMS // 2, tiles * min(k_steps, s_max) // 2), (k, n, cfg)
+
+
+def test_tuned_configs_are_used_for_16_bit_rows_only():
+    """A TUNED shape gets its measured config for 16-bit rows in its rows bucket; float32 rows and other
+    buckets get the rule."""
+    assert TUNED, "no tuned shapes"
+    for (bucket, k, n), cfg in TUNED.items():
+        assert pick_config(bucket, k, n, jnp.bfloat16, 16) == cfg
+        assert pick_config(bucket, k, n, jnp.float16, 0) == cfg
+        assert pick_config(bucket, k, n, jnp.float32, 16) != cfg
+        other = 128 if bucket != 128 else 16
+        if (other, k, n) not in TUNED:
+            assert pick_config(other, k, n, jnp.bfloat16, 16) != cfg
 
 
 def test_lowers_to_triton_at_model_shapes():
