@@ -86,17 +86,22 @@ def test_sampler_distribution_equals_transformers_processors(rng):
         np.testing.assert_allclose(ours[i], want, rtol=2e-5, atol=1e-7, err_msg=f"row {i}: {p}")
 
 
-def _draw(logits, params, seed, draws):
-    """`draws` tokens per row, each with its own key (as the engine's per-token keys)."""
+def _drawer(params, draws):
+    """A jitted f(logits [R, V], seed) -> `draws` tokens per row [draws, R], each with its own key (as the
+    engine's per-token keys); compiled once for every seed (the seed is an argument, not a constant)."""
     rows = sampling.RowParams(*(jnp.asarray(a) for a in sampling.RowParams.of(params)))
     flags = sampling.SamplerFlags.of(params)
-    base = jax.random.PRNGKey(seed)
 
-    def one(i):
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), i))(jnp.arange(len(params)))
-        return sampling.sample(jnp.asarray(logits), rows, keys, flags)[0]
+    def draw(logits, seed):
+        base = jax.random.PRNGKey(seed)
 
-    return np.asarray(jax.jit(jax.vmap(one))(jnp.arange(draws)))  # [draws, R]
+        def one(i):
+            keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), i))(jnp.arange(len(params)))
+            return sampling.sample(logits, rows, keys, flags)[0]
+
+        return jax.vmap(one)(jnp.arange(draws))
+
+    return jax.jit(draw)
 
 
 def test_sampled_frequencies_match_the_distribution():
@@ -109,11 +114,12 @@ def test_sampled_frequencies_match_the_distribution():
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
               SamplingParams(top_p=0.7), SamplingParams(min_p=0.1, temperature=1.4)]
     pvalues = []
+    draw = _drawer(params, draws)
     for seed in range(30):
         rng = np.random.default_rng(1000 + seed)
         logits = rng.normal(0, 1.5, size=(len(params), v)).astype(np.float32)
         probs = sampling.filtered_probs(logits, params)
-        tokens = _draw(logits, params, seed, draws)
+        tokens = np.asarray(draw(jnp.asarray(logits), seed))
         for i in range(len(params)):
             counts = np.bincount(tokens[:, i], minlength=v)
             support = probs[i] > 0
