@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 
 from unsloth_jax import FastLanguageModel, GRPOConfig, GRPOTrainer, lora  # noqa: E402
 from unsloth_jax.train.loop import round_up  # noqa: E402
-from unsloth_jax.train.step import commit_to_devices, make_train_step  # noqa: E402
+from unsloth_jax.backend import commit_to_devices  # noqa: E402
+from unsloth_jax.train.step import make_train_step  # noqa: E402
 
 
 class IdTokenizer:

@@ -48,7 +48,8 @@ from unsloth_jax import lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
 from unsloth_jax.models import moe  # noqa: E402
 from unsloth_jax.models.decoder import CausalLM  # noqa: E402
-from unsloth_jax.train.step import commit_to_devices, make_train_step  # noqa: E402
+from unsloth_jax.backend import commit_to_devices  # noqa: E402
+from unsloth_jax.train.step import make_train_step  # noqa: E402
 
 PEAK_BF16 = 989e12  # H200 dense bf16 (SXM)
 CEILING_BF16 = 790e12  # about what large bf16 GEMMs reach on the H200

@@ -299,6 +299,39 @@ def test_conversational_prompts_and_reward_arguments(tmp_path):
     assert got["ids"] == completion_ids and got["state"] is trainer.state
 
 
+def test_generation_after_training_reuses_the_compiled_engine(tmp_path):
+    """Sampling after GRPO training runs the programs that sampling before it compiled: no new lowering. The
+    trainer writes back committed arrays (its step's outputs) where the loader left uncommitted ones, and
+    jax.jit keys programs on that; every engine program compiled again after training (about 15 s on a CPU at
+    SmolLM2's size, and a whole engine compile on a GPU) until the engine committed the state it reads. Counted
+    by jax.monitoring's lowering event, which a persistent compile cache does not skip."""
+    from jax import monitoring
+
+    lowering_event = "/jax/core/compile/jaxpr_to_mlir_module_duration"   # jax's name for a jaxpr lowered to MLIR
+
+    model, tok = _tiny(r=2)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, max_steps=2, logging_steps=1, learning_rate=1e-3, save_steps=0, seed=3)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=_alpaca_prompts(4), processing_class=tok)
+    rows = np.arange(3)
+    before = trainer.generate_completions(rows, seed=1)
+    trainer.train()
+    lowered, listening = [], [True]   # jax.monitoring has no public way to remove a listener: this one goes inert
+
+    def on_event(event, secs, **kw):
+        if listening[0] and event == lowering_event:
+            lowered.append(event)
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        after = trainer.generate_completions(rows, seed=1)
+    finally:
+        listening[0] = False
+    assert not lowered, f"{len(lowered)} programs lowered again after training"
+    assert len(after[1]) == len(before[1])
+
+
 def test_grpo_config_checks():
     assert GRPOConfig(output_dir="o").loss_type == "dapo" and GRPOConfig(output_dir="o").beta == 0.0
     assert GRPOConfig(output_dir="o", scale_rewards=False).scale_rewards == "none"

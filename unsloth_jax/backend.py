@@ -109,3 +109,12 @@ def is_tracer(x) -> bool:
     """Whether `x` is a value of a trace being built (a tracer), not a constant. `jax.core.Tracer` is public in
     jax 0.10 and 0.11, but jax.core is being emptied (most of its names are deprecated)."""
     return isinstance(x, jax.core.Tracer)
+
+
+def commit_to_devices(tree):
+    """The same arrays, committed to the sharding they already have. jax.jit keys its compiled programs on
+    whether each argument is committed: a train step's outputs come back committed (and a step with host
+    offload needs committed inputs to keep one compilation), so the trainers commit their state from the start,
+    and the generation engine commits the model state it reads, which is otherwise a mix of the loader's
+    uncommitted arrays and the trainer's committed ones (after training, every engine program compiled again)."""
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.backend import commit_to_devices
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.rope import positions_from_mask
@@ -175,6 +176,7 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
     top = jnp.float32(top_p)
     pad = jnp.int32(pad_token_id)
     graphdef, state = nnx.split(model)
+    state = commit_to_devices(state)  # as the engine's weights: one program before and after training
     common = dict(graphdef=graphdef, do_sample=bool(do_sample))
 
     if streamer is not None and hasattr(streamer, "put"):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.backend import commit_to_devices
 from pallas_kernels.fp8 import FP8Weight
 from pallas_kernels.nf4_format import NF4Weight
 
@@ -81,6 +82,12 @@ def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
     """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES}")
+    plan, weights = _prepare(model, mode)
+    # committed arrays throughout: one compiled program whether or not a trainer has written the weights
+    return plan, commit_to_devices(weights)
+
+
+def _prepare(model, mode: str) -> tuple[LayerPlan, DecodeWeights]:
     graphdef, state = nnx.split(model)
     layers = model.model.layers
     n = model.config.num_hidden_layers

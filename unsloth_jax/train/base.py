@@ -49,7 +49,7 @@ from unsloth_jax.train import checkpoints, optim
 from unsloth_jax.train.callbacks import CallbackHandler, TrainerControl
 from unsloth_jax.train.reporting import Reporters, default_logging_dir
 from unsloth_jax.train.state import TrainerState, TrainOutput, train_metrics
-from unsloth_jax.train.step import commit_to_devices
+from unsloth_jax.backend import commit_to_devices
 from unsloth_jax.train.steplog import CompileTime, StepLog, is_ready
 
 log = logging.getLogger("unsloth_jax")

@@ -15,7 +15,7 @@ from unsloth_jax.errors import TrainingError
 from unsloth_jax.train.base import TrainerBase
 from unsloth_jax.train.base import as_records as records_of  # noqa: F401  (re-exported)
 from unsloth_jax.train.logprobs import trains_beyond_lora
-from unsloth_jax.train.step import commit_to_devices
+from unsloth_jax.backend import commit_to_devices
 
 log = logging.getLogger("unsloth_jax")
 

@@ -34,7 +34,8 @@ from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
 from unsloth_jax.train.base import RunPlan
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
-from unsloth_jax.train.step import apply_gradients, commit_to_devices, step_compiler_options
+from unsloth_jax.backend import commit_to_devices
+from unsloth_jax.train.step import apply_gradients, step_compiler_options
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 

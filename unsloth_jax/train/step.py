@@ -62,12 +62,6 @@ def step_compiler_options(remat, policy: ops.Policy | None = None) -> dict | Non
     return OFFLOAD_COMPILER_OPTIONS if stack.offload_scan and stack.layers_per_checkpoint == 1 else None
 
 
-def commit_to_devices(tree):
-    """The same arrays, committed to the sharding they already have (jit outputs of a step with host
-    offload come back committed; giving it committed inputs from the start keeps one compilation)."""
-    return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)
-
-
 def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) -> LayerStackPolicy:
     """The LayerStackPolicy of get_peft_model's (and from_pretrained's) use_gradient_checkpointing: Unsloth's
     False / True / "unsloth", a remat mode name (unsloth_jax.models.layer_stack) or a LayerStackPolicy, with the
@@ -150,7 +144,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     "offload,layer_loop=unrolled"), or Unsloth's False / True / "unsloth"; parsed here once, a ValueError naming
     `remat` for anything else. Unlike get_peft_model, an offload mode is kept on a backend without pinned host
     memory (its copies are no-ops on the CPU).
-    Pass the state through `commit_to_devices` before the first call: with remat="offload" the step returns
+    Pass the state through `backend.commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 
     mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several

@@ -39,7 +39,8 @@ from unsloth_jax.train.base import cast_weights  # noqa: F401  (re-exported)
 from unsloth_jax.train.checkpoints import checkpoints_in, previous_run_files, remove_paths  # noqa: F401  (the CLI's)
 from unsloth_jax.train.reporting import resolve_report_to
 from unsloth_jax.train.state import planned_train_samples
-from unsloth_jax.train.step import commit_to_devices, eval_loss, make_train_step
+from unsloth_jax.backend import commit_to_devices
+from unsloth_jax.train.step import eval_loss, make_train_step
 from unsloth_jax.train.validation import check_max_seq_length, validate_sft_config, validate_training_arguments
 
 log = logging.getLogger("unsloth_jax")
