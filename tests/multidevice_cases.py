@@ -1,16 +1,22 @@
 """Multi-device cases run in a subprocess with forced CPU devices (tests/test_distributed.py launches them).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.multidevice_cases CASE SEED [ARGS_JSON]
+    XLA_FLAGS=... python -m tests.multidevice_cases batch SEED '{"NAME": ["CASE", {ARGS}], ...}'
 
-The device count must be fixed before jax initializes, so each case runs in its own process and prints one
-JSON line (prefixed RESULT) that the test reads. The truth each case compares with is the same computation on
-one device (no mesh), in the same process.
+The device count must be fixed before jax initializes, so cases run in a process started for them and print one
+JSON line (prefixed RESULT) that the test reads; `batch` runs several cases of one device count in one process
+(one start, one set of eager compiles) and prints one RESULT line per case: {"name", "result"} or {"name",
+"error"} (its traceback), so a case that raises fails only its own test. The truth each case compares with is
+the same computation on one device (no mesh), in the same process.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
+import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +33,25 @@ SMALL = dict(model_type="llama", vocab_size=320, hidden_size=128, intermediate_s
              num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 
 
+def built_once(make):
+    """`make(*args)`, a model, built once per process for each `args`; every call returns a new model (nnx.merge)
+    holding copies of that one's arrays, so a step that donates its inputs leaves the kept state intact. The
+    cases build the same initial model for the truth and for each mesh: a copy costs far less than the random
+    init (and quantization) again."""
+    kept = {}
+
+    @functools.wraps(make)
+    def fresh(*args):
+        key = json.dumps(args, sort_keys=True)
+        if key not in kept:
+            kept[key] = nnx.split(make(*args))
+        graphdef, state = kept[key]
+        return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state))
+
+    return fresh
+
+
+@built_once
 def tiny_lora_model(seed: int, qlora: bool, cfg: dict = SMALL):
     """A random-init decoder with LoRA on every projection (B nonzero, so the adapter matters at step 0)."""
     model = CausalLM(ModelConfig(**cfg), dtype=jnp.float32, rngs=nnx.Rngs(seed))
@@ -75,14 +100,26 @@ def train_steps(seed: int, qlora: bool, mesh, batches, optim: str, remat: str = 
     return history["loss"], history["grad_norm"], leaves
 
 
+def _equal_steps_batches(seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [random_batch(rng, 2, 8, 16, SMALL["vocab_size"]) for _ in range(2)]
+
+
+@functools.cache
+def _single_device_steps(seed: int, kind: str, optim: str):
+    """case_equal_steps' truth: the steps on one device ("full" remat); computed once per process for the
+    cases that share it (the qlora "full" and "offload" cases of one batch)."""
+    return train_steps(seed, kind == "qlora", None, _equal_steps_batches(seed), optim)
+
+
 def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd", remat: str = "full"):
     """The sharded step's losses and updated LoRA leaves against one device (per-layer "full" remat), for
     data-only, fsdp-only, mixed meshes, each step under `remat` ("offload": the prefetched custom-VJP layer scan,
     whose host copies are no-ops on the CPU)."""
-    rng = np.random.default_rng(seed)
-    batches = [random_batch(rng, 2, 8, 16, SMALL["vocab_size"]) for _ in range(2)]
-    ref_losses, ref_norms, ref_leaves = train_steps(seed, kind == "qlora", None, batches, optim)
+    batches = _equal_steps_batches(seed)
+    ref_losses, ref_norms, ref_leaves = _single_device_steps(seed, kind, optim)
     out = {"reference": ref_losses}
+    initial = jax.tree.leaves(lora.split(tiny_lora_model(seed, kind == "qlora"))[1])
     for data, fsdp in ((8, 1), (1, 8), (2, 4)):
         losses, norms, leaves = train_steps(seed, kind == "qlora", distributed.make_mesh(data, fsdp), batches, optim,
                                             remat=remat)
@@ -91,8 +128,7 @@ def case_equal_steps(seed: int, kind: str = "lora", optim: str = "sgd", remat: s
             "loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
             "grad_norm_relerr": max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)),
             "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves)),
-            "param_change": min(_rel(a, b) for a, b in zip(leaves, jax.tree.leaves(
-                lora.split(tiny_lora_model(seed, kind == "qlora"))[1]))),
+            "param_change": min(_rel(a, b) for a, b in zip(leaves, initial)),
         }
     return out
 
@@ -104,8 +140,9 @@ MOE = dict(model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_
            router_aux_loss_coef=0.1)
 
 
-def moe_train_steps(seed: int, mesh, batches):
-    """Losses, aux losses and final trainable leaves of a MoE model with LoRA on q/v and on the experts."""
+@built_once
+def tiny_moe_model(seed: int):
+    """A random-init MoE model with LoRA on q/v and on the experts (B nonzero)."""
     model = CausalLM(ModelConfig.from_dict(MOE), dtype=jnp.float32, rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
                                            target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
@@ -114,7 +151,12 @@ def moe_train_steps(seed: int, mesh, batches):
     for i, lin in enumerate(x for x in lins if x.lora_b is not None):
         b = lin.lora_b.get_value()
         lin.lora_b.set_value(0.05 * jax.random.normal(jax.random.PRNGKey(seed + 2 + i), b.shape, b.dtype))
-    history, leaves = run_steps(model, mesh, batches, "sgd", keys=("loss", "aux_loss"))
+    return model
+
+
+def moe_train_steps(seed: int, mesh, batches):
+    """Losses, aux losses and final trainable leaves of the MoE model's steps."""
+    history, leaves = run_steps(tiny_moe_model(seed), mesh, batches, "sgd", keys=("loss", "aux_loss"))
     return history["loss"], history["aux_loss"], leaves
 
 
@@ -261,19 +303,26 @@ def case_pallas_on_mesh(seed: int):
     give the single-device step's losses and LoRA leaves."""
     from unsloth_jax import ops
 
-    for op in ("rms_norm", "glu", "cross_entropy", "nf4_matmul", "rope", "attention"):
+    forced = ("rms_norm", "glu", "cross_entropy", "nf4_matmul", "rope", "attention")
+    for op in forced:
         ops.set_impl(op, "pallas")
-    rng = np.random.default_rng(seed)
-    batches = [random_batch(rng, 1, 8, 16, SMALL["vocab_size"])]
-    ref = train_steps(seed, True, None, batches, "sgd")
-    mesh = distributed.make_mesh(data=2, fsdp=4)
-    got = train_steps(seed, True, mesh, batches, "sgd")
-    graphdef, trainable, frozen = lora.split(tiny_lora_model(seed, True))
-    opt = make_optimizer("sgd", make_schedule("constant", 1e-2, 10, 0))
-    step = make_train_step(graphdef, opt, remat="full", mesh=mesh, donate=False)
-    text = step.lower(trainable, frozen, opt.init(trainable), batches[0]).as_text()
+    try:  # the choices of this case's steps only (a batch traces other cases' steps in this process too)
+        with ops.recording_choices() as seen:
+            rng = np.random.default_rng(seed)
+            batches = [random_batch(rng, 1, 8, 16, SMALL["vocab_size"])]
+            ref = train_steps(seed, True, None, batches, "sgd")
+            mesh = distributed.make_mesh(data=2, fsdp=4)
+            got = train_steps(seed, True, mesh, batches, "sgd")
+            graphdef, trainable, frozen = lora.split(tiny_lora_model(seed, True))
+            opt = make_optimizer("sgd", make_schedule("constant", 1e-2, 10, 0))
+            step = make_train_step(graphdef, opt, remat="full", mesh=mesh, donate=False)
+            text = step.lower(trainable, frozen, opt.init(trainable), batches[0]).as_text()
+    finally:
+        for op in forced:
+            ops.set_impl(op, "auto")
+    chosen = {op: "+".join(impls) for op, impls in sorted(seen.items())}
     return {"loss_relerr": max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0])),
-            "param_relerr": max(_rel(a, b) for a, b in zip(got[2], ref[2])), "chosen": ops.chosen_impls(),
+            "param_relerr": max(_rel(a, b) for a, b in zip(got[2], ref[2])), "chosen": chosen,
             # shard_map lowers to a manual computation (Shardy) or full-to-shard custom calls (GSPMD)
             "manual_regions": text.count("sdy.manual_computation") + text.count("SPMDFullToShardShape")}
 
@@ -287,8 +336,12 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
     from tests.helpers import TINY_MODEL
     from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments
 
-    if shard_trainable:
-        distributed.MIN_TRAINABLE_SHARD_BYTES = 0
+    if shard_trainable:  # restored below, for the cases run after this one in a batch
+        saved, distributed.MIN_TRAINABLE_SHARD_BYTES = distributed.MIN_TRAINABLE_SHARD_BYTES, 0
+        try:
+            return case_trainer(seed, output_dir, mesh, per_device, max_steps, save_steps, resume)
+        finally:
+            distributed.MIN_TRAINABLE_SHARD_BYTES = saved
     rng = np.random.default_rng(seed)
     data = [{"input_ids": rng.integers(4, 2048, int(rng.integers(8, 40))).tolist()} for _ in range(48)]
     model, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
@@ -308,7 +361,25 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
          "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps}
 
+
+
+def run_batch(seed: int, cases: dict[str, list]) -> None:
+    """Each {name: [case, kwargs]} in order, in this process: one RESULT line per case, its result or its error."""
+    for name, (case, kwargs) in cases.items():
+        start = time.perf_counter(), time.process_time()
+        try:
+            line = {"name": name, "result": CASES[case](seed, **kwargs)}
+        except Exception:  # noqa: BLE001 - reported to the case's own test
+            line = {"name": name, "error": traceback.format_exc()}
+        print(f"{name}: {time.perf_counter() - start[0]:.1f} s, {time.process_time() - start[1]:.1f} s CPU",
+              file=sys.stderr, flush=True)
+        print("RESULT " + json.dumps(line), flush=True)
+
+
 if __name__ == "__main__":
     name, seed = sys.argv[1], int(sys.argv[2])
     kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    print("RESULT " + json.dumps(CASES[name](seed, **kwargs)), flush=True)
+    if name == "batch":
+        run_batch(seed, kwargs)
+    else:
+        print("RESULT " + json.dumps(CASES[name](seed, **kwargs)), flush=True)

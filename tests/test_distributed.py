@@ -2,8 +2,9 @@
 meshes, two jax.distributed processes and memory per device.
 
 The argument checks and rules run in this process. Everything that needs several devices runs in a subprocess
-(tests/multidevice_cases.py) with XLA_FLAGS=--xla_force_host_platform_device_count=N, because that flag only
-takes effect before jax initializes. The truth there is the same step on one device, in the same subprocess.
+(tests/multidevice_cases.py, the cases batched into one process per device count) with
+XLA_FLAGS=--xla_force_host_platform_device_count=N, because that flag only takes effect before jax initializes.
+The truth there is the same step on one device, in the same subprocess.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.conftest import fresh_seed
 from tests.helpers import ROOT, subprocess_env
 from unsloth_jax import distributed
 from unsloth_jax.data import DataLoader
@@ -25,20 +27,79 @@ from unsloth_jax.data import DataLoader
 TOL = 1e-5  # float32 relative error bound of sharded against single-device results
 
 
-def run_case(case: str, seed: int, devices: int = 8, timeout: int = 1200, **kwargs) -> dict:
-    """tests.multidevice_cases CASE in a fresh process with `devices` forced CPU devices; its RESULT JSON."""
+def _run_cases(args: list[str], devices: int, timeout: int) -> tuple[list[str], str]:
+    """`python -m tests.multidevice_cases *args` with `devices` forced CPU devices: its RESULT lines (the prefix
+    cut) and, for error messages, its exit status with the ends of its stdout and stderr."""
     env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices))
-    cmd = [sys.executable, "-m", "tests.multidevice_cases", case, str(seed), json.dumps(kwargs)]
+    cmd = [sys.executable, "-m", "tests.multidevice_cases", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"{case} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n" \
-                                           f"{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    lines = [x[len("RESULT "):] for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return lines, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+# The subprocesses below mostly compile: LLVM optimisation and XLA's MLIR fusion emitters off (the legacy
+# elemental emitters) give the same partitioned programs, compiled several times faster on the CPU (the fusion
+# emitters cut the CPU time of the 8-device batch by a third on the CI's 2 cores). Float32 may round differently
+# in the last bits; every comparison here has a tolerance (TOL).
+QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def _xla_flags(devices: int) -> str:
-    # LLVM optimisation off: the same partitioned programs, compiled several times faster on the CPU
-    return f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    return f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}"
+
+
+# The cases of the tests below, in two processes of 8 and 4 devices (tests.multidevice_cases batch): one start and
+# one set of eager compiles per process instead of one per case, and the qlora "full" and "offload" cases share
+# their single-device truth. The 4-device batch resumes the 8-device trainer's checkpoint, so it runs second.
+def _batches(out: str) -> dict[int, dict[str, list]]:
+    trainer = dict(output_dir=out, max_steps=4, shard_trainable=True)
+    return {
+        8: {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
+            "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
+            "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
+            "fsdp_shards": ["fsdp_shards", {}],
+            "memory": ["memory", dict(single=False)],
+            "trainer_fsdp8": ["trainer", dict(mesh="fsdp=8", per_device=1, save_steps=2, **trainer)],
+            "pallas_on_mesh": ["pallas_on_mesh", {}]},
+        4: {"moe": ["moe_equal_steps", {}],
+            "trainer_resumed": ["trainer", dict(mesh="data=2,fsdp=2", per_device=2,
+                                                resume=os.path.join(out, "checkpoint-2"), **trainer)]},
+    }
+
+
+class Cases:
+    """The batches' results, each batch run when a test first asks for one of its cases (so once per pytest
+    process: with xdist, once per worker that runs such a test)."""
+
+    def __init__(self, seed: int, out: str):
+        self.seed, self.batches, self.results, self.ran = seed, _batches(out), {}, set()
+
+    def __call__(self, name: str) -> dict:
+        """Case `name`'s result; fails the asking test with the case's traceback, or the process's log."""
+        print(f"multi-device cases seed = {self.seed}  (replay with UNSLOTH_JAX_TEST_SEED={self.seed})")
+        for devices, batch in self.batches.items():  # 8 first: the 4-device batch resumes its checkpoint
+            if name in self.results:
+                break
+            if devices in self.ran:
+                continue
+            self.ran.add(devices)
+            self.results.update({case: {"error": f"the {devices}-device batch did not finish"} for case in batch})
+            lines, log = _run_cases(["batch", str(self.seed), json.dumps(batch)], devices, 2400)
+            self.results.update({case: {"error": f"no result from the {devices}-device batch, {log}"}
+                                 for case in batch})
+            self.results.update({line.pop("name"): line for line in map(json.loads, lines)})
+        line = self.results[name]
+        if "error" in line:
+            pytest.fail(f"case {name} failed:\n{line['error']}", pytrace=False)
+        return line["result"]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> Cases:
+    """Cases(name): a multi-device case's result (one fresh seed for all of them, printed by each test)."""
+    return Cases(fresh_seed("multi-device cases"), str(tmp_path_factory.mktemp("cases") / "run"))
+
+
 
 
 # ---------------------------------------------------------------------------------- in this process
@@ -146,28 +207,28 @@ def test_cli_mesh_flag_is_validated(capsys):
 
 # ------------------------------------------------------------------------------ several CPU devices
 @pytest.mark.parametrize("kind,remat", [("lora", "full"), ("qlora", "full"), ("qlora", "offload")])
-def test_sharded_step_equals_single_device(kind, remat, seed):
+def test_sharded_step_equals_single_device(kind, remat, cases):
     """Data-only (8x1), fsdp-only (1x8) and mixed (2x4) meshes: two steps of 2 accumulated micro-batches give
     the single-device losses, gradient norms and updated LoRA leaves (SGD, so the update is the gradient's);
     also with the sharded steps under "offload" (the custom-VJP layer scan) against the single-device "full"."""
-    result = run_case("equal_steps", seed, kind=kind, remat=remat)
+    result = cases(f"equal_{kind}_{remat}")
     for mesh in ("data=8,fsdp=1", "data=1,fsdp=8", "data=2,fsdp=4"):
         r = result[mesh]
         assert r["loss_relerr"] < TOL and r["grad_norm_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
         assert r["param_change"] > 100 * TOL, r  # the steps moved every leaf far more than the tolerance
 
 
-def test_moe_sharded_step_equals_single_device(seed):
+def test_moe_sharded_step_equals_single_device(cases):
     """A Qwen3-MoE (LoRA on q/v and the experts, the load-balancing loss, a dense layer and a tail scan) on a
     data-only (4x1) and a mixed (2x2) mesh: two steps give the single-device losses, aux losses and leaves."""
-    result = run_case("moe_equal_steps", seed, devices=4)
+    result = cases("moe")
     for mesh in ("data=4,fsdp=1", "data=2,fsdp=2"):
         r = result[mesh]
         assert r["loss_relerr"] < TOL and r["aux_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
 
 
-def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(seed):
-    result = run_case("fsdp_shards", seed)
+def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(cases):
+    result = cases("fsdp_shards")
     for kind, r in result.items():
         sharded = 0
         for leaf in r["leaves"]:
@@ -194,27 +255,24 @@ def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(seed):
             assert r["dense_projection_gathers"] == [], "a 4-bit weight was gathered dequantized"
 
 
-def test_pallas_kernels_run_per_batch_shard(seed):
+def test_pallas_kernels_run_per_batch_shard(cases):
     """With every kernel forced to Pallas (interpret mode on the CPU) the QLoRA step on a 2x4 mesh runs them
     in shard_map over the batch and matches one device."""
     from unsloth_jax import ops
 
-    r = run_case("pallas_on_mesh", seed)
+    r = cases("pallas_on_mesh")
     kernels = {op: impl for op, impl in r["chosen"].items() if op in ops.KERNEL_OPS}
     assert set(kernels.values()) == {"pallas"} and r["chosen"]["nf4_gemm"] == "dequantized", r["chosen"]
     assert r["manual_regions"] > 0
     assert r["loss_relerr"] < TOL and r["param_relerr"] < TOL, r
 
 
-def test_checkpoint_saved_on_8_devices_restores_on_4(seed, tmp_path):
+def test_checkpoint_saved_on_8_devices_restores_on_4(cases):
     """SFTTrainer on fsdp=8 saves at step 2 (LoRA leaves and optimizer state split 8 ways); a 4-device process
     resumes on data=2 x fsdp=2 and its steps 3-4 give the uninterrupted 8-device run's losses."""
-    out = str(tmp_path / "run")
-    common = dict(output_dir=out, max_steps=4, shard_trainable=True)
-    full = run_case("trainer", seed, devices=8, mesh="fsdp=8", per_device=1, save_steps=2, **common)
+    full = cases("trainer_fsdp8")
     assert all(x["devices"] == 8 and "fsdp" in x["spec"] for x in full["trainable"]), full["trainable"]
-    resumed = run_case("trainer", seed, devices=4, mesh="data=2,fsdp=2", per_device=2,
-                       resume=str(tmp_path / "run" / "checkpoint-2"), **common)
+    resumed = cases("trainer_resumed")
     assert resumed["devices"] == 4
     assert all(x["devices"] == 4 and "fsdp" in x["spec"] for x in resumed["trainable"]), resumed["trainable"]
     assert len(resumed["losses"]) == 4
@@ -237,7 +295,9 @@ def test_two_processes_give_one_process_losses(seed, tmp_path):
     data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(5, 30))))}) + "\n"
                             for _ in range(40)))
     common = [sys.executable, "-m", "unsloth_jax.cli", "train", "--dataset", str(data), "--max_steps", "3",
-              "--max_seq_length", "64", "--optim", "adamw_torch", "--logging_steps", "1", "--seed", str(seed % 10000)]
+              "--max_seq_length", "64", "--optim", "adamw_torch", "--logging_steps", "1", "--seed", str(seed % 10000),
+              # 2 micro-batches per step, not the CLI's 4: each costs the two processes a round of gloo collectives
+              "--gradient_accumulation_steps", "2"]
 
     def launch(out, devices, extra):
         env = subprocess_env(JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices))
@@ -272,10 +332,10 @@ def test_two_processes_give_one_process_losses(seed, tmp_path):
     assert json.loads((tmp_path / "two" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
 
 
-def test_memory_per_device_falls_as_fsdp_grows(seed):
+def test_memory_per_device_falls_as_fsdp_grows(cases):
     """compiled.memory_analysis() of the step on 8 CPU devices (data = 8 / fsdp, one row per device): the
     bytes per device fall at every doubling of fsdp, LoRA and QLoRA (BENCHMARKS.md has the table)."""
-    rows = run_case("memory", seed, single=False)
+    rows = cases("memory")
     for kind in ("lora", "qlora"):
         per_device = [r["per_device"] for r in rows if r["kind"] == kind]
         assert len(per_device) == 4 and all(a > b for a, b in zip(per_device, per_device[1:])), (kind, per_device)
@@ -287,7 +347,7 @@ def test_multi_gpu_bench_runs_on_the_cpu(tmp_path):
 
     cmd = [sys.executable, "bench/multi_gpu.py", str(TINY_MODEL), "--cpu-devices", "2", "--gpus", "1,2",
            "--methods", "lora", "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--seq", "32"]
-    env = subprocess_env(XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = subprocess_env(XLA_FLAGS=QUICK_COMPILE)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
