@@ -12,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import QUICK_CODEGEN
+
 
 def _share_compiled_programs() -> None:
     """One on-disk XLA compile cache for the test run's pytest processes (the controller makes a new directory
@@ -35,20 +37,19 @@ def _share_compiled_programs() -> None:
 
 
 def _quick_cpu_codegen() -> None:
-    """On a machine without an NVIDIA GPU, this process's XLA LLVM backend at -O0: the tests' tiny programs
-    spend most of their time compiling, and on the CI's 2 cores this cut a sample of training tests from 112 to
-    79 s. HLO-level passes are unchanged, but LLVM's code may round float32 differently in the last bits, so a
-    test that asks two programs for bit-identical results pins the level in its compiler_options (as
-    test_fp8_model's fused-GLU test does). XLA_FLAGS is read when
-    the backend starts, so it is set, the CPU backend started, and the variable restored: the processes tests
-    start (the CLI's training runs, notebook kernels), which mostly execute, compile at the default level.
-    UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 keeps the default level; the GPU suite is untouched."""
+    """On a machine without an NVIDIA GPU, this process's XLA CPU backend compiles quickly (tests.helpers.
+    QUICK_CODEGEN: LLVM at -O0, fusion emitters off): the tests' tiny programs spend most of their time compiling.
+    HLO-level passes are unchanged, but the code may round float32 differently in the last bits, so a test that
+    asks two programs for bit-identical results pins its compiler_options (as test_fp8_model's fused-GLU test
+    does). XLA_FLAGS is read when the backend starts, so it is set, the CPU backend started, and the variable
+    restored: the processes tests start (the CLI's training runs, notebook kernels), which mostly execute, compile
+    with the defaults. UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 keeps the defaults; the GPU suite is untouched."""
     if os.environ.get("UNSLOTH_JAX_TEST_QUICK_CODEGEN", "1") == "0" or os.path.exists("/dev/nvidiactl"):
         return
     flags = os.environ.get("XLA_FLAGS")
     if flags and "xla_backend_optimization_level" in flags:
         return
-    os.environ["XLA_FLAGS"] = ((flags or "") + " --xla_backend_optimization_level=0").strip()
+    os.environ["XLA_FLAGS"] = ((flags or "") + " " + QUICK_CODEGEN).strip()
     try:
         jax.devices()
     finally:

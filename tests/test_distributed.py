@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.conftest import fresh_seed
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import QUICK_CODEGEN, ROOT, subprocess_env
 from unsloth_jax import distributed
 from unsloth_jax.data import DataLoader
 
@@ -37,11 +37,8 @@ def _run_cases(args: list[str], devices: int, timeout: int) -> tuple[list[str], 
     return lines, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-# The subprocesses below mostly compile: LLVM optimisation and XLA's MLIR fusion emitters off (the legacy
-# elemental emitters) give the same partitioned programs, compiled several times faster on the CPU (the fusion
-# emitters cut the CPU time of the 8-device batch by a third on the CI's 2 cores). Float32 may round differently
-# in the last bits; every comparison here has a tolerance (TOL).
-QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# The subprocesses below mostly compile (tests.helpers.QUICK_CODEGEN); every comparison here has a tolerance.
+QUICK_COMPILE = QUICK_CODEGEN
 
 
 def _xla_flags(devices: int) -> str:
