@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.backend import commit_to_devices
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.rope import positions_from_mask
 
@@ -175,8 +175,8 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
     temp = jnp.float32(temperature)
     top = jnp.float32(top_p)
     pad = jnp.int32(pad_token_id)
+    commit_in_place(model)  # as the engine's weights: one program before and after training
     graphdef, state = nnx.split(model)
-    state = commit_to_devices(state)  # as the engine's weights: one program before and after training
     common = dict(graphdef=graphdef, do_sample=bool(do_sample))
 
     if streamer is not None and hasattr(streamer, "put"):

@@ -82,12 +82,7 @@ def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
     """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES}")
-    plan, weights = _prepare(model, mode)
-    # committed arrays throughout: one compiled program whether or not a trainer has written the weights
-    return plan, commit_to_devices(weights)
-
-
-def _prepare(model, mode: str) -> tuple[LayerPlan, DecodeWeights]:
+    commit_in_place(model)
     graphdef, state = nnx.split(model)
     layers = model.model.layers
     n = model.config.num_hidden_layers
@@ -100,6 +95,16 @@ def _prepare(model, mode: str) -> tuple[LayerPlan, DecodeWeights]:
         return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
     per_layer = _copy_layers(base_state, lora_state, n, jnp.dtype(dtype))
     return LayerPlan(graphdef, layer_graphdef, False), DecodeWeights(state, None, per_layer)
+
+
+def commit_in_place(model) -> None:
+    """Commit `model`'s arrays that are not yet (same buffers and values; backend.commit_to_devices says why): a
+    trainer writes back committed arrays where the loader left uncommitted ones, and jax.jit keys its programs
+    on that, so without this every engine program compiled again after the first training step. Done once per
+    model: later calls find every array committed and change nothing."""
+    state = nnx.state(model)
+    if any(isinstance(a, jax.Array) and not a.committed for a in jax.tree.leaves(state)):
+        nnx.update(model, commit_to_devices(state))
 
 
 def _merged_kernel(kernel, a, b, scale, dtype):
@@ -161,4 +166,4 @@ def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: b
     return nnx.merge(plan.layer_graphdef, *parts)
 
 
-__all__ = ["WEIGHT_MODES", "LayerPlan", "DecodeWeights", "prepare", "layer_module"]
+__all__ = ["WEIGHT_MODES", "LayerPlan", "DecodeWeights", "prepare", "layer_module", "commit_in_place"]
