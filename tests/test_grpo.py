@@ -589,12 +589,13 @@ def test_grpo_bench_runs_on_cpu_with_tiny_shapes():
     import subprocess
     import sys
 
-    from tests.helpers import ROOT, subprocess_env
+    from tests.helpers import ROOT, quick_codegen_flags, subprocess_env
 
+    quick = quick_codegen_flags()   # two steps: the run mostly compiles
+    env = subprocess_env(**({"XLA_FLAGS": quick} if quick else {}))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_bench.py"), str(TINY_MODEL), "--dtype",
                           "float32", "--prompts", "1", "--generations", "2", "--completion", "4", "--prompt-len", "4",
-                          "--steps", "2", "--warmup", "1"], capture_output=True, text=True, env=subprocess_env(),
-                         timeout=900)
+                          "--steps", "2", "--warmup", "1"], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"name"')]
     assert [x["name"] for x in lines] == ["grpo_generate", "grpo_train", "sft_step"]

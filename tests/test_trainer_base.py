@@ -245,27 +245,28 @@ def test_callbacks_see_each_step_and_can_save_evaluate_and_stop(tmp_path, rng):
         SFTTrainer(model=model, train_dataset=data, max_seq_length=32, args=args, callbacks=[object()])
 
 
-def test_grpo_device_memory_is_flat_over_200_steps(tmp_path):
-    """200 tiny GRPO steps (generation, scoring with a reference, update): the live device arrays after step 200
+def test_grpo_device_memory_is_flat_over_80_steps(tmp_path):
+    """80 tiny GRPO steps (generation, scoring with a reference, update): the live device arrays after step 80
     (gc run, measured from a callback at the same point of the loop) hold exactly the bytes they held after step
-    20. A leak of even one float32 scalar per step would add 720 bytes, so the bound is < 4 bytes a step."""
+    10. A leak of even one float32 scalar per step would add 280 bytes, so the bound is < 4 bytes a step."""
     live = {}
+    first, last = 10, 80
 
     class Probe:
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step in (20, 200):
+            if state.global_step in (first, last):
                 gc.collect()
                 arrays = jax.live_arrays()
                 live[state.global_step] = (sum(a.nbytes for a in arrays), len(arrays))
 
     model, tok = _tiny(r=2)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=4, max_steps=200, logging_steps=50, learning_rate=1e-3, beta=0.04,
+                      max_completion_length=4, max_steps=last, logging_steps=20, learning_rate=1e-3, beta=0.04,
                       save_steps=0, seed=3)
     trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=args, train_dataset=_prompts(6),
                           processing_class=tok, callbacks=[Probe()])
     trainer.train()
-    print("live device bytes, arrays after steps 20 and 200:", live)
-    (bytes20, n20), (bytes200, n200) = live[20], live[200]
-    assert bytes200 - bytes20 < (200 - 20) * 4, live
-    assert n200 <= n20, live
+    print(f"live device bytes, arrays after steps {first} and {last}:", live)
+    (bytes_first, n_first), (bytes_last, n_last) = live[first], live[last]
+    assert bytes_last - bytes_first < (last - first) * 4, live
+    assert n_last <= n_first, live
