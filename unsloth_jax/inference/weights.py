@@ -100,8 +100,8 @@ def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
 def commit_in_place(model) -> None:
     """Commit `model`'s arrays that are not yet (same buffers and values; backend.commit_to_devices says why): a
     trainer writes back committed arrays where the loader left uncommitted ones, and jax.jit keys its programs
-    on that, so without this every engine program compiled again after the first training step. Done once per
-    model: later calls find every array committed and change nothing."""
+    on that, so without this a generate after training compiled every engine program again. Done once per model:
+    later calls find every array committed and change nothing."""
     state = nnx.state(model)
     if any(isinstance(a, jax.Array) and not a.committed for a in jax.tree.leaves(state)):
         nnx.update(model, commit_to_devices(state))
