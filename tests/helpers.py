@@ -16,12 +16,13 @@ def subprocess_env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
-# XLA CPU flags for processes that compile more than they run (the pytest processes, short notebooks, the
-# multi-device cases): LLVM at -O0 and XLA's MLIR fusion emitters off (its elemental emitters instead). The
-# programs are the same, compiled several times faster: tests/test_long_context.py + test_lora_train.py took
-# 156 -> 89 s with the emitters off on top of -O0. Execution is no faster (the README's tiny training run
-# was not helped), so processes that mostly execute keep the defaults. Float32 may round differently in the last
-# bits: a test that needs two programs bit-identical pins its own compiler options.
+# XLA CPU flags for processes that compile more than they run (the pytest processes, short notebooks; not the
+# multi-device cases, see tests/test_distributed.py): LLVM at -O0 and XLA's MLIR fusion emitters off (its
+# elemental emitters instead). The programs are the same, compiled several times faster:
+# tests/test_long_context.py + test_lora_train.py took 156 -> 89 s with the emitters off on top of -O0.
+# Execution is no faster (the README's tiny training run was not helped), so processes that mostly execute keep
+# the defaults. Float32 may round differently in the last bits: a test that needs two programs bit-identical
+# pins its own compiler options.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.conftest import fresh_seed
-from tests.helpers import QUICK_CODEGEN, ROOT, subprocess_env
+from tests.helpers import ROOT, subprocess_env
 from unsloth_jax import distributed
 from unsloth_jax.data import DataLoader
 
@@ -37,30 +37,35 @@ def _run_cases(args: list[str], devices: int, timeout: int) -> tuple[list[str], 
     return lines, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-# The subprocesses below mostly compile (tests.helpers.QUICK_CODEGEN); every comparison here has a tolerance.
-QUICK_COMPILE = QUICK_CODEGEN
+# The subprocesses below mostly compile: LLVM at -O0 (the same partitioned programs, compiled several times
+# faster). Not tests.helpers.QUICK_CODEGEN's fusion-emitters switch: with it, a CI run's 4-device process hung in
+# a train step (XLA's CPU collectives waiting on each other, terminated after 40 s). Every comparison here has a
+# tolerance.
+QUICK_COMPILE = "--xla_backend_optimization_level=0"
 
 
 def _xla_flags(devices: int) -> str:
     return f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}"
 
 
-# The cases of the tests below, in two processes of 8 and 4 devices (tests.multidevice_cases batch): one start and
-# one set of eager compiles per process instead of one per case, and the qlora "full" and "offload" cases share
-# their single-device truth. The 4-device batch resumes the 8-device trainer's checkpoint, so it runs second.
-def _batches(out: str) -> dict[int, dict[str, list]]:
+# The cases of the tests below, in three processes (tests.multidevice_cases batch): one start and one set of eager
+# compiles per process instead of one per case, and the qlora "full" and "offload" cases share their single-device
+# truth. The resumed trainer reads the 8-device trainer's checkpoint, so its batch runs after that one; it has a
+# process of its own, as it had before the batching (the one CI hang above was in it, after the MoE case).
+def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
+    """batch name -> (devices, {case name: [case, kwargs]}), in the order they run."""
     trainer = dict(output_dir=out, max_steps=4, shard_trainable=True)
     return {
-        8: {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
-            "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
-            "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
-            "fsdp_shards": ["fsdp_shards", {}],
-            "memory": ["memory", dict(single=False)],
-            "trainer_fsdp8": ["trainer", dict(mesh="fsdp=8", per_device=1, save_steps=2, **trainer)],
-            "pallas_on_mesh": ["pallas_on_mesh", {}]},
-        4: {"moe": ["moe_equal_steps", {}],
-            "trainer_resumed": ["trainer", dict(mesh="data=2,fsdp=2", per_device=2,
-                                                resume=os.path.join(out, "checkpoint-2"), **trainer)]},
+        "8 devices": (8, {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
+                          "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
+                          "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
+                          "fsdp_shards": ["fsdp_shards", {}],
+                          "memory": ["memory", dict(single=False)],
+                          "trainer_fsdp8": ["trainer", dict(mesh="fsdp=8", per_device=1, save_steps=2, **trainer)],
+                          "pallas_on_mesh": ["pallas_on_mesh", {}]}),
+        "4 devices, MoE": (4, {"moe": ["moe_equal_steps", {}]}),
+        "4 devices, resumed trainer": (4, {"trainer_resumed": ["trainer", dict(
+            mesh="data=2,fsdp=2", per_device=2, resume=os.path.join(out, "checkpoint-2"), **trainer)]}),
     }
 
 
@@ -74,16 +79,15 @@ class Cases:
     def __call__(self, name: str) -> dict:
         """Case `name`'s result; fails the asking test with the case's traceback, or the process's log."""
         print(f"multi-device cases seed = {self.seed}  (replay with UNSLOTH_JAX_TEST_SEED={self.seed})")
-        for devices, batch in self.batches.items():  # 8 first: the 4-device batch resumes its checkpoint
+        for label, (devices, batch) in self.batches.items():  # in order: the resumed trainer reads a checkpoint
             if name in self.results:
                 break
-            if devices in self.ran:
+            if label in self.ran:
                 continue
-            self.ran.add(devices)
-            self.results.update({case: {"error": f"the {devices}-device batch did not finish"} for case in batch})
+            self.ran.add(label)
+            self.results.update({case: {"error": f"the {label} batch did not finish"} for case in batch})
             lines, log = _run_cases(["batch", str(self.seed), json.dumps(batch)], devices, 2400)
-            self.results.update({case: {"error": f"no result from the {devices}-device batch, {log}"}
-                                 for case in batch})
+            self.results.update({case: {"error": f"no result from the {label} batch, {log}"} for case in batch})
             self.results.update({line.pop("name"): line for line in map(json.loads, lines)})
         line = self.results[name]
         if "error" in line:
