@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import QUICK_CODEGEN
+from tests.helpers import quick_codegen
 
 
 def _share_compiled_programs() -> None:
@@ -38,7 +38,8 @@ def _share_compiled_programs() -> None:
 
 def _quick_cpu_codegen() -> None:
     """On a machine without an NVIDIA GPU, this process's XLA CPU backend compiles quickly (tests.helpers.
-    QUICK_CODEGEN: LLVM at -O0, fusion emitters off): the tests' tiny programs spend most of their time compiling.
+    quick_codegen(): LLVM at -O0, fusion emitters off where jaxlib has that switch): the tests' tiny programs
+    spend most of their time compiling.
     HLO-level passes are unchanged, but the code may round float32 differently in the last bits, so a test that
     asks two programs for bit-identical results pins its compiler_options (as test_fp8_model's fused-GLU test
     does). XLA_FLAGS is read when the backend starts, so it is set, the CPU backend started, and the variable
@@ -49,7 +50,7 @@ def _quick_cpu_codegen() -> None:
     flags = os.environ.get("XLA_FLAGS")
     if flags and "xla_backend_optimization_level" in flags:
         return
-    os.environ["XLA_FLAGS"] = ((flags or "") + " " + QUICK_CODEGEN).strip()
+    os.environ["XLA_FLAGS"] = ((flags or "") + " " + quick_codegen()).strip()
     try:
         jax.devices()
     finally:

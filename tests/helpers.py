@@ -16,25 +16,33 @@ def subprocess_env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
-# XLA CPU flags for processes that compile more than they run (the pytest processes, short notebooks; not the
-# multi-device cases, see tests/test_distributed.py): LLVM at -O0 and XLA's MLIR fusion emitters off (its
-# elemental emitters instead). The programs are the same, compiled several times faster:
-# tests/test_long_context.py + test_lora_train.py took 156 -> 89 s with the emitters off on top of -O0.
-# Execution is no faster (the README's tiny training run was not helped), so processes that mostly execute keep
-# the defaults. Float32 may round differently in the last bits: a test that needs two programs bit-identical
-# pins its own compiler options.
-QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+def quick_codegen() -> str:
+    """XLA CPU flags for processes that compile more than they run (the pytest processes, short notebooks; not the
+    multi-device cases, see tests/test_distributed.py): LLVM at -O0 and, where this jaxlib's XLA has the switch,
+    its MLIR fusion emitters off (its elemental emitters instead). The programs are the same, compiled several
+    times faster: tests/test_long_context.py + test_lora_train.py took 156 -> 89 s with the emitters off on top
+    of -O0 (jax 0.10.2). jaxlib 0.11 has no `--xla_cpu_use_fusion_emitters` (XLA aborts on an unknown flag), so
+    there it is -O0 alone. Execution is no faster (the README's tiny training run was not helped), so processes
+    that mostly execute keep the defaults. Float32 may round differently in the last bits: a test that needs two
+    programs bit-identical pins its own compiler options."""
+    import jaxlib
+
+    flags = "--xla_backend_optimization_level=0"
+    major_minor = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+    if major_minor < (0, 11):
+        flags += " --xla_cpu_use_fusion_emitters=false"
+    return flags
 
 
 def quick_codegen_flags() -> str | None:
     """XLA_FLAGS for a process a test starts that compiles more than it runs (a short notebook): this environment's
-    flags plus QUICK_CODEGEN, as tests/conftest.py sets for the pytest processes themselves; None on a machine with
+    flags plus quick_codegen(), as tests/conftest.py sets for the pytest processes themselves; None on a machine with
     an NVIDIA GPU or with UNSLOTH_JAX_TEST_QUICK_CODEGEN=0 (the flags stay as they are)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if (os.environ.get("UNSLOTH_JAX_TEST_QUICK_CODEGEN", "1") == "0" or os.path.exists("/dev/nvidiactl")
             or "xla_backend_optimization_level" in flags):
         return None
-    return (flags + " " + QUICK_CODEGEN).strip()
+    return (flags + " " + quick_codegen()).strip()
 
 
 def made_once(name: str, make) -> Path:

@@ -38,7 +38,7 @@ def _run_cases(args: list[str], devices: int, timeout: int) -> tuple[list[str], 
 
 
 # The subprocesses below mostly compile: LLVM at -O0 (the same partitioned programs, compiled several times
-# faster). Not tests.helpers.QUICK_CODEGEN's fusion-emitters switch: with it, a CI run's 4-device process hung in
+# faster). Not tests.helpers.quick_codegen()'s fusion-emitters switch: with it, a CI run's 4-device process hung in
 # a train step (XLA's CPU collectives waiting on each other, terminated after 40 s). Every comparison here has a
 # tolerance.
 QUICK_COMPILE = "--xla_backend_optimization_level=0"
