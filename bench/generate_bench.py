@@ -20,6 +20,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--decode-configs" in sys.argv[:-1]:  # pallas_kernels.decode_linear reads its table when imported (below)
+    os.environ["UNSLOTH_JAX_DECODE_LINEAR_CONFIGS"] = sys.argv[sys.argv.index("--decode-configs") + 1]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,15 +75,12 @@ def main() -> None:
     ap.add_argument("--dump-hlo", metavar="FILE", help="with --count-kernels: write the compiled decode loop's HLO")
     ap.add_argument("--profile", metavar="DIR", help="trace one more (untimed) call with jax.profiler into DIR")
     ap.add_argument("--decode-configs", metavar="FILE", help="decode_linear configs to use (decode_linear_chain.py "
-                    "--write-best), in place of pallas_kernels.decode_linear.TUNED")
+                    "--write-best), in place of pallas_kernels.decode_linear's measured table (for the shapes it lists)")
     a = ap.parse_args()
-    if a.decode_configs:
+    if a.decode_configs:  # set in os.environ before the imports above
         from pallas_kernels import decode_linear
-        with open(a.decode_configs) as f:
-            table = json.load(f)
-        decode_linear.TUNED.clear()
-        decode_linear.TUNED.update({tuple(int(v) for v in key.split(",")): decode_linear.DecodeConfig(**cfg)
-                                    for key, cfg in table.items()})
+        if os.environ.get(decode_linear.CONFIGS_ENV) != a.decode_configs:
+            ap.error("--decode-configs: give it as two arguments (--decode-configs FILE)")
     kw = {"load_in_4bit": True} if a.load_in_4bit else {"load_in_fp8": True} if a.load_in_fp8 else {}
     model, _ = FastLanguageModel.from_pretrained(a.model_dir, dtype=a.dtype, load_tokenizer=False,
                                                  max_seq_length=a.prompt_len + a.new, progress=False, **kw)

@@ -42,6 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +53,7 @@ from jax import lax
 from pallas_kernels._common import (cdiv, compiler_params, full_spec, load, load_tile, mask_2d, next_pow2, pl,
                                     plgpu, range_mask, resolve_interpret, split_k_output)
 
-__all__ = ["stacked_linear", "DecodeConfig", "TUNED", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
+__all__ = ["stacked_linear", "DecodeConfig", "TUNED", "CONFIGS_ENV", "pick_config", "resolve_config", "TARGET_PROGRAMS"]
 
 #: Programs to aim for when choosing split-K and shrinking tiles: two per SM of an H200 (132 SMs), enough
 #: loads in flight to cover HBM latency for a streaming read.
@@ -76,11 +79,32 @@ class DecodeConfig:
 #: Configs measured best on the H200 for 16-bit rows, by (rows bucket, K, N): rows bucket 16 for M <= 16, 64 for
 #: M <= 64, 128 above (bench/decode_linear_chain.py: every layer of a stack in turn, as the engine calls it).
 #: A shape not listed gets the rule below.
-TUNED: dict[tuple[int, int, int], DecodeConfig] = {
+_MEASURED = {
     # Qwen2-1.5B down_proj at <= 16 rows: the engine's 16-row step 3.02 -> 2.81 ms (BENCHMARKS.md, generation,
     # 2026-12-04f); the rule gave block_k 256 with 12 splits.
     (16, 8960, 1536): DecodeConfig(block_m=16, block_n=64, block_k=128, splits=4, num_warps=4, num_stages=4),
 }
+#: Environment variable naming a JSON file of configs to use in place of _MEASURED for the shapes it lists
+#: ({"16,8960,1536": {"block_m": 16, ...}}, as bench/decode_linear_chain.py --write-best writes), read once when
+#: this module is imported: benchmarks compare tables across processes, never within one.
+CONFIGS_ENV = "UNSLOTH_JAX_DECODE_LINEAR_CONFIGS"
+
+
+def _configs_from_env() -> dict:
+    path = os.environ.get(CONFIGS_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        return {tuple(int(v) for v in key.split(",")): DecodeConfig(**cfg) for key, cfg in table.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{CONFIGS_ENV}={path}: not a decode_linear config table "
+                         f"({{\"rows,K,N\": {{\"block_m\": ...}}}}): {exc}") from exc
+
+
+#: The table pick_config reads (read-only: a program traced later must see the same configs as one traced before).
+TUNED: types.MappingProxyType = types.MappingProxyType({**_MEASURED, **_configs_from_env()})
 
 
 def rows_bucket(m: int) -> int:

@@ -190,6 +190,34 @@ def test_tuned_configs_are_used_for_16_bit_rows_only():
             assert pick_config(other, k, n, jnp.bfloat16, 16) != cfg
 
 
+def test_tuned_table_is_read_only_and_taken_from_the_environment_once(tmp_path):
+    """TUNED cannot change while programs trace; a table named by UNSLOTH_JAX_DECODE_LINEAR_CONFIGS replaces the
+    measured configs of the shapes it lists when the module is imported, and a bad file is a clear error."""
+    import json
+    import subprocess
+    import sys
+
+    from pallas_kernels.decode_linear import CONFIGS_ENV
+    from tests.helpers import subprocess_env
+
+    cfg = DecodeConfig(block_m=16, block_n=64, block_k=64)
+    with pytest.raises(TypeError, match="does not support item assignment"):
+        TUNED[(16, 64, 64)] = cfg
+    table = tmp_path / "configs.json"
+    table.write_text(json.dumps({"16,8960,1536": {"block_m": 16, "block_n": 32, "block_k": 64, "splits": 2},
+                                 "128,64,96": {"block_m": 128, "block_n": 32, "block_k": 32}}))
+    code = ("from pallas_kernels.decode_linear import TUNED; "
+            "print(sorted((k, v.block_n, v.block_k, v.splits) for k, v in TUNED.items()))")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(**{CONFIGS_ENV: str(table)}),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[((16, 8960, 1536), 32, 64, 2), ((128, 64, 96), 32, 32, None)]"
+    table.write_text('{"16,8960,1536": {"block_rows": 16}}')
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(**{CONFIGS_ENV: str(table)}),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{CONFIGS_ENV}={table}" in out.stderr and "block_rows" in out.stderr
+
+
 def test_lowers_to_triton_at_model_shapes():
     """Cross-lower (no GPU needed) to Triton IR at the Qwen2-1.5B / Llama-3-8B shapes, M in {1, 16, 128}, with
     bias and LoRA, each with its default config (split-K or not)."""
