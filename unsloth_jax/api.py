@@ -435,8 +435,8 @@ class VisionModel(Gemma3ForConditionalGeneration):
     unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
     input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
     SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
-    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers.
-    Not yet: generation with images."""
+    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
+    generate continues prompts with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -462,6 +462,16 @@ class VisionModel(Gemma3ForConditionalGeneration):
 
         save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                            dtype=dtype)
+
+    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
+        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
+        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [N, C, H, W]
+        (the images of the rows' image tokens, in order), token_type_ids [B, P] (1 = image token). kwargs:
+        max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, seed, streamer, as
+        Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        from unsloth_jax.generation import generate_vision
+
+        return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
 
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision
@@ -543,6 +553,16 @@ class FastVisionModel:
             raise ValueError("finetune_language_layers=False and finetune_vision_layers=False: nothing to adapt")
         return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules,
                                                 vision_target_modules=vision_targets, **kwargs)
+
+    @staticmethod
+    def for_inference(model: VisionModel) -> VisionModel:
+        """Unsloth's switch to inference: returns `model` unchanged (VisionModel.generate needs no switch)."""
+        return model
+
+    @staticmethod
+    def for_training(model: VisionModel, use_gradient_checkpointing=True) -> VisionModel:
+        """Unsloth's switch back to training: returns `model` unchanged (as FastLanguageModel.for_training)."""
+        return model
 
 
 __all__ = ["FastLanguageModel", "FastVisionModel", "Model", "VisionModel", "is_bfloat16_supported"]
