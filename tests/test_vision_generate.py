@@ -3,7 +3,6 @@ Gemma3ForConditionalGeneration.generate on a left-padded batch of two rows with 
 wider than the sliding window), and transformers + PEFT's with a random LoRA on both towers."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -257,4 +257,5 @@ def _step_streamer(streamer, rows: int, pad: int):
     return on_tokens
 
 
-__all__ = ["generate", "generate_vision", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids", "SamplingParams"]
+__all__ = ["generate", "generate_vision", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids",
+           "SamplingParams"]

@@ -50,8 +50,8 @@ def load_vision_language_params(model_dir: str | os.PathLike, cfg: VisionLanguag
                                 placer=None) -> Params:
     """Every tensor of the Gemma 3 vision-language checkpoint in `model_dir` as a nested dict by module path,
     in `dtype`. placer: the text loader's Placer for the language model's tensors (quant.nf4_placer: its Linears
-    in NF4); the vision tower and projector are always placed dense. Raises MissingTensorError (naming the canonical names absent), UnexpectedTensorError and
-    ShapeMismatchError (naming the tensor and file)."""
+    in NF4); the vision tower and projector are always placed dense. Raises MissingTensorError (naming the
+    canonical names absent), UnexpectedTensorError and ShapeMismatchError (naming the tensor and file)."""
     specs = vision_language_specs(cfg)
     text_names = {n for n, s in specs.items() if s.path[0] in ("model", "lm_head")}
     params: Params = {}
