@@ -435,8 +435,8 @@ class VisionModel(Gemma3ForConditionalGeneration):
     unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
     input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
     SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
-    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers.
-    Not yet: generation with images."""
+    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
+    generate continues prompts with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -463,11 +463,35 @@ class VisionModel(Gemma3ForConditionalGeneration):
         save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                            dtype=dtype)
 
+    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
+        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
+        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [N, C, H, W]
+        (the images of the rows' image tokens, in order), token_type_ids [B, P] (1 = image token). kwargs:
+        max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, seed, streamer, as
+        Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        from unsloth_jax.generation import generate_vision
+
+        return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
+
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision
         lora = f", lora r={self.lora.r}" if self.lora else ""
         return (f"VisionModel(gemma3, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision layers="
                 f"{v.num_hidden_layers}, image {v.image_size}px / patch {v.patch_size}, dtype={self.dtype.name}{lora})")
+
+
+def _load_processor(model_dir: Path):
+    """transformers' AutoProcessor of `model_dir`, or None where it has no processor files or it cannot be built."""
+    processor_files = ("preprocessor_config.json", "processor_config.json")  # transformers 4 / 5 names
+    if not any((model_dir / f).is_file() for f in processor_files):
+        return None
+    try:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(str(model_dir))
+    except (OSError, ValueError, ImportError) as e:
+        log.warning("unsloth_jax: no usable processor in %s (%s); returning None", model_dir, e)
+        return None
 
 
 class FastVisionModel:
@@ -476,41 +500,56 @@ class FastVisionModel:
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
-        """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"). Returns
-        (VisionModel, processor): transformers' AutoProcessor of the directory, or None where it has none
-        (no preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
-        FastLanguageModel.from_pretrained. load_in_4bit is not supported yet (ConfigError)."""
+        """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"), or a PEFT adapter
+        directory a VisionModel's save_pretrained wrote (its base_model_name_or_path is loaded, then the adapter's
+        LoRA pairs on both towers: hf.vision_io.load_vision_adapter). Returns (VisionModel, processor):
+        transformers' AutoProcessor of the directory (an adapter's own, else its base's), or None where it has
+        none (no preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
+        FastLanguageModel.from_pretrained. load_in_4bit=True: the language model's projections in NF4 (QLoRA;
+        the vision tower and projector stay in `dtype`, as Unsloth's default)."""
         from unsloth_jax.config import VisionLanguageConfig
-        from unsloth_jax.hf.vision_io import load_vision_language_model
+        from unsloth_jax.hf import peft_io
+        from unsloth_jax.hf.vision_io import load_vision_adapter, load_vision_language_model
 
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED and key not in ("use_gradient_checkpointing", "load_in_8bit"):
                 raise TypeError(f"FastVisionModel.from_pretrained() got an unexpected keyword argument {key!r}")
-        if require_bool("load_in_4bit", load_in_4bit) or kwargs.get("load_in_8bit"):
-            raise ConfigError("FastVisionModel.from_pretrained: quantized loading (load_in_4bit / load_in_8bit) of "
-                              "vision-language models is not supported yet; load it in 16 or 32 bits")
+        load_in_4bit = require_bool("load_in_4bit", load_in_4bit)
+        if kwargs.get("load_in_8bit"):
+            raise ConfigError("FastVisionModel.from_pretrained: load_in_8bit is not supported; use load_in_4bit=True "
+                              "(NF4) or 16 / 32 bits")
         model_dir = _check_model_name(model_name)
+        if model_dir.is_dir() and peft_io.is_adapter_dir(model_dir):
+            base = Path(peft_io.base_model_path(model_dir))
+            if peft_io.is_adapter_dir(base):
+                raise ConfigError(f"{model_dir}/adapter_config.json: base_model_name_or_path {str(base)!r} is itself "
+                                  "an adapter directory; point it at the base model")
+            model, processor = FastVisionModel.from_pretrained(base, max_seq_length, dtype, load_in_4bit,
+                                                               load_processor=False, progress=progress, **kwargs)
+            load_vision_adapter(model, model_dir)
+            processor = (_load_processor(model_dir) or _load_processor(base)) if load_processor else None
+            return model, processor
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(f"model directory not found: {model_dir}")
+        if load_in_4bit and _bnb_4bit_checkpoint(model_dir):
+            raise ConfigError(f"{model_dir}: pre-quantized bitsandbytes vision-language checkpoints are not supported; "
+                              "load the 16-bit model with load_in_4bit=True")
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
         cfg = VisionLanguageConfig.from_pretrained(model_dir)
-        model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=VisionModel)
+        placer = None
+        if load_in_4bit:
+            from unsloth_jax.quant import nf4_placer
+
+            placer = nf4_placer
+        model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=VisionModel, placer=placer)
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
-        processor = None
-        processor_files = ("preprocessor_config.json", "processor_config.json")  # transformers 4 / 5 names
-        if require_bool("load_processor", load_processor) and any((model_dir / f).is_file() for f in processor_files):
-            try:
-                from transformers import AutoProcessor
-
-                processor = AutoProcessor.from_pretrained(str(model_dir))
-            except (OSError, ValueError, ImportError) as e:
-                log.warning("unsloth_jax: no usable processor in %s (%s); returning None", model_dir, e)
-        log.info("unsloth_jax: loaded %s (gemma3 vision-language, %d + %d layers) in %.1fs as %s", model_dir.name,
+        processor = _load_processor(model_dir) if require_bool("load_processor", load_processor) else None
+        log.info("unsloth_jax: loaded %s (gemma3 vision-language, %d + %d layers) in %.1fs as %s%s", model_dir.name,
                  cfg.text.num_hidden_layers, cfg.vision.num_hidden_layers, time.perf_counter() - start,
-                 compute_dtype.name)
+                 compute_dtype.name, " + NF4 4-bit language model" if load_in_4bit else "")
         return model, processor
 
     @staticmethod
@@ -543,6 +582,16 @@ class FastVisionModel:
             raise ValueError("finetune_language_layers=False and finetune_vision_layers=False: nothing to adapt")
         return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules,
                                                 vision_target_modules=vision_targets, **kwargs)
+
+    @staticmethod
+    def for_inference(model: VisionModel) -> VisionModel:
+        """Unsloth's switch to inference: returns `model` unchanged (VisionModel.generate needs no switch)."""
+        return model
+
+    @staticmethod
+    def for_training(model: VisionModel, use_gradient_checkpointing=True) -> VisionModel:
+        """Unsloth's switch back to training: returns `model` unchanged (as FastLanguageModel.for_training)."""
+        return model
 
 
 __all__ = ["FastLanguageModel", "FastVisionModel", "Model", "VisionModel", "is_bfloat16_supported"]

@@ -104,22 +104,13 @@ def _crosses_longrope_switch(cfg, prompt_width: int, max_new_tokens: int) -> boo
     return cfg.rope_type == "longrope" and prompt_width + max_new_tokens > cfg.rope_original_max_position
 
 
-def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, temperature: float = 1.0,
-             top_p: float = 1.0, do_sample: bool = False, eos_token_id=None, seed: int = 0, streamer=None,
-             pad_token_id: int | None = None, top_k: int = 0, min_p: float = 0.0,
-             repetition_penalty: float = 1.0) -> np.ndarray:
-    """Continue each row of input_ids [B, P] by up to max_new_tokens tokens; returns [B, P + new] (numpy int64).
-
-    attention_mask [B, P]: 1 on real tokens, 0 on LEFT padding (None: all real). Greedy (argmax) unless
-    do_sample, which samples at `temperature` within top_k / top_p / min_p (SamplingParams' definitions);
-    repetition_penalty as transformers'. `seed`: row i's random stream is seed's i-th. eos_token_id: an int or
-    a list (None: the model's generation_config / config). streamer: an object with put(ids)/end() such as
-    transformers.TextStreamer (put first receives the prompt [B, P], then each step's new tokens [B]), or a
-    callable that receives each step's new tokens [B].
-    """
+def _prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+    """generate's input_ids / attention_mask (numpy, torch or lists) -> (ids [B, P] int32, mask [B, P] int32),
+    checked: not empty, equal shapes, LEFT padding only."""
+    if input_ids is None:
+        raise ValueError("generate: input_ids is required")
     ids = _as_ids(input_ids, "input_ids").astype(np.int32)
-    b, p = ids.shape
-    if p == 0:
+    if ids.shape[1] == 0:
         raise ValueError("generate: input_ids is empty; give at least one prompt token (e.g. the BOS token)")
     if attention_mask is None:
         mask = np.ones_like(ids)
@@ -133,14 +124,39 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
                          "(tokenizer.padding_side = 'left')")
     if np.any(np.diff(mask, axis=1) < 0):
         raise ValueError("generate: attention_mask has padding between real tokens; only left padding is supported")
+    return ids, mask
+
+
+def _eos_and_pad(model, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], int]:
+    """The end-of-sequence ids (given, else the model's) and the pad id (given, else config's, else eos[0], else 0)."""
+    cfg = model.config
+    eos = default_eos_ids(model) if eos_token_id is None else id_tuple(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    return eos, int(pad_token_id)
+
+
+def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, temperature: float = 1.0,
+             top_p: float = 1.0, do_sample: bool = False, eos_token_id=None, seed: int = 0, streamer=None,
+             pad_token_id: int | None = None, top_k: int = 0, min_p: float = 0.0,
+             repetition_penalty: float = 1.0) -> np.ndarray:
+    """Continue each row of input_ids [B, P] by up to max_new_tokens tokens; returns [B, P + new] (numpy int64).
+
+    attention_mask [B, P]: 1 on real tokens, 0 on LEFT padding (None: all real). Greedy (argmax) unless
+    do_sample, which samples at `temperature` within top_k / top_p / min_p (SamplingParams' definitions);
+    repetition_penalty as transformers'. `seed`: row i's random stream is seed's i-th. eos_token_id: an int or
+    a list (None: the model's generation_config / config). streamer: an object with put(ids)/end() such as
+    transformers.TextStreamer (put first receives the prompt [B, P], then each step's new tokens [B]), or a
+    callable that receives each step's new tokens [B].
+    """
+    ids, mask = _prompt_arrays(input_ids, attention_mask)
+    b, p = ids.shape
     if max_new_tokens <= 0:
         return ids.astype(np.int64)
     if temperature <= 0 and do_sample:
         raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
     cfg = model.config
-    eos = default_eos_ids(model) if eos_token_id is None else id_tuple(eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
 
     if _crosses_longrope_switch(cfg, p, max_new_tokens):
         if top_k or min_p or repetition_penalty != 1.0:
@@ -172,6 +188,58 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     return np.concatenate([ids.astype(np.int64), new], axis=1)
 
 
+def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, token_type_ids=None,
+                    max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = False,
+                    eos_token_id=None, seed: int = 0, streamer=None, pad_token_id: int | None = None,
+                    **kwargs) -> np.ndarray:
+    """`generate` for a Gemma 3 vision-language model (models.vision.Gemma3ForConditionalGeneration) with images:
+    input_ids [B, P] (LEFT padded, attention_mask [B, P]) holding mm_tokens_per_image image tokens per image of
+    pixel_values [N, C, H, W] (None: text only), token_type_ids [B, P] (1 = image token: each image's tokens
+    attend to each other both ways in the prefill; None: causal, as transformers). The other arguments as
+    `generate` (top_k, min_p and repetition_penalty are not supported here). Runs on
+    inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new] numpy int64."""
+    from unsloth_jax.inference.images import generate_with_images
+
+    unsupported = [k for k, v in kwargs.items() if k in _VISION_UNSUPPORTED and v != _VISION_UNSUPPORTED[k]
+                   and (do_sample or k == "repetition_penalty")]  # top_k / min_p only shape sampling
+    unknown = [k for k in kwargs if k not in _VISION_UNSUPPORTED and k not in _VISION_IGNORED]
+    if unsupported or unknown:
+        raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unsupported + unknown)}")
+    ids, mask = _prompt_arrays(input_ids, attention_mask)
+    cfg = model.vl_config
+    n_image_tokens = int(np.sum(ids == cfg.image_token_index))
+    if pixel_values is None:
+        if n_image_tokens:
+            raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
+        pixels = None
+    else:
+        pixels = np.asarray(pixel_values.detach().cpu().numpy() if hasattr(pixel_values, "detach") else pixel_values,
+                            np.float32)
+        if pixels.ndim != 4:
+            raise ValueError(f"generate: pixel_values must be [N, C, H, W], got shape {pixels.shape}")
+        if n_image_tokens != pixels.shape[0] * cfg.mm_tokens_per_image:
+            raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but pixel_values' "
+                             f"{pixels.shape[0]} images need {pixels.shape[0] * cfg.mm_tokens_per_image} "
+                             f"({cfg.mm_tokens_per_image} each)")
+    types = None
+    if token_type_ids is not None:
+        types = _as_ids(token_type_ids, "token_type_ids").astype(np.int32)
+        if types.shape != ids.shape:
+            raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape {ids.shape}")
+    if max_new_tokens <= 0:
+        return ids.astype(np.int64)
+    if temperature <= 0 and do_sample:
+        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
+    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    return generate_with_images(model, ids, mask, pixels, types, int(max_new_tokens), float(temperature),
+                                float(top_p), bool(do_sample), eos, int(seed), streamer, pad_token_id)
+
+
+# generate's arguments generate_vision does not implement (accepted at their no-op value) and ones it ignores
+_VISION_UNSUPPORTED = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+_VISION_IGNORED = ("use_cache",)
+
+
 def _step_streamer(streamer, rows: int, pad: int):
     """An engine on_tokens callback that hands `streamer` each step's tokens [rows] (pad for rows that have
     finished)."""
@@ -189,4 +257,5 @@ def _step_streamer(streamer, rows: int, pad: int):
     return on_tokens
 
 
-__all__ = ["generate", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids", "SamplingParams"]
+__all__ = ["generate", "generate_vision", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids",
+           "SamplingParams"]

@@ -311,7 +311,8 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
 
     cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
     (Gemma 3, from `DecoderModel.rope`), or None.
-    cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index.
+    cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
+    a NamedTuple with k and v fields and an `attend` as KVCache's: inference.images.ImagePrefillCache).
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
     router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
     """
@@ -331,7 +332,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
             layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
             layer_cache = None
             if cache is not None:
-                layer_cache = KVCache(xs_group[1][j], xs_group[2][j], cache.valid, cache.index)
+                layer_cache = cache._replace(k=xs_group[1][j], v=xs_group[2][j])  # KVCache or a variant
             h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j])
             if kv is not None:
                 new_k.append(kv[0])
