@@ -1,0 +1,114 @@
+"""Qwen2.5-VL equals transformers' Qwen2_5_VLForConditionalGeneration (float32, relative error < 1e-5): the vision
+tower alone (window attention with 2 windows per image, one full-attention block), the M-RoPE positions of
+get_rope_index, and the logits of a batch with two images of different grids in one row and a padded text-only
+row; config layouts and loading errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.helpers import rel_err  # noqa: E402
+from tests.vl_qwen_models import GRIDS, IMAGE, hf_qwen_vl, image_tokens, inputs  # noqa: E402
+from unsloth_jax.config import QwenVLConfig  # noqa: E402
+from unsloth_jax.errors import MissingTensorError  # noqa: E402
+from unsloth_jax.hf.vision_qwen_io import load_qwen_vl_model  # noqa: E402
+from unsloth_jax.models.vision_qwen2_5 import vision_layout  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    hf = hf_qwen_vl()
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return load_qwen_vl_model(checkpoint[0], dtype="float32")
+
+
+def test_window_layout_has_several_windows(ours):
+    layout = vision_layout(ours.vl_config.vision, GRIDS)
+    assert len(np.unique(layout["window_ids"])) == 4 and len(np.unique(layout["frame_ids"])) == 2
+    assert not np.array_equal(layout["order"], np.arange(layout["order"].size))  # windows reorder the patches
+
+
+def test_vision_tower_matches_transformers(checkpoint, ours, rng):
+    _, hf = checkpoint
+    pixels = rng.standard_normal((int(GRIDS.prod(-1).sum()), 96)).astype(np.float32)
+    with torch.no_grad():
+        ref = hf.model.visual(torch.tensor(pixels), grid_thw=torch.tensor(GRIDS)).pooler_output.numpy()
+    out = np.asarray(ours.image_features(pixels, GRIDS))
+    assert out.shape == (sum(image_tokens(g) for g in GRIDS), 64)
+    err = rel_err(out, ref)
+    print(f"vision tower relative error {err:.2e}")
+    assert err < 1e-5, err
+
+
+def test_mrope_positions_match_get_rope_index(checkpoint, ours, rng):
+    _, hf = checkpoint
+    ids, mask, _, grids = inputs(rng)
+    ref, _ = hf.model.get_rope_index(torch.tensor(ids), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(int)),
+                                     image_grid_thw=torch.tensor(grids), attention_mask=torch.tensor(mask))
+    np.testing.assert_array_equal(ours.rope_positions(ids, mask, grids), ref.numpy())
+    with pytest.raises(ValueError, match="image_grid_thw entry"):
+        ours.rope_positions(ids, mask, grids[::-1])
+
+
+def test_logits_match_transformers_with_images(checkpoint, ours, rng):
+    _, hf = checkpoint
+    ids, mask, pixels, grids = inputs(rng)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels),
+                 image_grid_thw=torch.tensor(grids),
+                 mm_token_type_ids=torch.tensor((ids == IMAGE).astype(int))).logits.numpy()
+    out = np.asarray(ours(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids))
+    real = mask.astype(bool)
+    err = rel_err(out[real], ref[real])
+    print(f"logits relative error {err:.2e}")
+    assert err < 1e-5, err
+    # plain 1D positions (no M-RoPE) change row 0's logits after the first image: the test above sees M-RoPE
+    flat = np.asarray(ours(ids, attention_mask=mask, positions=np.cumsum(mask, 1) - 1, pixel_values=pixels,
+                           image_grid_thw=grids))
+    assert rel_err(flat[0], ref[0]) > 1e-3
+
+
+def test_config_layouts(checkpoint):
+    raw = json.loads((checkpoint[0] / "config.json").read_text())
+    new = QwenVLConfig.from_dict(raw)
+    assert new.mrope_section == (2, 3, 3) and new.vision.fullatt_block_indexes == (1,)
+    assert new.text.qkv_bias and not new.text.o_bias and new.text.head_dim == 16
+    flat = {k: v for k, v in raw.items() if k != "text_config"} | {
+        k: v for k, v in raw["text_config"].items() if k not in ("rope_parameters", "model_type")}
+    flat["rope_theta"] = 10000.0
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+    assert QwenVLConfig.from_dict(flat) == new  # transformers 4's flat layout
+
+
+def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):
+    """transformers 5's module names (model.language_model.*, model.visual.*) load the same weights; a missing
+    tensor is named."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = checkpoint
+    tensors = load_file(str(path / "model.safetensors"))
+    assert "visual.merger.ln_q.weight" in tensors  # save_pretrained writes the Hub's names
+    renamed = {("model.language_model." + k[6:] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v for k, v in tensors.items()}
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    other = load_qwen_vl_model(tmp_path)
+    np.testing.assert_array_equal(other.visual.blocks.attn.qkv.kernel[...], ours.visual.blocks.attn.qkv.kernel[...])
+    np.testing.assert_array_equal(other.model.layers.self_attn.q_proj.bias[...],
+                                  ours.model.layers.self_attn.q_proj.bias[...])
+    del renamed["model.visual.merger.ln_q.weight"]
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MissingTensorError, match="visual.merger.ln_q.weight"):
+        load_qwen_vl_model(tmp_path)
