@@ -112,3 +112,80 @@ def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(MissingTensorError, match="visual.merger.ln_q.weight"):
         load_qwen_vl_model(tmp_path)
+
+
+# ---- LoRA through FastVisionModel (Unsloth's switches) against transformers + PEFT ----
+@pytest.fixture(scope="module")
+def fast(checkpoint):
+    """FastVisionModel's QwenVisionModel (each test's get_peft_model replaces the pairs of the one before)."""
+    from unsloth_jax import FastVisionModel
+    from unsloth_jax.api import QwenVisionModel
+
+    model, _ = FastVisionModel.from_pretrained(checkpoint[0], dtype="float32")
+    assert isinstance(model, QwenVisionModel)
+    return model
+
+
+def _peft_regex(language, vision, attention=True, mlp=True) -> str:
+    """PEFT's target_modules for Unsloth's switches, one alternative per tower (written independently of
+    hf.vision_qwen_export)."""
+    parts = []
+    if language:
+        mods = (["q_proj", "k_proj", "v_proj", "o_proj"] if attention else []) + (
+            ["gate_proj", "up_proj", "down_proj"] if mlp else [])
+        parts.append(rf".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(mods)})")
+    if vision:
+        mods = (["qkv", "proj"] if attention else []) + (["gate_proj", "up_proj", "down_proj"] if mlp else [])
+        parts.append(rf".*visual\.blocks\.\d+\.(?:attn|mlp)\.(?:{'|'.join(mods)})")
+    return "|".join(parts)
+
+
+@pytest.mark.parametrize("language,vision,attention,mlp", [(True, True, True, True), (False, True, True, False),
+                                                          (True, False, False, True)],
+                         ids=["both_all", "vision_attention", "language_mlp"])
+def test_lora_counts_match_peft(checkpoint, fast, language, vision, attention, mlp):
+    import copy
+
+    import peft
+
+    from unsloth_jax import FastVisionModel, lora
+
+    path, hf = checkpoint
+    model = FastVisionModel.get_peft_model(fast, r=4, lora_alpha=8, finetune_language_layers=language,
+                                           finetune_vision_layers=vision, finetune_attention_modules=attention,
+                                           finetune_mlp_modules=mlp, use_gradient_checkpointing=False)
+    twin = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=_peft_regex(language, vision, attention, mlp)))
+    n_peft = sum(p.numel() for n, p in twin.named_parameters() if "lora_" in n)
+    assert lora.count(lora.split(model)[1]) == n_peft > 0
+
+
+def test_lora_adapter_loads_in_peft_with_equal_logits(checkpoint, fast, rng, tmp_path):
+    import copy
+
+    import jax.numpy as jnp
+    import peft
+    from flax import nnx
+
+    from unsloth_jax import FastVisionModel
+
+    path, hf = checkpoint
+    model = FastVisionModel.get_peft_model(fast, r=4, lora_alpha=8, finetune_vision_layers=True,
+                                           use_gradient_checkpointing=False)
+    state = nnx.state(model, nnx.LoRAParam)  # random B (and A): the adapter changes the logits
+    nnx.update(model, nnx.from_flat_state({p: jnp.asarray(0.2 * rng.standard_normal(v.shape), jnp.float32)
+                                           for p, v in nnx.to_flat_state(state)}))
+    model.save_pretrained(tmp_path / "adapter")
+    twin = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "adapter")).eval()
+    ids, mask, pixels, grids = inputs(rng)
+    kw = dict(attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids),
+              mm_token_type_ids=torch.tensor((ids == IMAGE).astype(int)))
+    with torch.no_grad():
+        ref = twin(input_ids=torch.tensor(ids), **kw).logits.numpy()
+        base = hf(torch.tensor(ids), **kw).logits.numpy()
+    out = np.asarray(model(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids))
+    real = mask.astype(bool)
+    err = rel_err(out[real], ref[real])
+    print(f"LoRA logits relative error {err:.2e}")
+    assert err < 1e-5, err
+    assert rel_err(base[real], ref[real]) > 1e-2  # the adapter was applied

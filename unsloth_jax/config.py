@@ -586,6 +586,11 @@ class QwenVisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
+    def num_hidden_layers(self) -> int:
+        """depth, under the name the LoRA code reads for every vision tower."""
+        return self.depth
+
+    @property
     def merge_unit(self) -> int:
         """Patches merged into one language token: spatial_merge_size ** 2."""
         return self.spatial_merge_size ** 2
