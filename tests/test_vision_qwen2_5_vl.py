@@ -160,14 +160,17 @@ def test_lora_counts_match_peft(checkpoint, fast, language, vision, attention, m
     assert lora.count(lora.split(model)[1]) == n_peft > 0
 
 
-def test_lora_adapter_loads_in_peft_with_equal_logits(checkpoint, fast, rng, tmp_path):
+def test_lora_adapter_loads_in_peft_with_equal_logits_and_gradients(checkpoint, fast, rng, tmp_path):
+    """Random pairs on both towers: the saved adapter in transformers + PEFT gives our logits, and the LoRA
+    gradients of a next-token loss (through the vision tower's window attention) equal PEFT's."""
     import copy
 
+    import jax
     import jax.numpy as jnp
     import peft
     from flax import nnx
 
-    from unsloth_jax import FastVisionModel
+    from unsloth_jax import FastVisionModel, lora
 
     path, hf = checkpoint
     model = FastVisionModel.get_peft_model(fast, r=4, lora_alpha=8, finetune_vision_layers=True,
@@ -176,16 +179,45 @@ def test_lora_adapter_loads_in_peft_with_equal_logits(checkpoint, fast, rng, tmp
     nnx.update(model, nnx.from_flat_state({p: jnp.asarray(0.2 * rng.standard_normal(v.shape), jnp.float32)
                                            for p, v in nnx.to_flat_state(state)}))
     model.save_pretrained(tmp_path / "adapter")
-    twin = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "adapter")).eval()
+    twin = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "adapter"), is_trainable=True).eval()
     ids, mask, pixels, grids = inputs(rng)
     kw = dict(attention_mask=torch.tensor(mask), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids),
               mm_token_type_ids=torch.tensor((ids == IMAGE).astype(int)))
+    ref = twin(input_ids=torch.tensor(ids), **kw).logits
+    w = torch.tensor(mask[:, 1:], dtype=torch.float32)
+    nll = torch.nn.functional.cross_entropy(ref[:, :-1].transpose(1, 2), torch.tensor(ids[:, 1:]), reduction="none")
+    ((nll * w).sum() / w.sum()).backward()
+    ref = ref.detach().numpy()
     with torch.no_grad():
-        ref = twin(input_ids=torch.tensor(ids), **kw).logits.numpy()
         base = hf(torch.tensor(ids), **kw).logits.numpy()
-    out = np.asarray(model(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids))
+
+    graphdef, trainable, frozen = lora.split(model)
+    positions = model.rope_positions(ids, mask, grids)  # on the host: traced input_ids cannot give them
+
+    def loss(t):
+        logits = nnx.merge(graphdef, t, frozen)(ids, attention_mask=mask, positions=positions, pixel_values=pixels,
+                                                image_grid_thw=grids)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:, None]), axis=-1)[..., 0]
+        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum(), logits
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
     real = mask.astype(bool)
-    err = rel_err(out[real], ref[real])
+    err = rel_err(np.asarray(out)[real], ref[real])
+    assert rel_err(base[real], ref[real]) > 1e-2  # the adapter was applied
     print(f"LoRA logits relative error {err:.2e}")
     assert err < 1e-5, err
-    assert rel_err(base[real], ref[real]) > 1e-2  # the adapter was applied
+    theirs = {n: p.grad.numpy() for n, p in twin.named_parameters() if "lora_" in n}
+    worst, seen = 0.0, 0
+    for p, g in nnx.to_flat_state(grads):
+        p = tuple(map(str, p))
+        tower = "model.language_model.layers" if p[0] == "model" else "model.visual.blocks"
+        ab = {"lora_a": "lora_A", "lora_b": "lora_B"}[p[-1]]
+        g = np.asarray(g.get_value() if hasattr(g, "get_value") else g)
+        for i in range(g.shape[0]):
+            name = f"base_model.model.{tower}.{i}.{'.'.join(p[2:-1])}.{ab}.default.weight"
+            worst = max(worst, rel_err(g[i].T, theirs.pop(name)))
+            seen += 1
+    assert not theirs and seen == 2 * (7 * 2 + 5 * 3), (sorted(theirs)[:4], seen)
+    print(f"LoRA gradients worst relative error {worst:.2e}")
+    assert worst < 1e-4, worst
