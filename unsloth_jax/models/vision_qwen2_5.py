@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.backend import is_tracer
 from unsloth_jax.config import QwenVisionConfig, QwenVLConfig
 from unsloth_jax.models.decoder import CausalLM, call_inputs
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
@@ -43,7 +44,7 @@ QWEN_VISION_PROJS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")  # the 
 # ---------------------------------------------------------------------------------------- host-side layout
 def _grid(image_grid_thw) -> np.ndarray:
     """image_grid_thw as an [I, 3] int64 numpy array (ValueError for a traced or malformed one)."""
-    if isinstance(image_grid_thw, jax.core.Tracer):
+    if is_tracer(image_grid_thw):
         raise ValueError("image_grid_thw must be concrete (numpy), not traced: the window layout is built on the host")
     grid = np.asarray(image_grid_thw, np.int64)
     if grid.ndim != 2 or grid.shape[1] != 3 or (grid <= 0).any():
@@ -311,7 +312,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         (the same on all axes); None: computed from concrete input_ids (mrope_positions)."""
         input_ids, batch = call_inputs(input_ids, attention_mask, None, segment_ids)
         if positions is None:
-            if isinstance(input_ids, jax.core.Tracer):
+            if is_tracer(input_ids):
                 raise ValueError("positions: pass M-RoPE positions [3, B, S] (model.rope_positions) when "
                                  "input_ids are traced")
             mrope = jnp.asarray(self.rope_positions(input_ids, attention_mask, image_grid_thw))
