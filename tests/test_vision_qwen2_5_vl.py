@@ -172,9 +172,10 @@ def test_lora_counts_match_peft(checkpoint, fast, language, vision, attention, m
     assert lora.count(lora.split(model)[1]) == n_peft > 0
 
 
-def test_lora_adapter_loads_in_peft_with_equal_logits_and_gradients(checkpoint, fast, rng, tmp_path):
-    """Random pairs on both towers: the saved adapter in transformers + PEFT gives our logits, and the LoRA
-    gradients of a next-token loss (through the vision tower's window attention) equal PEFT's."""
+def test_lora_adapter_gradients_and_merged_export_match_transformers(checkpoint, fast, rng, tmp_path):
+    """Random pairs on both towers: the saved adapter in transformers + PEFT gives our logits, the LoRA gradients
+    of a next-token loss (through the vision tower's window attention) equal PEFT's, and the merged float32
+    checkpoint gives the same logits in transformers without PEFT."""
     import copy
 
     import jax
@@ -233,3 +234,15 @@ def test_lora_adapter_loads_in_peft_with_equal_logits_and_gradients(checkpoint, 
     assert not theirs and seen == 2 * (7 * 2 + 5 * 3), (sorted(theirs)[:4], seen)
     print(f"LoRA gradients worst relative error {worst:.2e}")
     assert worst < 1e-4, worst
+
+    # the merged float32 checkpoint (both towers' pairs folded in) in transformers alone gives the same logits
+    import transformers
+
+    model.save_pretrained_merged(tmp_path / "merged", dtype="float32")
+    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got = merged(torch.tensor(ids), **kw).logits.numpy()
+    err = rel_err(got[real], ref[real])
+    print(f"merged checkpoint logits relative error {err:.2e}")
+    assert err < 1e-5, err

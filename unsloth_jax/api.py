@@ -477,7 +477,8 @@ class QwenVisionModel(Qwen2_5_VLForConditionalGeneration):
     unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
     takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
     transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32; save_pretrained writes the
-    PEFT adapter. Not yet: training through SFTTrainer's vision collator, merged export, generation with images."""
+    PEFT adapter, save_pretrained_merged the merged checkpoint. Not yet: training through SFTTrainer's vision
+    collator, generation with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -494,6 +495,15 @@ class QwenVisionModel(Qwen2_5_VLForConditionalGeneration):
         from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_adapter
 
         save_qwen_vl_adapter(self, save_directory, tokenizer, **kwargs)
+
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", dtype=None) -> None:
+        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Qwen2_5_VLForConditionalGeneration
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_merged
+
+        save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+                            dtype=dtype)
 
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision

@@ -1,22 +1,32 @@
 """Export a Qwen2.5-VL model's LoRA adapter (api.QwenVisionModel) for transformers + PEFT.
 
     save_qwen_vl_adapter(model, "lora_model", processor)   # PEFT adapter for Qwen2_5_VLForConditionalGeneration
+    save_qwen_vl_merged(model, "merged", processor)         # W + scale * A @ B in 16 bits, a transformers checkpoint
 
 The adapter's keys are PEFT's for transformers 5's module names
 (`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`,
 `base_model.model.model.visual.blocks.{i}.attn.qkv.lora_B.weight`), and adapter_config.json's target_modules is a
 regex naming exactly the adapted modules of each tower (a plain list would also catch the vision blocks'
-gate/up/down_proj when the language MLP is targeted). Not yet: a merged checkpoint (save_pretrained_merged).
+gate/up/down_proj when the language MLP is targeted). The merged checkpoint uses the names transformers'
+save_pretrained writes (model.*, visual.*, lm_head.*): the text tensors from export.merged_entries, the vision ones
+from vision_qwen_io.qwen_vl_specs, in the layouts the loader reads back; config.json and the processor files as
+hf.vision_export writes them for Gemma 3.
 """
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import numpy as np
 
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE
+from unsloth_jax.hf.vision_export import _merged_config, _save_processor
+from unsloth_jax.hf.vision_qwen_io import qwen_vl_specs
+from unsloth_jax.lora import merged_kernel
+from unsloth_jax.models.state import variable_at
 
 log = logging.getLogger("unsloth_jax")
 
@@ -84,3 +94,57 @@ def save_qwen_vl_adapter(model, out_dir, processor=None, *, base_model_name_or_p
         export.write_safetensors_stream(tmp / export.ADAPTER_WEIGHTS, adapter_entries(model), {"format": "pt"})
         export._write_json(tmp / export.ADAPTER_CONFIG, config)
     log.info("unsloth_jax: saved the Qwen2.5-VL LoRA adapter to %s", out_dir)
+
+
+def _vision_make(model, spec, out_dtype):
+    """A maker of one vision tensor in HF layout, LoRA folded into the adapted block Linears."""
+    if spec.kind == "kernel" and spec.layer is not None:  # a stacked block Linear: [in, out] -> HF [out, in]
+        lin = export.variable_parent(model, spec.path)
+        return lambda: np.ascontiguousarray(merged_kernel(lin, spec.layer).T).astype(out_dtype)
+    leaf = variable_at(model, spec.path)[...]
+    if spec.kind in ("kernel", "patch"):  # the merger's Linears; the patch kernel [C*T*p*p, Dv] -> Conv3d weight
+        return lambda: np.ascontiguousarray(np.asarray(leaf, np.float32).T).reshape(spec.hf_shape).astype(out_dtype)
+    return lambda: np.asarray(leaf if spec.layer is None else leaf[spec.layer], np.float32).astype(out_dtype)
+
+
+def merged_entries(model, out_dtype: np.dtype) -> list:
+    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then vision."""
+    entries = list(export.merged_entries(model, out_dtype))
+    for name, spec in qwen_vl_specs(model.vl_config).items():
+        if name.startswith("visual."):
+            entries.append(export._Entry(name, spec.hf_shape, out_dtype, _vision_make(model, spec, out_dtype)))
+    return entries
+
+
+def save_qwen_vl_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
+                        max_shard_size="5GB", dtype=None) -> None:
+    """Write the merged model as a transformers Qwen2_5_VLForConditionalGeneration checkpoint (save_method
+    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged), with config.json
+    from the source and the processor (given, else the source's files); save_method "lora": the adapter only."""
+    if save_method == "lora":
+        save_qwen_vl_adapter(model, out_dir, processor)
+        return
+    if save_method not in export.SAVE_METHODS:
+        raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
+                          f"{', '.join(export.SAVE_METHODS)}")
+    out_dtype = export._resolve_out_dtype(model, dtype)
+    config = _merged_config(model, out_dtype)
+    entries = merged_entries(model, out_dtype)
+    shards = export.plan_shards(entries, export.parse_size(max_shard_size))
+    with export.atomic_directory(out_dir, re.compile(export._MERGED_ARTIFACTS.pattern)) as tmp:
+        if len(shards) == 1:
+            export.write_safetensors_stream(tmp / "model.safetensors", shards[0], {"format": "pt"})
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                export.write_safetensors_stream(tmp / fname, shard, {"format": "pt"})
+                weight_map.update({e.name: fname for e in shard})
+            export._write_json(tmp / export.INDEX_NAME, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                                                         "weight_map": weight_map})
+        export._write_json(tmp / "config.json", config)
+        src = Path(model.model_dir) if model.model_dir is not None else None
+        if src is not None and (src / "generation_config.json").is_file():
+            (tmp / "generation_config.json").write_bytes((src / "generation_config.json").read_bytes())
+        _save_processor(model, tmp, processor)
+    log.info("unsloth_jax: saved the merged %s Qwen2.5-VL model to %s", export._dtype_name(out_dtype), out_dir)
