@@ -92,6 +92,38 @@ def test_config_layouts(checkpoint):
     assert QwenVLConfig.from_dict(flat) == new  # transformers 4's flat layout
 
 
+# config.json of the Hub's Qwen2.5-VL-3B-Instruct (transformers 4's flat layout, tied embeddings)
+HUB_3B = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+          "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+          "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+          "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 128000,
+          "max_window_layers": 70, "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+          "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+          "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+          "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                            "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+                            "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                            "temporal_patch_size": 2},
+          "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+
+
+def test_hub_config_and_refusals():
+    from unsloth_jax.errors import ConfigError
+
+    cfg = QwenVLConfig.from_dict(HUB_3B)
+    t, v = cfg.text, cfg.vision
+    assert (t.hidden_size, t.num_hidden_layers, t.head_dim, t.num_key_value_heads) == (2048, 36, 128, 2)
+    assert t.tie_word_embeddings and t.rope_theta == 1e6 and t.layer_windows == (None,) * 36 and t.qkv_bias
+    assert cfg.mrope_section == (16, 24, 24) and cfg.image_token_id == 151655
+    assert (v.depth, v.hidden_size, v.num_heads, v.patch_dim, v.window_size) == (32, 1280, 16, 1176, 112)
+    assert v.fullatt_block_indexes == (7, 15, 23, 31) and v.tokens_per_second == 2
+    with pytest.raises(ConfigError, match="mrope_section"):
+        QwenVLConfig.from_dict(HUB_3B | {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 20]}})
+    with pytest.raises(ConfigError, match="window_size"):
+        QwenVLConfig.from_dict(HUB_3B | {"vision_config": HUB_3B["vision_config"] | {"window_size": 100}})
+
+
 def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):
     """transformers 5's module names (model.language_model.*, model.visual.*) load the same weights; a missing
     tensor is named."""
