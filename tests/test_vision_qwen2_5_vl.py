@@ -237,16 +237,18 @@ def test_lora_adapter_gradients_and_merged_export_match_transformers(checkpoint,
         base = hf(torch.tensor(ids), **kw).logits.numpy()
 
     graphdef, trainable, frozen = lora.split(model)
-    positions = model.rope_positions(ids, mask, grids)  # on the host: traced input_ids cannot give them
+    # a jitted step's batch: every array traced, the M-RoPE positions and the tower's layout built on the host
+    batch = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels,
+                 positions=model.rope_positions(ids, mask, grids), vision_layout=model.vision_layout(grids))
 
-    def loss(t):
-        logits = nnx.merge(graphdef, t, frozen)(ids, attention_mask=mask, positions=positions, pixel_values=pixels,
-                                                image_grid_thw=grids)
+    def loss(t, batch):
+        logits = nnx.merge(graphdef, t, frozen)(**batch)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        nll = -jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:, None]), axis=-1)[..., 0]
-        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum(), logits
+        nll = -jnp.take_along_axis(logp, batch["input_ids"][:, 1:, None], axis=-1)[..., 0]
+        w = batch["attention_mask"][:, 1:]
+        return (nll * w).sum() / w.sum(), logits
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable, batch)
     real = mask.astype(bool)
     err = rel_err(np.asarray(out)[real], ref[real])
     assert rel_err(base[real], ref[real]) > 1e-2  # the adapter was applied

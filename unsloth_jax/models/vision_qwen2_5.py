@@ -54,13 +54,14 @@ def _grid(image_grid_thw) -> np.ndarray:
 
 def vision_layout(cfg: QwenVisionConfig, image_grid_thw) -> dict[str, np.ndarray]:
     """The host-side layout of the patches of images `image_grid_thw` [I, 3], as transformers' vision tower
-    builds it. Returns numpy arrays:
+    builds it. Returns int32 numpy arrays (the tower's `layout`; a jitted step may take them as inputs):
 
-    positions [N, 2]   each patch's (row, column) in its image, patches in pixel_values order
     order [N]          the window order: patch order[j] is the j-th patch the blocks see (windows contiguous;
                        whole merge units move together)
+    positions [N, 2]   in window order: each patch's (row, column) in its image
     frame_ids [N]      in window order: the (image, frame) of each patch (full-attention blocks attend within one)
     window_ids [N]     in window order: the window of each patch (the other blocks attend within one)
+    restore [N / merge^2]  the merged tokens (window order) gathered back into pixel_values' order
     """
     grid = _grid(image_grid_thw)
     m, unit = cfg.spatial_merge_size, cfg.merge_unit
@@ -87,8 +88,9 @@ def vision_layout(cfg: QwenVisionConfig, image_grid_thw) -> dict[str, np.ndarray
         unit_base += t * gh * gw
     unit_order = np.concatenate(units)
     order = (unit_order[:, None] * unit + np.arange(unit)[None]).reshape(-1)
-    return dict(positions=np.concatenate(positions).astype(np.int32), order=order.astype(np.int32),
-                frame_ids=np.concatenate(frames).astype(np.int32), window_ids=np.concatenate(windows).astype(np.int32))
+    out = dict(order=order, positions=np.concatenate(positions)[order], frame_ids=np.concatenate(frames),
+               window_ids=np.concatenate(windows), restore=np.argsort(unit_order))
+    return {k: v.astype(np.int32) for k, v in out.items()}
 
 
 def mrope_positions(cfg: QwenVLConfig, input_ids, attention_mask=None, image_grid_thw=None) -> np.ndarray:
@@ -227,19 +229,23 @@ class QwenVisionTower(nnx.Module):
         emb = jnp.concatenate([emb, emb], axis=-1)
         return jnp.cos(emb), jnp.sin(emb)
 
-    def __call__(self, pixel_values: jax.Array, image_grid_thw, dtype=jnp.float32) -> jax.Array:
+    def __call__(self, pixel_values: jax.Array, image_grid_thw=None, dtype=jnp.float32, *,
+                 layout: dict | None = None) -> jax.Array:
         """pixel_values [N, C*T*p*p] float, image_grid_thw [I, 3] (numpy) -> image features [N / merge^2, D] in
-        `dtype`, in the order of pixel_values' merge units (the language tokens' order)."""
+        `dtype`, in the order of pixel_values' merge units (the language tokens' order). layout (vision_layout's
+        arrays, possibly traced) replaces image_grid_thw."""
         cfg = self.cfg
-        layout = vision_layout(cfg, image_grid_thw)
+        if layout is None:
+            if image_grid_thw is None:
+                raise ValueError("pixel_values needs image_grid_thw (each image's [t, h, w] patch grid) or layout")
+            layout = vision_layout(cfg, image_grid_thw)
         n = layout["order"].shape[0]
         if pixel_values.ndim != 2 or tuple(pixel_values.shape) != (n, cfg.patch_dim):
             raise ValueError(f"pixel_values: shape {list(pixel_values.shape)}, expected [{n}, {cfg.patch_dim}] "
                              f"(the patches of image_grid_thw, each C*T*p*p = {cfg.in_channels}*"
                              f"{cfg.temporal_patch_size}*{cfg.patch_size}*{cfg.patch_size} values)")
-        order = jnp.asarray(layout["order"])
-        x = self.patch_embed(pixel_values.astype(dtype))[order]
-        cos, sin = self.rope(jnp.asarray(layout["positions"])[order])
+        x = self.patch_embed(pixel_values.astype(dtype))[jnp.asarray(layout["order"])]
+        cos, sin = self.rope(jnp.asarray(layout["positions"]))
         full = np.zeros(cfg.depth, bool)
         full[list(cfg.fullatt_block_indexes)] = True
         frames, windows = jnp.asarray(layout["frame_ids"]), jnp.asarray(layout["window_ids"])
@@ -251,8 +257,7 @@ class QwenVisionTower(nnx.Module):
             return nnx.merge(graphdef, block_state)(h, cos, sin, segments), None
 
         x = jax.lax.scan(body, x, (state, jnp.asarray(full)))[0]
-        merged = self.merger(x)
-        return merged[jnp.asarray(np.argsort(layout["order"][::cfg.merge_unit] // cfg.merge_unit))]
+        return self.merger(x)[jnp.asarray(layout["restore"])]
 
 
 # ------------------------------------------------------------------------------------------ the whole model
@@ -272,18 +277,22 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return {name: getattr(blocks.attn if name in ("qkv", "proj") else blocks.mlp, name)
                 for name in QWEN_VISION_PROJS}
 
-    def image_features(self, pixel_values: jax.Array, image_grid_thw) -> jax.Array:
-        """pixel_values [N, C*T*p*p], image_grid_thw [I, 3] -> [N / merge^2, D] in the compute dtype."""
-        return self.visual(jnp.asarray(pixel_values), image_grid_thw, self.dtype)
+    def image_features(self, pixel_values: jax.Array, image_grid_thw=None, *, layout=None) -> jax.Array:
+        """pixel_values [N, C*T*p*p], image_grid_thw [I, 3] (or `layout`, vision_layout's arrays) -> [N / merge^2,
+        D] in the compute dtype."""
+        return self.visual(jnp.asarray(pixel_values), image_grid_thw, self.dtype, layout=layout)
 
-    def embed_with_images(self, input_ids: jax.Array, pixel_values=None, image_grid_thw=None) -> jax.Array:
+    def vision_layout(self, image_grid_thw) -> dict[str, np.ndarray]:
+        """The vision tower's host-side layout (vision_layout) of images image_grid_thw [I, 3]."""
+        return vision_layout(self.vl_config.vision, image_grid_thw)
+
+    def embed_with_images(self, input_ids: jax.Array, pixel_values=None, image_grid_thw=None, *,
+                          layout=None) -> jax.Array:
         """input_ids [B, S] -> [B, S, D]: token embeddings, the image features at the image_token_id positions."""
         x = self.model.embed(input_ids, self.dtype)
         if pixel_values is None:
             return x
-        if image_grid_thw is None:
-            raise ValueError("pixel_values needs image_grid_thw (each image's [t, h, w] patch grid)")
-        feats = self.image_features(pixel_values, image_grid_thw)
+        feats = self.image_features(pixel_values, image_grid_thw, layout=layout)
         return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats)
 
     def rope_positions(self, input_ids, attention_mask=None, image_grid_thw=None) -> np.ndarray:
@@ -292,13 +301,13 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
 
     def hidden_states(self, input_ids: jax.Array, batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
                       router_stats: bool = False, pixel_values=None, image_grid_thw=None,
-                      mrope_positions: jax.Array | None = None):
+                      mrope_positions: jax.Array | None = None, vision_layout: dict | None = None):
         """Final-normed hidden states [B, S, D]; as CausalLM.hidden_states, with the images of pixel_values at the
         image tokens and RoPE by mrope_positions [3, B, S] (None: batch.positions on all three axes, i.e. plain
-        RoPE, right for text without images)."""
+        RoPE, right for text without images); vision_layout replaces image_grid_thw for the tower (traceable)."""
         if router_stats:
             raise ValueError("router_stats: Qwen2.5-VL has no mixture-of-experts layers")
-        x = self.embed_with_images(input_ids, pixel_values, image_grid_thw)
+        x = self.embed_with_images(input_ids, pixel_values, image_grid_thw, layout=vision_layout)
         if mrope_positions is None:
             mrope_positions = jnp.broadcast_to(batch.positions[None], (3, *batch.positions.shape))
         cos, sin = mrope_tables(self.config, jnp.asarray(mrope_positions), self.vl_config.mrope_section)
@@ -306,10 +315,12 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return self.model.norm(x)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, pixel_values=None,
-                 image_grid_thw=None) -> jax.Array:
+                 image_grid_thw=None, vision_layout=None) -> jax.Array:
         """Logits [B, S, V] (float32) for input_ids [B, S] (or [S]), attention_mask [B, S] 1 = real,
         pixel_values [N, C*T*p*p] with image_grid_thw [I, 3]. positions: [3, B, S] M-RoPE positions, or [B, S]
-        (the same on all axes); None: computed from concrete input_ids (mrope_positions)."""
+        (the same on all axes); None: computed from concrete input_ids (mrope_positions). Traced inputs (a
+        jitted step) take positions and vision_layout (model.rope_positions / model.vision_layout, on the host)
+        instead of image_grid_thw."""
         input_ids, batch = call_inputs(input_ids, attention_mask, None, segment_ids)
         if positions is None:
             if is_tracer(input_ids):
@@ -326,4 +337,5 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
                 raise ValueError(f"positions: shape {list(positions.shape)}, expected [3, B, S] or [B, S] for "
                                  f"input_ids {list(input_ids.shape)}")
         return self.logits_from_hidden(self.hidden_states(input_ids, batch, pixel_values=pixel_values,
-                                                          image_grid_thw=image_grid_thw, mrope_positions=mrope))
+                                                          image_grid_thw=image_grid_thw, mrope_positions=mrope,
+                                                          vision_layout=vision_layout))
