@@ -58,6 +58,11 @@ def test_mrope_positions_match_get_rope_index(checkpoint, ours, rng):
     ref, _ = hf.model.get_rope_index(torch.tensor(ids), mm_token_type_ids=torch.tensor((ids == IMAGE).astype(int)),
                                      image_grid_thw=torch.tensor(grids), attention_mask=torch.tensor(mask))
     np.testing.assert_array_equal(ours.rope_positions(ids, mask, grids), ref.numpy())
+    left = np.concatenate([np.zeros((2, 3), ids.dtype), ids[:, :-3]], axis=1)  # row 0's last 3 tokens are text
+    left_mask = np.concatenate([np.zeros((2, 3), mask.dtype), mask[:, :-3]], axis=1)
+    ref, _ = hf.model.get_rope_index(torch.tensor(left), mm_token_type_ids=torch.tensor((left == IMAGE).astype(int)),
+                                     image_grid_thw=torch.tensor(grids), attention_mask=torch.tensor(left_mask))
+    np.testing.assert_array_equal(ours.rope_positions(left, left_mask, grids), ref.numpy())
     with pytest.raises(ValueError, match="image_grid_thw entry"):
         ours.rope_positions(ids, mask, grids[::-1])
 
@@ -109,7 +114,11 @@ HUB_3B = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dr
 
 
 def test_hub_config_and_refusals():
-    from unsloth_jax.errors import ConfigError
+    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):  # not as a text model
+        ModelConfig.from_dict(HUB_3B)
 
     cfg = QwenVLConfig.from_dict(HUB_3B)
     t, v = cfg.text, cfg.vision

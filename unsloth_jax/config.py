@@ -220,10 +220,10 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
 
 def _parse(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type in VISION_LANGUAGE_MODEL_TYPES:
+    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
-            "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig)")
+            "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
     if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is not supported; supported model types: "
