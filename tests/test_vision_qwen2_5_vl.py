@@ -85,6 +85,22 @@ def test_logits_match_transformers_with_images(checkpoint, ours, rng):
     assert rel_err(flat[0], ref[0]) > 1e-3
 
 
+def test_text_only_training_loss_matches_transformers(checkpoint, ours, rng):
+    """The trainers' loss (train.step.loss_and_count) on a text-only batch, right padded: plain RoPE on all three
+    axes, as transformers without images."""
+    from unsloth_jax.train.step import loss_and_count
+
+    _, hf = checkpoint
+    ids = rng.integers(3, 240, size=(2, 16))
+    mask = np.ones_like(ids)
+    mask[1, 11:] = 0
+    labels = np.where(mask == 1, ids, -100)
+    with torch.no_grad():
+        ref = float(hf(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)).loss)
+    loss = float(loss_and_count(ours, dict(input_ids=ids, attention_mask=mask, labels=labels))[0])
+    assert abs(loss - ref) / ref < 1e-5, (loss, ref)
+
+
 def test_config_layouts(checkpoint):
     raw = json.loads((checkpoint[0] / "config.json").read_text())
     new = QwenVLConfig.from_dict(raw)
@@ -160,7 +176,7 @@ def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):
 def fast(checkpoint):
     """FastVisionModel's QwenVisionModel (each test's get_peft_model replaces the pairs of the one before)."""
     from unsloth_jax import FastVisionModel
-    from unsloth_jax.api import QwenVisionModel
+    from unsloth_jax import QwenVisionModel
 
     model, _ = FastVisionModel.from_pretrained(checkpoint[0], dtype="float32")
     assert isinstance(model, QwenVisionModel)
