@@ -31,6 +31,7 @@ _EXPORTS = {
     "Model": "unsloth_jax.api",
     "FastVisionModel": "unsloth_jax.api",
     "VisionModel": "unsloth_jax.api",
+    "QwenVisionModel": "unsloth_jax.api",
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
     "UnslothVisionDataCollator": "unsloth_jax.data.vision",

@@ -25,6 +25,7 @@ from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
 from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
+from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
@@ -407,7 +408,7 @@ class FastLanguageModel:
                                          modules_to_save=saved, target_parameters=expert_targets or None,
                                          vision_target_modules=vision_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
-        if isinstance(model, (Model, VisionModel)):
+        if isinstance(model, (Model, VisionModel, QwenVisionModel)):
             model.gradient_checkpointing = gradient_checkpointing
             if max_seq_length:
                 model.max_seq_length = max_seq_length
@@ -494,22 +495,78 @@ def _load_processor(model_dir: Path):
         return None
 
 
+# ---- Qwen2.5-VL (models.vision_qwen2_5, hf.vision_qwen_io, hf.vision_qwen_export) ----
+class QwenVisionModel(Qwen2_5_VLForConditionalGeneration):
+    """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained): the NNX module of
+    unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
+    takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
+    transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32; save_pretrained writes the
+    PEFT adapter, save_pretrained_merged the merged checkpoint. Not yet: training through SFTTrainer's vision
+    collator, generation with images."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.max_seq_length = 2048
+        self.gradient_checkpointing = NO_REMAT
+
+    def trainable_filter(self):
+        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
+        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
+        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
+        Qwen2_5_VLForConditionalGeneration, with the processor or tokenizer when given."""
+        from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_adapter
+
+        save_qwen_vl_adapter(self, save_directory, tokenizer, **kwargs)
+
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", dtype=None) -> None:
+        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Qwen2_5_VLForConditionalGeneration
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_merged
+
+        save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+                            dtype=dtype)
+
+    def __repr__(self) -> str:
+        c, v = self.config, self.vl_config.vision
+        lora = f", lora r={self.lora.r}" if self.lora else ""
+        return (f"QwenVisionModel(qwen2_5_vl, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision "
+                f"blocks={v.depth}, patch {v.patch_size}, dtype={self.dtype.name}{lora})")
+
+
+def _vision_model_class(model_dir: Path):
+    """(config class, loader, model class) for the vision-language checkpoint in model_dir, by model_type."""
+    from unsloth_jax.config import QWEN_VL_MODEL_TYPES, QwenVLConfig, VisionLanguageConfig, read_config_json
+
+    if read_config_json(model_dir)[0].get("model_type") in QWEN_VL_MODEL_TYPES:
+        from unsloth_jax.hf.vision_qwen_io import load_qwen_vl_model
+
+        return QwenVLConfig, load_qwen_vl_model, QwenVisionModel
+    from unsloth_jax.hf.vision_io import load_vision_language_model
+
+    return VisionLanguageConfig, load_vision_language_model, VisionModel
+# ---- end Qwen2.5-VL ----
+
+
 class FastVisionModel:
-    """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) only."""
+    """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) and Qwen2.5-VL
+    (Qwen2_5_VLForConditionalGeneration: loading, logits and LoRA with adapter export so far)."""
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
-        """Load a local Gemma 3 vision-language directory (config.json model_type "gemma3"), or a PEFT adapter
-        directory a VisionModel's save_pretrained wrote (its base_model_name_or_path is loaded, then the adapter's
-        LoRA pairs on both towers: hf.vision_io.load_vision_adapter). Returns (VisionModel, processor):
-        transformers' AutoProcessor of the directory (an adapter's own, else its base's), or None where it has
-        none (no preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
-        FastLanguageModel.from_pretrained. load_in_4bit=True: the language model's projections in NF4 (QLoRA;
-        the vision tower and projector stay in `dtype`, as Unsloth's default)."""
-        from unsloth_jax.config import VisionLanguageConfig
+        """Load a local Gemma 3 or Qwen2.5-VL directory (config.json model_type "gemma3" / "qwen2_5_vl"), or a
+        PEFT adapter directory a Gemma 3 VisionModel's save_pretrained wrote (its base_model_name_or_path is
+        loaded, then the adapter's LoRA pairs on both towers: hf.vision_io.load_vision_adapter). Returns
+        (VisionModel or QwenVisionModel, processor): transformers' AutoProcessor of the directory (an adapter's
+        own, else its base's), or None where it has none (no preprocessor_config.json or processor_config.json)
+        or it cannot be built. dtype as FastLanguageModel.from_pretrained. load_in_4bit=True (Gemma 3): the
+        language model's projections in NF4 (QLoRA; the vision tower and projector stay in `dtype`, as Unsloth's
+        default)."""
         from unsloth_jax.hf import peft_io
-        from unsloth_jax.hf.vision_io import load_vision_adapter, load_vision_language_model
+        from unsloth_jax.hf.vision_io import load_vision_adapter
 
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED and key not in ("use_gradient_checkpointing", "load_in_8bit"):
@@ -526,6 +583,9 @@ class FastVisionModel:
                                   "an adapter directory; point it at the base model")
             model, processor = FastVisionModel.from_pretrained(base, max_seq_length, dtype, load_in_4bit,
                                                                load_processor=False, progress=progress, **kwargs)
+            if isinstance(model, QwenVisionModel):
+                raise ConfigError(f"{model_dir}: loading a saved Qwen2.5-VL adapter is not supported yet (Gemma 3 "
+                                  "adapters are); load the base with FastVisionModel.from_pretrained")
             load_vision_adapter(model, model_dir)
             processor = (_load_processor(model_dir) or _load_processor(base)) if load_processor else None
             return model, processor
@@ -537,17 +597,23 @@ class FastVisionModel:
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
-        cfg = VisionLanguageConfig.from_pretrained(model_dir)
+        config_class, load, model_class = _vision_model_class(model_dir)  # Gemma 3 or Qwen2.5-VL
+        cfg = config_class.from_pretrained(model_dir)
         placer = None
         if load_in_4bit:
+            if model_class is QwenVisionModel:
+                raise ConfigError(f"{model_dir}: load_in_4bit is not supported for Qwen2.5-VL yet; load it in 16 or "
+                                  "32 bits")
             from unsloth_jax.quant import nf4_placer
 
             placer = nf4_placer
-        model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=VisionModel, placer=placer)
+        model = (load(model_dir, cfg, compute_dtype, model_class=model_class) if placer is None
+                 else load(model_dir, cfg, compute_dtype, model_class=model_class, placer=placer))
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         processor = _load_processor(model_dir) if require_bool("load_processor", load_processor) else None
-        log.info("unsloth_jax: loaded %s (gemma3 vision-language, %d + %d layers) in %.1fs as %s%s", model_dir.name,
+        log.info("unsloth_jax: loaded %s (%s vision-language, %d + %d layers) in %.1fs as %s%s", model_dir.name,
+                 cfg.model_type,
                  cfg.text.num_hidden_layers, cfg.vision.num_hidden_layers, time.perf_counter() - start,
                  compute_dtype.name, " + NF4 4-bit language model" if load_in_4bit else "")
         return model, processor
@@ -562,7 +628,7 @@ class FastVisionModel:
         and MLP projections (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
         replaces the language choice (the vision choice still follows the switches). The projector stays frozen,
         as in Unsloth."""
-        if not isinstance(model, VisionModel):
+        if not isinstance(model, (VisionModel, QwenVisionModel)):
             raise TypeError(f"FastVisionModel.get_peft_model needs a model from FastVisionModel.from_pretrained, got "
                             f"{type(model).__name__}")
         vision = require_bool("finetune_vision_layers", finetune_vision_layers)
@@ -576,8 +642,11 @@ class FastVisionModel:
                               + (("gate_proj", "up_proj", "down_proj") if mlp else ())) if language else ()
         elif not language:
             raise ValueError("target_modules names language projections, but finetune_language_layers=False")
-        vision_targets = (((("q_proj", "k_proj", "v_proj", "out_proj") if attention else ())
-                           + (("fc1", "fc2") if mlp else ())) if vision else ())
+        if isinstance(model, QwenVisionModel):  # Qwen2.5-VL's vision blocks: attn.qkv / attn.proj, a SwiGLU MLP
+            vision_attn, vision_mlp = ("qkv", "proj"), ("gate_proj", "up_proj", "down_proj")
+        else:
+            vision_attn, vision_mlp = ("q_proj", "k_proj", "v_proj", "out_proj"), ("fc1", "fc2")
+        vision_targets = ((vision_attn if attention else ()) + (vision_mlp if mlp else ())) if vision else ()
         if not target_modules and not vision_targets:
             raise ValueError("finetune_language_layers=False and finetune_vision_layers=False: nothing to adapt")
         return FastLanguageModel.get_peft_model(model, r, target_modules=target_modules,
@@ -594,4 +663,4 @@ class FastVisionModel:
         return model
 
 
-__all__ = ["FastLanguageModel", "FastVisionModel", "Model", "VisionModel", "is_bfloat16_supported"]
+__all__ = ["FastLanguageModel", "FastVisionModel", "Model", "QwenVisionModel", "VisionModel", "is_bfloat16_supported"]

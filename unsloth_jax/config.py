@@ -220,10 +220,10 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
 
 def _parse(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type in VISION_LANGUAGE_MODEL_TYPES:
+    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
-            "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig)")
+            "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
     if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is not supported; supported model types: "
@@ -551,3 +551,136 @@ def _parse_vision_language(raw: dict, source: str) -> VisionLanguageConfig:
         text=text, vision=vision, mm_tokens_per_image=mm,
         image_token_index=int(raw.get("image_token_index", raw.get("image_token_id", 262144))),
         boi_token_index=int(raw.get("boi_token_index", 255999)), eoi_token_index=int(raw.get("eoi_token_index", 256000)))
+
+
+# ---- Qwen2.5-VL (model_type "qwen2_5_vl"): models.vision_qwen2_5 ----
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen2.5-VL's vision tower (HF `vision_config`, model_type qwen2_5_vl_vision). Defaults are transformers'
+    Qwen2_5_VLVisionConfig's. `fullatt_block_indexes`: the blocks attending over the whole image (the others
+    attend within windows of `window_size` pixels)."""
+
+    depth: int = 32
+    hidden_size: int = 3584
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    tokens_per_second: int = 4
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6  # transformers hard-codes it for the vision norms
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch of pixel_values: C * T * p * p."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """depth, under the name the LoRA code reads for every vision tower."""
+        return self.depth
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one language token: spatial_merge_size ** 2."""
+        return self.spatial_merge_size ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVLConfig:
+    """A Qwen2.5-VL checkpoint (Qwen2_5_VLForConditionalGeneration): the Qwen2 text decoder's `ModelConfig`, the
+    `QwenVisionConfig`, the multimodal RoPE split `mrope_section` (frequencies per (t, h, w) axis, summing to
+    head_dim / 2) and the special token ids (image features go where input_ids hold `image_token_id`)."""
+
+    text: ModelConfig
+    vision: QwenVisionConfig
+    mrope_section: tuple[int, int, int] = (16, 24, 24)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    model_type: str = "qwen2_5_vl"
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "QwenVLConfig":
+        return _parse_qwen_vl(raw, source)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "QwenVLConfig":
+        raw, path = read_config_json(model_dir)
+        return _parse_qwen_vl(raw, str(path))
+
+
+QWEN_VL_MODEL_TYPES = ("qwen2_5_vl",)
+_QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                     "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
+
+
+def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
+    """transformers 5's layout (text_config + vision_config) or transformers 4's flat one (the text fields at the
+    top level, rope_scaling {"type": "mrope", "mrope_section": ...})."""
+    if raw.get("model_type") not in QWEN_VL_MODEL_TYPES:
+        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not Qwen2.5-VL "
+                                           f"({', '.join(QWEN_VL_MODEL_TYPES)})")
+    if raw.get("text_config"):
+        text_raw = dict(raw["text_config"])
+    else:  # transformers 4: the text fields sit beside vision_config
+        text_raw = {k: v for k, v in raw.items() if k not in _QWEN_VL_TOP_KEYS}
+    if text_raw.get("model_type", "qwen2_5_vl_text") not in ("qwen2_5_vl_text", "qwen2_5_vl"):
+        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected "
+                          "'qwen2_5_vl_text'")
+    if "tie_word_embeddings" in raw:
+        text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    text_raw.setdefault("tie_word_embeddings", False)
+    if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
+        text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
+    params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    section = params.get("mrope_section", (16, 24, 24))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{source}: Qwen2.5-VL rope type {rope_type!r} is not supported (only default / mrope)")
+    theta = params.get("rope_theta", text_raw.get("rope_theta", 1000000.0))
+    text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    text_raw.update(model_type="qwen2", rope_theta=theta)
+    text = _parse(text_raw, source + " text_config")
+    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
+        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
+                          f"{text.head_dim // 2}")
+    v = dict(raw.get("vision_config") or {})
+    if v.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only silu)")
+    vrope = v.get("rope_parameters") or {}
+    d = QwenVisionConfig()
+    kw = {f.name: v.get(f.name, getattr(d, f.name)) for f in dataclasses.fields(QwenVisionConfig)
+          if f.name not in ("fullatt_block_indexes", "rope_theta", "rms_norm_eps")}
+    if "in_chans" in v and "in_channels" not in v:
+        kw["in_channels"] = v["in_chans"]
+    vision = QwenVisionConfig(**{k: int(x) for k, x in kw.items()},
+                              fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes",
+                                                                                 d.fullatt_block_indexes)),
+                              rope_theta=float(vrope.get("rope_theta", d.rope_theta)))
+    if vision.hidden_size % vision.num_heads or vision.head_dim % 4:
+        raise ConfigError(f"{source}: vision_config.hidden_size={vision.hidden_size} must be num_heads="
+                          f"{vision.num_heads} times a multiple of 4")
+    bad = [i for i in vision.fullatt_block_indexes if not 0 <= i < vision.depth]
+    if bad:
+        raise ConfigError(f"{source}: vision_config.fullatt_block_indexes {bad} out of range (depth {vision.depth})")
+    if vision.window_size % (vision.spatial_merge_size * vision.patch_size):
+        raise ConfigError(f"{source}: vision_config.window_size={vision.window_size} must be a multiple of "
+                          f"spatial_merge_size * patch_size = {vision.spatial_merge_size * vision.patch_size}")
+    if vision.out_hidden_size != text.hidden_size:
+        raise ConfigError(f"{source}: vision_config.out_hidden_size={vision.out_hidden_size} differs from the text "
+                          f"hidden_size={text.hidden_size}")
+    ids = {k: int(raw.get(k, text_raw.get(k, getattr(QwenVLConfig, k)))) for k in
+           ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    return QwenVLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)

@@ -145,6 +145,9 @@ class UnslothVisionDataCollator:
         if train_on_responses_only and not response_part:
             raise ValueError("train_on_responses_only=True needs response_part (e.g. '<start_of_turn>model\\n')")
         cfg = model.vl_config
+        if cfg.model_type != "gemma3":  # Qwen2.5-VL: pixel_values / image_grid_thw / M-RoPE batches not built yet
+            raise NotImplementedError(f"UnslothVisionDataCollator: training {cfg.model_type} is not supported yet "
+                                      "(Gemma 3 only); its logits, LoRA and adapter export are")
         self.processor, self.tokenizer = processor, getattr(processor, "tokenizer", processor)
         self.max_seq_length = max_seq_length
         self.ignore_index = int(ignore_index)

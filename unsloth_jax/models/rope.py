@@ -86,3 +86,19 @@ def yarn_inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     ramp = np.clip((np.arange(hd // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
     keep = f32(1.0) - ramp
     return (interpolation * (f32(1.0) - keep) + extrapolation * keep).astype(f32)
+
+
+def mrope_tables(cfg: ModelConfig, positions: jax.Array, section) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE (Qwen2.5-VL): cos, sin [B, S, rope_dim] float32 for positions [3, B, S] (temporal, height,
+    width ids). The rope_dim/2 frequencies are split in consecutive runs of section[0], section[1], section[2]
+    (summing to rope_dim/2), run a rotating by axis a's positions; the frequencies are then repeated twice as in
+    rope_tables. Equal positions on the three axes give rope_tables' result."""
+    inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+    axis = np.repeat(np.arange(3), np.asarray(section, int))  # [rope_dim/2]: the axis each frequency reads
+    if axis.shape[0] != inv.shape[0]:
+        raise ValueError(f"mrope_section {list(section)} sums to {axis.shape[0]}, expected rope_dim/2 = "
+                         f"{inv.shape[0]}")
+    pos = jnp.moveaxis(positions.astype(jnp.float32)[axis], 0, -1)  # [B, S, rope_dim/2]
+    freqs = pos * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
