@@ -74,7 +74,8 @@ def test_loader_reads_relative_paths_and_names_the_line(tmp_path):
              r"line 3: image file .*bad\.png cannot be decoded": good.replace(str(SAMPLE / "images/00.png"),
                                                                            "bad.png"),
              r"line 3: 1 image placeholder.* but 2 image\(s\)": two_images,
-             r"line 3, field 'messages'": '{"images": []}',
+             r"line 3: no 'messages'": '{"images": []}',
+             r"line 3, field 'messages': turn 0 is not": '{"messages": ["hi"], "images": []}',
              r"line 3: 'images' must be a list of image file paths": good.replace(
                  f'["{SAMPLE / "images/00.png"}"]', "[1]")}
     for message, line in cases.items():

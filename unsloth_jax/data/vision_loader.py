@@ -149,8 +149,11 @@ def load_vision_records(path: str | os.PathLike) -> Records:
     out = []
     for index, record in enumerate(records):
         location = where(records, index)
+        if "messages" not in record:
+            raise DatasetFormatError(f"{location}: no 'messages' (the record has {sorted(record)}); a vision dataset "
+                                     "holds chat records with 'messages' and 'images' (docs/VISION.md)")
         try:
-            parts = image_parts(record.get("messages"), index)
+            parts = image_parts(record["messages"], index)
         except DatasetFormatError as e:
             raise DatasetFormatError(f"{location}, field 'messages': {str(e).split(': ', 1)[1]}") from None
         paths = record.get("images", [])
