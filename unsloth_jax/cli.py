@@ -693,7 +693,7 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
           f"{_loss_summary(trainer.state.log_history)} | dtype {model.dtype.name} | "
-          f"memory: {_memory_summary()} | metrics -> {out / 'metrics.jsonl'}"
+          f"kernels: {trainer.kernel_choices} | memory: {_memory_summary()} | metrics -> {out / 'metrics.jsonl'}"
           + (" | " + ", ".join(saved) if saved else ""))
     return rc
 
