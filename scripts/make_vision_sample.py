@@ -18,7 +18,7 @@ Writes:
 The shapes are drawn with numpy (no anti-aliasing, no Pillow drawing code whose pixels change between versions)
 and stored uncompressed (PNG compress_level 0), so the bytes depend on neither the Pillow nor the zlib version.
 The model is torch's seeded initialisation of transformers' Gemma3ForConditionalGeneration (initializer_range
-0.1, the final norm's weight 2; not trained): a fine-tune on the sample starts from the loss of a random model.
+0.1, the final norm's weight 2, the image projector random rather than zero; not trained): a fine-tune on the sample starts from the loss of a random model.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ MODEL_DIR = ASSETS / "tiny-gemma3-vl"
 TOKENIZER = ASSETS / "tiny-llama" / "tokenizer.json"
 SEED = 39
 # initializer_range 5x transformers' 0.02, and the final norm's weight 2 (a 3x scale): with the initialiser's
-# values the tied lm_head's logits stay within a few units whatever LoRA does, and the loss cannot fall far.
+# values the tied lm_head's logits stay within a few units whatever LoRA does, and the loss cannot fall far. The
+# image projector (zero in transformers' initialisation) is drawn with the same standard deviation.
 INIT_STD, FINAL_NORM = 0.1, 2.0
 
 SIZE = 40
@@ -148,6 +149,9 @@ def build_model():
     model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # Gemma's RMSNorm scales by 1 + weight: 3x before the tied lm_head (see FINAL_NORM)
         model.model.language_model.norm.weight.fill_(FINAL_NORM)
+        # transformers starts the projector at zero, which would give every image the same (zero) features
+        projector = model.model.multi_modal_projector.mm_input_projection_weight
+        projector.copy_(INIT_STD * torch.randn(projector.shape, generator=torch.Generator().manual_seed(SEED)))
     return model
 
 
