@@ -16,8 +16,10 @@ pytest.importorskip("ipykernel")
 from tests.helpers import ASSETS, ROOT, subprocess_env  # noqa: E402
 
 # 05_grpo_smollm2 is stored with its outputs (the reward curve of a full run) and tests/test_grpo_notebook.py runs it
-# shortened, so the checks here (no outputs; run at full length) leave it out.
-NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if p.stem != "05_grpo_smollm2")
+# shortened, so the checks here (no outputs; run at full length) leave it out; vision_finetune is run shortened
+# (and checked for stored outputs) by tests/test_vision_sample.py.
+NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if p.stem not in ("05_grpo_smollm2",
+                                                                                      "vision_finetune"))
 NEEDS = {"03_export": ("torch", "peft", "gguf"), "01_quickstart_lora": ("transformers",)}
 TRAINING = {"01_quickstart_lora", "02_qlora", "03_export", "04_functional_core"}
 # What a training notebook prints once it has trained: the first and last logged training loss, and (on the

@@ -33,7 +33,7 @@ def _bad(index: int, field: str, reason: str) -> DatasetFormatError:
     return DatasetFormatError(f"vision dataset record {index}, field '{field}': {reason}")
 
 
-def _image_parts(messages: Any, index: int) -> list[dict]:
+def image_parts(messages: Any, index: int) -> list[dict]:
     """The {"type": "image"} parts of a record's messages, in order (DatasetFormatError on a malformed turn)."""
     if not isinstance(messages, list) or not messages:
         raise _bad(index, "messages", f"expected a non-empty list of chat turns, got {type(messages).__name__}")
@@ -95,7 +95,7 @@ def record_images(record: Any, index: int, convert: bool = True) -> list:
         raise _bad(index, "messages", f"a record must be a dict, got {type(record).__name__}")
     if "messages" not in record:
         raise _bad(index, "messages", f"missing (the record has {sorted(record)})")
-    parts = _image_parts(record["messages"], index)
+    parts = image_parts(record["messages"], index)
     if "images" in record and record["images"] is not None:
         images = record["images"]
         images = [images] if not isinstance(images, (list, tuple)) else list(images)
@@ -221,4 +221,4 @@ class UnslothVisionDataCollator:
 
 VisionDataCollator = UnslothVisionDataCollator
 
-__all__ = ["UnslothVisionDataCollator", "VisionDataCollator", "record_images"]
+__all__ = ["UnslothVisionDataCollator", "VisionDataCollator", "image_parts", "record_images"]

@@ -9,15 +9,27 @@ collated by an UnslothVisionDataCollator when their batch is asked for (images a
 all at once), and padded to the smallest of DataLoader's bucket lengths (powers of two from 64, then
 max_seq_length) that holds the batch, so a jitted step compiles for few shapes. The last batch is filled with
 empty rows (all padding, labels -100, no image) unless drop_last.
+
+    records = load_vision_records("shapes_sample.jsonl")   # `images` given as file paths -> PIL images
+
+reads a .jsonl (or a folder of them) whose records' `images` are image file paths, relative to the file they are
+in (or absolute), and decodes every image once, up front, so a bad one stops the run before training, with its
+file and line named.
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from unsloth_jax.data.loading import load_records
 from unsloth_jax.data.packing import bucket_lengths, pick_bucket
+from unsloth_jax.data.records import Records, where
 from unsloth_jax.data.response_only import IGNORE_INDEX
+from unsloth_jax.data.vision import image_parts
+from unsloth_jax.errors import DatasetFormatError
 
 # what padding holds in each [B, S] field; pixel_values are padded along the image axis with zero images
 _FILL = {"labels": IGNORE_INDEX}
@@ -113,4 +125,47 @@ class VisionLoader:
         return stack_micro_batches(micro, self.pad_token_id, self.image_shape)
 
 
-__all__ = ["VisionLoader", "pad_images", "pad_rows", "stack_micro_batches"]
+def _open_image(path: Path, location: str):
+    """The image file at `path` decoded as an RGB PIL image; DatasetFormatError naming `location` if it is
+    missing or does not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise DatasetFormatError(f"{location}: image file {path} not found")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")  # convert() decodes the whole image
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DatasetFormatError(f"{location}: image file {path} cannot be decoded ({e})") from None
+
+
+def load_vision_records(path: str | os.PathLike) -> Records:
+    """The records of a .jsonl file (or a folder of them, as load_records reads) with each `images` entry, a file
+    path relative to its .jsonl (or absolute), replaced by the decoded RGB PIL image. DatasetFormatError naming
+    the file and line for: a malformed line, a record without `messages` or with a malformed turn, `images` that
+    is not a list of path strings, a count of images different from the {"type": "image"} parts, an image file
+    that is missing or does not decode."""
+    records = load_records(path)
+    out = []
+    for index, record in enumerate(records):
+        location = where(records, index)
+        if "messages" not in record:
+            raise DatasetFormatError(f"{location}: no 'messages' (the record has {sorted(record)}); a vision dataset "
+                                     "holds chat records with 'messages' and 'images' (docs/VISION.md)")
+        try:
+            parts = image_parts(record["messages"], index)
+        except DatasetFormatError as e:
+            raise DatasetFormatError(f"{location}, field 'messages': {str(e).split(': ', 1)[1]}") from None
+        paths = record.get("images", [])
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise DatasetFormatError(f"{location}: 'images' must be a list of image file paths (strings), got "
+                                     f"{paths!r:.80}")
+        if len(paths) != len(parts):
+            raise DatasetFormatError(f"{location}: {len(parts)} image placeholder(s) ({{'type': 'image'}}) in the "
+                                     f"messages but {len(paths)} image(s) in 'images'")
+        base = Path(records.locations[index][0]).parent if records.locations[index] else Path(path).parent
+        out.append({**record, "images": [_open_image(base / p, location) for p in paths]})
+    return Records(out, source=records.source, locations=records.locations, skipped=records.skipped)
+
+
+__all__ = ["VisionLoader", "load_vision_records", "pad_images", "pad_rows", "stack_micro_batches"]
