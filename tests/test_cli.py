@@ -117,7 +117,7 @@ def test_tiny_preset_sets_defaults_and_explicit_flags_win(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     helped = capsys.readouterr().out
-    assert "--preset {tiny}" in helped and "--learning_rate 0.002" in helped and "--report_to" in helped
+    assert "--preset {tiny,tiny-vision}" in helped and "--learning_rate 0.002" in helped and "--report_to" in helped
 
 
 @pytest.mark.parametrize("command", ["train", "generate", "export"])
