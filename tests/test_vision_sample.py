@@ -151,4 +151,5 @@ def test_notebook_runs_shortened(tmp_path, monkeypatch):
     text = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
     first, last = map(float, re.search(r"training loss (\d+\.\d+) -> (\d+\.\d+)", text).groups())
     assert last < 0.5 * first, text[-2000:]
+    assert re.search(r"generated: '.*'\nlabel: ", text), text[-2000:]  # a picture described by model.generate
     assert (tmp_path / "outputs" / "vision" / "adapter" / "adapter_config.json").is_file()
