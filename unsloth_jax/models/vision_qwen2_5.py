@@ -320,7 +320,8 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if pixel_values is None:
             return x
         feats = self.image_features(pixel_values, image_grid_thw, layout=layout)
-        return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats)
+        # a layout may come with padding patches (padded_vision_layout): their features trail the real ones
+        return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats, padded=layout is not None)
 
     def rope_positions(self, input_ids, attention_mask=None, image_grid_thw=None) -> np.ndarray:
         """M-RoPE positions [3, B, S] int32 (mrope_positions) for concrete input_ids [B, S]."""
