@@ -195,3 +195,31 @@ def test_bad_record_is_named(checkpoint):
         collator.check(records)
     with pytest.raises(DatasetFormatError, match=r"record 7, field 'images'"):
         collator(records[2:], indices=[7])
+
+
+def test_micro_batches_with_different_patch_buckets_stack(checkpoint):
+    """Two micro-batches in different patch buckets (64 and 128) stack to [2, 128, ...]: each keeps its real
+    patches, layout and positions; the padding is its own attention segment after them (no compile)."""
+    from unsloth_jax import UnslothVisionDataCollator
+    from unsloth_jax.data.vision_loader import VisionLoader
+    from unsloth_jax.models.vision_qwen2_5 import PAD_SEGMENT, vision_layout
+
+    model, processor = _load(checkpoint[0])
+    collator = UnslothVisionDataCollator(model, processor)
+    records = squares([[(16, 16)], [(16, 24)], [(32, 32)], [(24, 24)]])  # 16 + 24, then 64 + 36 patches
+    loader = VisionLoader(records, collator, batch_size=2, max_seq_length=64, shuffle=False, image_shape=())
+    micro = [loader.batch(0, 0), loader.batch(0, 1)]
+    assert [m["pixel_values"].shape[0] for m in micro] == [64, 128]
+    out = loader.stack(micro)
+    assert "image_grid_thw" not in out and out["pixel_values"].shape == (2, 128, qm.PATCH_DIM)
+    assert out["mrope_positions"].shape == (2, 3, 2, 64) and out["vision_order"].shape == (2, 128)
+    cfg = model.vl_config.vision
+    for a, m in enumerate(micro):
+        real = vision_layout(cfg, m["image_grid_thw"])
+        n = real["order"].size
+        np.testing.assert_array_equal(out["pixel_values"][a, :n], m["pixel_values"][:n])
+        assert not out["pixel_values"][a, n:].any()
+        for key, value in real.items():
+            np.testing.assert_array_equal(out["vision_" + key][a, :len(value)], value)
+        assert (out["vision_window_ids"][a, n:] == PAD_SEGMENT).all()
+        np.testing.assert_array_equal(out["mrope_positions"][a], m["mrope_positions"])
