@@ -8,8 +8,8 @@ the same batches. Records are shuffled per epoch as DataLoader shuffles examples
 collated by an UnslothVisionDataCollator when their batch is asked for (images are preprocessed lazily, never
 all at once), and padded to the smallest of DataLoader's bucket lengths (powers of two from 64, then
 max_seq_length) that holds the batch, so a jitted step compiles for few shapes. Qwen2.5-VL's patches are
-padded likewise (patch_bucket: powers of two from 64) and the tower's window layout is added (pad_patches). The last batch is filled with
-empty rows (all padding, labels -100, no image) unless drop_last.
+padded likewise (patch_bucket: powers of two from 64) and the tower's window layout is added (pad_patches).
+The last batch is filled with empty rows (all padding, labels -100, no image) unless drop_last.
 """
 from __future__ import annotations
 
