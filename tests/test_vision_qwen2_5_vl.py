@@ -183,18 +183,6 @@ def fast(checkpoint):
     return model
 
 
-def test_vision_collator_refuses_qwen_clearly(fast):
-    """Training batches (the collator) are Gemma 3's only so far: a clear refusal, not an AttributeError."""
-    from unsloth_jax import UnslothVisionDataCollator
-
-    class Processor:
-        def apply_chat_template(self, *args, **kwargs):
-            return ""
-
-    with pytest.raises(NotImplementedError, match="qwen2_5_vl"):
-        UnslothVisionDataCollator(fast, Processor())
-
-
 def _peft_regex(language, vision, attention=True, mlp=True) -> str:
     """PEFT's target_modules for Unsloth's switches, one alternative per tower (written independently of
     hf.vision_qwen_export)."""

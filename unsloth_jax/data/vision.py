@@ -13,6 +13,16 @@ ids and pixels are the processor's own. The batch:
     input_ids, attention_mask, token_type_ids (1 = image soft token), labels: int32 [B, S], right-padded
     pixel_values: float32 [N, C, H, W], the N images of the batch in row order
 
+Qwen2.5-VL (transformers' Qwen2_5_VLProcessor: each image becomes "<|vision_start|>" + t*h*w/merge^2 x
+"<|image_pad|>" + "<|vision_end|>") instead gives no token_type_ids, and:
+
+    pixel_values: float32 [N, C*T*p*p], the patches of all images of the batch in row order
+    image_grid_thw: int32 [I, 3], each image's (t, h, w) patch grid
+    mrope_positions: int32 [3, B, S], the M-RoPE positions (transformers' get_rope_index; padding 0)
+
+with labels -100 on the vision start / end and image (video) pad tokens. VisionLoader pads the patches to a
+bucket and adds the tower's window layout (vision_* fields), so a jitted step never sees the grids.
+
 labels are input_ids with -100 on padding and on the image tokens (soft tokens and the begin / end-of-image
 markers, as Unsloth masks them), and with train_on_responses_only on everything outside the assistant turns
 (between response_part and the next instruction_part, the text trainers' rule, unsloth_jax.data.response_only).
@@ -145,17 +155,23 @@ class UnslothVisionDataCollator:
         if train_on_responses_only and not response_part:
             raise ValueError("train_on_responses_only=True needs response_part (e.g. '<start_of_turn>model\\n')")
         cfg = model.vl_config
-        if cfg.model_type != "gemma3":  # Qwen2.5-VL: pixel_values / image_grid_thw / M-RoPE batches not built yet
-            raise NotImplementedError(f"UnslothVisionDataCollator: training {cfg.model_type} is not supported yet "
-                                      "(Gemma 3 only); its logits, LoRA and adapter export are")
+        if cfg.model_type not in ("gemma3", "qwen2_5_vl"):
+            raise NotImplementedError(f"UnslothVisionDataCollator: training {cfg.model_type} is not supported "
+                                      "(Gemma 3 and Qwen2.5-VL are)")
+        self.vl_config, self.is_qwen = cfg, cfg.model_type == "qwen2_5_vl"
         self.processor, self.tokenizer = processor, getattr(processor, "tokenizer", processor)
         self.max_seq_length = max_seq_length
         self.ignore_index = int(ignore_index)
         self.train_on_responses_only = bool(train_on_responses_only)
         self.instruction_part, self.response_part = instruction_part, response_part
         self.formatting_func = formatting_func
-        self.image_token_index = int(cfg.image_token_index)
-        self.masked_ids = np.array([cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index])
+        if self.is_qwen:  # <|image_pad|> (and <|video_pad|>) between <|vision_start|> and <|vision_end|>
+            self.image_token_index = int(cfg.image_token_id)
+            self.masked_ids = np.array([cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                                        cfg.vision_end_token_id])
+        else:
+            self.image_token_index = int(cfg.image_token_index)
+            self.masked_ids = np.array([cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index])
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else getattr(self.tokenizer, "eos_token_id", 0) or 0)
 
@@ -188,13 +204,29 @@ class UnslothVisionDataCollator:
         out = self.processor(text=texts, padding=True, return_tensors="np", add_special_tokens=False, **kw)
         ids = np.asarray(out["input_ids"], np.int32)
         mask = np.asarray(out["attention_mask"], np.int32)
+        labels = self._labels(ids, mask)
+        if self.is_qwen:
+            return self._qwen_batch(out, ids, mask, labels, indices)
         types = (np.asarray(out["token_type_ids"], np.int32) if "token_type_ids" in out
                  else (ids == self.image_token_index).astype(np.int32))
-        labels = self._labels(ids, mask)
         batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels}
-        batch = self._truncate(batch, indices)
+        batch = self._truncate(batch, indices, types == 1)
         if kw:
             batch["pixel_values"] = np.asarray(out["pixel_values"], np.float32)
+        return batch
+
+    def _qwen_batch(self, out, ids: np.ndarray, mask: np.ndarray, labels: np.ndarray, indices: list[int]) -> dict:
+        """Qwen2.5-VL: the [B, S] fields, pixel_values [N, C*T*p*p] float32 (the patches of all images, row
+        order), image_grid_thw [I, 3] int32 and the M-RoPE positions [3, B, S] int32 (get_rope_index's)."""
+        from unsloth_jax.models.vision_qwen2_5 import mrope_positions
+
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        batch = self._truncate(batch, indices, np.isin(ids, self.masked_ids))
+        grid = np.asarray(out["image_grid_thw"], np.int32) if "image_grid_thw" in out else None
+        batch["mrope_positions"] = mrope_positions(self.vl_config, batch["input_ids"], batch["attention_mask"], grid)
+        if grid is not None:
+            batch["pixel_values"] = np.asarray(out["pixel_values"], np.float32)
+            batch["image_grid_thw"] = grid
         return batch
 
     def _labels(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -206,11 +238,12 @@ class UnslothVisionDataCollator:
                 labels[b, mask[b] == 1] = np.asarray(row["labels"], np.int32)
         return labels
 
-    def _truncate(self, batch: dict, indices: list[int]) -> dict:
+    def _truncate(self, batch: dict, indices: list[int], in_image: np.ndarray) -> dict:
+        """The [B, S] fields cut to max_seq_length; in_image [B, S] bool marks what must not be cut."""
         limit = self.max_seq_length
         if limit is None or batch["input_ids"].shape[1] <= limit:
             return batch
-        cut = batch["token_type_ids"][:, limit:] == 1
+        cut = in_image[:, limit:]
         if np.any(cut):
             row = int(np.nonzero(cut.any(axis=1))[0][0])
             raise _bad(indices[row], "messages", f"the row is {int(batch['attention_mask'][row].sum())} tokens "

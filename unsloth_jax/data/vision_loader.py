@@ -7,8 +7,9 @@
 the same batches. Records are shuffled per epoch as DataLoader shuffles examples (SeedSequence([seed, epoch])),
 collated by an UnslothVisionDataCollator when their batch is asked for (images are preprocessed lazily, never
 all at once), and padded to the smallest of DataLoader's bucket lengths (powers of two from 64, then
-max_seq_length) that holds the batch, so a jitted step compiles for few shapes. The last batch is filled with
-empty rows (all padding, labels -100, no image) unless drop_last.
+max_seq_length) that holds the batch, so a jitted step compiles for few shapes. Qwen2.5-VL's patches are
+padded likewise (patch_bucket: powers of two from 64) and the tower's window layout is added (pad_patches).
+The last batch is filled with empty rows (all padding, labels -100, no image) unless drop_last.
 
     records = load_vision_records("shapes_sample.jsonl")   # `images` given as file paths -> PIL images
 
@@ -36,16 +37,42 @@ _FILL = {"labels": IGNORE_INDEX}
 
 
 def pad_rows(batch: dict, length: int, rows: int, pad_token_id: int) -> dict:
-    """The [B, S] fields padded to [rows, length] (input_ids with pad_token_id, labels -100, others 0);
-    pixel_values [N, C, H, W] kept as they are."""
+    """The [B, S] fields padded to [rows, length] (input_ids with pad_token_id, labels -100, others 0), and
+    mrope_positions [3, B, S] with 0; the image fields (pixel_values, image_grid_thw, vision_*) kept as they are."""
     out = {}
     for key, value in batch.items():
-        if key == "pixel_values":
+        if key in ("pixel_values", "image_grid_thw") or key.startswith("vision_"):
             out[key] = value
             continue
-        b, s = value.shape
+        b, s = value.shape[-2:]
         fill = pad_token_id if key == "input_ids" else _FILL.get(key, 0)
-        out[key] = np.pad(value, ((0, rows - b), (0, length - s)), constant_values=fill)
+        lead = ((0, 0),) * (value.ndim - 2)
+        out[key] = np.pad(value, (*lead, (0, rows - b), (0, length - s)), constant_values=fill)
+    return out
+
+
+def patch_bucket(count: int, unit: int) -> int:
+    """The padded patch count of a Qwen2.5-VL batch with `count` patches: the smallest power of two from 64
+    that holds it (a multiple of the merge unit `unit`), so steps compile once per bucket, not per set of grids."""
+    size = 64
+    while size < count:
+        size *= 2
+    return max(size, -(-count // unit) * unit)
+
+
+def pad_patches(batch: dict, vision_config, patches: int) -> dict:
+    """A Qwen2.5-VL batch (the collator's, image_grid_thw possibly absent: no image) with pixel_values zero-
+    padded to [patches, C*T*p*p] and the tower's layout for them (padded_vision_layout) as vision_order,
+    vision_positions, vision_frame_ids, vision_window_ids, vision_restore; image_grid_thw kept (host only)."""
+    from unsloth_jax.models.vision_qwen2_5 import padded_vision_layout
+
+    grid = batch.get("image_grid_thw")
+    pixels = batch.get("pixel_values")
+    pixels = np.zeros((0, vision_config.patch_dim), np.float32) if pixels is None else pixels
+    out = dict(batch)
+    out["pixel_values"] = np.pad(pixels, ((0, patches - pixels.shape[0]), (0, 0)))
+    for key, value in padded_vision_layout(vision_config, grid, patches).items():
+        out["vision_" + key] = value
     return out
 
 
@@ -63,12 +90,19 @@ def _image_slots(count: int, rows: int) -> int:
     return max(rows, -(-count // rows) * rows)
 
 
-def stack_micro_batches(micro: list[dict], pad_token_id: int, image_shape: tuple[int, ...]) -> dict:
+def stack_micro_batches(micro: list[dict], pad_token_id: int, image_shape: tuple[int, ...],
+                        vision_config=None) -> dict:
     """Micro-batches (each [B, S_j] fields, pixel_values [N_j, C, H, W]) -> one [A, B, S] batch with
     pixel_values [A, N, C, H, W]: S the longest S_j, N the largest N_j rounded up to a multiple of B (so steps
-    with one image per row keep one shape)."""
+    with one image per row keep one shape). With vision_config (Qwen2.5-VL): every micro-batch's patches padded
+    to the largest patch count P_j (pad_patches), giving pixel_values [A, P, C*T*p*p] and vision_* [A, P, ...];
+    mrope_positions [A, 3, B, S]; image_grid_thw dropped."""
     rows = micro[0]["input_ids"].shape[0]
     length = max(m["input_ids"].shape[1] for m in micro)
+    if vision_config is not None:
+        patches = max(m["pixel_values"].shape[0] for m in micro)
+        padded = [pad_patches(pad_rows(m, length, rows, pad_token_id), vision_config, patches) for m in micro]
+        return {k: np.stack([m[k] for m in padded]) for k in padded[0] if k != "image_grid_thw"}
     n = _image_slots(max(0 if m.get("pixel_values") is None else m["pixel_values"].shape[0] for m in micro), rows)
     padded = [pad_rows(m, length, rows, pad_token_id) for m in micro]
     out = {k: np.stack([m[k] for m in padded]) for k in padded[0] if k != "pixel_values"}
@@ -87,6 +121,8 @@ class VisionLoader:
         self.batch_size, self.max_seq_length = int(batch_size), int(max_seq_length)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.image_shape = tuple(image_shape)
+        cfg = getattr(collator, "vl_config", None)
+        self.vision_config = cfg.vision if getattr(collator, "is_qwen", False) else None  # Qwen2.5-VL's patches
         self.bucket_lengths = bucket_lengths(self.max_seq_length)
         self.num_rows = self.num_examples = len(self.records)
         self.pad_token_id = collator.pad_token_id
@@ -113,16 +149,19 @@ class VisionLoader:
         out = self.collator([self.records[i] for i in picked], indices=[int(i) for i in picked])
         length = pick_bucket(out["input_ids"].shape[1], self.bucket_lengths)
         out = pad_rows(out, length, self.batch_size, self.pad_token_id)
+        if rows is not None:
+            raise NotImplementedError("vision batches are not split over hosts yet")
+        if self.vision_config is not None:  # Qwen2.5-VL: patches padded to a bucket, with the tower's layout
+            count = 0 if out.get("pixel_values") is None else out["pixel_values"].shape[0]
+            return pad_patches(out, self.vision_config, patch_bucket(count, self.vision_config.merge_unit))
         n = 0 if out.get("pixel_values") is None else out["pixel_values"].shape[0]
         out["pixel_values"] = pad_images(out.get("pixel_values"), _image_slots(n, self.batch_size),
                                          self.image_shape)
-        if rows is not None:
-            raise NotImplementedError("vision batches are not split over hosts yet")
         return out
 
     def stack(self, micro: list[dict]) -> dict:
         """The micro-batches of one optimizer step as one [A, B, S] batch (stack_micro_batches)."""
-        return stack_micro_batches(micro, self.pad_token_id, self.image_shape)
+        return stack_micro_batches(micro, self.pad_token_id, self.image_shape, self.vision_config)
 
 
 def _open_image(path: Path, location: str):
@@ -168,4 +207,5 @@ def load_vision_records(path: str | os.PathLike) -> Records:
     return Records(out, source=records.source, locations=records.locations, skipped=records.skipped)
 
 
-__all__ = ["VisionLoader", "load_vision_records", "pad_images", "pad_rows", "stack_micro_batches"]
+__all__ = ["VisionLoader", "load_vision_records", "pad_images", "pad_patches", "pad_rows", "patch_bucket",
+           "stack_micro_batches"]

@@ -179,11 +179,14 @@ def image_block_ids(token_type_ids: jax.Array) -> jax.Array:
     return jnp.where(image, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1).astype(jnp.int32)
 
 
-def merge_image_features(x: jax.Array, is_image: jax.Array, features: jax.Array) -> jax.Array:
+def merge_image_features(x: jax.Array, is_image: jax.Array, features: jax.Array, *,
+                         padded: bool = False) -> jax.Array:
     """x [B, S, D] with the rows of features [T, D] written, in order, where is_image [B, S] is True (row-major).
-    When the arrays are concrete, the number of image positions must equal T (ValueError otherwise)."""
+    When the arrays are concrete, the number of image positions must equal T (ValueError otherwise); padded:
+    trailing padding features are allowed (at most T positions)."""
     flat = is_image.reshape(-1)
-    if not is_tracer(flat) and int(jnp.sum(flat)) != features.shape[0]:
+    n = None if is_tracer(flat) else int(jnp.sum(flat))
+    if n is not None and (n > features.shape[0] if padded else n != features.shape[0]):
         raise ValueError(f"input_ids hold {int(jnp.sum(flat))} image tokens, but pixel_values give "
                          f"{features.shape[0]} image features (mm_tokens_per_image per image)")
     index = jnp.clip(jnp.cumsum(flat.astype(jnp.int32)) - 1, 0, features.shape[0] - 1)

@@ -93,6 +93,33 @@ def vision_layout(cfg: QwenVisionConfig, image_grid_thw) -> dict[str, np.ndarray
     return {k: v.astype(np.int32) for k, v in out.items()}
 
 
+PAD_SEGMENT = 2 ** 30  # the attention segment of padding patches (no real frame or window has this id)
+
+
+def padded_vision_layout(cfg: QwenVisionConfig, image_grid_thw, patches: int) -> dict[str, np.ndarray]:
+    """vision_layout of images image_grid_thw [I, 3] (None or empty: no image) for pixel_values padded with
+    zero patches to `patches` rows (a multiple of merge^2, at least the real count). The padding patches come
+    after the real ones in window order, attend only to each other (segment PAD_SEGMENT) and give the last
+    merged tokens, which no image token reads: the real features are unchanged. int32 arrays as vision_layout."""
+    unit = cfg.merge_unit
+    if image_grid_thw is None or len(image_grid_thw) == 0:
+        layout = dict(order=np.zeros(0, np.int32), positions=np.zeros((0, 2), np.int32),
+                      frame_ids=np.zeros(0, np.int32), window_ids=np.zeros(0, np.int32), restore=np.zeros(0, np.int32))
+    else:
+        layout = vision_layout(cfg, image_grid_thw)
+    n = layout["order"].shape[0]
+    if patches < n or patches % unit:
+        raise ValueError(f"padded_vision_layout: {patches} patches for {n} real ones; expected a multiple of "
+                         f"{unit} that is at least {n}")
+    extra = patches - n
+    pad = np.full(extra, PAD_SEGMENT, np.int32)
+    return dict(order=np.concatenate([layout["order"], np.arange(n, patches, dtype=np.int32)]),
+                positions=np.concatenate([layout["positions"], np.zeros((extra, 2), np.int32)]),
+                frame_ids=np.concatenate([layout["frame_ids"], pad]),
+                window_ids=np.concatenate([layout["window_ids"], pad]),
+                restore=np.concatenate([layout["restore"], np.arange(n // unit, patches // unit, dtype=np.int32)]))
+
+
 def mrope_positions(cfg: QwenVLConfig, input_ids, attention_mask=None, image_grid_thw=None) -> np.ndarray:
     """The 3-axis (temporal, height, width) positions [3, B, S] int32 of transformers' get_rope_index for
     input_ids [B, S] (concrete): text tokens count up on all three axes; each run of image_token_id tokens (one
@@ -293,7 +320,8 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         if pixel_values is None:
             return x
         feats = self.image_features(pixel_values, image_grid_thw, layout=layout)
-        return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats)
+        # a layout may come with padding patches (padded_vision_layout): their features trail the real ones
+        return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats, padded=layout is not None)
 
     def rope_positions(self, input_ids, attention_mask=None, image_grid_thw=None) -> np.ndarray:
         """M-RoPE positions [3, B, S] int32 (mrope_positions) for concrete input_ids [B, S]."""

@@ -9,7 +9,9 @@
 labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
 attention_mask (padding on the right), and optionally positions, and segment_ids for packed rows. A
 vision-language model's batch adds pixel_values float32 [A, N, C, H, W] and token_type_ids [A, B, S]
-(unsloth_jax.data.vision). Gradients are taken with respect to
+(unsloth_jax.data.vision); Qwen2.5-VL's instead pixel_values [A, P, C*T*p*p] (P padded patches),
+mrope_positions [A, 3, B, S] and the tower's window layout vision_* [A, P, ...] (data.vision_loader.pad_patches).
+Gradients are taken with respect to
 `trainable` only; `frozen` enters the loss as a constant. The loss over the accumulated micro-batches equals
 the loss of one big batch (each micro-batch's mean is weighted by its count of target tokens).
 
@@ -110,11 +112,16 @@ def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = 
 def vision_hidden_states(model, ids: jax.Array, side, batch: dict, remat) -> jax.Array:
     """Hidden states [B, S, D] of a vision-language model on a micro-batch with pixel_values [N, C, H, W] (the
     images of its rows in order; trailing all-zero padding images, which no image token reads, are allowed) and
-    token_type_ids [B, S] (1 = image token: bidirectional within each image block)."""
+    token_type_ids [B, S] (1 = image token: bidirectional within each image block); or, for Qwen2.5-VL, with
+    pixel_values [P, C*T*p*p], mrope_positions [3, B, S] and vision_* (the padded tower layout; causal text)."""
     from unsloth_jax.models.vision import image_block_ids
 
     if not hasattr(model, "vl_config"):
         raise TypeError(f"the batch holds pixel_values, but {type(model).__name__} is not a vision-language model")
+    if "mrope_positions" in batch:  # Qwen2.5-VL: patches [P, C*T*p*p], M-RoPE [3, B, S], the tower's vision_*
+        layout = {k[len("vision_"):]: v for k, v in batch.items() if k.startswith("vision_")}
+        return model.hidden_states(ids, side, remat_mode=remat, pixel_values=batch["pixel_values"],
+                                   mrope_positions=batch["mrope_positions"], vision_layout=layout)
     side = side._replace(block_ids=image_block_ids(batch["token_type_ids"]))
     return model.hidden_states(ids, side, remat_mode=remat, pixel_values=batch["pixel_values"])
 

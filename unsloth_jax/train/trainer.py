@@ -144,9 +144,13 @@ def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_l
     memory analysis of it, before step 1. Raises TrainingError when the step needs more device memory than the
     device has, naming the largest max_seq_length that would fit (estimated from the step's temporaries, which
     grow linearly with the tokens). The jit cache keeps the compiled step, so step 1 does not compile again."""
-    # the [A, B, S] fields at the longest length; pixel_values [A, N, C, H, W] as they are
-    shapes = {k: jax.ShapeDtypeStruct((*v.shape[:-1], longest) if v.ndim == 3 else v.shape, v.dtype)
-              for k, v in batch.items()}
+    # the [A, B, S] fields (and Qwen2.5-VL's mrope_positions [A, 3, B, S]) at the longest length; the image
+    # fields (pixel_values, vision_*) as they are
+    def at_longest(k, v):
+        seq = k == "mrope_positions" or (v.ndim == 3 and k != "pixel_values" and not k.startswith("vision_"))
+        return jax.ShapeDtypeStruct((*v.shape[:-1], longest) if seq else v.shape, v.dtype)
+
+    shapes = {k: at_longest(k, v) for k, v in batch.items()}
     compiled = step_fn.lower(*state, shapes).compile()
     ma = compiled.memory_analysis()
     if ma is None:
@@ -283,7 +287,8 @@ class SFTTrainer(TrainerBase):
             v = self.model.vl_config.vision
             return VisionLoader(examples, self.data_collator, batch_size, self.max_seq_length, shuffle=shuffle,
                                 seed=self.args.seed, drop_last=self.args.dataloader_drop_last,
-                                image_shape=(v.num_channels, v.image_size, v.image_size))
+                                image_shape=(v.num_channels, v.image_size, v.image_size)
+                                if hasattr(v, "image_size") else ())  # Qwen2.5-VL: patches, not images
         return DataLoader(examples, batch_size, self.max_seq_length, self._pad_id(), packing=self.packing,
                           shuffle=shuffle, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
