@@ -431,13 +431,9 @@ class FastLanguageModel:
         return model
 
 
-class VisionModel(Gemma3ForConditionalGeneration):
-    """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
-    unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
-    input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
-    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
-    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
-    generate continues prompts with images."""
+class _LoadedVisionModel:
+    """What FastVisionModel adds to both vision-language NNX modules (mixed in before the module class):
+    `max_seq_length`, `gradient_checkpointing` (as `Model`) and the trainers' `trainable_filter`."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -447,6 +443,15 @@ class VisionModel(Gemma3ForConditionalGeneration):
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
         return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+
+class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
+    """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
+    unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
+    input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
+    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
+    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
+    generate continues prompts with images."""
 
     def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
         """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
@@ -496,22 +501,13 @@ def _load_processor(model_dir: Path):
 
 
 # ---- Qwen2.5-VL (models.vision_qwen2_5, hf.vision_qwen_io, hf.vision_qwen_export) ----
-class QwenVisionModel(Qwen2_5_VLForConditionalGeneration):
+class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
     """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained): the NNX module of
     unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
     takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
     transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32; save_pretrained writes the
     PEFT adapter, save_pretrained_merged the merged checkpoint. Not yet: training through SFTTrainer's vision
     collator, generation with images."""
-
-    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.max_seq_length = 2048
-        self.gradient_checkpointing = NO_REMAT
-
-    def trainable_filter(self):
-        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
-        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
 
     def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
         """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'

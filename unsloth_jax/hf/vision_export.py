@@ -110,12 +110,18 @@ def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_pa
     _check_exportable(model)
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
+    write_adapter_dir(out_dir, config, adapter_entries(model), processor)
+    log.info("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
+
+
+def write_adapter_dir(out_dir, config: dict, entries: list, processor) -> None:
+    """Write a PEFT adapter directory atomically (replacing an earlier adapter save): adapter_config.json from
+    `config`, adapter_model.safetensors from `entries` (export._Entry) and the processor's files when given."""
     with export.atomic_directory(out_dir, export._ADAPTER_ARTIFACTS) as tmp:
         if processor is not None:
             processor.save_pretrained(str(tmp))
-        export.write_safetensors_stream(tmp / export.ADAPTER_WEIGHTS, adapter_entries(model), {"format": "pt"})
+        export.write_safetensors_stream(tmp / export.ADAPTER_WEIGHTS, entries, {"format": "pt"})
         export._write_json(tmp / export.ADAPTER_CONFIG, config)
-    log.info("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
 
 
 def _vision_make(model, spec, out_dtype):
@@ -156,24 +162,12 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
     return raw
 
 
-def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
-                       max_shard_size="5GB", dtype=None) -> None:
-    """Write the merged model as a transformers Gemma3ForConditionalGeneration checkpoint (save_method
-    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
-    the source says float16), with config.json from the source and the processor (given, else the source's
-    files); save_method "lora": the adapter only."""
-    if save_method == "lora":
-        save_vision_adapter(model, out_dir, processor)
-        return
-    if save_method not in export.SAVE_METHODS:
-        raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
-                          f"{', '.join(export.SAVE_METHODS)}")
-    out_dtype = export._resolve_out_dtype(model, dtype)
-    config = _merged_config(model, out_dtype)
-    entries = merged_entries(model, out_dtype)
+def write_merged_checkpoint(model, out_dir, entries: list, config: dict, processor, max_shard_size) -> None:
+    """Write a vision-language model's merged checkpoint into out_dir (atomically, replacing an earlier merged
+    save): `entries` (export._Entry, the tensors) in shards of at most max_shard_size with the index,
+    config.json, the source's generation_config.json and the processor (given, else the source's files)."""
     shards = export.plan_shards(entries, export.parse_size(max_shard_size))
-    stale = re.compile(export._MERGED_ARTIFACTS.pattern)
-    with export.atomic_directory(out_dir, stale) as tmp:
+    with export.atomic_directory(out_dir, re.compile(export._MERGED_ARTIFACTS.pattern)) as tmp:
         if len(shards) == 1:
             export.write_safetensors_stream(tmp / "model.safetensors", shards[0], {"format": "pt"})
         else:
@@ -189,4 +183,21 @@ def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "me
         if src is not None and (src / "generation_config.json").is_file():
             shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
         _save_processor(model, tmp, processor)
+
+
+def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
+                       max_shard_size="5GB", dtype=None) -> None:
+    """Write the merged model as a transformers Gemma3ForConditionalGeneration checkpoint (save_method
+    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
+    the source says float16), with config.json from the source and the processor (given, else the source's
+    files); save_method "lora": the adapter only."""
+    if save_method == "lora":
+        save_vision_adapter(model, out_dir, processor)
+        return
+    if save_method not in export.SAVE_METHODS:
+        raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
+                          f"{', '.join(export.SAVE_METHODS)}")
+    out_dtype = export._resolve_out_dtype(model, dtype)
+    write_merged_checkpoint(model, out_dir, merged_entries(model, out_dtype), _merged_config(model, out_dtype),
+                            processor, max_shard_size)
     log.info("unsloth_jax: saved the merged %s vision-language model to %s", export._dtype_name(out_dtype), out_dir)

@@ -15,15 +15,13 @@ hf.vision_export writes them for Gemma 3.
 from __future__ import annotations
 
 import logging
-import re
-from pathlib import Path
 
 import numpy as np
 
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE
-from unsloth_jax.hf.vision_export import _merged_config, _save_processor
+from unsloth_jax.hf.vision_export import _merged_config, write_adapter_dir, write_merged_checkpoint
 from unsloth_jax.hf.vision_qwen_io import qwen_vl_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
@@ -88,11 +86,7 @@ def save_qwen_vl_adapter(model, out_dir, processor=None, *, base_model_name_or_p
                           "use get_peft_model(..., bias='none') without modules_to_save")
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
-    with export.atomic_directory(out_dir, export._ADAPTER_ARTIFACTS) as tmp:
-        if processor is not None:
-            processor.save_pretrained(str(tmp))
-        export.write_safetensors_stream(tmp / export.ADAPTER_WEIGHTS, adapter_entries(model), {"format": "pt"})
-        export._write_json(tmp / export.ADAPTER_CONFIG, config)
+    write_adapter_dir(out_dir, config, adapter_entries(model), processor)
     log.info("unsloth_jax: saved the Qwen2.5-VL LoRA adapter to %s", out_dir)
 
 
@@ -128,23 +122,6 @@ def save_qwen_vl_merged(model, out_dir, processor=None, *, save_method: str = "m
         raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
                           f"{', '.join(export.SAVE_METHODS)}")
     out_dtype = export._resolve_out_dtype(model, dtype)
-    config = _merged_config(model, out_dtype)
-    entries = merged_entries(model, out_dtype)
-    shards = export.plan_shards(entries, export.parse_size(max_shard_size))
-    with export.atomic_directory(out_dir, re.compile(export._MERGED_ARTIFACTS.pattern)) as tmp:
-        if len(shards) == 1:
-            export.write_safetensors_stream(tmp / "model.safetensors", shards[0], {"format": "pt"})
-        else:
-            weight_map = {}
-            for k, shard in enumerate(shards):
-                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                export.write_safetensors_stream(tmp / fname, shard, {"format": "pt"})
-                weight_map.update({e.name: fname for e in shard})
-            export._write_json(tmp / export.INDEX_NAME, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                                         "weight_map": weight_map})
-        export._write_json(tmp / "config.json", config)
-        src = Path(model.model_dir) if model.model_dir is not None else None
-        if src is not None and (src / "generation_config.json").is_file():
-            (tmp / "generation_config.json").write_bytes((src / "generation_config.json").read_bytes())
-        _save_processor(model, tmp, processor)
+    write_merged_checkpoint(model, out_dir, merged_entries(model, out_dtype), _merged_config(model, out_dtype),
+                            processor, max_shard_size)
     log.info("unsloth_jax: saved the merged %s Qwen2.5-VL model to %s", export._dtype_name(out_dtype), out_dir)
