@@ -84,7 +84,8 @@ def _has_gpu() -> bool:
 # SmolLM2 model): they start first, so pytest-xdist's workers do not end on them one at a time.
 _LONG_FIRST = ("test_grpo_notebook.py", "test_cli.py", "test_distributed.py", "test_notebooks.py", "test_fp8_model.py",
                "test_readme.py", "test_gguf_loading.py", "test_trainer_base.py", "test_grpo.py", "test_long_context.py",
-               "test_vision_lora.py", "test_vision_sft.py", "test_vision_export.py", "test_engine.py")
+               "test_vision_lora.py", "test_vision_sft.py", "test_vision_export.py", "test_engine.py",
+               "test_vision_sample.py", "test_vision_qlora.py", "test_vision_qwen2_5_vl.py")
 
 
 def _one_case_per_test(items: list) -> list:

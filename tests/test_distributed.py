@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.conftest import fresh_seed
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, made_once, subprocess_env
 from unsloth_jax import distributed
 from unsloth_jax.data import DataLoader
 
@@ -51,7 +51,8 @@ def _xla_flags(devices: int) -> str:
 # The cases of the tests below, in three processes (tests.multidevice_cases batch): one start and one set of eager
 # compiles per process instead of one per case, and the qlora "full" and "offload" cases share their single-device
 # truth. The resumed trainer reads the 8-device trainer's checkpoint, so its batch runs after that one; it has a
-# process of its own, as it had before the batching (the one CI hang above was in it, after the MoE case).
+# process of its own, as it had before the batching (the one CI hang above was in it, after the MoE case). Each
+# batch runs once per test run, in the first pytest worker that asks (Cases, below).
 def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
     """batch name -> (devices, {case name: [case, kwargs]}), in the order they run."""
     trainer = dict(output_dir=out, max_steps=4, shard_trainable=True)
@@ -70,25 +71,35 @@ def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
 
 
 class Cases:
-    """The batches' results, each batch run when a test first asks for one of its cases (so once per pytest
-    process: with xdist, once per worker that runs such a test)."""
+    """The batches' results, each batch run when a test first asks for one of its cases: once per test run, in
+    whichever pytest process asks first (tests.helpers.made_once: the results are files under the run's directory
+    that the other xdist worker reads, waiting while the first runs them), with one seed for the run."""
 
-    def __init__(self, seed: int, out: str):
-        self.seed, self.batches, self.results, self.ran = seed, _batches(out), {}, set()
+    def __init__(self):
+        seed_dir = made_once("multidevice-seed", lambda p: (p.mkdir(), (p / "seed").write_text(
+            str(fresh_seed("multi-device cases")))))
+        self.seed = int((seed_dir / "seed").read_text())
+        self.out = str(made_once("multidevice-out", lambda p: p.mkdir()))  # the trainers' checkpoints
+        self.batches, self.results = _batches(self.out), {}
+
+    def _run_batch(self, path, label: str) -> None:
+        """Run batch `label` and write each case's result line (or its error) to path/results.json."""
+        devices, batch = self.batches[label]
+        results = {case: {"error": f"the {label} batch did not finish"} for case in batch}
+        lines, log = _run_cases(["batch", str(self.seed), json.dumps(batch)], devices, 2400)
+        results.update({case: {"error": f"no result from the {label} batch, {log}"} for case in batch})
+        results.update({line.pop("name"): line for line in map(json.loads, lines)})
+        path.mkdir()
+        (path / "results.json").write_text(json.dumps(results))
 
     def __call__(self, name: str) -> dict:
         """Case `name`'s result; fails the asking test with the case's traceback, or the process's log."""
         print(f"multi-device cases seed = {self.seed}  (replay with UNSLOTH_JAX_TEST_SEED={self.seed})")
-        for label, (devices, batch) in self.batches.items():  # in order: the resumed trainer reads a checkpoint
+        for i, label in enumerate(self.batches):  # in order: the resumed trainer reads a checkpoint
             if name in self.results:
                 break
-            if label in self.ran:
-                continue
-            self.ran.add(label)
-            self.results.update({case: {"error": f"the {label} batch did not finish"} for case in batch})
-            lines, log = _run_cases(["batch", str(self.seed), json.dumps(batch)], devices, 2400)
-            self.results.update({case: {"error": f"no result from the {label} batch, {log}"} for case in batch})
-            self.results.update({line.pop("name"): line for line in map(json.loads, lines)})
+            path = made_once(f"multidevice-batch-{i}", lambda p, label=label: self._run_batch(p, label))
+            self.results.update(json.loads((path / "results.json").read_text()))
         line = self.results[name]
         if "error" in line:
             pytest.fail(f"case {name} failed:\n{line['error']}", pytrace=False)
@@ -96,9 +107,9 @@ class Cases:
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> Cases:
+def cases() -> Cases:
     """Cases(name): a multi-device case's result (one fresh seed for all of them, printed by each test)."""
-    return Cases(fresh_seed("multi-device cases"), str(tmp_path_factory.mktemp("cases") / "run"))
+    return Cases()
 
 
 
