@@ -410,7 +410,7 @@ def _check_writable(path: Path, flag: str) -> None:
 
 def _earlier_run_files(args) -> list[Path]:
     """An earlier run's files in --output_dir: the trainer's (metrics.jsonl, checkpoints, runs/) and the saves."""
-    from unsloth_jax.train.trainer import previous_run_files
+    from unsloth_jax.train.checkpoints import previous_run_files
 
     out = Path(args.output_dir)
     return previous_run_files(out) + [out / d for d in SAVE_DIRS if (out / d).exists()]
@@ -420,7 +420,7 @@ def _check_output_paths(args) -> None:
     """Everything `train` will write, checked before any model or data is loaded: --output_dir and the save
     directories can be written; a reused --output_dir needs --overwrite_output_dir or --resume_from_checkpoint;
     the checkpoint to resume from exists."""
-    from unsloth_jax.train.trainer import checkpoints_in
+    from unsloth_jax.train.checkpoints import checkpoints_in
 
     out = Path(args.output_dir)
     _check_writable(out, "--output_dir")
@@ -587,7 +587,7 @@ def cmd_train(args) -> int:
               f"{', responses only' if responses_only else ''}")
     out = Path(args.output_dir)
     if args.overwrite_output_dir and not args.resume_from_checkpoint and main:  # the trainer removes its own files
-        from unsloth_jax.train.trainer import remove_paths
+        from unsloth_jax.train.checkpoints import remove_paths
 
         remove_paths([out / d for d in SAVE_DIRS if (out / d).exists()])
     trainer_stats = trainer.train()
@@ -672,7 +672,7 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
           f"LoRA r={args.r} alpha={args.lora_alpha:g}{', responses only' if responses_only else ''}")
     out = Path(args.output_dir)
     if args.overwrite_output_dir and not args.resume_from_checkpoint:  # the trainer removes its own files
-        from unsloth_jax.train.trainer import remove_paths
+        from unsloth_jax.train.checkpoints import remove_paths
 
         remove_paths([out / d for d in SAVE_DIRS if (out / d).exists()])
     trainer_stats = trainer.train()

@@ -35,8 +35,6 @@ from unsloth_jax.data.vision_loader import VisionLoader
 from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.train.base import RunPlan, TrainerBase, as_records
-from unsloth_jax.train.base import cast_weights  # noqa: F401  (re-exported)
-from unsloth_jax.train.checkpoints import checkpoints_in, previous_run_files, remove_paths  # noqa: F401  (the CLI's)
 from unsloth_jax.train.reporting import resolve_report_to
 from unsloth_jax.train.state import planned_train_samples
 from unsloth_jax.backend import commit_to_devices
