@@ -1,5 +1,5 @@
 """The generation engine: one on-device decode loop over a paged KV cache for `generate`, `fast_generate`, the
-CLI and the RL trainers (docs/ARCHITECTURE.md, "Generation").
+CLI and the RL trainers (docs/GENERATION.md).
 
     from unsloth_jax.inference import Engine, SamplingParams
     outs = Engine(model, tokenizer).generate(["Hi"], SamplingParams(n=2, temperature=0.7, max_tokens=32))
