@@ -21,7 +21,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE
-from unsloth_jax.hf.vision_export import _merged_config, write_adapter_dir, write_merged_checkpoint
+from unsloth_jax.hf.vision_export import save_merged_or_adapter, write_adapter_dir
 from unsloth_jax.hf.vision_qwen_io import qwen_vl_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
@@ -115,13 +115,5 @@ def save_qwen_vl_merged(model, out_dir, processor=None, *, save_method: str = "m
     """Write the merged model as a transformers Qwen2_5_VLForConditionalGeneration checkpoint (save_method
     "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged), with config.json
     from the source and the processor (given, else the source's files); save_method "lora": the adapter only."""
-    if save_method == "lora":
-        save_qwen_vl_adapter(model, out_dir, processor)
-        return
-    if save_method not in export.SAVE_METHODS:
-        raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
-                          f"{', '.join(export.SAVE_METHODS)}")
-    out_dtype = export._resolve_out_dtype(model, dtype)
-    write_merged_checkpoint(model, out_dir, merged_entries(model, out_dtype), _merged_config(model, out_dtype),
-                            processor, max_shard_size)
-    log.info("unsloth_jax: saved the merged %s Qwen2.5-VL model to %s", export._dtype_name(out_dtype), out_dir)
+    save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
+                           entries_of=merged_entries, save_adapter=save_qwen_vl_adapter, label="Qwen2.5-VL")
