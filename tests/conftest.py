@@ -6,6 +6,7 @@ statistical bounds were set: `UNSLOTH_JAX_SEED_SWEEP=100 pytest tests/test_optim
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import jax
@@ -13,6 +14,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import quick_codegen
+
+# Directories this process made for the test run (the controller; xdist workers inherit the variables and make
+# none): removed when pytest ends (pytest_unconfigure), so runs do not fill /tmp (each is ~0.1-0.5 GB).
+_MADE_HERE: list[str] = []
 
 
 def _share_compiled_programs() -> None:
@@ -28,6 +33,7 @@ def _share_compiled_programs() -> None:
     path = os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="unsloth-jax-test-xla-")
+        _MADE_HERE.append(path)
         os.environ["UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR"] = path
     settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0,
                 "jax_persistent_cache_min_entry_size_bytes": 0}
@@ -66,11 +72,18 @@ def _run_directory() -> None:
     and one process makes (tests.helpers.made_once). Set from outside, it is kept."""
     if not os.environ.get("UNSLOTH_JAX_TEST_RUN_DIR"):
         os.environ["UNSLOTH_JAX_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="unsloth-jax-test-run-")
+        _MADE_HERE.append(os.environ["UNSLOTH_JAX_TEST_RUN_DIR"])
 
 
 _quick_cpu_codegen()
 _share_compiled_programs()
 _run_directory()
+
+
+def pytest_unconfigure(config):
+    """Removes the run's shared directories (compile cache, made_once files) in the process that made them."""
+    for path in _MADE_HERE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _has_gpu() -> bool:
