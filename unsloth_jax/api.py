@@ -505,9 +505,9 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
     """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained): the NNX module of
     unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
     takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
-    transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32; save_pretrained writes the
-    PEFT adapter, save_pretrained_merged the merged checkpoint. Not yet: training through SFTTrainer's vision
-    collator, generation with images."""
+    transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32. SFTTrainer trains it with
+    data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md); save_pretrained writes the PEFT
+    adapter, save_pretrained_merged the merged checkpoint; generate continues prompts with images."""
 
     def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
         """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
@@ -524,6 +524,17 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
 
         save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                             dtype=dtype)
+
+    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, **kwargs):
+        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
+        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [patches,
+        C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows' image-token runs, in order).
+        kwargs: max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, seed, streamer, as
+        Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        from unsloth_jax.generation import generate_vision
+
+        return generate_vision(self, input_ids, attention_mask, pixel_values, image_grid_thw=image_grid_thw,
+                               **kwargs)
 
     def __repr__(self) -> str:
         c, v = self.config, self.vl_config.vision
@@ -548,7 +559,7 @@ def _vision_model_class(model_dir: Path):
 
 class FastVisionModel:
     """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) and Qwen2.5-VL
-    (Qwen2_5_VLForConditionalGeneration: loading, logits and LoRA with adapter export so far)."""
+    (Qwen2_5_VLForConditionalGeneration; not yet: its 4-bit loading, reloading its saved adapter)."""
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,

@@ -21,7 +21,9 @@ import numpy as np
 from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
+from unsloth_jax.inference.images import ImagePrompt, generate_with_images
 from unsloth_jax.inference.sampling import SamplingParams
+from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration, mrope_positions
 
 log = logging.getLogger("unsloth_jax")
 
@@ -89,10 +91,13 @@ def _model_tokenizer(model):
                      "tokenizer=... or token ids")
 
 
+def _numpy(x) -> np.ndarray:
+    """x (numpy, torch tensor or nested lists) as a numpy array."""
+    return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
+
+
 def _as_ids(x, name: str) -> np.ndarray:
-    if hasattr(x, "detach"):  # torch tensor
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
+    arr = _numpy(x)
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2:
@@ -189,34 +194,71 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
 
 
 def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, token_type_ids=None,
-                    max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = False,
-                    eos_token_id=None, seed: int = 0, streamer=None, pad_token_id: int | None = None,
-                    **kwargs) -> np.ndarray:
-    """`generate` for a Gemma 3 vision-language model (models.vision.Gemma3ForConditionalGeneration) with images:
-    input_ids [B, P] (LEFT padded, attention_mask [B, P]) holding mm_tokens_per_image image tokens per image of
-    pixel_values [N, C, H, W] (None: text only), token_type_ids [B, P] (1 = image token: each image's tokens
-    attend to each other both ways in the prefill; None: causal, as transformers). The other arguments as
-    `generate` (top_k, min_p and repetition_penalty are not supported here). Runs on
-    inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new] numpy int64."""
-    from unsloth_jax.inference.images import generate_with_images
+                    image_grid_thw=None, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
+                    do_sample: bool = False, eos_token_id=None, seed: int = 0, streamer=None,
+                    pad_token_id: int | None = None, **kwargs) -> np.ndarray:
+    """`generate` for a vision-language model with images: input_ids [B, P] (LEFT padded, attention_mask
+    [B, P]) whose image tokens take the images of pixel_values, in order (None: text only).
 
+    Gemma 3 (models.vision.Gemma3ForConditionalGeneration): pixel_values [N, C, H, W], mm_tokens_per_image
+    image tokens each; token_type_ids [B, P] (1 = image token: each image's tokens attend to each other both
+    ways in the prefill; None: causal, as transformers).
+    Qwen2.5-VL (models.vision_qwen2_5.Qwen2_5_VLForConditionalGeneration): pixel_values [patches, C*T*p*p]
+    with image_grid_thw [I, 3] (each image's t, h, w patch grid, t*h*w / merge^2 image tokens), as transformers'
+    Qwen2-VL image processor gives them (its mm_token_type_ids are accepted and not needed); M-RoPE positions.
+
+    The other arguments as `generate` (top_k, min_p and repetition_penalty are not supported here). Runs on
+    inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new] numpy int64."""
     unsupported = [k for k, v in kwargs.items() if k in _VISION_UNSUPPORTED and v != _VISION_UNSUPPORTED[k]
                    and (do_sample or k == "repetition_penalty")]  # top_k / min_p only shape sampling
     unknown = [k for k in kwargs if k not in _VISION_UNSUPPORTED and k not in _VISION_IGNORED]
     if unsupported or unknown:
         raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unsupported + unknown)}")
     ids, mask = _prompt_arrays(input_ids, attention_mask)
-    cfg = model.vl_config
-    n_image_tokens = int(np.sum(ids == cfg.image_token_index))
-    if pixel_values is None:
-        if n_image_tokens:
-            raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
-        pixels = None
+    if _is_qwen_vl(model):
+        if token_type_ids is not None:
+            raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
+        prompt = _qwen_image_prompt(model.vl_config, ids, mask, pixel_values, image_grid_thw)
     else:
-        pixels = np.asarray(pixel_values.detach().cpu().numpy() if hasattr(pixel_values, "detach") else pixel_values,
-                            np.float32)
-        if pixels.ndim != 4:
-            raise ValueError(f"generate: pixel_values must be [N, C, H, W], got shape {pixels.shape}")
+        if image_grid_thw is not None:
+            raise ValueError("generate: image_grid_thw is Qwen2.5-VL's; Gemma 3 takes pixel_values [N, C, H, W]")
+        prompt = _gemma_image_prompt(model.vl_config, ids, pixel_values, token_type_ids)
+    if max_new_tokens <= 0:
+        return ids.astype(np.int64)
+    if temperature <= 0 and do_sample:
+        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
+    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    return generate_with_images(model, ids, mask, prompt, int(max_new_tokens), float(temperature), float(top_p),
+                                bool(do_sample), eos, int(seed), streamer, pad_token_id)
+
+
+def _is_qwen_vl(model) -> bool:
+    return isinstance(model, Qwen2_5_VLForConditionalGeneration)
+
+
+def _pixels(pixel_values, shape: str, ndim: int) -> np.ndarray:
+    """pixel_values (numpy or torch) as float32 numpy with `ndim` dimensions (ValueError naming `shape`)."""
+    pixels = _numpy(pixel_values).astype(np.float32)
+    if pixels.ndim != ndim:
+        raise ValueError(f"generate: pixel_values must be {shape}, got shape {pixels.shape}")
+    return pixels
+
+
+def _check_no_image_tokens(n_image_tokens: int) -> None:
+    """pixel_values is None: ValueError if input_ids hold image tokens."""
+    if n_image_tokens:
+        raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
+
+
+def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
+    """Gemma 3's checked ImagePrompt: pixel_values [N, C, H, W] for N * mm_tokens_per_image image tokens of ids
+    [B, P], token_type_ids [B, P] or None."""
+    n_image_tokens = int(np.sum(ids == cfg.image_token_index))
+    pixels = None
+    if pixel_values is None:
+        _check_no_image_tokens(n_image_tokens)
+    else:
+        pixels = _pixels(pixel_values, "[N, C, H, W]", 4)
         if n_image_tokens != pixels.shape[0] * cfg.mm_tokens_per_image:
             raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but pixel_values' "
                              f"{pixels.shape[0]} images need {pixels.shape[0] * cfg.mm_tokens_per_image} "
@@ -226,18 +268,42 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
         types = _as_ids(token_type_ids, "token_type_ids").astype(np.int32)
         if types.shape != ids.shape:
             raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape {ids.shape}")
-    if max_new_tokens <= 0:
-        return ids.astype(np.int64)
-    if temperature <= 0 and do_sample:
-        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
-    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-    return generate_with_images(model, ids, mask, pixels, types, int(max_new_tokens), float(temperature),
-                                float(top_p), bool(do_sample), eos, int(seed), streamer, pad_token_id)
+    return ImagePrompt(pixels, token_type_ids=types)
+
+
+def _qwen_image_prompt(cfg, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw):
+    """Qwen2.5-VL's checked ImagePrompt: pixel_values [patches, C*T*p*p] of the images image_grid_thw [I, 3],
+    whose t*h*w / merge^2 tokens each fill ids' [B, P] runs of image_token_id in order; M-RoPE positions."""
+    if np.any(ids == cfg.video_token_id):
+        raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
+    n_image_tokens = int(np.sum(ids == cfg.image_token_id))
+    if pixel_values is None:
+        if image_grid_thw is not None:
+            raise ValueError("generate: image_grid_thw is given but pixel_values is None")
+        _check_no_image_tokens(n_image_tokens)
+        return ImagePrompt(rope_positions=mrope_positions(cfg, ids, mask))
+    if image_grid_thw is None:
+        raise ValueError("generate: pixel_values needs image_grid_thw [images, 3] (each image's t, h, w patches, "
+                         "as the image processor gives it)")
+    grid = _numpy(image_grid_thw).astype(np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise ValueError(f"generate: image_grid_thw must be [images, 3], got shape {grid.shape}")
+    vision = cfg.vision
+    pixels = _pixels(pixel_values, f"[patches, {vision.patch_dim}]", 2)
+    patches = int(grid.prod(-1).sum())
+    if pixels.shape != (patches, vision.patch_dim):
+        raise ValueError(f"generate: pixel_values shape {pixels.shape}, but image_grid_thw {grid.tolist()} needs "
+                         f"[{patches}, {vision.patch_dim}] (C*T*p*p values per patch)")
+    needed = int((grid.prod(-1) // vision.merge_unit).sum())
+    if n_image_tokens != needed:
+        raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but image_grid_thw's "
+                         f"{len(grid)} images need {needed} (t*h*w / {vision.merge_unit} each)")
+    return ImagePrompt(pixels, rope_positions=mrope_positions(cfg, ids, mask, grid), image_grid_thw=grid)
 
 
 # generate's arguments generate_vision does not implement (accepted at their no-op value) and ones it ignores
 _VISION_UNSUPPORTED = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-_VISION_IGNORED = ("use_cache",)
+_VISION_IGNORED = ("use_cache", "mm_token_type_ids")
 
 
 def _step_streamer(streamer, rows: int, pad: int):

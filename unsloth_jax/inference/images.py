@@ -1,16 +1,26 @@
-"""Generation with images for Gemma 3 vision-language models (models.vision.Gemma3ForConditionalGeneration), on
-one contiguous KV cache (the structure of inference/contiguous.py, whose decode step it reuses).
+"""Generation with images for the vision-language models, Gemma 3 (models.vision.Gemma3ForConditionalGeneration)
+and Qwen2.5-VL (models.vision_qwen2_5.Qwen2_5_VLForConditionalGeneration), on one contiguous KV cache (the
+structure of inference/contiguous.py, whose decode step it reuses).
 
-    out = generate_with_images(model, ids, mask, pixel_values, token_type_ids, max_new_tokens=32)   # [B, P + new]
+    prompt = ImagePrompt(pixel_values, token_type_ids=types)                                # Gemma 3
+    prompt = ImagePrompt(pixel_values, rope_positions=mrope, image_grid_thw=grid)           # Qwen2.5-VL
+    out = generate_with_images(model, ids, mask, prompt, max_new_tokens=32, ...)            # [B, P + new]
 
 The prefill embeds the prompt with the image features written at the image tokens (`embed_with_images`) and runs
 every layer once over it, writing each layer's keys and values into the cache; the attention of that call is
-the training one over the prompt alone (the cache is empty before it), with token_type_ids' image blocks
-attending to each other both ways and Gemma 3's sliding windows, as transformers' prefill. Every later step
-feeds one text token through `contiguous._decode_step` (causal, windows measured in cache slots, as
-transformers' cache positions). Batches are LEFT padded; positions count real tokens only (`positions_from_mask`),
-as transformers' generate. The prompt is left padded further to a bucket length (one compile per bucket); the
-batch is not bucketed (its images belong to its rows).
+the training one over the prompt alone (the cache is empty before it). Every later step feeds one text token
+through `contiguous._decode_step` (causal, windows measured in cache slots, as transformers' cache positions).
+Batches are LEFT padded. The prompt is left padded further to a bucket length (one compile per bucket); the batch
+is not bucketed (its images belong to its rows). The families differ only in what ImagePrompt carries:
+
+- Gemma 3: token_type_ids' image blocks attend to each other both ways in the prefill (with Gemma 3's sliding
+  windows), as transformers' prefill; positions count real tokens only (`positions_from_mask`).
+- Qwen2.5-VL: causal; the prefill rotates by the M-RoPE positions rope_positions [3, B, P] (`mrope_positions`,
+  transformers' get_rope_index). After the prompt transformers continues at cache position + rope_deltas, i.e.
+  row r's first new token sits at its largest prompt position + 1, the same on all three axes; M-RoPE with
+  equal axes is the text model's RoPE (rope.mrope_tables), so the decode step is the shared one, fed those
+  positions. The patches are zero-padded to a bucket (`vision_loader.patch_bucket`) with the tower's padded
+  window layout, so the prefill compiles once per patch bucket, not per set of grids.
 """
 from __future__ import annotations
 
@@ -22,17 +32,40 @@ import numpy as np
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.data.vision_loader import pad_patches, patch_bucket
 from unsloth_jax.inference.contiguous import _choose, _decode_step_jit, bucket
 from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch
-from unsloth_jax.models.rope import positions_from_mask
+from unsloth_jax.models.rope import mrope_tables, positions_from_mask
 from unsloth_jax.models.vision import image_block_ids
+
+
+class ImagePrompt(NamedTuple):
+    """The images of a prompt batch [B, P] and how its family reads them (generation.generate_vision builds it).
+
+    pixel_values    float32 numpy, Gemma 3 [N, C, H, W], Qwen2.5-VL [patches, C*T*p*p]; None: no image
+    token_type_ids  [B, P] int, 1 = image token (Gemma 3: each image's tokens attend both ways); None: causal
+    rope_positions  [3, B, P] int M-RoPE positions (Qwen2.5-VL, 0 on padding); None: positions_from_mask
+    image_grid_thw  [I, 3] int (Qwen2.5-VL: each image's patch grid, for the tower's layout); None: Gemma 3
+    """
+
+    pixel_values: np.ndarray | None = None
+    token_type_ids: np.ndarray | None = None
+    rope_positions: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
+
+    def first_new_positions(self, mask: np.ndarray) -> np.ndarray:
+        """[B] int32: the position of each row's first new token (each later one + 1): its largest M-RoPE
+        position + 1 (transformers' real-token count + rope_deltas), else its real-token count (mask [B, P])."""
+        if self.rope_positions is None:
+            return mask.sum(axis=1).astype(np.int32)
+        return (np.asarray(self.rope_positions).max(axis=(0, 2)) + 1).astype(np.int32)
 
 
 class ImagePrefillCache(NamedTuple):
     """One layer's contiguous cache while a prompt with images is prefilled (run_layers hands each layer its own
     k / v through `_replace`): keys and values [B, T, Hkv, hd], the prompt's attention_mask [B, P] (`valid`),
-    `index` 0, and the image blocks block_ids [B, P] (models.vision.image_block_ids)."""
+    `index` 0, and the image blocks block_ids [B, P] (models.vision.image_block_ids; all -1: causal)."""
 
     k: jax.Array
     v: jax.Array
@@ -50,11 +83,20 @@ class ImagePrefillCache(NamedTuple):
         return out, (ck, cv)
 
 
-def _prefill(state, input_ids, attention_mask, token_type_ids, pixel_values, key, temperature, top_p, eos_ids,
-             pad_id, *, graphdef, cache_len: int, do_sample: bool):
-    """Prompt input_ids [B, P] (left padded, attention_mask [B, P], token_type_ids [B, P] 1 = image token or None),
-    pixel_values [N, C, H, W] or None -> (first new tokens [B] int32, done [B] bool, (k, v, valid) cache with
-    k/v [L, B, cache_len, Hkv, hd] and valid [B, cache_len] int32)."""
+def _prompt_rope(model, positions, rope_positions):
+    """The prompt's RoPE tables ((cos, sin), local): the text model's at positions [B, P], or M-RoPE's at
+    rope_positions [3, B, P] (Qwen2.5-VL, no local tables)."""
+    if rope_positions is None:
+        return model.model.rope(positions)
+    return mrope_tables(model.config, rope_positions, model.vl_config.mrope_section), None
+
+
+def _prefill(state, input_ids, attention_mask, token_type_ids, rope_positions, pixel_values, image_kwargs, key,
+             temperature, top_p, eos_ids, pad_id, *, graphdef, cache_len: int, do_sample: bool):
+    """Prompt input_ids [B, P] (left padded, attention_mask [B, P]) with ImagePrompt's token_type_ids [B, P] or
+    None and rope_positions [3, B, P] or None, pixel_values (None: no image) and embed_with_images' extra
+    arguments image_kwargs (Qwen2.5-VL: the tower's `layout`) -> (first new tokens [B] int32, done [B] bool,
+    (k, v, valid) cache with k/v [L, B, cache_len, Hkv, hd] and valid [B, cache_len] int32)."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = input_ids.shape
@@ -64,8 +106,8 @@ def _prefill(state, input_ids, attention_mask, token_type_ids, pixel_values, key
     valid = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(attention_mask)
     positions = positions_from_mask(attention_mask)
     blocks = (jnp.full((b, p), -1, jnp.int32) if token_type_ids is None else image_block_ids(token_type_ids))
-    x = model.embed_with_images(input_ids, pixel_values)
-    (cos, sin), local = model.model.rope(positions)
+    x = model.embed_with_images(input_ids, pixel_values, **image_kwargs)
+    (cos, sin), local = _prompt_rope(model, positions, rope_positions)
     batch = Batch(positions=positions, kv_valid=attention_mask, segment_ids=None)
     cache = ImagePrefillCache(ck, cv, attention_mask, jnp.int32(0), blocks)
     x, (ck, cv) = model.model.run_layers(x, cos, sin, batch, cache=cache, local_rope=local)
@@ -78,31 +120,42 @@ def _prefill(state, input_ids, attention_mask, token_type_ids, pixel_values, key
 _prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "do_sample"))
 
 
-def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values: np.ndarray | None,
-                         token_type_ids: np.ndarray | None, max_new_tokens: int, temperature: float, top_p: float,
-                         do_sample: bool, eos: tuple[int, ...], seed: int, streamer, pad_token_id: int) -> np.ndarray:
+def _left_pad(a: np.ndarray | None, width: int) -> jax.Array | None:
+    """Integer a [..., P] zero-padded on the left of its last axis to [..., width] int32 (None stays None)."""
+    if a is None:
+        return None
+    return jnp.asarray(np.pad(np.asarray(a, np.int32), [(0, 0)] * (a.ndim - 1) + [(width - a.shape[-1], 0)]))
+
+
+def _vision_inputs(model, prompt: ImagePrompt) -> tuple[jax.Array | None, dict]:
+    """The prefill's pixel_values (float32) and embed_with_images' extra arguments: Gemma 3's images as given
+    ({}); Qwen2.5-VL's patches zero-padded to their bucket with the tower's padded layout ({"layout": ...})."""
+    if prompt.pixel_values is None:
+        return None, {}
+    if prompt.image_grid_thw is None:
+        return jnp.asarray(prompt.pixel_values, jnp.float32), {}
+    vision = model.vl_config.vision
+    padded = pad_patches(dict(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw), vision,
+                         patch_bucket(prompt.pixel_values.shape[0], vision.merge_unit))
+    layout = {k.removeprefix("vision_"): jnp.asarray(v) for k, v in padded.items() if k.startswith("vision_")}
+    return jnp.asarray(padded["pixel_values"], jnp.float32), {"layout": layout}
+
+
+def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, prompt: ImagePrompt, max_new_tokens: int,
+                         temperature: float, top_p: float, do_sample: bool, eos: tuple[int, ...], seed: int,
+                         streamer, pad_token_id: int) -> np.ndarray:
     """Continue each row of ids [B, P] int32 (left padded: mask [B, P] int32 0 on the padding) whose image tokens
-    take the images of pixel_values [N, C, H, W] float (row-major order; None: no images) by up to max_new_tokens
-    tokens -> [B, P + new] int64. token_type_ids [B, P] (1 = image token) make each image block attend both ways
-    in the prefill (None: causal everywhere, as transformers). Greedy unless do_sample (softmax(logits /
-    temperature) within the top_p nucleus, random stream `seed`); a row stops at its first token of `eos`, later
-    slots hold pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens [B]),
-    or a callable of each step's tokens."""
+    take the images of `prompt` (ImagePrompt, checked by generation.generate_vision; row-major order) by up to
+    max_new_tokens tokens -> [B, P + new] int64. Greedy unless do_sample (softmax(logits / temperature) within
+    the top_p nucleus, random stream `seed`); a row stops at its first token of `eos`, later slots hold
+    pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens [B]), or a
+    callable of each step's tokens."""
     b, p = ids.shape
     eos_arr = jnp.asarray(eos or (-1,), jnp.int32)
     pb = bucket(p)
     t = bucket(pb + max_new_tokens, 64)
-    pids = np.zeros((b, pb), np.int32)
-    pmask = np.zeros((b, pb), np.int32)
-    pids[:, pb - p:] = ids
-    pmask[:, pb - p:] = mask
-    types = None
-    if token_type_ids is not None:
-        types = np.zeros((b, pb), np.int32)
-        types[:, pb - p:] = token_type_ids
-        types = jnp.asarray(types)
-    pixels = None if pixel_values is None else jnp.asarray(pixel_values, jnp.float32)
-    n_real = pmask.sum(axis=1).astype(np.int32)
+    pixels, image_kwargs = _vision_inputs(model, prompt)
+    first_positions = prompt.first_new_positions(mask)
 
     key = jax.random.PRNGKey(seed)
     temp, top, pad = jnp.float32(temperature), jnp.float32(top_p), jnp.int32(pad_token_id)
@@ -111,14 +164,15 @@ def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values:
     common = dict(graphdef=graphdef, do_sample=bool(do_sample))
     if streamer is not None and hasattr(streamer, "put"):
         streamer.put(ids.astype(np.int64))
-    tok, done, cache = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), types, pixels, key, temp, top,
-                                    eos_arr, pad, cache_len=t, **common)
+    tok, done, cache = _prefill_jit(state, _left_pad(ids, pb), _left_pad(mask, pb),
+                                    _left_pad(prompt.token_type_ids, pb), _left_pad(prompt.rope_positions, pb),
+                                    pixels, image_kwargs, key, temp, top, eos_arr, pad, cache_len=t, **common)
     out = []
     for step in range(max_new_tokens):
         nxt = None
         if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
-            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done, key,
-                                   temp, top, eos_arr, pad, **common)
+            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(first_positions + step), jnp.int32(pb + step),
+                                   done, key, temp, top, eos_arr, pad, **common)
         host_tok, host_done = np.asarray(tok), np.asarray(done)
         out.append(host_tok)
         if streamer is not None:
@@ -132,4 +186,4 @@ def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values:
     return np.concatenate([ids, new], axis=1).astype(np.int64)
 
 
-__all__ = ["generate_with_images", "ImagePrefillCache"]
+__all__ = ["generate_with_images", "ImagePrompt", "ImagePrefillCache"]
