@@ -188,7 +188,7 @@ def merge_image_features(x: jax.Array, is_image: jax.Array, features: jax.Array,
     n = None if is_tracer(flat) else int(jnp.sum(flat))
     if n is not None and (n > features.shape[0] if padded else n != features.shape[0]):
         raise ValueError(f"input_ids hold {int(jnp.sum(flat))} image tokens, but pixel_values give "
-                         f"{features.shape[0]} image features (mm_tokens_per_image per image)")
+                         f"{features.shape[0]} image features (one per image token)")
     index = jnp.clip(jnp.cumsum(flat.astype(jnp.int32)) - 1, 0, features.shape[0] - 1)
     rows = jnp.where(flat[:, None], features.astype(x.dtype)[index], x.reshape(-1, x.shape[-1]))
     return rows.reshape(x.shape)
