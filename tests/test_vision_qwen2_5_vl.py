@@ -293,18 +293,3 @@ def test_lora_adapter_gradients_and_merged_export_match_transformers(checkpoint,
     err = rel_err(got[real], ref[real])
     print(f"merged checkpoint logits relative error {err:.2e}")
     assert err < 1e-5, err
-
-    # what is Gemma 3's only so far is refused with a ConfigError naming the directory: reloading the adapter
-    from unsloth_jax.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="Qwen2.5-VL adapter is not supported"):
-        FastVisionModel.from_pretrained(tmp_path / "adapter", dtype="float32")
-
-
-def test_4bit_loading_is_refused_clearly(checkpoint):
-    """load_in_4bit (Gemma 3's QLoRA) is not built for Qwen2.5-VL: a ConfigError naming the directory."""
-    from unsloth_jax import FastVisionModel
-    from unsloth_jax.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"qwen2_5_vl.*load_in_4bit is not supported for Qwen2.5-VL"):
-        FastVisionModel.from_pretrained(checkpoint[0], dtype="float32", load_in_4bit=True)

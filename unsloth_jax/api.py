@@ -502,7 +502,8 @@ def _load_processor(model_dir: Path):
 
 # ---- Qwen2.5-VL (models.vision_qwen2_5, hf.vision_qwen_io, hf.vision_qwen_export) ----
 class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
-    """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained): the NNX module of
+    """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained: in `dtype`, or the language model's projections
+    in NF4 with load_in_4bit=True; from an adapter directory, its base plus the saved LoRA pairs): the NNX module of
     unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
     takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
     transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32. SFTTrainer trains it with
@@ -559,18 +560,19 @@ def _vision_model_class(model_dir: Path):
 
 class FastVisionModel:
     """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) and Qwen2.5-VL
-    (Qwen2_5_VLForConditionalGeneration; not yet: its 4-bit loading, reloading its saved adapter)."""
+    (Qwen2_5_VLForConditionalGeneration): loading (16 / 32 bits or NF4), saved adapters, LoRA, SFT, generation."""
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
         """Load a local Gemma 3 or Qwen2.5-VL directory (config.json model_type "gemma3" / "qwen2_5_vl"), or a
-        PEFT adapter directory a Gemma 3 VisionModel's save_pretrained wrote (its base_model_name_or_path is
-        loaded, then the adapter's LoRA pairs on both towers: hf.vision_io.load_vision_adapter). Returns
-        (VisionModel or QwenVisionModel, processor): transformers' AutoProcessor of the directory (an adapter's
-        own, else its base's), or None where it has none (no preprocessor_config.json or processor_config.json)
-        or it cannot be built. dtype as FastLanguageModel.from_pretrained. load_in_4bit=True (Gemma 3): the
-        language model's projections in NF4 (QLoRA; the vision tower and projector stay in `dtype`, as Unsloth's
+        PEFT adapter directory of either family (a VisionModel's or QwenVisionModel's save_pretrained, or PEFT on
+        transformers' model: its base_model_name_or_path is loaded, then the adapter's LoRA pairs on both towers:
+        hf.vision_io.load_vision_adapter). Returns (VisionModel or QwenVisionModel, processor): transformers'
+        AutoProcessor of the directory (an adapter's own, else its base's), or None where it has none (no
+        preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
+        FastLanguageModel.from_pretrained. load_in_4bit=True (both families, also under an adapter): the language
+        model's projections in NF4 (QLoRA; the vision tower and projector / merger stay in `dtype`, as Unsloth's
         default)."""
         from unsloth_jax.hf import peft_io
         from unsloth_jax.hf.vision_io import load_vision_adapter
@@ -590,9 +592,6 @@ class FastVisionModel:
                                   "an adapter directory; point it at the base model")
             model, processor = FastVisionModel.from_pretrained(base, max_seq_length, dtype, load_in_4bit,
                                                                load_processor=False, progress=progress, **kwargs)
-            if isinstance(model, QwenVisionModel):
-                raise ConfigError(f"{model_dir}: loading a saved Qwen2.5-VL adapter is not supported yet (Gemma 3 "
-                                  "adapters are); load the base with FastVisionModel.from_pretrained")
             load_vision_adapter(model, model_dir)
             processor = (_load_processor(model_dir) or _load_processor(base)) if load_processor else None
             return model, processor
@@ -606,16 +605,10 @@ class FastVisionModel:
         start = time.perf_counter()
         config_class, load, model_class = _vision_model_class(model_dir)  # Gemma 3 or Qwen2.5-VL
         cfg = config_class.from_pretrained(model_dir)
-        placer = None
-        if load_in_4bit:
-            if model_class is QwenVisionModel:
-                raise ConfigError(f"{model_dir}: load_in_4bit is not supported for Qwen2.5-VL yet; load it in 16 or "
-                                  "32 bits")
-            from unsloth_jax.quant import nf4_placer
+        from unsloth_jax.quant import nf4_placer
 
-            placer = nf4_placer
-        model = (load(model_dir, cfg, compute_dtype, model_class=model_class) if placer is None
-                 else load(model_dir, cfg, compute_dtype, model_class=model_class, placer=placer))
+        model = load(model_dir, cfg, compute_dtype, model_class=model_class,
+                     placer=nf4_placer if load_in_4bit else None)
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         processor = _load_processor(model_dir) if require_bool("load_processor", load_processor) else None

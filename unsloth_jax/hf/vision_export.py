@@ -24,6 +24,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE, vision_language_specs
+from unsloth_jax.hf.vision_io import gemma_vision_module
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -37,10 +38,6 @@ _TOWER_PATTERNS = {"language": r"language_model(?:\.model)?\.layers",
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _vision_module(name: str) -> str:
-    return "self_attn" if name.endswith("proj") else "mlp"
-
-
 def _lora_modules(model) -> list[tuple[str, str, object, int]]:
     """(tower, module path with {i}, Linear, layers) of every projection carrying a LoRA pair."""
     lo = model.lora
@@ -51,7 +48,7 @@ def _lora_modules(model) -> list[tuple[str, str, object, int]]:
                     model.config.num_hidden_layers))
     vision = model.vision_projections()
     for name in lo.vision_target_modules or ():
-        out.append(("vision", f"{VISION_LAYERS}.{{i}}.{_vision_module(name)}.{name}", vision[name],
+        out.append(("vision", f"{VISION_LAYERS}.{{i}}.{gemma_vision_module(name)}.{name}", vision[name],
                     model.vl_config.vision.num_hidden_layers))
     return out
 

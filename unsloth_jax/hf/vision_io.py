@@ -1,18 +1,24 @@
-"""Load a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, config.json model_type "gemma3").
+"""Load a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, config.json model_type "gemma3"), and
+a saved vision-language PEFT adapter onto a Gemma 3 or Qwen2.5-VL model.
 
     model = load_vision_language_model(model_dir, dtype=jnp.float32)   # a models.vision.Gemma3ForConditionalGeneration
     load_vision_adapter(model, "lora_model")                          # + a saved PEFT adapter's LoRA pairs
 
 Tensor names are read in any of the spellings of `mapping.VL_RENAMES` (transformers 5's save_pretrained, the Hub's
-transformers 4 checkpoints, transformers 5's module names). The text decoder's tensors go through the text
-loader's `place` (stacked layers, transposed kernels); the vision layers are stacked the same way. SigLIP's
-pooling head (`vision_tower.head.*`), which Gemma 3 never runs, is skipped.
+transformers 4 checkpoints, transformers 5's module names), through hf.vision_checkpoint's tensor loop: the text
+decoder's tensors go through the text loader's `place` (stacked layers, transposed kernels; NF4 with
+quant.nf4_placer); the vision layers are stacked the same way, dense. SigLIP's pooling head
+(`vision_tower.head.*`), which Gemma 3 never runs, is skipped. Adapter keys are read by the family's
+AdapterLayout (GEMMA3_ADAPTER here, vision_qwen_io.QWEN_VL_ADAPTER).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -22,28 +28,16 @@ import numpy as np
 from unsloth_jax.config import VisionLanguageConfig
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.loading import Params, _into_stack, default_placer, model_from_params, place, set_path
-from unsloth_jax.hf.mapping import (PROJ_MODULE, VL_IGNORED_PREFIXES, TensorSpec, vision_language_specs,
-                                    vl_canonical_name)
+from unsloth_jax.hf import peft_io
+from unsloth_jax.hf.loading import Params, model_from_params
+from unsloth_jax.hf.mapping import PROJ_MODULE, VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
+from unsloth_jax.hf.safetensors_io import SafetensorsFile
+from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vl_tensor_placer
 from unsloth_jax.lora import LoraSettings, add_lora
-from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
+from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
 
 log = logging.getLogger("unsloth_jax")
-
-
-def _place_vision(params: Params, spec: TensorSpec, array: np.ndarray, dtype, cfg: VisionLanguageConfig,
-                  where: str) -> None:
-    """One vision-tower / projector tensor (HF layout) into `params` in `dtype` (layers into their stack)."""
-    if spec.kind == "patch":  # conv [Dv, C, p, p] -> [C*p*p, Dv], rows in (channel, row, column) order
-        array = array.reshape(array.shape[0], -1).T
-    elif spec.kind == "kernel":
-        array = array.T
-    value = jnp.asarray(array, dtype=dtype)
-    if spec.layer is None:
-        set_path(params, spec.path, value)
-    else:
-        set_path(params, spec.path, _into_stack(params, spec, value, cfg.vision.num_hidden_layers, where))
 
 
 def load_vision_language_params(model_dir: str | os.PathLike, cfg: VisionLanguageConfig, dtype=jnp.float32, *,
@@ -52,49 +46,11 @@ def load_vision_language_params(model_dir: str | os.PathLike, cfg: VisionLanguag
     in `dtype`. placer: the text loader's Placer for the language model's tensors (quant.nf4_placer: its Linears
     in NF4); the vision tower and projector are always placed dense. Raises MissingTensorError (naming the
     canonical names absent), UnexpectedTensorError and ShapeMismatchError (naming the tensor and file)."""
-    specs = vision_language_specs(cfg)
-    text_names = {n for n, s in specs.items() if s.path[0] in ("model", "lm_head")}
     params: Params = {}
-    seen: dict[str, str] = {}
-    unexpected: list[str] = []
-    handles = {path: SafetensorsFile(path) for path in checkpoint_files(model_dir)}
-    try:
-        for path, f in handles.items():
-            for name in f.keys():
-                canon = vl_canonical_name(name)
-                if canon.startswith(VL_IGNORED_PREFIXES):
-                    continue
-                spec = specs.get(canon)
-                if spec is None:
-                    if canon == "lm_head.weight" and cfg.text.tie_word_embeddings:
-                        continue  # a tied copy of the embedding
-                    unexpected.append(f"{name} (in {path.name})")
-                    continue
-                if canon in seen:
-                    raise UnexpectedTensorError(f"{path}: tensor '{name}' is '{canon}', which {seen[canon]} "
-                                                "already gave")
-                seen[canon] = f"'{name}' in {path.name}"
-                where = f"{path}: tensor '{name}'"
-                if tuple(f.shape(name)) != spec.hf_shape:
-                    raise ShapeMismatchError(f"{where} has shape {list(f.shape(name))}, but config.json implies "
-                                             f"{list(spec.hf_shape)}")
-                array = np.asarray(f.get(name))
-                if canon in text_names:
-                    place(params, spec, array, dtype, placer or default_placer, cfg.text, where)
-                else:
-                    _place_vision(params, spec, array, dtype, cfg, where)
-    finally:
-        for f in handles.values():
-            f.close()
-    if unexpected:
-        shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a Gemma 3 vision-language model with this "
-                                    f"config.json does not use: {shown}")
-    missing = [n for n in specs if n not in seen]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s) (canonical names; "
-                                 f"also read as model.language_model.*, vision_tower.vision_model.*): {shown}")
+    read_vl_checkpoint(model_dir, vision_language_specs(cfg), vl_canonical_name,
+                       vl_tensor_placer(params, cfg, dtype, placer), tied_lm_head=cfg.text.tie_word_embeddings,
+                       family="Gemma 3 vision-language", ignored_prefixes=VL_IGNORED_PREFIXES,
+                       also_read_as="model.language_model.*, vision_tower.vision_model.*")
     return params
 
 
@@ -108,20 +64,55 @@ def load_vision_language_model(model_dir: str | os.PathLike, cfg: VisionLanguage
 
 
 # ------------------------------------------------------------------------------- PEFT adapters (LoRA)
-# One key of a vision-language adapter: transformers 5's module names (hf.vision_export writes these) or
-# transformers 4's (language_model.model.layers, vision_tower.vision_model.encoder.layers).
-_VL_ADAPTER_KEY = re.compile(
-    r"^base_model\.model\.(?:model\.)?(?P<tower>language_model(?:\.model)?|vision_tower(?:\.vision_model)?\.encoder)"
-    r"\.layers\.(?P<i>\d+)\.(?P<module>self_attn|mlp)\.(?P<proj>\w+?)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
-_TOWER_SPELLINGS = {"language": ("model.language_model.layers", "language_model.model.layers"),
-                    "vision": ("model.vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers")}
+@dataclass(frozen=True)
+class AdapterLayout:
+    """How PEFT names a vision-language family's LoRA modules: `family` for messages; `language_paths` /
+    `vision_paths`, the module paths of each tower's layers (under base_model.model., followed by .{i}.) in every
+    transformers spelling read; `vision_module`, a vision projection's parent module (the language projections'
+    is mapping.PROJ_MODULE's, as in the text decoders)."""
+
+    family: str
+    language_paths: tuple[str, ...]
+    vision_paths: tuple[str, ...]
+    vision_module: Callable[[str], str]
+
+    def paths(self, tower: str) -> tuple[str, ...]:
+        return self.language_paths if tower == "language" else self.vision_paths
+
+    def module(self, tower: str, proj: str) -> str:
+        """The HF parent module (e.g. self_attn, mlp) of projection `proj` of `tower`."""
+        return PROJ_MODULE[proj] if tower == "language" else self.vision_module(proj)
+
+    @functools.cached_property
+    def key_regex(self) -> re.Pattern:
+        """One LoRA key of an adapter: groups path (a layer path of either tower), i, module, proj, which (A/B)."""
+        paths = sorted(self.language_paths + self.vision_paths, key=len, reverse=True)
+        return re.compile(rf"^base_model\.model\.(?P<path>{'|'.join(map(re.escape, paths))})\.(?P<i>\d+)\."
+                          r"(?P<module>\w+)\.(?P<proj>\w+?)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
 
 
-def _vl_module(tower: str, proj: str) -> str:
-    """The HF parent module (self_attn or mlp) of a projection of `tower`."""
-    if tower == "language":
-        return PROJ_MODULE[proj]
+def gemma_vision_module(proj: str) -> str:
+    """The parent module of a SigLIP encoder-layer projection: self_attn (q/k/v/out_proj) or mlp (fc1, fc2)."""
     return "self_attn" if proj.endswith("proj") else "mlp"
+
+
+# transformers 5's module names (hf.vision_export writes these) and transformers 4's (language_model.model.layers,
+# vision_tower.vision_model.encoder.layers), with and without the model. level
+GEMMA3_ADAPTER = AdapterLayout(
+    "Gemma 3", language_paths=("model.language_model.layers", "model.language_model.model.layers",
+                               "language_model.layers", "language_model.model.layers"),
+    vision_paths=("model.vision_tower.encoder.layers", "model.vision_tower.vision_model.encoder.layers",
+                  "vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers"),
+    vision_module=gemma_vision_module)
+
+
+def adapter_layout(model) -> AdapterLayout:
+    """The AdapterLayout of `model`'s family (Gemma 3 or Qwen2.5-VL)."""
+    if isinstance(model, Qwen2_5_VLForConditionalGeneration):
+        from unsloth_jax.hf.vision_qwen_io import QWEN_VL_ADAPTER
+
+        return QWEN_VL_ADAPTER
+    return GEMMA3_ADAPTER
 
 
 def _matches(target_modules, name: str) -> bool:
@@ -132,23 +123,28 @@ def _matches(target_modules, name: str) -> bool:
     return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
+def _tower_projections(model) -> dict[str, tuple[dict, int]]:
+    """tower -> (its stacked Linears by HF projection name, its layer count)."""
+    return {"language": (model.projections(), model.config.num_hidden_layers),
+            "vision": (model.vision_projections(), model.vl_config.vision.num_hidden_layers)}
+
+
 def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """adapter_config.json's target_modules (PEFT's regex str or list of names) -> (language targets, vision
-    targets): the projections of each tower whose module names it matches, in either transformers spelling.
-    A projection matched in some layers only raises ConfigError (layer subsets are not supported), as does a
-    target_modules that matches nothing."""
+    targets): the projections of each tower whose module names it matches, in any spelling of the model's
+    AdapterLayout. A projection matched in some layers only raises ConfigError (layer subsets are not supported),
+    as does a target_modules that matches nothing."""
     if not (isinstance(target_modules, str) or (isinstance(target_modules, list)
                                                 and all(isinstance(t, str) for t in target_modules))):
         raise ConfigError(f"{source}: target_modules must be a regex string or a list of module names, got "
                           f"{target_modules!r}")
-    towers = {"language": (tuple(model.projections()), model.config.num_hidden_layers),
-              "vision": (tuple(model.vision_projections()), model.vl_config.vision.num_hidden_layers)}
+    layout = adapter_layout(model)
     out = {}
-    for tower, (projs, layers) in towers.items():
+    for tower, (projs, layers) in _tower_projections(model).items():
         chosen = []
         for proj in projs:
-            hits = [any(_matches(target_modules, f"{prefix}.{i}.{_vl_module(tower, proj)}.{proj}")
-                        for prefix in _TOWER_SPELLINGS[tower]) for i in range(layers)]
+            hits = [any(_matches(target_modules, f"{path}.{i}.{layout.module(tower, proj)}.{proj}")
+                        for path in layout.paths(tower)) for i in range(layers)]
             if all(hits):
                 chosen.append(proj)
             elif any(hits):
@@ -157,27 +153,14 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
                                   "supported")
         out[tower] = tuple(chosen)
     if not out["language"] and not out["vision"]:
-        raise ConfigError(f"{source}: target_modules {target_modules!r} matches no projection of this Gemma 3 "
-                          "vision-language model (language q/k/v/o_proj, gate/up/down_proj; vision q/k/v/out_proj, "
-                          "fc1, fc2)")
+        names = {tower: ", ".join(projs) for tower, (projs, _) in _tower_projections(model).items()}
+        raise ConfigError(f"{source}: target_modules {target_modules!r} matches no projection of this "
+                          f"{layout.family} model (language {names['language']}; vision {names['vision']})")
     return out["language"], out["vision"]
 
 
-def load_vision_adapter(model, adapter_dir):
-    """Add the LoRA pairs of the PEFT adapter in `adapter_dir` (as hf.vision_export.save_vision_adapter writes it,
-    or PEFT on transformers' Gemma3ForConditionalGeneration) to `model`, a Gemma3ForConditionalGeneration without
-    LoRA, and set `model.lora` from adapter_config.json (r, lora_alpha, use_rslora, target_modules for each
-    tower). lora_A [r, in] / lora_B [out, r] become lora_a [L, in, r] / lora_b [L, r, out] float32. Raises
-    ConfigError (unsupported settings: trained biases, modules_to_save, PEFT features peft_io rejects),
-    UnexpectedTensorError / MissingTensorError / ShapeMismatchError naming the key and file. Returns the model."""
-    from unsloth_jax.hf import peft_io
-
-    adapter_dir = Path(adapter_dir)
-    cfg_path = adapter_dir / peft_io.CONFIG_NAME
-    raw = peft_io.read_adapter_config(adapter_dir)
-    peft_io._check_supported(raw, cfg_path)
-    if model.lora is not None:
-        raise ConfigError(f"load_vision_adapter({adapter_dir}): the model already has a LoRA adapter")
+def _adapter_rank_alpha(raw: dict, cfg_path: Path, family: str) -> tuple[int, float]:
+    """(r, lora_alpha) from adapter_config.json's `raw`; ConfigError for a bad rank or what is not supported."""
     try:
         r = int(raw["r"])
         alpha = float(raw.get("lora_alpha", 8))
@@ -185,28 +168,27 @@ def load_vision_adapter(model, adapter_dir):
         raise ConfigError(f"{cfg_path}: 'r' (int) and 'lora_alpha' (number) are required") from None
     if r <= 0:
         raise ConfigError(f"{cfg_path}: r must be positive, got {r}")
-    alpha = int(alpha) if alpha == int(alpha) else alpha
     if (raw.get("bias") or "none") != "none" or raw.get("modules_to_save"):
         raise ConfigError(f"{cfg_path}: vision-language adapters with trained biases (bias={raw.get('bias')!r}) or "
                           f"modules_to_save ({raw.get('modules_to_save')!r}) are not supported")
     if raw.get("target_parameters"):
-        raise ConfigError(f"{cfg_path}: target_parameters is not supported for Gemma 3 vision-language models")
-    language, vision = resolve_vision_targets(raw.get("target_modules"), model, str(cfg_path))
-    weights = adapter_dir / peft_io.WEIGHTS_NAME
-    if not weights.is_file():
-        raise CheckpointNotFoundError(f"{adapter_dir}: no {peft_io.WEIGHTS_NAME}")
+        raise ConfigError(f"{cfg_path}: target_parameters is not supported for {family} vision-language models")
+    return r, int(alpha) if alpha == int(alpha) else alpha
 
-    lins = {("language", p): model.projections()[p] for p in language}
-    lins.update({("vision", p): model.vision_projections()[p] for p in vision})
-    layers = {"language": model.config.num_hidden_layers, "vision": model.vl_config.vision.num_hidden_layers}
+
+def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers: dict[str, int], r: int,
+                       ) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+    """(tower, projection) -> (lora_a [L, in, r], lora_b [L, r, out]) float32 for every Linear of `lins` (keyed the
+    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer). Raises
+    UnexpectedTensorError (keys that fit no target), ShapeMismatchError, MissingTensorError, naming key and file."""
     factors = {k: (np.zeros((layers[k[0]], lin.in_features, r), np.float32),
                    np.zeros((layers[k[0]], r, lin.out_features), np.float32)) for k, lin in lins.items()}
     seen, unexpected = set(), []
     with SafetensorsFile(weights) as f:
         for key in f.keys():
-            m = _VL_ADAPTER_KEY.match(key)
-            tower = None if m is None else ("language" if m["tower"].startswith("language") else "vision")
-            if (m is None or (tower, m["proj"]) not in lins or m["module"] != _vl_module(tower, m["proj"])
+            m = layout.key_regex.match(key)
+            tower = m and ("language" if m["path"] in layout.language_paths else "vision")
+            if (m is None or (tower, m["proj"]) not in lins or m["module"] != layout.module(tower, m["proj"])
                     or int(m["i"]) >= layers[tower]):
                 unexpected.append(key)
                 continue
@@ -218,14 +200,43 @@ def load_vision_adapter(model, adapter_dir):
             factors[(tower, m["proj"])][0 if which == "A" else 1][i] = np.asarray(f.get(key), np.float32).T
             seen.add((tower, m["proj"], i, which))
     if unexpected:
-        shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else "")
+        targets = {t: [p for (tt, p) in lins if tt == t] for t in ("language", "vision")}
         raise UnexpectedTensorError(f"{weights}: tensors that do not fit adapter_config.json's targets (language "
-                                    f"{list(language)}, vision {list(vision)}) or this model: {shown}")
-    missing = [f"{t} layers.{i}.{p}.lora_{w}" for (t, p) in lins for i in range(layers[t]) for w in "AB"
-               if (t, p, i, w) not in seen]
+                                    f"{targets['language']}, vision {targets['vision']}) or this model: "
+                                    f"{first_names(unexpected, 6)}")
+    missing = [f"base_model.model.{layout.paths(t)[0]}.{i}.{layout.module(t, p)}.{p}.lora_{w}.weight"
+               for (t, p) in lins for i in range(layers[t]) for w in "AB" if (t, p, i, w) not in seen]
     if missing:
-        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")
+        raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): "
+                                 f"{first_names(missing, 6)}")
+    return factors
+
+
+def load_vision_adapter(model, adapter_dir):
+    """Add the LoRA pairs of the PEFT adapter in `adapter_dir` to `model`, a Gemma3ForConditionalGeneration or
+    Qwen2_5_VLForConditionalGeneration without LoRA (as hf.vision_export / hf.vision_qwen_export write it, or PEFT
+    on transformers' model of that name, in either transformers spelling: adapter_layout), and set `model.lora`
+    from adapter_config.json (r, lora_alpha, use_rslora, target_modules for each tower). lora_A [r, in] / lora_B
+    [out, r] become lora_a [L, in, r] / lora_b [L, r, out] float32. Raises ConfigError (unsupported settings:
+    trained biases, modules_to_save, PEFT features peft_io rejects), UnexpectedTensorError / MissingTensorError /
+    ShapeMismatchError naming the key and file. Returns the model."""
+    adapter_dir = Path(adapter_dir)
+    cfg_path = adapter_dir / peft_io.CONFIG_NAME
+    raw = peft_io.read_adapter_config(adapter_dir)
+    peft_io._check_supported(raw, cfg_path)
+    if model.lora is not None:
+        raise ConfigError(f"load_vision_adapter({adapter_dir}): the model already has a LoRA adapter")
+    layout = adapter_layout(model)
+    r, alpha = _adapter_rank_alpha(raw, cfg_path, layout.family)
+    language, vision = resolve_vision_targets(raw.get("target_modules"), model, str(cfg_path))
+    weights = adapter_dir / peft_io.WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointNotFoundError(f"{adapter_dir}: no {peft_io.WEIGHTS_NAME}")
+
+    towers = _tower_projections(model)
+    lins = {(tower, p): towers[tower][0][p] for tower, names in (("language", language), ("vision", vision))
+            for p in names}
+    factors = _read_lora_factors(weights, layout, lins, {t: n for t, (_, n) in towers.items()}, r)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=language,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                             use_rslora=bool(raw.get("use_rslora", False)), vision_target_modules=vision or None)

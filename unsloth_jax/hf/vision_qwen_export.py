@@ -22,7 +22,7 @@ from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE
 from unsloth_jax.hf.vision_export import save_merged_or_adapter, write_adapter_dir
-from unsloth_jax.hf.vision_qwen_io import qwen_vl_specs
+from unsloth_jax.hf.vision_qwen_io import qwen_vision_module, qwen_vl_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -34,17 +34,13 @@ _TOWER_PATTERNS = {"language": (r"language_model\.layers", "self_attn|mlp"),
                    "vision": (r"visual\.blocks", "attn|mlp")}
 
 
-def _vision_module(name: str) -> str:
-    return "attn" if name in ("qkv", "proj") else "mlp"
-
-
 def _lora_modules(model) -> list[tuple[str, object, int]]:
     """(module path with {i}, Linear, layers) of every projection carrying a LoRA pair."""
     lo = model.lora
     projs, vision = model.projections(), model.vision_projections()
     out = [(f"{LANGUAGE_LAYERS}.{{i}}.{PROJ_MODULE[n]}.{n}", projs[n], model.config.num_hidden_layers)
            for n in lo.target_modules]
-    out += [(f"{VISION_BLOCKS}.{{i}}.{_vision_module(n)}.{n}", vision[n], model.vl_config.vision.depth)
+    out += [(f"{VISION_BLOCKS}.{{i}}.{qwen_vision_module(n)}.{n}", vision[n], model.vl_config.vision.depth)
             for n in lo.vision_target_modules or ()]
     return out
 

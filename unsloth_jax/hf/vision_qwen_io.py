@@ -1,23 +1,26 @@
 """Load a Qwen2.5-VL checkpoint (Qwen2_5_VLForConditionalGeneration, config.json model_type "qwen2_5_vl").
 
     model = load_qwen_vl_model(model_dir, dtype=jnp.float32)  # models.vision_qwen2_5's model class
+    model = load_qwen_vl_model(model_dir, placer=quant.nf4_placer)  # the language model's Linears in NF4 (QLoRA)
+    load_vision_adapter(model, "lora_model")  # hf.vision_io, with QWEN_VL_ADAPTER's key spellings
 
 Tensor names are read in both spellings: the checkpoint one (model.*, visual.*, lm_head.*: the Hub's files and
 transformers 5's save_pretrained, which maps its modules back to it), the canonical names here, and transformers 5's
-module names (model.language_model.*, model.visual.*). The text decoder's tensors go through the text loader's `place`; the vision blocks are stacked the same way.
+module names (model.language_model.*, model.visual.*). The tensor loop is hf.vision_checkpoint's (shared with Gemma
+3): the text decoder's tensors go through the text loader's `place` (dense or NF4); the vision blocks are stacked the
+same way, dense.
 """
 from __future__ import annotations
 
 import os
 
 import jax.numpy as jnp
-import numpy as np
 
 from unsloth_jax.config import QwenVLConfig
-from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.loading import Params, _into_stack, default_placer, model_from_params, place, set_path
+from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
-from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
+from unsloth_jax.hf.vision_checkpoint import read_vl_checkpoint, vl_tensor_placer
+from unsloth_jax.hf.vision_io import AdapterLayout
 from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
 
 # (prefix as saved, canonical prefix); the first match wins
@@ -29,6 +32,17 @@ _BLOCK_TENSORS = (  # (HF suffix after visual.blocks.{i}., module path under vis
     *[(f"mlp.{p}.{w}", ("mlp", p, "kernel" if w == "weight" else w)) for p in ("gate_proj", "up_proj", "down_proj")
       for w in ("weight", "bias")],
 )
+
+
+def qwen_vision_module(proj: str) -> str:
+    """The parent module of a vision-block projection: attn (qkv, proj) or mlp (gate/up/down_proj)."""
+    return "attn" if proj in ("qkv", "proj") else "mlp"
+
+
+# PEFT's module paths of the decoder layers and vision blocks: transformers 5's module names (hf.vision_qwen_export
+# writes these) and the checkpoint spelling (model.layers, visual.blocks) PEFT on transformers 4 writes
+QWEN_VL_ADAPTER = AdapterLayout("Qwen2.5-VL", language_paths=("model.language_model.layers", "model.layers"),
+                                vision_paths=("model.visual.blocks", "visual.blocks"), vision_module=qwen_vision_module)
 
 
 def qwen_vl_canonical_name(name: str) -> str:
@@ -68,65 +82,23 @@ def qwen_vl_specs(cfg: QwenVLConfig) -> dict[str, TensorSpec]:
     return specs
 
 
-def load_qwen_vl_params(model_dir: str | os.PathLike, cfg: QwenVLConfig, dtype=jnp.float32) -> Params:
+def load_qwen_vl_params(model_dir: str | os.PathLike, cfg: QwenVLConfig, dtype=jnp.float32, *,
+                        placer=None) -> Params:
     """Every tensor of the Qwen2.5-VL checkpoint in `model_dir` as a nested dict by module path, in `dtype`.
-    Raises MissingTensorError (naming the canonical names absent), UnexpectedTensorError and ShapeMismatchError
-    (naming the tensor and file)."""
-    specs = qwen_vl_specs(cfg)
+    placer: the text loader's Placer for the language model's tensors (quant.nf4_placer: its Linears in NF4); the
+    vision tower and merger are always placed dense. Raises MissingTensorError (naming the canonical names absent),
+    UnexpectedTensorError and ShapeMismatchError (naming the tensor and file)."""
     params: Params = {}
-    seen: dict[str, str] = {}
-    unexpected: list[str] = []
-    handles = {path: SafetensorsFile(path) for path in checkpoint_files(model_dir)}
-    try:
-        for path, f in handles.items():
-            for name in f.keys():
-                canon = qwen_vl_canonical_name(name)
-                spec = specs.get(canon)
-                if spec is None:
-                    if canon == "lm_head.weight" and cfg.text.tie_word_embeddings:
-                        continue  # a tied copy of the embedding
-                    unexpected.append(f"{name} (in {path.name})")
-                    continue
-                if canon in seen:
-                    raise UnexpectedTensorError(f"{path}: tensor '{name}' is '{canon}', which {seen[canon]} "
-                                                "already gave")
-                seen[canon] = f"'{name}' in {path.name}"
-                where = f"{path}: tensor '{name}'"
-                if tuple(f.shape(name)) != spec.hf_shape:
-                    raise ShapeMismatchError(f"{where} has shape {list(f.shape(name))}, but config.json implies "
-                                             f"{list(spec.hf_shape)}")
-                array = np.asarray(f.get(name))
-                if spec.path[0] != "visual":
-                    place(params, spec, array, dtype, default_placer, cfg.text, where)
-                    continue
-                if spec.kind == "patch":
-                    array = array.reshape(array.shape[0], -1).T
-                elif spec.kind == "kernel":
-                    array = array.T
-                value = jnp.asarray(array, dtype=dtype)
-                if spec.layer is None:
-                    set_path(params, spec.path, value)
-                else:
-                    set_path(params, spec.path, _into_stack(params, spec, value, cfg.vision.depth, where))
-    finally:
-        for f in handles.values():
-            f.close()
-    if unexpected:
-        shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a Qwen2.5-VL model with this config.json "
-                                    f"does not use: {shown}")
-    missing = [n for n in specs if n not in seen]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s) (canonical names; "
-                                 f"also read as model.language_model.*, model.visual.*): {shown}")
+    read_vl_checkpoint(model_dir, qwen_vl_specs(cfg), qwen_vl_canonical_name,
+                       vl_tensor_placer(params, cfg, dtype, placer), tied_lm_head=cfg.text.tie_word_embeddings,
+                       family="Qwen2.5-VL", also_read_as="model.language_model.*, model.visual.*")
     return params
 
 
 def load_qwen_vl_model(model_dir: str | os.PathLike, cfg: QwenVLConfig | None = None, dtype=jnp.float32, *,
-                       model_class=Qwen2_5_VLForConditionalGeneration):
+                       model_class=Qwen2_5_VLForConditionalGeneration, placer=None):
     """A `model_class` (Qwen2_5_VLForConditionalGeneration or a subclass) computing in `dtype`, holding the
-    checkpoint in `model_dir` (config from its config.json unless `cfg` is given)."""
+    checkpoint in `model_dir` (config from its config.json unless `cfg` is given); placer as load_qwen_vl_params."""
     cfg = cfg or QwenVLConfig.from_pretrained(model_dir)
-    values = load_qwen_vl_params(model_dir, cfg, dtype)
+    values = load_qwen_vl_params(model_dir, cfg, dtype, placer=placer)
     return model_from_params(values, cfg, dtype, model_class, model_dir)
