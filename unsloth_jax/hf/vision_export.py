@@ -24,7 +24,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE, vision_language_specs
-from unsloth_jax.hf.vision_io import gemma_vision_module
+from unsloth_jax.hf.vision_adapters import gemma_vision_module
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 

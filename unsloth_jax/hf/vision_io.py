@@ -9,16 +9,12 @@ transformers 4 checkpoints, transformers 5's module names), through hf.vision_ch
 decoder's tensors go through the text loader's `place` (stacked layers, transposed kernels; NF4 with
 quant.nf4_placer); the vision layers are stacked the same way, dense. SigLIP's pooling head
 (`vision_tower.head.*`), which Gemma 3 never runs, is skipped. Adapter keys are read by the family's
-AdapterLayout (GEMMA3_ADAPTER here, vision_qwen_io.QWEN_VL_ADAPTER).
+AdapterLayout (hf.vision_adapters: GEMMA3_ADAPTER, QWEN_VL_ADAPTER).
 """
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -30,15 +26,12 @@ from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTen
                                 UnexpectedTensorError)
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
-from unsloth_jax.hf.mapping import PROJ_MODULE, VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
+from unsloth_jax.hf.mapping import VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
+from unsloth_jax.hf.vision_adapters import AdapterLayout, adapter_layout
 from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vl_tensor_placer
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
-from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
-
-log = logging.getLogger("unsloth_jax")
-
 
 def load_vision_language_params(model_dir: str | os.PathLike, cfg: VisionLanguageConfig, dtype=jnp.float32, *,
                                 placer=None) -> Params:
@@ -64,57 +57,6 @@ def load_vision_language_model(model_dir: str | os.PathLike, cfg: VisionLanguage
 
 
 # ------------------------------------------------------------------------------- PEFT adapters (LoRA)
-@dataclass(frozen=True)
-class AdapterLayout:
-    """How PEFT names a vision-language family's LoRA modules: `family` for messages; `language_paths` /
-    `vision_paths`, the module paths of each tower's layers (under base_model.model., followed by .{i}.) in every
-    transformers spelling read; `vision_module`, a vision projection's parent module (the language projections'
-    is mapping.PROJ_MODULE's, as in the text decoders)."""
-
-    family: str
-    language_paths: tuple[str, ...]
-    vision_paths: tuple[str, ...]
-    vision_module: Callable[[str], str]
-
-    def paths(self, tower: str) -> tuple[str, ...]:
-        return self.language_paths if tower == "language" else self.vision_paths
-
-    def module(self, tower: str, proj: str) -> str:
-        """The HF parent module (e.g. self_attn, mlp) of projection `proj` of `tower`."""
-        return PROJ_MODULE[proj] if tower == "language" else self.vision_module(proj)
-
-    @functools.cached_property
-    def key_regex(self) -> re.Pattern:
-        """One LoRA key of an adapter: groups path (a layer path of either tower), i, module, proj, which (A/B)."""
-        paths = sorted(self.language_paths + self.vision_paths, key=len, reverse=True)
-        return re.compile(rf"^base_model\.model\.(?P<path>{'|'.join(map(re.escape, paths))})\.(?P<i>\d+)\."
-                          r"(?P<module>\w+)\.(?P<proj>\w+?)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
-
-
-def gemma_vision_module(proj: str) -> str:
-    """The parent module of a SigLIP encoder-layer projection: self_attn (q/k/v/out_proj) or mlp (fc1, fc2)."""
-    return "self_attn" if proj.endswith("proj") else "mlp"
-
-
-# transformers 5's module names (hf.vision_export writes these) and transformers 4's (language_model.model.layers,
-# vision_tower.vision_model.encoder.layers), with and without the model. level
-GEMMA3_ADAPTER = AdapterLayout(
-    "Gemma 3", language_paths=("model.language_model.layers", "model.language_model.model.layers",
-                               "language_model.layers", "language_model.model.layers"),
-    vision_paths=("model.vision_tower.encoder.layers", "model.vision_tower.vision_model.encoder.layers",
-                  "vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers"),
-    vision_module=gemma_vision_module)
-
-
-def adapter_layout(model) -> AdapterLayout:
-    """The AdapterLayout of `model`'s family (Gemma 3 or Qwen2.5-VL)."""
-    if isinstance(model, Qwen2_5_VLForConditionalGeneration):
-        from unsloth_jax.hf.vision_qwen_io import QWEN_VL_ADAPTER
-
-        return QWEN_VL_ADAPTER
-    return GEMMA3_ADAPTER
-
-
 def _matches(target_modules, name: str) -> bool:
     """PEFT's target_modules test of one module name: a str is a regex matched in full, a list names module
     suffixes (equal, or ending in '.' + entry)."""

@@ -22,7 +22,8 @@ from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.hf.mapping import PROJ_MODULE
 from unsloth_jax.hf.vision_export import save_merged_or_adapter, write_adapter_dir
-from unsloth_jax.hf.vision_qwen_io import qwen_vision_module, qwen_vl_specs
+from unsloth_jax.hf.vision_adapters import qwen_vision_module
+from unsloth_jax.hf.vision_qwen_io import qwen_vl_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 

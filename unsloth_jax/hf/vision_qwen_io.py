@@ -2,7 +2,7 @@
 
     model = load_qwen_vl_model(model_dir, dtype=jnp.float32)  # models.vision_qwen2_5's model class
     model = load_qwen_vl_model(model_dir, placer=quant.nf4_placer)  # the language model's Linears in NF4 (QLoRA)
-    load_vision_adapter(model, "lora_model")  # hf.vision_io, with QWEN_VL_ADAPTER's key spellings
+    load_vision_adapter(model, "lora_model")  # hf.vision_io, with hf.vision_adapters.QWEN_VL_ADAPTER's key spellings
 
 Tensor names are read in both spellings: the checkpoint one (model.*, visual.*, lm_head.*: the Hub's files and
 transformers 5's save_pretrained, which maps its modules back to it), the canonical names here, and transformers 5's
@@ -20,7 +20,6 @@ from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.vision_checkpoint import read_vl_checkpoint, vl_tensor_placer
-from unsloth_jax.hf.vision_io import AdapterLayout
 from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
 
 # (prefix as saved, canonical prefix); the first match wins
@@ -32,17 +31,6 @@ _BLOCK_TENSORS = (  # (HF suffix after visual.blocks.{i}., module path under vis
     *[(f"mlp.{p}.{w}", ("mlp", p, "kernel" if w == "weight" else w)) for p in ("gate_proj", "up_proj", "down_proj")
       for w in ("weight", "bias")],
 )
-
-
-def qwen_vision_module(proj: str) -> str:
-    """The parent module of a vision-block projection: attn (qkv, proj) or mlp (gate/up/down_proj)."""
-    return "attn" if proj in ("qkv", "proj") else "mlp"
-
-
-# PEFT's module paths of the decoder layers and vision blocks: transformers 5's module names (hf.vision_qwen_export
-# writes these) and the checkpoint spelling (model.layers, visual.blocks) PEFT on transformers 4 writes
-QWEN_VL_ADAPTER = AdapterLayout("Qwen2.5-VL", language_paths=("model.language_model.layers", "model.layers"),
-                                vision_paths=("model.visual.blocks", "visual.blocks"), vision_module=qwen_vision_module)
 
 
 def qwen_vl_canonical_name(name: str) -> str:
