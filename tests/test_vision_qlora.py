@@ -1,7 +1,8 @@
 """4-bit Gemma 3 vision-language loading (FastVisionModel.from_pretrained(..., load_in_4bit=True)): the language
 model's projections in NF4, the vision tower and projector dense; logits equal transformers' with the dequantized
 NF4 weights put in its language Linears (the text path's bound, tests/test_qlora.py), and QLoRA SFT with images
-(one batch of two rows, 3 steps) starts at that model's loss and lowers it."""
+(one batch of two rows, 3 steps) starts at that model's loss and lowers it; greedy generation with images equals
+transformers' with those weights."""
 from __future__ import annotations
 
 import copy
@@ -56,6 +57,20 @@ def test_4bit_logits_equal_transformers_with_dequantized_weights(checkpoint, qua
     print(f"4-bit: logits relative error {err:.1e} vs transformers with the dequantized weights, {dense:.1e} vs "
           "the unquantized model")
     assert err < 1e-4 and dense > err, (err, dense)
+
+
+def test_4bit_generation_equals_transformers_with_dequantized_weights(checkpoint, quantized):  # noqa: F811
+    """Greedy generation with images on a fresh 4-bit load (NF4 decode path) equals transformers' generate with
+    the dequantized weights, on a left-padded batch of two prompts with one image each (the unquantized model's
+    tokens differ: checked once by hand)."""
+    from tests.test_vision_generate import NEW, _hf_generate, _prompts
+    from unsloth_jax import FastVisionModel
+
+    model, _ = FastVisionModel.from_pretrained(checkpoint[0], dtype="float32", load_in_4bit=True,
+                                               load_processor=False)
+    inputs = _prompts(quantized[1])
+    ours = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    np.testing.assert_array_equal(ours, _hf_generate(quantized[2], inputs))
 
 
 def test_qlora_sft_with_images_lowers_the_loss(quantized, tmp_path):

@@ -2,7 +2,8 @@
 
 - load_in_4bit=True: the language model's projections in NF4 (bitsandbytes' values), the vision blocks and merger
   dense; logits equal transformers' with the dequantized weights in its language Linears, near the dense model's;
-  a LoRA step on top has finite gradients for the LoRA pairs only and lowers the loss.
+  greedy generation with images equals transformers' with those weights; a LoRA step on top has finite gradients
+  for the LoRA pairs only and lowers the loss.
 - a saved adapter (ours, with and without vision-block LoRA; PEFT's own on transformers' model, in transformers 5's
   and 4's key spellings) loads back onto the base with the saving model's / transformers + PEFT's logits; bad
   adapter directories are named.
@@ -119,6 +120,19 @@ def test_4bit_logits_equal_transformers_with_dequantized_weights(checkpoint, qua
           "the unquantized model")
     assert err < 1e-4, err
     assert 10 * err < dense < 0.3, dense  # NF4's error (0.19 here), well below a wrongly placed weight's ~1
+
+
+def test_4bit_generation_equals_transformers_with_dequantized_weights(checkpoint, quantized):  # noqa: F811
+    """Greedy generation with images on a fresh 4-bit load (NF4 decode path) equals transformers' generate with
+    the dequantized weights, on test_vision_qwen_generate's left-padded batch of two rows and three images."""
+    from tests.test_vision_qwen_generate import NEW, _batch, _hf_generate
+    from unsloth_jax import FastVisionModel
+
+    model, _ = FastVisionModel.from_pretrained(checkpoint[0], dtype="float32", load_in_4bit=True,
+                                               load_processor=False)
+    inputs = _batch(seed=1)
+    ours = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    np.testing.assert_array_equal(ours, _hf_generate(quantized[1], inputs))
 
 
 def test_qlora_step_trains_lora_pairs_only(quantized, batch, tmp_path):
