@@ -121,6 +121,37 @@ def test_cli_vision_preset_halves_the_loss_and_peft_loads_the_adapter(tmp_path):
         assert (tuned(input_ids=ids).logits - before).abs().max() > 0.1
 
 
+@pytest.mark.torch
+def test_cli_vision_4bit_trains_and_qwen_is_recognised(tmp_path):
+    """--load_in_4bit on the bundled vision model: QLoRA (said in the summary line), finite losses, an adapter.
+    A Qwen2.5-VL folder is taken to the vision path too, and one without a processor is refused by name."""
+    pytest.importorskip("torch")
+    from tests import vl_qwen_models as qm
+    from unsloth_jax.cli import _is_vision_model, main
+
+    out = tmp_path / "run"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["-q", "train", "--preset", "tiny-vision", "--max_steps", "2", "--load_in_4bit", "--report_to",
+                   "none", "--output_dir", str(out)])
+    text = buf.getvalue()
+    assert rc == 0, text
+    assert "(gemma3 vision-language, 2 + 2 layers)" in text and "NF4 4-bit language model (QLoRA)" in text, text
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == 2 and np.all(np.isfinite(losses)), losses
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+    qwen = tmp_path / "qwen"
+    qm.hf_qwen_vl().save_pretrained(qwen)  # no processor files
+    assert _is_vision_model(qwen) and _is_vision_model(MODEL) and not _is_vision_model(ASSETS / "tiny-llama")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["-q", "train", "--model_name", str(qwen), "--dataset", str(SAMPLE / "shapes_sample.jsonl"),
+                   "--max_steps", "1", "--report_to", "none", "--output_dir", str(tmp_path / "qrun")])
+    assert rc != 0 and f"{qwen}: no usable processor" in err.getvalue(), err.getvalue()
+
+
 def test_notebook_runs_shortened(tmp_path, monkeypatch):
     """notebooks/vision_finetune.ipynb, stored without outputs, runs top to bottom with VISION_STEPS=10 (quick
     XLA codegen: it mostly compiles): it shows the pictures and the loss curve, the loss halves, the adapter is

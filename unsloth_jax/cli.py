@@ -630,20 +630,25 @@ def cmd_train(args) -> int:
 
 
 def _is_vision_model(model_name) -> bool:
-    """Whether `model_name` is a directory whose config.json is a Gemma 3 vision-language model (model_type
-    "gemma3" with a vision_config; Gemma 3's text-only checkpoints are "gemma3_text")."""
+    """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
+    Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
+    Qwen2.5-VL ("qwen2_5_vl")."""
+    from unsloth_jax.config import QWEN_VL_MODEL_TYPES
+
     try:
         cfg = json.loads((Path(model_name) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "gemma3" and "vision_config" in cfg
+    if not isinstance(cfg, dict):
+        return False
+    return (cfg.get("model_type") == "gemma3" and "vision_config" in cfg) or cfg.get("model_type") in QWEN_VL_MODEL_TYPES
 
 
 def _train_vision(args, targs, mesh, t_start: float) -> int:
-    """`train` for a Gemma 3 vision-language model: FastVisionModel + UnslothVisionDataCollator on a .jsonl of
-    chat records with image file paths (docs/VISION.md). Prints and saves as the text path does."""
-    for flag, unsupported in (("--mesh", mesh is not None), ("--load_in_4bit", args.load_in_4bit),
-                              ("--packing", args.packing), ("--save_gguf", args.save_model and args.save_gguf),
+    """`train` for a Gemma 3 or Qwen2.5-VL vision-language model: FastVisionModel + UnslothVisionDataCollator on a
+    .jsonl of chat records with image file paths (docs/VISION.md); --load_in_4bit: QLoRA (NF4 language model).
+    Prints and saves as the text path does."""
+    for flag, unsupported in (("--mesh", mesh is not None), ("--packing", args.packing), ("--save_gguf", args.save_model and args.save_gguf),
                               ("--skip_bad_lines", args.skip_bad_lines)):
         if unsupported:
             raise UsageError(f"{flag} is not supported for vision-language models yet (docs/VISION.md)")
@@ -655,7 +660,11 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
                          "with images, as unsloth_jax/assets/shapes_sample/shapes_sample.jsonl)")
     records = load_vision_records(args.dataset)
     model, processor = FastVisionModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
-                                                       dtype=args.dtype)
+                                                       dtype=args.dtype, load_in_4bit=args.load_in_4bit)
+    if processor is None:
+        raise UsageError(f"{args.model_name}: no usable processor (preprocessor_config.json / processor_config.json "
+                         "missing, or transformers could not build it: Qwen2.5-VL's needs torchvision); the vision "
+                         "data collator needs it")
     model = FastVisionModel.get_peft_model(
         model, r=args.r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias=args.bias,
         use_gradient_checkpointing=args.use_gradient_checkpointing, random_state=args.random_state,
@@ -667,9 +676,11 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
     trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=collator, train_dataset=records,
                          max_seq_length=args.max_seq_length, args=targs)
     c, v = model.config, model.vl_config.vision
-    print(f"unsloth-jax train: {Path(args.model_name).name} (gemma3 vision-language, {c.num_hidden_layers} + "
-          f"{v.num_hidden_layers} layers) on {len(records)} vision records from {args.dataset}; {model.dtype.name}, "
-          f"LoRA r={args.r} alpha={args.lora_alpha:g}{', responses only' if responses_only else ''}")
+    quant = " + NF4 4-bit language model (QLoRA)" if args.load_in_4bit else ""
+    print(f"unsloth-jax train: {Path(args.model_name).name} ({model.vl_config.model_type} vision-language, "
+          f"{c.num_hidden_layers} + {v.num_hidden_layers} layers) on {len(records)} vision records from "
+          f"{args.dataset}; {model.dtype.name}{quant}, LoRA r={args.r} alpha={args.lora_alpha:g}"
+          f"{', responses only' if responses_only else ''}")
     out = Path(args.output_dir)
     if args.overwrite_output_dir and not args.resume_from_checkpoint:  # the trainer removes its own files
         from unsloth_jax.train.checkpoints import remove_paths
