@@ -8,7 +8,9 @@
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
-# (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step)
+# (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
+# vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
+# ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
@@ -16,7 +18,8 @@
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
-# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT.
+# LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
+# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT.
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -236,6 +239,20 @@ for st in $stages; do
         timeout ${MOE_TIMEOUT:-560} $PY bench/moe_bench.py --experts-impl grouped --steps 6 --skip-block \
           2>>"$OUT/bench_err.txt" | tee -a "$OUT/moe.jsonl"
       fi ;;
+    vision)
+      # each family:shape of VISION_SHAPES: transformers + PEFT bf16 LoRA, ours bf16 LoRA, ours NF4 QLoRA, one after the
+      # other on the same random-init checkpoint and the same batch (default 2 rows x 2048 tokens, 2 images a row)
+      for fs in ${VISION_SHAPES:-qwen2_5_vl:7b gemma3:4b}; do
+        f=${fs%%:*} s=${fs#*:}
+        $PY bench/vision_bench.py make --family $f --shape $s --checkpoint $CK/$f-$s 2>&1 | tail -1
+        for run in "hf|" "ours|" "ours|--load-in-4bit"; do
+          side=${run%%|*} fl=${run#*|}
+          log "vision $f $s $side $fl ${VISION_FLAGS:-}"
+          timeout ${VISION_TIMEOUT:-300} $PY bench/vision_bench.py run --side $side --family $f --shape $s \
+            --checkpoint $CK/$f-$s $fl ${VISION_FLAGS:+${VISION_FLAGS//+/ }} 2>>"$OUT/vision_err.txt" | tail -1 \
+            | tee -a "$OUT/vision.jsonl" | cut -c1-600
+        done
+      done ;;
     parity)
       for m in llama3-8b gemma2-2b; do
         $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -2
