@@ -29,7 +29,8 @@ tokens for its 896 x 896 image, <end_of_image>), then random text to the end of 
 One JSON line on stdout per run (the trainer's own lines go to stderr): median step time after --warmup steps,
 tokens/s = real tokens per step / median seconds, peak device memory (jax memory_stats()["peak_bytes_in_use"]
 / torch.cuda.max_memory_allocated; null on the CPU), load / compile / first-step seconds, trainable parameters,
-the first and last loss. A run ours cannot do (e.g. 4-bit Qwen2.5-VL) prints a line with "error" and exits 2.
+the first and last loss. A model ours refuses to load (a ConfigError) prints a line with "error"
+and exits 2.
 """
 from __future__ import annotations
 
