@@ -86,6 +86,31 @@ def test_sampler_distribution_equals_transformers_processors(rng):
         np.testing.assert_allclose(ours[i], want, rtol=2e-5, atol=1e-7, err_msg=f"row {i}: {p}")
 
 
+@pytest.mark.torch
+def test_repetition_penalty_sees_the_prompt_and_output_only(llama, rng):
+    """Greedy with repetition_penalty=1.5: the engine's tokens equal transformers' generate, prompt by prompt. One
+    prompt is picked so that its next token is the vocabulary's last id, not in the prompt, and would lose to the
+    runner-up if penalised: the engine once padded its prompts' seen ids with -1, which marked that id as seen."""
+    import torch
+
+    hf, model = llama
+    v = model.config.vocab_size
+    candidates = rng.integers(3, v - 1, size=(16384, 6))  # prompts without the last id
+    last = np.asarray(model(jnp.asarray(candidates, jnp.int32)))[:, -1]
+    top, runner_up = last[:, v - 1], np.sort(last, axis=-1)[:, -2]
+    fits = np.nonzero((last.argmax(-1) == v - 1) & (top > 0) & (runner_up > top / 1.5))[0]
+    assert fits.size, "no prompt of 16,384 has the last id as its penalty-sensitive next token"
+    prompts = [candidates[fits[0]].tolist(), _prompts(rng, [9])[0]]
+    outs = Engine(model).generate(prompts, SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=6,
+                                                          ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():  # stops at its eos (ours ignores it): the tokens up to there are compared
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, repetition_penalty=1.5,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].numpy()
+        np.testing.assert_array_equal(out.outputs[0].token_ids[:len(want)], want)
+    assert outs[0].outputs[0].token_ids[0] == v - 1
+
+
 def _drawer(params, draws):
     """A jitted f(logits [R, V], seed) -> `draws` tokens per row [draws, R], each with its own key (as the
     engine's per-token keys); compiled once for every seed (the seed is an argument, not a constant)."""
@@ -153,7 +178,7 @@ def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(lla
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
-                                   12, 1.0, 1.0, False, (), 0, None, 0)[0, len(prompt):]
+                                   12, [SamplingParams(temperature=0)], (), None, 0)[0, len(prompt):]
         np.testing.assert_array_equal(c.token_ids, want)
         seq = np.asarray([prompt + c.token_ids[:-1]], np.int32)
         logp = np.asarray(jax.nn.log_softmax(model(seq), axis=-1))[0, len(prompt) - 1:]
@@ -258,8 +283,8 @@ def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
                                                  progress=False, **{kind: True})
     prompt = _prompts(rng, [11])[0]
     got = Engine(model).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8, 1.0, 1.0,
-                               False, (), 0, None, 0)[0, 11:]
+    want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8,
+                               [SamplingParams(temperature=0)], (), None, 0)[0, 11:]
     np.testing.assert_array_equal(got[0].outputs[0].token_ids, want)
 
 

@@ -100,5 +100,7 @@ def test_bad_inputs_are_named(checkpoint):
         model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
     with pytest.raises(ValueError, match="image tokens"):
         model.generate(**{**inputs, "pixel_values": inputs["pixel_values"][:1]})
-    with pytest.raises(TypeError, match="top_k"):
-        model.generate(**inputs, do_sample=True, top_k=5)
+    with pytest.raises(ValueError, match="min_p"):
+        model.generate(**inputs, do_sample=True, min_p=1.5)
+    with pytest.raises(TypeError, match="num_beams"):
+        model.generate(**inputs, num_beams=2)

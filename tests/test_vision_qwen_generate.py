@@ -1,8 +1,8 @@
 """Generation with images for Qwen2.5-VL (tiny random model, float32): greedy tokens equal transformers'
 Qwen2_5_VLForConditionalGeneration.generate on a left-padded batch of two rows of different lengths, one with two
 images of different grids, the other with a third grid (M-RoPE in the prefill, rope_deltas in the decode), and
-on text-only prompts; sampling is reproducible by seed, streams its steps and stops at eos; bad inputs are
-named."""
+on text-only prompts; greedy with repetition_penalty equals transformers' too, top_k / min_p reach the sampler;
+sampling is reproducible by seed, streams its steps and stops at eos; bad inputs are named."""
 from __future__ import annotations
 
 import numpy as np
@@ -136,5 +136,25 @@ def test_bad_inputs_are_named(model):
     video = np.where(ids == qm.IMAGE, qm.VIDEO, ids)
     with pytest.raises(ValueError, match="video tokens"):
         model.generate(video, mask, max_new_tokens=2)
-    with pytest.raises(TypeError, match="top_k"):
-        model.generate(**inputs, do_sample=True, top_k=5)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(**inputs, do_sample=True, top_p=0.0)
+    with pytest.raises(TypeError, match="num_beams"):
+        model.generate(**inputs, num_beams=2)
+
+
+def test_sampler_options_with_images(checkpoint, model):
+    """The engine's sampler on the image path: greedy with repetition_penalty equals transformers' generate with
+    it; top_k=1 and min_p=1 keep only the most likely token, so sampling with either is the greedy result."""
+    inputs = _batch(seed=2)
+    kw = {k: torch.tensor(v) for k, v in inputs.items()}
+    with torch.no_grad():
+        theirs = checkpoint[1].generate(**kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                        repetition_penalty=1.8).numpy()
+    ours = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.8)
+    np.testing.assert_array_equal(ours, theirs)
+    greedy = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=[])
+    assert not (greedy == ours).all()  # the penalty changed the tokens: the comparison above means something
+    for option in (dict(top_k=1), dict(min_p=1.0)):
+        sampled = model.generate(**inputs, max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=5,
+                                 eos_token_id=[], **option)
+        np.testing.assert_array_equal(sampled, greedy, err_msg=str(option))

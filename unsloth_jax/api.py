@@ -473,8 +473,8 @@ class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
         works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [N, C, H, W]
         (the images of the rows' image tokens, in order), token_type_ids [B, P] (1 = image token). kwargs:
-        max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, seed, streamer, as
-        Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
+        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
         return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
@@ -530,8 +530,8 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
         works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [patches,
         C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows' image-token runs, in order).
-        kwargs: max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, seed, streamer, as
-        Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        kwargs: max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
+        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
         return generate_vision(self, input_ids, attention_mask, pixel_values, image_grid_thw=image_grid_thw,

@@ -141,6 +141,16 @@ def _eos_and_pad(model, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], in
     return eos, int(pad_token_id)
 
 
+def _row_params(rows: int, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int,
+                min_p: float, repetition_penalty: float, seed: int, eos: tuple[int, ...]) -> list[SamplingParams]:
+    """generate's arguments as one SamplingParams per row (temperature 0 unless do_sample; row i's seed is
+    seed's i-th stream), for the engine and the contiguous paths alike. ValueError names a bad value."""
+    return [SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p),
+                           top_k=int(top_k), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
+                           max_tokens=int(max_new_tokens), stop_token_ids=list(eos), ignore_eos=True,
+                           seed=int(seed) * 1_000_003 + i) for i in range(rows)]
+
+
 def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, temperature: float = 1.0,
              top_p: float = 1.0, do_sample: bool = False, eos_token_id=None, seed: int = 0, streamer=None,
              pad_token_id: int | None = None, top_k: int = 0, min_p: float = 0.0,
@@ -163,20 +173,14 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     cfg = model.config
     eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
 
+    params = _row_params(b, max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed,
+                         eos)
     if _crosses_longrope_switch(cfg, p, max_new_tokens):
-        if top_k or min_p or repetition_penalty != 1.0:
-            raise ValueError("generate: top_k, min_p and repetition_penalty are not supported past a LongRoPE "
-                             "model's original_max_position_embeddings")
         log.warning("unsloth_jax: LongRoPE sequence past original_max_position_embeddings=%d: generating on the "
                     "contiguous-cache path (not the engine)", cfg.rope_original_max_position)
-        return generate_contiguous(model, ids, mask, max_new_tokens, temperature, top_p, do_sample, eos, seed,
-                                   streamer, pad_token_id)
+        return generate_contiguous(model, ids, mask, max_new_tokens, params, eos, streamer, pad_token_id)
 
     prompts = [row[m > 0].tolist() for row, m in zip(ids, mask)]
-    params = [SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p),
-                             top_k=int(top_k), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
-                             max_tokens=int(max_new_tokens), stop_token_ids=list(eos), ignore_eos=True,
-                             seed=int(seed) * 1_000_003 + i) for i in range(b)]
     on_tokens = None
     if streamer is not None:
         if hasattr(streamer, "put"):
@@ -196,7 +200,8 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
 def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, token_type_ids=None,
                     image_grid_thw=None, max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                     do_sample: bool = False, eos_token_id=None, seed: int = 0, streamer=None,
-                    pad_token_id: int | None = None, **kwargs) -> np.ndarray:
+                    pad_token_id: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                    repetition_penalty: float = 1.0, **kwargs) -> np.ndarray:
     """`generate` for a vision-language model with images: input_ids [B, P] (LEFT padded, attention_mask
     [B, P]) whose image tokens take the images of pixel_values, in order (None: text only).
 
@@ -207,13 +212,12 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     with image_grid_thw [I, 3] (each image's t, h, w patch grid, t*h*w / merge^2 image tokens), as transformers'
     Qwen2-VL image processor gives them (its mm_token_type_ids are accepted and not needed); M-RoPE positions.
 
-    The other arguments as `generate` (top_k, min_p and repetition_penalty are not supported here). Runs on
-    inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new] numpy int64."""
-    unsupported = [k for k, v in kwargs.items() if k in _VISION_UNSUPPORTED and v != _VISION_UNSUPPORTED[k]
-                   and (do_sample or k == "repetition_penalty")]  # top_k / min_p only shape sampling
-    unknown = [k for k in kwargs if k not in _VISION_UNSUPPORTED and k not in _VISION_IGNORED]
-    if unsupported or unknown:
-        raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unsupported + unknown)}")
+    The other arguments as `generate` (temperature, top_p, top_k, min_p, repetition_penalty: the engine's
+    sampler). Runs on inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new]
+    numpy int64."""
+    unknown = [k for k in kwargs if k not in _VISION_IGNORED]
+    if unknown:
+        raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unknown)}")
     ids, mask = _prompt_arrays(input_ids, attention_mask)
     if _is_qwen_vl(model):
         if token_type_ids is not None:
@@ -228,8 +232,9 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     if temperature <= 0 and do_sample:
         raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
     eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-    return generate_with_images(model, ids, mask, prompt, int(max_new_tokens), float(temperature), float(top_p),
-                                bool(do_sample), eos, int(seed), streamer, pad_token_id)
+    params = _row_params(ids.shape[0], max_new_tokens, do_sample, temperature, top_p, top_k, min_p,
+                         repetition_penalty, seed, eos)
+    return generate_with_images(model, ids, mask, prompt, int(max_new_tokens), params, eos, streamer, pad_token_id)
 
 
 def _is_qwen_vl(model) -> bool:
@@ -301,8 +306,7 @@ def _qwen_image_prompt(cfg, ids: np.ndarray, mask: np.ndarray, pixel_values, ima
     return ImagePrompt(pixels, rope_positions=mrope_positions(cfg, ids, mask, grid), image_grid_thw=grid)
 
 
-# generate's arguments generate_vision does not implement (accepted at their no-op value) and ones it ignores
-_VISION_UNSUPPORTED = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# transformers' generate arguments generate_vision accepts and ignores
 _VISION_IGNORED = ("use_cache", "mm_token_type_ids")
 
 

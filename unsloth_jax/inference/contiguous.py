@@ -22,6 +22,8 @@ far (`_rebuild_step`), which rewrites every cached key and value with the factor
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,8 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.inference.sampling import (NO_TOKEN, RowParams, SamplerFlags, SamplingParams, sample,
+                                            seen_tokens)
 from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.rope import positions_from_mask
@@ -56,41 +60,57 @@ def _layers(model, x, positions, cache_k, cache_v, valid, index):
     return x, ck, cv
 
 
-def _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample: bool):
-    """Next tokens [B] from logits [B, V] (f32): argmax, or temperature + nucleus sampling. Finished rows get
-    pad_id; a row finishes when it emits one of eos_ids."""
-    if do_sample:
-        z = logits / jnp.maximum(temperature, 1e-6)
-        order = jnp.argsort(-z, axis=-1)
-        sorted_z = jnp.take_along_axis(z, order, axis=-1)
-        probs = jax.nn.softmax(sorted_z, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        keep_sorted = before < top_p
-        keep_sorted = keep_sorted.at[:, 0].set(True)
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
-        z = jnp.where(keep, z, -jnp.inf)
-        tok = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
-    else:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+class RowSampler(NamedTuple):
+    """What a contiguous path samples with, per row of its batch: params (RowParams of [B] arrays); keys [B, 2]
+    uint32, each row's base key (a token's key folds in its index in the row's output, as the engine's); seen
+    [B, V] bool, the row's prompt and output tokens for the repetition penalty (None without one)."""
+
+    params: RowParams
+    keys: jax.Array
+    seen: jax.Array | None
+
+
+def row_sampler(params: list[SamplingParams], ids: np.ndarray, mask: np.ndarray, vocab: int
+                ) -> tuple[RowSampler, SamplerFlags]:
+    """The RowSampler and its static SamplerFlags for a batch ids [R, P] (mask [R, P] 1 on real tokens) whose
+    first len(params) rows take `params` (seed: the row's random stream; the engine's keys for the same seed)
+    and whose further rows (batch padding) copy the first's."""
+    rows = ids.shape[0]
+    params = list(params) + [params[0]] * (rows - len(params))
+    flags = SamplerFlags.of(params)
+    keys = np.stack([np.asarray(jax.random.fold_in(jax.random.PRNGKey(q.seed or 0), 0), np.uint32) for q in params])
+    seen = None
+    if flags.penalty:
+        seen = seen_tokens(jnp.asarray(np.where(mask > 0, ids, NO_TOKEN), jnp.int32), vocab)
+    return RowSampler(RowParams(*(jnp.asarray(a) for a in RowParams.of(params))), jnp.asarray(keys), seen), flags
+
+
+def _choose(logits, sampler: RowSampler, generated, done, eos_ids, pad_id, flags: SamplerFlags):
+    """Next tokens [B] from logits [B, V] (f32) by inference.sampling.sample (greedy rows: argmax after the
+    repetition penalty), the generated-th token of each row. Finished rows get pad_id; a row finishes when it
+    emits one of eos_ids. -> (tokens [B] int32, done [B], sampler with the tokens seen)."""
+    keys = jax.vmap(jax.random.fold_in)(sampler.keys, jnp.broadcast_to(jnp.int32(generated), done.shape))
+    tok, _ = sample(logits, sampler.params, keys, flags, sampler.seen)
     tok = jnp.where(done, pad_id, tok)
     done = done | jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
-    return tok, done
+    seen = None if sampler.seen is None else sampler.seen.at[jnp.arange(tok.shape[0]), tok].set(True)
+    return tok, done, sampler._replace(seen=seen)
 
 
-def _next_tokens(model, x, positions, cache, index, done, key, temperature, top_p, eos_ids, pad_id,
-                 do_sample: bool, read=-1):
+def _next_tokens(model, x, positions, cache, index, done, sampler, generated, eos_ids, pad_id,
+                 flags: SamplerFlags, read=-1):
     """Embedded chunk x [B, S, D] through every layer (cache written at slot `index`), then the next token of
-    each row from chunk position `read` (default the last) -> (tokens [B], done [B], cache)."""
+    each row from chunk position `read` (default the last) -> (tokens [B], done [B], cache, sampler)."""
     ck, cv, valid = cache
     x, ck, cv = _layers(model, x, positions, ck, cv, valid, index)
     logits = model.logits_from_hidden(model.model.norm(x[:, read]))
-    tok, done = _choose(logits, key, temperature, top_p, done, eos_ids, pad_id, do_sample)
-    return tok, done, (ck, cv, valid)
+    tok, done, sampler = _choose(logits, sampler, generated, done, eos_ids, pad_id, flags)
+    return tok, done, (ck, cv, valid), sampler
 
 
-def _prefill(state, input_ids, attention_mask, key, temperature, top_p, eos_ids, pad_id, *, graphdef,
-             cache_len: int, do_sample: bool):
-    """Prompt [B, P] (left padded) -> (first new tokens [B], done [B], cache)."""
+def _prefill(state, input_ids, attention_mask, sampler, eos_ids, pad_id, *, graphdef, cache_len: int,
+             flags: SamplerFlags):
+    """Prompt [B, P] (left padded) -> (first new tokens [B], done [B], cache, sampler)."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = input_ids.shape
@@ -100,37 +120,38 @@ def _prefill(state, input_ids, attention_mask, key, temperature, top_p, eos_ids,
     valid = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(attention_mask)
     positions = positions_from_mask(attention_mask)
     x = model.model.embed(input_ids, model.dtype)
-    return _next_tokens(model, x, positions, (ck, cv, valid), 0, jnp.zeros((b,), bool),
-                        jax.random.fold_in(key, 0), temperature, top_p, eos_ids, pad_id, do_sample)
+    return _next_tokens(model, x, positions, (ck, cv, valid), 0, jnp.zeros((b,), bool), sampler, 0, eos_ids,
+                        pad_id, flags)
 
 
-def _decode_step(state, cache, tokens, positions, index, done, key, temperature, top_p, eos_ids, pad_id, *,
-                 graphdef, do_sample: bool):
-    """One token per row: tokens [B] at cache slot `index` and positions [B] -> (next tokens, done, cache)."""
+def _decode_step(state, cache, tokens, positions, index, done, sampler, generated, eos_ids, pad_id, *, graphdef,
+                 flags: SamplerFlags):
+    """One token per row: tokens [B] at cache slot `index` and positions [B], the generated-th new token of each
+    row -> (next tokens, done, cache, sampler)."""
     model = nnx.merge(graphdef, state)
     ck, cv, valid = cache
     b = tokens.shape[0]
     valid = jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((b, 1), valid.dtype), index, axis=1)
     x = model.model.embed(tokens[:, None], model.dtype)
-    return _next_tokens(model, x, positions[:, None], (ck, cv, valid), index, done,
-                        jax.random.fold_in(key, index), temperature, top_p, eos_ids, pad_id, do_sample)
+    return _next_tokens(model, x, positions[:, None], (ck, cv, valid), index, done, sampler, generated, eos_ids,
+                        pad_id, flags)
 
 
-def _rebuild_step(state, cache, tokens, index, done, key, temperature, top_p, eos_ids, pad_id, *, graphdef,
-                  do_sample: bool):
+def _rebuild_step(state, cache, tokens, index, done, sampler, generated, eos_ids, pad_id, *, graphdef,
+                  flags: SamplerFlags):
     """The decode step of the token at cache slot `index`, run as a forward over every slot: tokens [B, T]
     (T = cache length) hold the prompt and every token up to slot `index` (later slots are ignored). Every cached
     key and value is rewritten with the RoPE factors of this call (LongRoPE's switch to the long factors);
     slots after `index` get keys that stay invalid until a decode step writes them. -> (next tokens, done,
-    cache), as `_decode_step`."""
+    cache, sampler), as `_decode_step`."""
     model = nnx.merge(graphdef, state)
     ck, cv, valid = cache
     b = tokens.shape[0]
     valid = jax.lax.dynamic_update_slice_in_dim(valid, jnp.ones((b, 1), valid.dtype), index, axis=1)
     positions = positions_from_mask(valid)  # slots after `index` repeat the last position: the maximum holds
     x = model.model.embed(tokens, model.dtype)
-    return _next_tokens(model, x, positions, (ck, cv, valid), 0, done, jax.random.fold_in(key, index),
-                        temperature, top_p, eos_ids, pad_id, do_sample, read=index)
+    return _next_tokens(model, x, positions, (ck, cv, valid), 0, done, sampler, generated, eos_ids, pad_id, flags,
+                        read=index)
 
 
 def _rebuild_step_index(cfg: ModelConfig, prompt_width: int) -> int | None:
@@ -142,20 +163,20 @@ def _rebuild_step_index(cfg: ModelConfig, prompt_width: int) -> int | None:
     return cfg.rope_original_max_position - prompt_width
 
 
-_prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "do_sample"))
-_decode_step_jit = ops.policy_jit(_decode_step, static_argnames=("graphdef", "do_sample"), donate_argnums=(1,))
-_rebuild_step_jit = ops.policy_jit(_rebuild_step, static_argnames=("graphdef", "do_sample"), donate_argnums=(1,))
+_prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "flags"))
+_decode_step_jit = ops.policy_jit(_decode_step, static_argnames=("graphdef", "flags"), donate_argnums=(1,))
+_rebuild_step_jit = ops.policy_jit(_rebuild_step, static_argnames=("graphdef", "flags"), donate_argnums=(1,))
 
 
 # ----------------------------------------------------------------------------------------------- generate
-def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, temperature: float,
-                        top_p: float, do_sample: bool, eos: tuple[int, ...], seed: int, streamer,
-                        pad_token_id: int) -> np.ndarray:
+def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
+                        params: list[SamplingParams], eos: tuple[int, ...], streamer, pad_token_id: int) -> np.ndarray:
     """Continue each row of ids [B, P] int32 (left padded: mask [B, P] 0 on the padding, inputs checked by
-    `unsloth_jax.generation.generate`) by up to max_new_tokens tokens -> [B, P + new] int64. Greedy unless
-    do_sample (softmax(logits / temperature) within the top_p nucleus, random stream `seed`); a row stops at
-    its first token of `eos`, later slots hold pad_token_id; it ends when every row has. streamer: as
-    `generate`'s (put(prompt) then put(each step's tokens [B]), or a callable of each step's tokens)."""
+    `unsloth_jax.generation.generate`) by up to max_new_tokens tokens -> [B, P + new] int64. params: one
+    SamplingParams per row (temperature 0: greedy; top_k, top_p, min_p, repetition_penalty and seed as the
+    engine's); a row stops at its first token of `eos`, later slots hold pad_token_id; it ends when every row
+    has. streamer: as `generate`'s (put(prompt) then put(each step's tokens [B]), or a callable of each step's
+    tokens)."""
     b, p = ids.shape
     cfg: ModelConfig = model.config
     eos_arr = jnp.asarray(eos or (-1,), jnp.int32)
@@ -171,18 +192,16 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
     pmask[b:] = pmask[0]
     n_real = pmask.sum(axis=1).astype(np.int32)
 
-    key = jax.random.PRNGKey(seed)
-    temp = jnp.float32(temperature)
-    top = jnp.float32(top_p)
+    sampler, flags = row_sampler(params, pids, pmask, cfg.vocab_size)
     pad = jnp.int32(pad_token_id)
     commit_in_place(model)  # as the engine's weights: one program before and after training
     graphdef, state = nnx.split(model)
-    common = dict(graphdef=graphdef, do_sample=bool(do_sample))
+    common = dict(graphdef=graphdef, flags=flags)
 
     if streamer is not None and hasattr(streamer, "put"):
         streamer.put(ids.astype(np.int64))
-    tok, done, cache = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), key, temp, top, eos_arr, pad,
-                                cache_len=t, **common)
+    tok, done, cache, sampler = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), sampler, eos_arr, pad,
+                                             cache_len=t, **common)
     out = []
     rebuild_at = _rebuild_step_index(cfg, p)
     for step in range(max_new_tokens):
@@ -193,11 +212,11 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
             fed[:b, pb:pb + step] = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
             fed[b:, pb:pb + step] = fed[0, pb:pb + step]  # the batch's padding rows copy row 0
             fed[:, pb + step] = np.asarray(tok)
-            nxt = _rebuild_step_jit(state, cache, jnp.asarray(fed), jnp.int32(pb + step), done, key, temp, top,
-                                    eos_arr, pad, **common)
+            nxt = _rebuild_step_jit(state, cache, jnp.asarray(fed), jnp.int32(pb + step), done, sampler,
+                                    jnp.int32(step + 1), eos_arr, pad, **common)
         elif step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
-            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done, key,
-                               temp, top, eos_arr, pad, **common)
+            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done,
+                                   sampler, jnp.int32(step + 1), eos_arr, pad, **common)
         host_tok = np.asarray(tok)[:b]
         host_done = np.asarray(done)[:b]
         out.append(host_tok)
@@ -205,11 +224,11 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
             (streamer.put if hasattr(streamer, "put") else streamer)(host_tok.astype(np.int64))
         if host_done.all() or nxt is None:
             break
-        tok, done, cache = nxt
+        tok, done, cache, sampler = nxt
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     new = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
     return np.concatenate([ids, new], axis=1).astype(np.int64)
 
 
-__all__ = ["generate_contiguous", "bucket"]
+__all__ = ["generate_contiguous", "bucket", "row_sampler", "RowSampler"]

@@ -35,7 +35,7 @@ from unsloth_jax import ops
 from unsloth_jax.inference import pages as paging
 from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
-from unsloth_jax.inference.sampling import RowParams, SamplerFlags, SamplingParams
+from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams
 from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
 
 log = logging.getLogger("unsloth_jax")
@@ -386,7 +386,7 @@ class _Run:
             self._prefill(admitted)
 
     def _prefill(self, admitted) -> None:
-        e, size = self.e, self.e.page_size
+        size = self.e.page_size
         num_slots = self.num_pages * size
         n_prompts = len(admitted)
         lengths = [len(self.prompts[r]) for r, _ in admitted]
@@ -420,7 +420,7 @@ class _Run:
         keys = np.zeros((n_b, 2), np.uint32)
         stop_ids = np.full((n_b, self.stop_width), -1, np.int32)
         width = bucket(max(lengths), 16) if self.flags.penalty else 1
-        prompt_tokens = np.full((n_b, width), -1, np.int32)
+        prompt_tokens = np.full((n_b, width), NO_TOKEN, np.int32)
         params = [SamplingParams()] * n_b
         for k, (i, s) in enumerate(new):
             prompt = self.prompts[s.request]

@@ -33,7 +33,8 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.data.vision_loader import pad_patches, patch_bucket
-from unsloth_jax.inference.contiguous import _choose, _decode_step_jit, bucket
+from unsloth_jax.inference.contiguous import _choose, _decode_step_jit, bucket, row_sampler
+from unsloth_jax.inference.sampling import SamplerFlags, SamplingParams
 from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch
 from unsloth_jax.models.rope import mrope_tables, positions_from_mask
@@ -91,12 +92,13 @@ def _prompt_rope(model, positions, rope_positions):
     return mrope_tables(model.config, rope_positions, model.vl_config.mrope_section), None
 
 
-def _prefill(state, input_ids, attention_mask, token_type_ids, rope_positions, pixel_values, image_kwargs, key,
-             temperature, top_p, eos_ids, pad_id, *, graphdef, cache_len: int, do_sample: bool):
+def _prefill(state, input_ids, attention_mask, token_type_ids, rope_positions, pixel_values, image_kwargs, sampler,
+             eos_ids, pad_id, *, graphdef, cache_len: int, flags: SamplerFlags):
     """Prompt input_ids [B, P] (left padded, attention_mask [B, P]) with ImagePrompt's token_type_ids [B, P] or
     None and rope_positions [3, B, P] or None, pixel_values (None: no image) and embed_with_images' extra
-    arguments image_kwargs (Qwen2.5-VL: the tower's `layout`) -> (first new tokens [B] int32, done [B] bool,
-    (k, v, valid) cache with k/v [L, B, cache_len, Hkv, hd] and valid [B, cache_len] int32)."""
+    arguments image_kwargs (Qwen2.5-VL: the tower's `layout`), sampler (contiguous.RowSampler) -> (first new tokens
+    [B] int32, done [B] bool, (k, v, valid) cache with k/v [L, B, cache_len, Hkv, hd] and valid [B, cache_len]
+    int32, sampler)."""
     model = nnx.merge(graphdef, state)
     cfg = model.config
     b, p = input_ids.shape
@@ -112,12 +114,11 @@ def _prefill(state, input_ids, attention_mask, token_type_ids, rope_positions, p
     cache = ImagePrefillCache(ck, cv, attention_mask, jnp.int32(0), blocks)
     x, (ck, cv) = model.model.run_layers(x, cos, sin, batch, cache=cache, local_rope=local)
     logits = model.logits_from_hidden(model.model.norm(x[:, -1]))
-    tok, done = _choose(logits, jax.random.fold_in(key, 0), temperature, top_p, jnp.zeros((b,), bool), eos_ids,
-                        pad_id, do_sample)
-    return tok, done, (ck, cv, valid)
+    tok, done, sampler = _choose(logits, sampler, 0, jnp.zeros((b,), bool), eos_ids, pad_id, flags)
+    return tok, done, (ck, cv, valid), sampler
 
 
-_prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "do_sample"))
+_prefill_jit = ops.policy_jit(_prefill, static_argnames=("graphdef", "cache_len", "flags"))
 
 
 def _left_pad(a: np.ndarray | None, width: int) -> jax.Array | None:
@@ -142,13 +143,13 @@ def _vision_inputs(model, prompt: ImagePrompt) -> tuple[jax.Array | None, dict]:
 
 
 def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, prompt: ImagePrompt, max_new_tokens: int,
-                         temperature: float, top_p: float, do_sample: bool, eos: tuple[int, ...], seed: int,
-                         streamer, pad_token_id: int) -> np.ndarray:
+                         params: list[SamplingParams], eos: tuple[int, ...], streamer, pad_token_id: int
+                         ) -> np.ndarray:
     """Continue each row of ids [B, P] int32 (left padded: mask [B, P] int32 0 on the padding) whose image tokens
     take the images of `prompt` (ImagePrompt, checked by generation.generate_vision; row-major order) by up to
-    max_new_tokens tokens -> [B, P + new] int64. Greedy unless do_sample (softmax(logits / temperature) within
-    the top_p nucleus, random stream `seed`); a row stops at its first token of `eos`, later slots hold
-    pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens [B]), or a
+    max_new_tokens tokens -> [B, P + new] int64. params: one SamplingParams per row (temperature 0: greedy;
+    top_k, top_p, min_p, repetition_penalty and seed as the engine's); a row stops at its first token of `eos`,
+    later slots hold pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens [B]), or a
     callable of each step's tokens."""
     b, p = ids.shape
     eos_arr = jnp.asarray(eos or (-1,), jnp.int32)
@@ -157,29 +158,29 @@ def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, prompt: Image
     pixels, image_kwargs = _vision_inputs(model, prompt)
     first_positions = prompt.first_new_positions(mask)
 
-    key = jax.random.PRNGKey(seed)
-    temp, top, pad = jnp.float32(temperature), jnp.float32(top_p), jnp.int32(pad_token_id)
+    sampler, flags = row_sampler(params, ids, mask, model.config.vocab_size)
+    pad = jnp.int32(pad_token_id)
     commit_in_place(model)
     graphdef, state = nnx.split(model)
-    common = dict(graphdef=graphdef, do_sample=bool(do_sample))
+    common = dict(graphdef=graphdef, flags=flags)
     if streamer is not None and hasattr(streamer, "put"):
         streamer.put(ids.astype(np.int64))
-    tok, done, cache = _prefill_jit(state, _left_pad(ids, pb), _left_pad(mask, pb),
-                                    _left_pad(prompt.token_type_ids, pb), _left_pad(prompt.rope_positions, pb),
-                                    pixels, image_kwargs, key, temp, top, eos_arr, pad, cache_len=t, **common)
+    tok, done, cache, sampler = _prefill_jit(state, _left_pad(ids, pb), _left_pad(mask, pb),
+                                             _left_pad(prompt.token_type_ids, pb), _left_pad(prompt.rope_positions, pb),
+                                             pixels, image_kwargs, sampler, eos_arr, pad, cache_len=t, **common)
     out = []
     for step in range(max_new_tokens):
         nxt = None
         if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
             nxt = _decode_step_jit(state, cache, tok, jnp.asarray(first_positions + step), jnp.int32(pb + step),
-                                   done, key, temp, top, eos_arr, pad, **common)
+                                   done, sampler, jnp.int32(step + 1), eos_arr, pad, **common)
         host_tok, host_done = np.asarray(tok), np.asarray(done)
         out.append(host_tok)
         if streamer is not None:
             (streamer.put if hasattr(streamer, "put") else streamer)(host_tok.astype(np.int64))
         if host_done.all() or nxt is None:
             break
-        tok, done, cache = nxt
+        tok, done, cache, sampler = nxt
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     new = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)

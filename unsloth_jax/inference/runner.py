@@ -16,7 +16,6 @@ seen [R, V].
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample
+from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens
 from unsloth_jax.inference.weights import DecodeWeights, LayerPlan, layer_module
 from unsloth_jax.models.attention import Batch, PagedDecode, PagedPrefill
 
@@ -88,12 +87,10 @@ def _start_rows(rows: Rows, logits, prompt_of, targets, prompt_lengths, budgets,
 
     logits [P, V]; prompt_of [N] (which prompt each new row continues); targets [N] the row slots; prompt_lengths
     [N]; budgets [N] (max_tokens); keys [N, 2]; params (RowParams of [N]); stop_ids [N, S]; prompt_tokens [N, T]
-    (-1 padded; for the repetition penalty's seen tokens). Returns (rows, first tokens [N], their log-probs [N])."""
+    (NO_TOKEN padded; for the repetition penalty's seen tokens). Returns (rows, first tokens [N], their log-probs
+    [N])."""
     n = targets.shape[0]
-    seen = None
-    if flags.penalty:
-        v = logits.shape[-1]
-        seen = jnp.zeros((n, v), bool).at[jnp.arange(n)[:, None], prompt_tokens].set(True, mode="drop")
+    seen = seen_tokens(prompt_tokens, logits.shape[-1]) if flags.penalty else None
     tokens, logprobs = sample(logits[prompt_of], params, _token_keys(keys, jnp.zeros((n,), jnp.int32)), flags, seen)
     active = ~_stopped(tokens, stop_ids) & (budgets > 1)
     new = Rows(tokens, prompt_lengths, active, budgets - 1, jnp.ones((n,), jnp.int32), keys, params, stop_ids,

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+NO_TOKEN = int(np.iinfo(np.int32).max)  # pads a row of token ids: out of range of any vocabulary (seen_tokens drops it)
 _SEARCH_WAYS = 16  # thresholds tried per pass of the top-k / top-p search
 _SEARCH_PASSES = 8  # 16 ** 8 = 2 ** 32 covers every float32 bit pattern
 
@@ -168,6 +169,13 @@ def apply_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax
     return jnp.where(seen, jnp.where(logits > 0, logits / pen, logits * pen), logits)
 
 
+def seen_tokens(tokens: jax.Array, vocab: int) -> jax.Array:
+    """The repetition penalty's seen mask [N, vocab] bool: True at each row's ids of tokens [N, T] int32, whose
+    unused slots hold NO_TOKEN (a negative pad would wrap around to the last token of the vocabulary)."""
+    n = tokens.shape[0]
+    return jnp.zeros((n, vocab), bool).at[jnp.arange(n)[:, None], tokens].set(True, mode="drop")
+
+
 def filtered_logits(logits: jax.Array, rows: RowParams, flags: SamplerFlags) -> jax.Array:
     """Temperature, top-k, top-p and min-p applied to logits [R, V] float32 (after the penalty): the tempered
     logits with every dropped token at -inf."""
@@ -227,4 +235,4 @@ def filtered_probs(logits, params: Sequence[SamplingParams], seen=None) -> np.nd
 
 
 __all__ = ["SamplingParams", "SamplerFlags", "RowParams", "sample", "apply_penalty", "filtered_logits",
-           "filtered_probs"]
+           "filtered_probs", "seen_tokens", "NO_TOKEN"]
