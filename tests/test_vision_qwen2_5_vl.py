@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from tests.helpers import rel_err  # noqa: E402
 from tests.vl_qwen_models import GRIDS, IMAGE, hf_qwen_vl, image_tokens, inputs  # noqa: E402
+from tests import vl_qwen_models as qm  # noqa: E402
 from unsloth_jax.config import QwenVLConfig  # noqa: E402
 from unsloth_jax.errors import MissingTensorError  # noqa: E402
 from unsloth_jax.hf.vision_qwen_io import load_qwen_vl_model  # noqa: E402
@@ -49,6 +50,38 @@ def test_vision_tower_matches_transformers(checkpoint, ours, rng):
     assert out.shape == (sum(image_tokens(g) for g in GRIDS), 64)
     err = rel_err(out, ref)
     print(f"vision tower relative error {err:.2e}")
+    assert err < 1e-5, err
+
+
+def test_vision_tower_at_the_hub_patch_and_window_sizes(tmp_path, rng):
+    """The released models' patch geometry (patch 14, temporal patch 2, merge 2, window 112 px: 4 x 4 merged tokens;
+    full attention in one block of four) at a tiny width, with grids whose merged sides are not multiples of the
+    window (partial windows at the edges) and a two-frame one: the tower equals transformers' (float32)."""
+    import transformers
+
+    from unsloth_jax import FastVisionModel
+
+    vision = dict(qm.VISION, depth=4, patch_size=14, window_size=112, fullatt_block_indexes=[2])
+    cfg = transformers.Qwen2_5_VLConfig(text_config=dict(qm.TEXT), vision_config=vision, image_token_id=qm.IMAGE,
+                                        video_token_id=qm.VIDEO, vision_start_token_id=qm.VSTART,
+                                        vision_end_token_id=qm.VEND)
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, param in hf.model.visual.named_parameters():
+            param.copy_((1.0 if "norm" in name or "ln_q" in name else 0.0) + 0.08 * torch.randn(param.shape))
+    hf.save_pretrained(tmp_path)
+    ours, _ = FastVisionModel.from_pretrained(tmp_path, dtype="float32", load_processor=False)
+    grids = np.array([[1, 22, 18], [2, 12, 28], [1, 8, 8]])  # merged 11 x 9, 6 x 14 (2 frames), 4 x 4
+    pixels = rng.standard_normal((int(grids.prod(-1).sum()), 3 * 2 * 14 * 14)).astype(np.float32)
+    with torch.no_grad():
+        ref = hf.model.visual(torch.tensor(pixels), grid_thw=torch.tensor(grids)).pooler_output.numpy()
+    out = np.asarray(ours.image_features(pixels, grids))
+    assert out.shape == ref.shape == (int(grids.prod(-1).sum()) // 4, qm.VISION["out_hidden_size"])
+    err = rel_err(out, ref)
+    print(f"vision tower at patch 14 / window 112: relative error {err:.2e}")
     assert err < 1e-5, err
 
 
