@@ -277,7 +277,7 @@ def test_stops_and_bad_input(llama, rng):
 @pytest.mark.parametrize("kind", ["load_in_4bit", "load_in_fp8"])
 def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
     """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the tokens of the
-    contiguous-cache path on the same quantized model."""
+    contiguous-cache path on the same quantized model (up to a near-tie: _assert_greedy_equal_up_to_a_tie)."""
     _, base = llama
     model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False,
                                                  progress=False, **{kind: True})
@@ -285,7 +285,20 @@ def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
     got = Engine(model).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8,
                                [SamplingParams(temperature=0)], (), None, 0)[0, 11:]
-    np.testing.assert_array_equal(got[0].outputs[0].token_ids, want)
+    _assert_greedy_equal_up_to_a_tie(model, prompt, got[0].outputs[0].token_ids, want)
+
+
+def _assert_greedy_equal_up_to_a_tie(model, prompt, got, want, tol: float = 1e-3) -> None:
+    """Two greedy continuations of `prompt` by different computations of one quantized model are equal, or equal
+    up to a step where the model's own forward gives the two tokens they chose logits within tol x the largest
+    |logit| (a near-tie, which the paths' different rounding may break either way; CI saw one in FP8), after which
+    the rest is not compared."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            logits = np.asarray(model(np.asarray([list(prompt) + list(got[:i])], np.int32)))[0, -1]
+            gap, scale = abs(float(logits[a] - logits[b])), float(np.abs(logits).max())
+            assert gap <= tol * scale, f"step {i}: tokens {a} / {b}, logits differ by {gap:.3g} (scale {scale:.3g})"
+            return
 
 
 @pytest.mark.parametrize("impl", ["decode_linear", "paged_attention", "nf4_decode"])
