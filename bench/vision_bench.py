@@ -381,9 +381,8 @@ def record(a, batch: dict, measured: dict) -> dict:
         return {**line, **measured}
     step_s, losses = measured.pop("step_s"), measured.pop("losses")
     timed = step_s[a.warmup:]
-    ms = float(np.median(timed)) * 1e3 if timed else None
-    line.update({"step_ms": None if ms is None else round(ms, 2),
-                 "tokens_per_s": None if ms is None else round(line["real_tokens_per_step"] / (ms / 1e3), 1),
+    ms = float(np.median(timed)) * 1e3  # parse_args asks steps > warmup: never empty
+    line.update({"step_ms": round(ms, 2), "tokens_per_s": round(line["real_tokens_per_step"] / (ms / 1e3), 1),
                  "first_step_s": round(step_s[0], 2), "steps_timed": len(timed),
                  "step_ms_all": [round(t * 1e3, 1) for t in step_s],
                  "loss_first": losses[0], "loss_last": losses[-1],

@@ -18,12 +18,12 @@ import weakref
 
 import numpy as np
 
+from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
 from unsloth_jax.inference.images import ImagePrompt, generate_with_images
 from unsloth_jax.inference.sampling import SamplingParams
-from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration, mrope_positions
 
 log = logging.getLogger("unsloth_jax")
 
@@ -141,14 +141,20 @@ def _eos_and_pad(model, eos_token_id, pad_token_id) -> tuple[tuple[int, ...], in
     return eos, int(pad_token_id)
 
 
-def _row_params(rows: int, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int,
-                min_p: float, repetition_penalty: float, seed: int, eos: tuple[int, ...]) -> list[SamplingParams]:
-    """generate's arguments as one SamplingParams per row (temperature 0 unless do_sample; row i's seed is
-    seed's i-th stream), for the engine and the contiguous paths alike. ValueError names a bad value."""
-    return [SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p),
-                           top_k=int(top_k), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
-                           max_tokens=int(max_new_tokens), stop_token_ids=list(eos), ignore_eos=True,
-                           seed=int(seed) * 1_000_003 + i) for i in range(rows)]
+def _sampling(model, rows: int, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int,
+              min_p: float, repetition_penalty: float, seed: int, eos_token_id, pad_token_id
+              ) -> tuple[list[SamplingParams], tuple[int, ...], int]:
+    """generate's sampling arguments as (one SamplingParams per row, eos ids, pad id), for the engine and the
+    contiguous paths alike: temperature 0 unless do_sample; row i's seed is seed's i-th stream. ValueError names
+    a bad value."""
+    if temperature <= 0 and do_sample:
+        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
+    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
+    params = [SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p),
+                             top_k=int(top_k), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
+                             max_tokens=int(max_new_tokens), stop_token_ids=list(eos), ignore_eos=True,
+                             seed=int(seed) * 1_000_003 + i) for i in range(rows)]
+    return params, eos, pad_token_id
 
 
 def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, temperature: float = 1.0,
@@ -168,13 +174,9 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, te
     b, p = ids.shape
     if max_new_tokens <= 0:
         return ids.astype(np.int64)
-    if temperature <= 0 and do_sample:
-        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
     cfg = model.config
-    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-
-    params = _row_params(b, max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed,
-                         eos)
+    params, eos, pad_token_id = _sampling(model, b, max_new_tokens, do_sample, temperature, top_p, top_k, min_p,
+                                          repetition_penalty, seed, eos_token_id, pad_token_id)
     if _crosses_longrope_switch(cfg, p, max_new_tokens):
         log.warning("unsloth_jax: LongRoPE sequence past original_max_position_embeddings=%d: generating on the "
                     "contiguous-cache path (not the engine)", cfg.rope_original_max_position)
@@ -219,26 +221,19 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     if unknown:
         raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unknown)}")
     ids, mask = _prompt_arrays(input_ids, attention_mask)
-    if _is_qwen_vl(model):
+    if isinstance(model.vl_config, QwenVLConfig):
         if token_type_ids is not None:
             raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
-        prompt = _qwen_image_prompt(model.vl_config, ids, mask, pixel_values, image_grid_thw)
+        prompt = _qwen_image_prompt(model, ids, mask, pixel_values, image_grid_thw)
     else:
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is Qwen2.5-VL's; Gemma 3 takes pixel_values [N, C, H, W]")
         prompt = _gemma_image_prompt(model.vl_config, ids, pixel_values, token_type_ids)
     if max_new_tokens <= 0:
         return ids.astype(np.int64)
-    if temperature <= 0 and do_sample:
-        raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
-    eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
-    params = _row_params(ids.shape[0], max_new_tokens, do_sample, temperature, top_p, top_k, min_p,
-                         repetition_penalty, seed, eos)
+    params, eos, pad_token_id = _sampling(model, ids.shape[0], max_new_tokens, do_sample, temperature, top_p, top_k,
+                                          min_p, repetition_penalty, seed, eos_token_id, pad_token_id)
     return generate_with_images(model, ids, mask, prompt, int(max_new_tokens), params, eos, streamer, pad_token_id)
-
-
-def _is_qwen_vl(model) -> bool:
-    return isinstance(model, Qwen2_5_VLForConditionalGeneration)
 
 
 def _pixels(pixel_values, shape: str, ndim: int) -> np.ndarray:
@@ -276,9 +271,10 @@ def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
     return ImagePrompt(pixels, token_type_ids=types)
 
 
-def _qwen_image_prompt(cfg, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw):
+def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw):
     """Qwen2.5-VL's checked ImagePrompt: pixel_values [patches, C*T*p*p] of the images image_grid_thw [I, 3],
     whose t*h*w / merge^2 tokens each fill ids' [B, P] runs of image_token_id in order; M-RoPE positions."""
+    cfg = model.vl_config
     if np.any(ids == cfg.video_token_id):
         raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
     n_image_tokens = int(np.sum(ids == cfg.image_token_id))
@@ -286,7 +282,7 @@ def _qwen_image_prompt(cfg, ids: np.ndarray, mask: np.ndarray, pixel_values, ima
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is given but pixel_values is None")
         _check_no_image_tokens(n_image_tokens)
-        return ImagePrompt(rope_positions=mrope_positions(cfg, ids, mask))
+        return ImagePrompt(rope_positions=model.rope_positions(ids, mask))
     if image_grid_thw is None:
         raise ValueError("generate: pixel_values needs image_grid_thw [images, 3] (each image's t, h, w patches, "
                          "as the image processor gives it)")
@@ -303,7 +299,7 @@ def _qwen_image_prompt(cfg, ids: np.ndarray, mask: np.ndarray, pixel_values, ima
     if n_image_tokens != needed:
         raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but image_grid_thw's "
                          f"{len(grid)} images need {needed} (t*h*w / {vision.merge_unit} each)")
-    return ImagePrompt(pixels, rope_positions=mrope_positions(cfg, ids, mask, grid), image_grid_thw=grid)
+    return ImagePrompt(pixels, rope_positions=model.rope_positions(ids, mask, grid), image_grid_thw=grid)
 
 
 # transformers' generate arguments generate_vision accepts and ignores

@@ -31,8 +31,8 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.inference.sampling import (NO_TOKEN, RowParams, SamplerFlags, SamplingParams, sample,
-                                            seen_tokens)
+from unsloth_jax.inference.sampling import (NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key,
+                                            sample, seen_tokens, token_keys)
 from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.rope import positions_from_mask
@@ -78,7 +78,7 @@ def row_sampler(params: list[SamplingParams], ids: np.ndarray, mask: np.ndarray,
     rows = ids.shape[0]
     params = list(params) + [params[0]] * (rows - len(params))
     flags = SamplerFlags.of(params)
-    keys = np.stack([np.asarray(jax.random.fold_in(jax.random.PRNGKey(q.seed or 0), 0), np.uint32) for q in params])
+    keys = np.stack([completion_key(q.seed or 0, 0) for q in params])
     seen = None
     if flags.penalty:
         seen = seen_tokens(jnp.asarray(np.where(mask > 0, ids, NO_TOKEN), jnp.int32), vocab)
@@ -89,7 +89,7 @@ def _choose(logits, sampler: RowSampler, generated, done, eos_ids, pad_id, flags
     """Next tokens [B] from logits [B, V] (f32) by inference.sampling.sample (greedy rows: argmax after the
     repetition penalty), the generated-th token of each row. Finished rows get pad_id; a row finishes when it
     emits one of eos_ids. -> (tokens [B] int32, done [B], sampler with the tokens seen)."""
-    keys = jax.vmap(jax.random.fold_in)(sampler.keys, jnp.broadcast_to(jnp.int32(generated), done.shape))
+    keys = token_keys(sampler.keys, jnp.broadcast_to(jnp.int32(generated), done.shape))
     tok, _ = sample(logits, sampler.params, keys, flags, sampler.seen)
     tok = jnp.where(done, pad_id, tok)
     done = done | jnp.any(tok[:, None] == eos_ids[None, :], axis=-1)
@@ -202,23 +202,42 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
         streamer.put(ids.astype(np.int64))
     tok, done, cache, sampler = _prefill_jit(state, jnp.asarray(pids), jnp.asarray(pmask), sampler, eos_arr, pad,
                                              cache_len=t, **common)
+
+    def fed_tokens(out, tok):  # the prompt, the tokens fed so far (out: one [b] per step) and this step's
+        step = len(out)
+        fed = np.zeros((bb, t), np.int32)
+        fed[:, :pb] = pids
+        fed[:b, pb:pb + step] = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
+        fed[b:, pb:pb + step] = fed[0, pb:pb + step]  # the batch's padding rows copy row 0
+        fed[:, pb + step] = np.asarray(tok)
+        return fed
+
+    new = decode_loop(state, cache, tok, done, sampler, n_real, pb, max_new_tokens, eos_arr, pad, common, streamer,
+                      b, rebuild_at=_rebuild_step_index(cfg, p), fed_tokens=fed_tokens)
+    return np.concatenate([ids, new], axis=1).astype(np.int64)
+
+
+def decode_loop(state, cache, tok, done, sampler, first_positions, first_slot: int, max_new_tokens: int, eos_arr, pad,
+                common: dict, streamer, rows: int, *, rebuild_at: int | None = None, fed_tokens=None) -> np.ndarray:
+    """The decode steps after a prefill that gave the first new tokens `tok` [R] (done [R], cache, sampler): step n
+    feeds its token at cache slot first_slot + n and position first_positions [R] + n, the next step dispatched
+    before this one's tokens are read back; it ends after max_new_tokens tokens or when the first `rows` rows
+    (the real ones) are done. At step `rebuild_at` the step is `_rebuild_step` over fed_tokens(the [rows] tokens
+    read so far, one per step; this step's tokens) [R, T]. streamer: put / callable of each step's tokens
+    [rows], end() at the end. Returns the new tokens [rows, steps] int32."""
     out = []
-    rebuild_at = _rebuild_step_index(cfg, p)
     for step in range(max_new_tokens):
         nxt = None
-        if step + 1 < max_new_tokens and step == rebuild_at:
-            fed = np.zeros((bb, t), np.int32)  # the prompt, the tokens fed so far and this step's
-            fed[:, :pb] = pids
-            fed[:b, pb:pb + step] = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
-            fed[b:, pb:pb + step] = fed[0, pb:pb + step]  # the batch's padding rows copy row 0
-            fed[:, pb + step] = np.asarray(tok)
-            nxt = _rebuild_step_jit(state, cache, jnp.asarray(fed), jnp.int32(pb + step), done, sampler,
-                                    jnp.int32(step + 1), eos_arr, pad, **common)
-        elif step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
-            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(n_real + step), jnp.int32(pb + step), done,
-                                   sampler, jnp.int32(step + 1), eos_arr, pad, **common)
-        host_tok = np.asarray(tok)[:b]
-        host_done = np.asarray(done)[:b]
+        if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
+            slot, generated = jnp.int32(first_slot + step), jnp.int32(step + 1)
+            if step == rebuild_at:
+                nxt = _rebuild_step_jit(state, cache, jnp.asarray(fed_tokens(out, tok)), slot, done, sampler,
+                                        generated, eos_arr, pad, **common)
+            else:
+                nxt = _decode_step_jit(state, cache, tok, jnp.asarray(first_positions + step), slot, done, sampler,
+                                       generated, eos_arr, pad, **common)
+        host_tok = np.asarray(tok)[:rows]
+        host_done = np.asarray(done)[:rows]
         out.append(host_tok)
         if streamer is not None:
             (streamer.put if hasattr(streamer, "put") else streamer)(host_tok.astype(np.int64))
@@ -227,8 +246,7 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
         tok, done, cache, sampler = nxt
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
-    new = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
-    return np.concatenate([ids, new], axis=1).astype(np.int64)
+    return np.stack(out, axis=1) if out else np.zeros((rows, 0), np.int32)
 
 
-__all__ = ["generate_contiguous", "bucket", "row_sampler", "RowSampler"]
+__all__ = ["generate_contiguous", "bucket", "decode_loop", "row_sampler", "RowSampler"]

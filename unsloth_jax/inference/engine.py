@@ -35,7 +35,7 @@ from unsloth_jax import ops
 from unsloth_jax.inference import pages as paging
 from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
-from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams
+from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key
 from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
 
 log = logging.getLogger("unsloth_jax")
@@ -209,11 +209,9 @@ class Engine:
                 raise ValueError(f"prompts[{r}]: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} = "
                                  f"{total} exceed max_model_len={self.max_model_len}")
             seed = params.seed if params.seed is not None else self.seed * 1_000_003 + self._requests_seen + r
-            base = np.asarray(jax.random.PRNGKey(seed), np.uint32)
             stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
             for j in range(params.n):
-                key = np.asarray(jax.random.fold_in(base, j), np.uint32)
-                seqs.append(_Sequence(r, j, params, key, stops))
+                seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops))
         self._requests_seen += len(ids)
         return seqs
 

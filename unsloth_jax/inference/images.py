@@ -33,7 +33,7 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.data.vision_loader import pad_patches, patch_bucket
-from unsloth_jax.inference.contiguous import _choose, _decode_step_jit, bucket, row_sampler
+from unsloth_jax.inference.contiguous import _choose, bucket, decode_loop, row_sampler
 from unsloth_jax.inference.sampling import SamplerFlags, SamplingParams
 from unsloth_jax.inference.weights import commit_in_place
 from unsloth_jax.models.attention import Batch
@@ -149,8 +149,8 @@ def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, prompt: Image
     take the images of `prompt` (ImagePrompt, checked by generation.generate_vision; row-major order) by up to
     max_new_tokens tokens -> [B, P + new] int64. params: one SamplingParams per row (temperature 0: greedy;
     top_k, top_p, min_p, repetition_penalty and seed as the engine's); a row stops at its first token of `eos`,
-    later slots hold pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens [B]), or a
-    callable of each step's tokens."""
+    later slots hold pad_token_id; it ends when every row has. streamer: put(prompt) then put(each step's tokens
+    [B]), or a callable of each step's tokens."""
     b, p = ids.shape
     eos_arr = jnp.asarray(eos or (-1,), jnp.int32)
     pb = bucket(p)
@@ -168,22 +168,8 @@ def generate_with_images(model, ids: np.ndarray, mask: np.ndarray, prompt: Image
     tok, done, cache, sampler = _prefill_jit(state, _left_pad(ids, pb), _left_pad(mask, pb),
                                              _left_pad(prompt.token_type_ids, pb), _left_pad(prompt.rope_positions, pb),
                                              pixels, image_kwargs, sampler, eos_arr, pad, cache_len=t, **common)
-    out = []
-    for step in range(max_new_tokens):
-        nxt = None
-        if step + 1 < max_new_tokens:  # dispatch the next step before reading this one back
-            nxt = _decode_step_jit(state, cache, tok, jnp.asarray(first_positions + step), jnp.int32(pb + step),
-                                   done, sampler, jnp.int32(step + 1), eos_arr, pad, **common)
-        host_tok, host_done = np.asarray(tok), np.asarray(done)
-        out.append(host_tok)
-        if streamer is not None:
-            (streamer.put if hasattr(streamer, "put") else streamer)(host_tok.astype(np.int64))
-        if host_done.all() or nxt is None:
-            break
-        tok, done, cache, sampler = nxt
-    if streamer is not None and hasattr(streamer, "end"):
-        streamer.end()
-    new = np.stack(out, axis=1) if out else np.zeros((b, 0), np.int32)
+    new = decode_loop(state, cache, tok, done, sampler, first_positions, pb, max_new_tokens, eos_arr, pad, common,
+                      streamer, b)
     return np.concatenate([ids, new], axis=1).astype(np.int64)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens
+from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens, token_keys
 from unsloth_jax.inference.weights import DecodeWeights, LayerPlan, layer_module
 from unsloth_jax.models.attention import Batch, PagedDecode, PagedPrefill
 
@@ -73,10 +73,6 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, *, plan: LayerP
     return pools, model.logits_from_hidden(model.model.norm(last))
 
 
-def _token_keys(keys, generated):
-    return jax.vmap(jax.random.fold_in)(keys, generated)
-
-
 def _stopped(tokens, stop_ids):
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
@@ -91,7 +87,7 @@ def _start_rows(rows: Rows, logits, prompt_of, targets, prompt_lengths, budgets,
     [N])."""
     n = targets.shape[0]
     seen = seen_tokens(prompt_tokens, logits.shape[-1]) if flags.penalty else None
-    tokens, logprobs = sample(logits[prompt_of], params, _token_keys(keys, jnp.zeros((n,), jnp.int32)), flags, seen)
+    tokens, logprobs = sample(logits[prompt_of], params, token_keys(keys, jnp.zeros((n,), jnp.int32)), flags, seen)
     active = ~_stopped(tokens, stop_ids) & (budgets > 1)
     new = Rows(tokens, prompt_lengths, active, budgets - 1, jnp.ones((n,), jnp.int32), keys, params, stop_ids,
                None if seen is None else seen.at[jnp.arange(n), tokens].set(True))
@@ -121,7 +117,7 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
 
         x, pools = _layers(plan, weights, model, x, rows.lengths[:, None], caches, None, decode=True)
         logits = model.logits_from_hidden(model.model.norm(x[:, 0]))
-        tok, lp = sample(logits, rows.params, _token_keys(rows.keys, rows.generated), flags, rows.seen)
+        tok, lp = sample(logits, rows.params, token_keys(rows.keys, rows.generated), flags, rows.seen)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))
         out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
         budget = rows.budget - live

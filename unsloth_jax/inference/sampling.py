@@ -169,6 +169,17 @@ def apply_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax
     return jnp.where(seen, jnp.where(logits > 0, logits / pen, logits * pen), logits)
 
 
+def completion_key(seed: int, index: int) -> np.ndarray:
+    """The base key [2] uint32 of completion `index` of a request with `seed` (each of its tokens folds in the
+    token's index in the completion: token_keys)."""
+    return np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), index), np.uint32)
+
+
+def token_keys(keys: jax.Array, generated: jax.Array) -> jax.Array:
+    """Per-row keys [R, 2] for the next token: base keys [R, 2] with each row's count of generated tokens [R]."""
+    return jax.vmap(jax.random.fold_in)(keys, generated)
+
+
 def seen_tokens(tokens: jax.Array, vocab: int) -> jax.Array:
     """The repetition penalty's seen mask [N, vocab] bool: True at each row's ids of tokens [N, T] int32, whose
     unused slots hold NO_TOKEN (a negative pad would wrap around to the last token of the vocabulary)."""
@@ -235,4 +246,4 @@ def filtered_probs(logits, params: Sequence[SamplingParams], seen=None) -> np.nd
 
 
 __all__ = ["SamplingParams", "SamplerFlags", "RowParams", "sample", "apply_penalty", "filtered_logits",
-           "filtered_probs", "seen_tokens", "NO_TOKEN"]
+           "filtered_probs", "seen_tokens", "NO_TOKEN", "completion_key", "token_keys"]
