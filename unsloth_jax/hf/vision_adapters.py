@@ -17,12 +17,24 @@ class AdapterLayout:
     """How PEFT names a vision-language family's LoRA modules: `family` for messages; `language_paths` /
     `vision_paths`, the module paths of each tower's layers (under base_model.model., followed by .{i}.) in every
     transformers spelling read; `vision_module`, a vision projection's parent module (the language projections'
-    is mapping.PROJ_MODULE's, as in the text decoders)."""
+    is mapping.PROJ_MODULE's, as in the text decoders); `target_patterns`, per tower (layer-path regex, parent
+    modules regex) for the target_modules regex an exported adapter_config.json carries. The first of each
+    tower's paths is the one an export writes (transformers 5's module names)."""
 
     family: str
     language_paths: tuple[str, ...]
     vision_paths: tuple[str, ...]
     vision_module: Callable[[str], str]
+    target_patterns: dict
+
+    def target_modules_regex(self, language: tuple[str, ...], vision: tuple[str, ...]) -> str:
+        """target_modules for the adapted projections of each tower: one alternative per tower with any."""
+        parts = []
+        for tower, names in (("language", language), ("vision", vision)):
+            if names:
+                path, parents = self.target_patterns[tower]
+                parts.append(rf".*{path}\.\d+\.(?:{parents})\.(?:{'|'.join(names)})")
+        return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
     def paths(self, tower: str) -> tuple[str, ...]:
         return self.language_paths if tower == "language" else self.vision_paths
@@ -51,7 +63,9 @@ GEMMA3_ADAPTER = AdapterLayout(
                                "language_model.layers", "language_model.model.layers"),
     vision_paths=("model.vision_tower.encoder.layers", "model.vision_tower.vision_model.encoder.layers",
                   "vision_tower.encoder.layers", "vision_tower.vision_model.encoder.layers"),
-    vision_module=gemma_vision_module)
+    vision_module=gemma_vision_module,
+    target_patterns={"language": (r"language_model(?:\.model)?\.layers", "self_attn|mlp"),
+                     "vision": (r"vision_tower(?:\.vision_model)?\.encoder\.layers", "self_attn|mlp")})
 
 
 def qwen_vision_module(proj: str) -> str:
@@ -62,7 +76,9 @@ def qwen_vision_module(proj: str) -> str:
 # PEFT's module paths of the decoder layers and vision blocks: transformers 5's module names (hf.vision_qwen_export
 # writes these) and the checkpoint spelling (model.layers, visual.blocks) PEFT on transformers 4 writes
 QWEN_VL_ADAPTER = AdapterLayout("Qwen2.5-VL", language_paths=("model.language_model.layers", "model.layers"),
-                                vision_paths=("model.visual.blocks", "visual.blocks"), vision_module=qwen_vision_module)
+                                vision_paths=("model.visual.blocks", "visual.blocks"), vision_module=qwen_vision_module,
+                                target_patterns={"language": (r"language_model\.layers", "self_attn|mlp"),
+                                                 "vision": (r"visual\.blocks", "attn|mlp")})
 
 
 def adapter_layout(model) -> AdapterLayout:

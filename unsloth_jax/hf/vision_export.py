@@ -23,60 +23,48 @@ import numpy as np
 
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
-from unsloth_jax.hf.mapping import PROJ_MODULE, vision_language_specs
-from unsloth_jax.hf.vision_adapters import gemma_vision_module
+from unsloth_jax.hf.mapping import vision_language_specs
+from unsloth_jax.hf.vision_adapters import adapter_layout
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
 log = logging.getLogger("unsloth_jax")
 
-LANGUAGE_LAYERS = "model.language_model.layers"  # transformers' module path of the decoder layers
-VISION_LAYERS = "model.vision_tower.encoder.layers"  # and of the SigLIP encoder layers
-# module path patterns in the adapter's target_modules regex (transformers 4's vision_model level allowed)
-_TOWER_PATTERNS = {"language": r"language_model(?:\.model)?\.layers",
-                   "vision": r"vision_tower(?:\.vision_model)?\.encoder\.layers"}
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _lora_modules(model) -> list[tuple[str, str, object, int]]:
-    """(tower, module path with {i}, Linear, layers) of every projection carrying a LoRA pair."""
-    lo = model.lora
-    out = []
-    projs = model.projections()
-    for name in lo.target_modules:
-        out.append(("language", f"{LANGUAGE_LAYERS}.{{i}}.{PROJ_MODULE[name]}.{name}", projs[name],
-                    model.config.num_hidden_layers))
-    vision = model.vision_projections()
-    for name in lo.vision_target_modules or ():
-        out.append(("vision", f"{VISION_LAYERS}.{{i}}.{gemma_vision_module(name)}.{name}", vision[name],
-                    model.vl_config.vision.num_hidden_layers))
-    return out
+def _lora_modules(model) -> list[tuple[str, object, int]]:
+    """(module path with {i}, Linear, layers) of every projection carrying a LoRA pair, under transformers 5's
+    module names (the family's AdapterLayout)."""
+    layout, lo = adapter_layout(model), model.lora
+    towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
+              ("vision", lo.vision_target_modules or (), model.vision_projections(),
+               model.vl_config.vision.num_hidden_layers))
+    return [(f"{layout.paths(tower)[0]}.{{i}}.{layout.module(tower, name)}.{name}", lins[name], layers)
+            for tower, names, lins, layers in towers for name in names]
 
 
 def target_modules_regex(model) -> str:
     """adapter_config.json's target_modules: one alternative per tower, matching its adapted modules only."""
     lo = model.lora
-    parts = []
-    for tower, names in (("language", lo.target_modules), ("vision", lo.vision_target_modules or ())):
-        if names:
-            parts.append(rf".*{_TOWER_PATTERNS[tower]}\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(names)})")
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+    return adapter_layout(model).target_modules_regex(tuple(lo.target_modules), tuple(lo.vision_target_modules or ()))
 
 
-def _check_exportable(model) -> None:
+def check_exportable(model, what: str) -> None:
+    """ConfigError unless the model has a LoRA adapter export can write; `what` names it in the message."""
     lo = model.lora
     if lo is None:
         raise ConfigError("the model has no LoRA adapter to save; call FastVisionModel.get_peft_model first")
     if lo.modules_to_save or lo.bias != "none":
-        raise ConfigError("saving a vision-language adapter with modules_to_save or trained biases is not supported "
-                          "yet; use get_peft_model(..., bias='none') without modules_to_save")
+        raise ConfigError(f"saving a {what} adapter with modules_to_save or trained biases is not supported yet; use "
+                          "get_peft_model(..., bias='none') without modules_to_save")
 
 
 def adapter_entries(model) -> list:
     """The adapter's tensors: lora_A [r, in] / lora_B [out, r] float32 per layer under PEFT's names."""
     f32 = np.dtype(np.float32)
     entries = []
-    for _, path, lin, layers in _lora_modules(model):
+    for path, lin, layers in _lora_modules(model):
         a, b = lin.lora_a[...], lin.lora_b[...]
         for i in range(layers):
             p = "base_model.model." + path.format(i=i)
@@ -104,7 +92,7 @@ def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_pa
     """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(Gemma3ForConditionalGeneration, out_dir)`
     loads: adapter_config.json (target_modules a regex, module docstring) and adapter_model.safetensors, plus the
     processor when given."""
-    _check_exportable(model)
+    check_exportable(model, "vision-language")
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
     write_adapter_dir(out_dir, config, adapter_entries(model), processor)
