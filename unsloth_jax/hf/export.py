@@ -545,29 +545,39 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
     return raw
 
 
-def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype,
-                  copy_tokenizer: bool = True, fold_lora: bool = True) -> None:
-    limit = parse_size(max_shard_size)
-    config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
-    entries = merged_entries(model, out_dtype, fold_lora)
+def write_shards(directory: Path, entries: list[_Entry], limit: int) -> None:
+    """entries as model.safetensors, or as shards of at most `limit` bytes with transformers' index, in
+    directory."""
     shards = plan_shards(entries, limit)
     meta = {"format": "pt"}
     if len(shards) == 1:
         write_safetensors_stream(directory / "model.safetensors", shards[0], meta)
-    else:
-        weight_map = {}
-        for k, shard in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors_stream(directory / fname, shard, meta)
-            weight_map.update({e.name: fname for e in shard})
-        n_params = sum(int(np.prod(e.shape, dtype=np.int64)) for e in entries)
-        _write_json(directory / INDEX_NAME, {
-            "metadata": {"total_parameters": n_params, "total_size": sum(e.nbytes for e in entries)},
-            "weight_map": weight_map})
-    _write_json(directory / "config.json", config)
-    src = Path(model.model_dir)
-    if src.is_dir() and (src / "generation_config.json").is_file():
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors_stream(directory / fname, shard, meta)
+        weight_map.update({e.name: fname for e in shard})
+    n_params = sum(int(np.prod(e.shape, dtype=np.int64)) for e in entries)
+    _write_json(directory / INDEX_NAME, {
+        "metadata": {"total_parameters": n_params, "total_size": sum(e.nbytes for e in entries)},
+        "weight_map": weight_map})
+
+
+def copy_generation_config(model, directory: Path) -> None:
+    """The model's source generation_config.json into directory, when it has one."""
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    if src is not None and (src / "generation_config.json").is_file():
         shutil.copyfile(src / "generation_config.json", directory / "generation_config.json")
+
+
+def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: np.dtype,
+                  copy_tokenizer: bool = True, fold_lora: bool = True) -> None:
+    limit = parse_size(max_shard_size)
+    config = _merged_config(model, out_dtype)  # fail early, before writing gigabytes
+    write_shards(directory, merged_entries(model, out_dtype, fold_lora), limit)
+    _write_json(directory / "config.json", config)
+    copy_generation_config(model, directory)
     if tokenizer is not None or copy_tokenizer:
         _write_tokenizer(model, directory, tokenizer)
 

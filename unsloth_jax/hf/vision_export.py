@@ -15,7 +15,6 @@ the layouts the loader (hf.vision_io) reads back. Both are written through expor
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -151,22 +150,10 @@ def write_merged_checkpoint(model, out_dir, entries: list, config: dict, process
     """Write a vision-language model's merged checkpoint into out_dir (atomically, replacing an earlier merged
     save): `entries` (export._Entry, the tensors) in shards of at most max_shard_size with the index,
     config.json, the source's generation_config.json and the processor (given, else the source's files)."""
-    shards = export.plan_shards(entries, export.parse_size(max_shard_size))
-    with export.atomic_directory(out_dir, re.compile(export._MERGED_ARTIFACTS.pattern)) as tmp:
-        if len(shards) == 1:
-            export.write_safetensors_stream(tmp / "model.safetensors", shards[0], {"format": "pt"})
-        else:
-            weight_map = {}
-            for k, shard in enumerate(shards):
-                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                export.write_safetensors_stream(tmp / fname, shard, {"format": "pt"})
-                weight_map.update({e.name: fname for e in shard})
-            export._write_json(tmp / export.INDEX_NAME, {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                                                         "weight_map": weight_map})
+    with export.atomic_directory(out_dir, export._MERGED_ARTIFACTS) as tmp:
+        export.write_shards(tmp, entries, export.parse_size(max_shard_size))
         export._write_json(tmp / "config.json", config)
-        src = Path(model.model_dir) if model.model_dir is not None else None
-        if src is not None and (src / "generation_config.json").is_file():
-            shutil.copyfile(src / "generation_config.json", tmp / "generation_config.json")
+        export.copy_generation_config(model, tmp)
         _save_processor(model, tmp, processor)
 
 
