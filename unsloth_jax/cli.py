@@ -633,11 +633,12 @@ def _is_vision_model(model_name) -> bool:
     """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
     Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
     Qwen2.5-VL ("qwen2_5_vl")."""
-    from unsloth_jax.config import QWEN_VL_MODEL_TYPES
+    from unsloth_jax.config import QWEN_VL_MODEL_TYPES, read_config_json
+    from unsloth_jax.errors import UnslothJaxError
 
     try:
-        cfg = json.loads((Path(model_name) / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg, _ = read_config_json(model_name)
+    except (UnslothJaxError, OSError):
         return False
     if not isinstance(cfg, dict):
         return False
