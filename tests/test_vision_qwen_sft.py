@@ -223,3 +223,36 @@ def test_micro_batches_with_different_patch_buckets_stack(checkpoint):
             np.testing.assert_array_equal(out["vision_" + key][a, :len(value)], value)
         assert (out["vision_window_ids"][a, n:] == PAD_SEGMENT).all()
         np.testing.assert_array_equal(out["mrope_positions"][a], m["mrope_positions"])
+
+
+def test_processor_is_built_without_torchvision(checkpoint, tmp_path):
+    """A Qwen2.5-VL folder with processor files as transformers writes them (processor_class Qwen2_5_VLProcessor):
+    without torchvision (this venv's case, and a JAX user's usual one) transformers' AutoProcessor cannot build its
+    video half; FastVisionModel.from_pretrained still returns a processor (images only) whose ids, pixel values
+    and grids equal the reference processor's, and the collator runs on it."""
+    import json
+    import shutil
+
+    from unsloth_jax import FastVisionModel, UnslothVisionDataCollator
+
+    path, _ = checkpoint
+    folder = tmp_path / "qwen_with_processor"
+    shutil.copytree(path, folder)
+    reference = qm.processor()
+    reference.save_pretrained(folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["processor_class"] = "Qwen2_5_VLProcessor"  # what transformers writes for the released models
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    model, processor = FastVisionModel.from_pretrained(folder, dtype="float32")
+    assert processor is not None
+    records = squares([[(16, 24)], [(24, 24), (8, 16)]])
+    texts = [reference.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    assert [processor.apply_chat_template(r["messages"], tokenize=False) for r in records] == texts
+    ours = processor(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    ref = reference(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw"):
+        np.testing.assert_array_equal(ours[key], ref[key])
+    batch = UnslothVisionDataCollator(model, processor)(records)
+    assert batch["pixel_values"].shape == ref["pixel_values"].shape
+    with pytest.raises(ValueError, match="videos"):
+        processor(text=texts, videos=[np.zeros((2, 16, 16, 3), np.uint8)])

@@ -496,8 +496,17 @@ def _load_processor(model_dir: Path):
 
         return AutoProcessor.from_pretrained(str(model_dir))
     except (OSError, ValueError, ImportError) as e:
-        log.warning("unsloth_jax: no usable processor in %s (%s); returning None", model_dir, e)
-        return None
+        first = e
+    # transformers' Qwen2.5-VL processor fails without torchvision (its video half): build it without videos
+    from unsloth_jax.hf.processors import IMAGE_ONLY_TYPES, folder_model_type, image_only_processor
+
+    if folder_model_type(model_dir) in IMAGE_ONLY_TYPES:
+        try:
+            return image_only_processor(model_dir)
+        except (OSError, ValueError, ImportError) as e:
+            first = f"{first}; without its video processor: {e}"
+    log.warning("unsloth_jax: no usable processor in %s (%s); returning None", model_dir, first)
+    return None
 
 
 # ---- Qwen2.5-VL (models.vision_qwen2_5, hf.vision_qwen_io, hf.vision_qwen_export) ----

@@ -280,6 +280,15 @@ def chosen_impls(policy: Policy | None = None) -> dict[str, str]:
 # (BENCHMARKS.md holds the measurements). "auto" runs a kernel only where its predicate holds. Each kernel module's
 # docstring opens with where it wins and this default (tests/test_kernel_defaults.py holds the two together).
 _BF16 = jnp.dtype(jnp.bfloat16)
+
+
+def flash_head_dim(head_dim: int) -> int | None:
+    """The head dim the flash kernel runs a call of `head_dim` at: the smallest of 64, 128, 256 that holds it
+    (q, k, v zero-padded up to it: the scores and the output's first head_dim columns are unchanged), or None
+    above 256."""
+    return next((d for d in (64, 128, 256) if head_dim <= d), None)
+
+
 PALLAS_WINS = {
     # bf16 RMSNorm at the hidden sizes measured (Qwen2-1.5B, Llama-3-8B); other sizes were not measured in a step.
     "rms_norm": lambda x: x.dtype == _BF16 and x.shape[-1] in (1536, 4096),
@@ -292,9 +301,11 @@ PALLAS_WINS = {
     "linear": lambda x: False,
     # Fused linear cross-entropy: faster and a tenth of the memory of the chunked XLA loss.
     "cross_entropy": lambda h: h.dtype == _BF16,
-    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding); timed at
-    # head_dim 128 and 256 (64 by inference: see pallas_kernels/flash_attention.py).
-    "attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
+    # Flash attention serves the 16-bit calls cuDNN cannot (softcap, packing segments, left padding, Gemma 3's
+    # image blocks, the vision towers' windows); timed at head_dim 128 and 256 (64 by inference: see
+    # pallas_kernels/flash_attention.py). Other head dims up to 256 run zero-padded to the next of those
+    # (the vision towers' 72 and 80: 128), where XLA's alternative is a dense [S, S] mask and scores.
+    "attention": lambda q: q.dtype in (_BF16, jnp.float16) and flash_head_dim(q.shape[-1]) is not None,
     # The generation engine's decode kernels (BENCHMARKS.md, "Generation engine, 2026-12-04"): with both, the
     # Qwen2-1.5B decode step at 16 rows took 2.99 ms against 4.46 ms for XLA's page gather and slice copies.
     "paged_attention": lambda q: q.dtype in (_BF16, jnp.float16) and q.shape[-1] in (64, 128, 256),
@@ -601,6 +612,37 @@ def _cudnn_serves(q: jax.Array) -> bool:
     return q.dtype in (_BF16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
 
 
+def _flash(q, k, v, *, scale, causal, window, softcap, kv_valid, segment_ids, block_ids):
+    """ops.attention's call of the Pallas flash kernel (full sequence): padding (kv_valid) becomes its own segment,
+    a head dim the kernel has no tiles for is zero-padded (flash_head_dim) and the output sliced back."""
+    from pallas_kernels.flash_attention import flash_attention
+
+    _note("attention", "pallas")
+    segments = segment_ids
+    if kv_valid is not None:  # padding tokens get their own segment (id 0 never matches a real token's)
+        valid = kv_valid.astype(jnp.int32)
+        segments = valid if segments is None else jnp.where(valid > 0, segments + 1, 0)
+    d = q.shape[-1]
+    padded = flash_head_dim(d) or d
+    ids = tuple(a for a in (segments, block_ids) if a is not None)
+
+    def flash(q, k, v, *ids):
+        pad = ((0, 0),) * 3 + ((0, padded - d),)
+        if padded != d:
+            q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+        it = iter(ids)
+        masks = {}
+        if segments is not None:
+            masks["segment_ids"] = next(it)
+        if block_ids is not None:
+            masks["block_ids"] = next(it)
+        out = flash_attention(q, k, v, causal=causal, sliding_window=window, softcap=softcap, sm_scale=scale,
+                              **masks)
+        return out[..., :d] if padded != d else out
+
+    return per_batch_shard(flash, (q, k, v) + ids)
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -620,8 +662,8 @@ def attention(
     """Multi-head attention with GQA. q [B,Sq,Hq,D], k/v [B,Skv,Hkv,D] -> [B,Sq,Hq,D] in q.dtype.
 
     block_ids [B, S] (full-sequence calls only): bidirectional blocks on top of the causal mask (see
-    attention_mask; Gemma 3's image tokens). Calls with block_ids run on XLA (TODO: neither cuDNN nor the flash
-    kernel takes such a mask).
+    attention_mask; Gemma 3's image tokens): the flash kernel where it serves the call, else XLA (cuDNN takes no
+    such mask).
 
     kv_lengths [B] int32, when given, says the padding is on the right (training batches): tokens at or past
     the length are padding. sinks [Hq] (gpt-oss): a learned logit per head added to every softmax denominator
@@ -638,9 +680,13 @@ def attention(
     # (pallas_kernels/flash_attention.py) takes attention sinks, so calls with sinks run on XLA, which
     # materialises the [B, H, S, S] scores. A flash kernel that adds exp(sink - m) to its running denominator
     # (or returns its log-sum-exp, so out * sigmoid(lse - sink) corrects it) would serve them.
+    flash = dict(scale=scale, causal=causal, window=window, softcap=softcap, kv_valid=kv_valid,
+                 segment_ids=segment_ids, block_ids=block_ids)
     if block_ids is not None:
         if not full_sequence:
             raise ValueError("attention: block_ids needs a full-sequence call (no cache, q_len == kv_len)")
+        if impl != "cudnn" and sinks is None and use_pallas("attention", q):
+            return _flash(q, k, v, **flash)
         _note("attention", "xla")
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                               segment_ids=segment_ids, block_ids=block_ids)
@@ -658,18 +704,7 @@ def attention(
             query_seq_lengths=kv_lengths, key_value_seq_lengths=kv_lengths,
         )
     if impl != "cudnn" and use_pallas("attention", q) and full_sequence:
-        from pallas_kernels.flash_attention import flash_attention
-
-        _note("attention", "pallas")
-        segments = segment_ids
-        if kv_valid is not None:  # padding tokens get their own segment (id 0 never matches a real token's)
-            valid = kv_valid.astype(jnp.int32)
-            segments = valid if segments is None else jnp.where(valid > 0, segments + 1, 0)
-        def flash(q, k, v, *segments):
-            return flash_attention(q, k, v, causal=causal, segment_ids=segments[0] if segments else None,
-                                   sliding_window=window, softcap=softcap, sm_scale=scale)
-
-        return per_batch_shard(flash, (q, k, v) + (() if segments is None else (segments,)))
+        return _flash(q, k, v, **flash)
     _note("attention", "xla")
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_valid=kv_valid,
                           segment_ids=segment_ids, q_offset=q_offset)

@@ -25,12 +25,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.backend import is_tracer
 from unsloth_jax.config import VisionConfig, VisionLanguageConfig
 from unsloth_jax.models.decoder import CausalLM, call_inputs
-from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, checkpointed
 from unsloth_jax.models.layers import Embedding, Linear, RMSNorm
 
 VISION_PROJS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")  # the vision layers' Linears by HF name
@@ -102,18 +103,21 @@ class VisionEncoderLayer(nnx.Module):
 
 
 class VisionEncoder(nnx.Module):
-    """The Lv encoder layers, one `VisionEncoderLayer` with variables stacked on axis 0, run by a lax.scan."""
+    """The Lv encoder layers, one `VisionEncoderLayer` with variables stacked on axis 0, run by a lax.scan; each
+    layer under the language model's LayerStackPolicy (its per-layer checkpoint and offload), so the backward pass
+    keeps one input per layer instead of every activation."""
 
     def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.layers = VisionEncoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, policy: LayerStackPolicy = NO_REMAT) -> jax.Array:
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer_state):
+            h = checkpoint_name(h, "layer_input")
             return nnx.merge(graphdef, layer_state)(h), None
 
-        return jax.lax.scan(body, x, state)[0]
+        return jax.lax.scan(checkpointed(body, policy), x, state)[0]
 
 
 class VisionEmbeddings(nnx.Module):
@@ -147,9 +151,11 @@ class VisionTower(nnx.Module):
         self.encoder = VisionEncoder(cfg, dtype=dtype, rngs=rngs)
         self.post_layernorm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
 
-    def __call__(self, pixel_values: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """pixel_values [N, C, H, W] -> last hidden state [N, P, Dv] in `dtype`."""
-        return self.post_layernorm(self.encoder(self.embeddings(pixel_values, dtype)))
+    def __call__(self, pixel_values: jax.Array, dtype=jnp.float32,
+                 policy: LayerStackPolicy = NO_REMAT) -> jax.Array:
+        """pixel_values [N, C, H, W] -> last hidden state [N, P, Dv] in `dtype`; policy: the encoder layers'
+        remat (VisionEncoder)."""
+        return self.post_layernorm(self.encoder(self.embeddings(pixel_values, dtype), policy))
 
 
 class MultiModalProjector(nnx.Module):
@@ -211,11 +217,14 @@ class Gemma3ForConditionalGeneration(CausalLM):
         layer = self.vision_tower.encoder.layers
         return {name: getattr(layer.self_attn if name.endswith("proj") else layer.mlp, name) for name in VISION_PROJS}
 
-    def image_features(self, pixel_values: jax.Array) -> jax.Array:
-        """pixel_values [N, C, H, W] -> soft tokens [N, mm_tokens_per_image, D] in the compute dtype."""
-        return self.multi_modal_projector(self.vision_tower(jnp.asarray(pixel_values), self.dtype))
+    def image_features(self, pixel_values: jax.Array, policy: LayerStackPolicy | str = NO_REMAT) -> jax.Array:
+        """pixel_values [N, C, H, W] -> soft tokens [N, mm_tokens_per_image, D] in the compute dtype; policy: the
+        tower's remat (a LayerStackPolicy or its name)."""
+        policy = LayerStackPolicy.parse(policy, argument="remat_mode")
+        return self.multi_modal_projector(self.vision_tower(jnp.asarray(pixel_values), self.dtype, policy))
 
-    def embed_with_images(self, input_ids: jax.Array, pixel_values: jax.Array | None) -> jax.Array:
+    def embed_with_images(self, input_ids: jax.Array, pixel_values: jax.Array | None,
+                          policy: LayerStackPolicy | str = NO_REMAT) -> jax.Array:
         """input_ids [B, S] -> [B, S, D]: token embeddings (times sqrt(D)), the image features (unscaled) at the
         image-token positions. An image token id outside the vocabulary embeds row 0 before being replaced."""
         cfg = self.vl_config
@@ -224,7 +233,7 @@ class Gemma3ForConditionalGeneration(CausalLM):
         x = self.model.embed(ids, self.dtype)
         if pixel_values is None:
             return x
-        feats = self.image_features(pixel_values)
+        feats = self.image_features(pixel_values, policy)
         return merge_image_features(x, is_image, feats.reshape(-1, feats.shape[-1]))
 
     def hidden_states(self, input_ids: jax.Array, batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
@@ -233,7 +242,7 @@ class Gemma3ForConditionalGeneration(CausalLM):
         [N, C, H, W] at the image tokens (batch.block_ids for their bidirectional attention)."""
         if router_stats:
             raise ValueError("router_stats: Gemma 3 has no mixture-of-experts layers")
-        x = self.embed_with_images(input_ids, pixel_values)
+        x = self.embed_with_images(input_ids, pixel_values, remat_mode)
         return self.model(None, batch, remat_mode=remat_mode, dtype=self.dtype, inputs_embeds=x)
 
     def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *, pixel_values=None,

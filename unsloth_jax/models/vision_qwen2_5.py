@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
 from unsloth_jax.backend import is_tracer
 from unsloth_jax.config import QwenVisionConfig, QwenVLConfig
 from unsloth_jax.models.decoder import CausalLM, call_inputs
-from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, checkpointed
 from unsloth_jax.models.layers import Linear, RMSNorm
 from unsloth_jax.models.rope import mrope_tables
 from unsloth_jax.models.vision import merge_image_features
@@ -257,10 +258,13 @@ class QwenVisionTower(nnx.Module):
         return jnp.cos(emb), jnp.sin(emb)
 
     def __call__(self, pixel_values: jax.Array, image_grid_thw=None, dtype=jnp.float32, *,
-                 layout: dict | None = None) -> jax.Array:
+                 layout: dict | None = None, policy: LayerStackPolicy = NO_REMAT) -> jax.Array:
         """pixel_values [N, C*T*p*p] float, image_grid_thw [I, 3] (numpy) -> image features [N / merge^2, D] in
         `dtype`, in the order of pixel_values' merge units (the language tokens' order). layout (vision_layout's
-        arrays, possibly traced) replaces image_grid_thw."""
+        arrays, possibly traced) replaces image_grid_thw. policy: each block's remat (the language model's
+        LayerStackPolicy: its per-layer checkpoint and offload). Attention runs over all patches as one sequence
+        with segment ids (a window, or a frame in the full-attention blocks): the flash kernel on a GPU, which
+        visits only the key blocks whose segments meet the query block's."""
         cfg = self.cfg
         if layout is None:
             if image_grid_thw is None:
@@ -280,10 +284,11 @@ class QwenVisionTower(nnx.Module):
 
         def body(h, xs):
             block_state, is_full = xs
+            h = checkpoint_name(h, "layer_input")
             segments = jnp.where(is_full, frames, windows)
             return nnx.merge(graphdef, block_state)(h, cos, sin, segments), None
 
-        x = jax.lax.scan(body, x, (state, jnp.asarray(full)))[0]
+        x = jax.lax.scan(checkpointed(body, policy), x, (state, jnp.asarray(full)))[0]
         return self.merger(x)[jnp.asarray(layout["restore"])]
 
 
@@ -304,22 +309,24 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         return {name: getattr(blocks.attn if name in ("qkv", "proj") else blocks.mlp, name)
                 for name in QWEN_VISION_PROJS}
 
-    def image_features(self, pixel_values: jax.Array, image_grid_thw=None, *, layout=None) -> jax.Array:
+    def image_features(self, pixel_values: jax.Array, image_grid_thw=None, *, layout=None,
+                       policy: LayerStackPolicy | str = NO_REMAT) -> jax.Array:
         """pixel_values [N, C*T*p*p], image_grid_thw [I, 3] (or `layout`, vision_layout's arrays) -> [N / merge^2,
-        D] in the compute dtype."""
-        return self.visual(jnp.asarray(pixel_values), image_grid_thw, self.dtype, layout=layout)
+        D] in the compute dtype; policy: the tower's remat (a LayerStackPolicy or its name)."""
+        policy = LayerStackPolicy.parse(policy, argument="remat_mode")
+        return self.visual(jnp.asarray(pixel_values), image_grid_thw, self.dtype, layout=layout, policy=policy)
 
     def vision_layout(self, image_grid_thw) -> dict[str, np.ndarray]:
         """The vision tower's host-side layout (vision_layout) of images image_grid_thw [I, 3]."""
         return vision_layout(self.vl_config.vision, image_grid_thw)
 
     def embed_with_images(self, input_ids: jax.Array, pixel_values=None, image_grid_thw=None, *,
-                          layout=None) -> jax.Array:
+                          layout=None, policy: LayerStackPolicy | str = NO_REMAT) -> jax.Array:
         """input_ids [B, S] -> [B, S, D]: token embeddings, the image features at the image_token_id positions."""
         x = self.model.embed(input_ids, self.dtype)
         if pixel_values is None:
             return x
-        feats = self.image_features(pixel_values, image_grid_thw, layout=layout)
+        feats = self.image_features(pixel_values, image_grid_thw, layout=layout, policy=policy)
         # a layout may come with padding patches (padded_vision_layout): their features trail the real ones
         return merge_image_features(x, input_ids == self.vl_config.image_token_id, feats, padded=layout is not None)
 
@@ -335,7 +342,7 @@ class Qwen2_5_VLForConditionalGeneration(CausalLM):
         RoPE, right for text without images); vision_layout replaces image_grid_thw for the tower (traceable)."""
         if router_stats:
             raise ValueError("router_stats: Qwen2.5-VL has no mixture-of-experts layers")
-        x = self.embed_with_images(input_ids, pixel_values, image_grid_thw, layout=vision_layout)
+        x = self.embed_with_images(input_ids, pixel_values, image_grid_thw, layout=vision_layout, policy=remat_mode)
         if mrope_positions is None:
             mrope_positions = jnp.broadcast_to(batch.positions[None], (3, *batch.positions.shape))
         cos, sin = mrope_tables(self.config, jnp.asarray(mrope_positions), self.vl_config.mrope_section)
