@@ -158,7 +158,7 @@ def run_default(quick: bool, seqs=None, tokens: int = 16384, softcap_only: bool 
 def _kernel_inputs(st, b, s, hq, hkv, d, dtype):
     """Inputs of the three kernels (the forward's lse and delta computed once with the table's config)."""
     q, k, v, do = _inputs(b, s, hq, hkv, d, dtype)
-    o, lse = jax.jit(lambda *a: _fwd_call(*a, None, None, st))(q, k, v)
+    o, lse = jax.jit(lambda *a: _fwd_call(*a, None, None, None, st))(q, k, v)
     delta = _delta(o, do)
     return {"fwd": (q, k, v), "dkdv": (q, k, v, do, lse, delta), "dq": (q, k, v, do, lse, delta)}
 
@@ -166,9 +166,9 @@ def _kernel_inputs(st, b, s, hq, hkv, d, dtype):
 def _kernel_fn(kernel, st):
     """A jitted single-kernel callable, to time one kernel at a time."""
     if kernel == "fwd":
-        return jax.jit(lambda q_, k_, v_: _fwd_call(q_, k_, v_, None, None, st))
+        return jax.jit(lambda q_, k_, v_: _fwd_call(q_, k_, v_, None, None, None, st))
     call = _dkdv_call if kernel == "dkdv" else _dq_call
-    return jax.jit(lambda q_, k_, v_, do_, l_, d_: call(q_, k_, v_, do_, l_, d_, None, None, st))
+    return jax.jit(lambda q_, k_, v_, do_, l_, d_: call(q_, k_, v_, do_, l_, d_, None, None, None, st))
 
 
 # Matmul work of each kernel in units of the forward's (2 matmuls): dK/dV recomputes S and dP and does

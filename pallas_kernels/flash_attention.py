@@ -7,9 +7,17 @@ attention (BENCHMARKS.md, "Flash attention (Pallas) vs cuDNN and XLA, 2026-11-29
 segments, left padding) with head_dim 64, 128 or 256. head_dim 64 was not timed: XLA's path materialises the same
 [S, S] scores at any D, so the kernel's lead, larger at D=128 than at D=256, is taken to hold there.
 
-`flash_attention(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret)`:
+`flash_attention(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret, block_ids)`:
 q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query head h
 reads KV head h // (Hq // Hkv), HF's repeat_kv order, without repeating K/V in memory).
+
+block_ids [B, S] (Gemma 3's images): -1 for ordinary tokens, one id >= 0 per contiguous run of image tokens;
+with causal masking, a query also sees the later keys of its own run (window and segment ids still apply), as
+`unsloth_jax.ops.attention_mask(..., block_ids=...)`, without any [S, S] mask. XLA summarises, per row block,
+which column blocks share an id >= 0 (per-block min/max of the ids, like segment ids); the forward and dQ
+kernels stretch their last (masked) range to the furthest key block a row block's runs reach, the dK/dV
+kernel its first (masked) range back to the earliest query block that reaches its keys. Only masked blocks
+read the ids. Without block_ids the operands are None and the kernels are the plain ones.
 
 Kernels (three `pl.pallas_call`s, no atomics):
 - forward, grid (q blocks, B, Hq): online softmax in base 2 (log2(e) folded into the score scale); writes the
@@ -24,9 +32,9 @@ delta = rowsum(dO * O) is one fused XLA reduction ahead of the two backward kern
 Every loop over blocks is split in three ranges: blocks on the lower edge of the sliding window (masked),
 blocks fully inside (no position mask at all; only the segment mask when segment ids are given), and blocks on
 the causal diagonal or the ragged end of the sequence (masked). Blocks outside (causal upper triangle, behind
-the window) are never visited, nor are blocks whose segment-id range cannot meet the current block's (a
-per-block min/max summary computed by XLA, so packed sequences skip the cross-document blocks). Ragged
-sequence ends are handled with masked loads of power-of-two blocks.
+the window) are never visited, but for the image-block reach above, nor are blocks whose segment-id range
+cannot meet the current block's (a per-block min/max summary computed by XLA, so packed sequences skip the
+cross-document blocks). Ragged sequence ends are handled with masked loads of power-of-two blocks.
 
 Masked scores are -inf; the running max starts at a finite -1e30, so fully masked rows never produce NaN:
 they get output 0, log-sum-exp +inf (so recomputed probabilities are exactly 0) and zero gradients.
@@ -159,8 +167,12 @@ def _scores(s, st: _Static):
     return t * (st.softcap * LOG2E), t
 
 
-def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool, check_k: bool):
-    """Boolean keep-mask from broadcastable query/key positions; None when nothing is masked."""
+def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool, check_k: bool, qblk=None,
+          kblk=None):
+    """Boolean keep-mask from broadcastable query/key positions; None when nothing is masked.
+
+    qblk/kblk (block ids, only with causal and `positions`): a key past the query stays visible when both
+    share a block id >= 0."""
     m = None
     if positions:
         if check_q:
@@ -168,7 +180,10 @@ def _mask(qpos, kpos, qseg, kseg, st: _Static, *, positions: bool, check_q: bool
         if check_k:
             m = and_masks(m, kpos < st.seq_len)
         if st.causal:
-            m = and_masks(m, qpos >= kpos)
+            past = qpos >= kpos
+            if qblk is not None:
+                past = past | ((qblk == kblk) & (qblk >= 0))
+            m = and_masks(m, past)
         if st.window is not None:
             m = and_masks(m, (qpos - kpos) < st.window)
     if qseg is not None:
@@ -261,6 +276,58 @@ def _segment_block_ranges(row_ids, col_ids, seq_len: int, b_rows: int, b_cols: i
     return jnp.stack([lo, hi], axis=1).astype(jnp.int32)
 
 
+def _image_block_hits(row_ids, col_ids, seq_len: int, b_rows: int, b_cols: int):
+    """bool [B, n_row_blocks, n_col_blocks]: the row block and the column block may hold a common block id >= 0.
+
+    From per-block min/max of the ids >= 0 (a block without any has min > max, so it meets nothing):
+    conservative for any ids, exact for image_block_ids' runs (consecutive ids increasing along the row).
+    """
+    big = jnp.int32(jnp.iinfo(jnp.int32).max)
+
+    def blocks(ids, size):
+        n = cdiv(seq_len, size)
+        ids = jnp.pad(ids, ((0, 0), (0, n * size - seq_len)), constant_values=-1).reshape(ids.shape[0], n, size)
+        return jnp.where(ids >= 0, ids, big).min(axis=-1), ids.max(axis=-1)
+
+    rmin, rmax = blocks(row_ids, b_rows)
+    cmin, cmax = blocks(col_ids, b_cols)
+    return (rmin[:, :, None] <= cmax[:, None, :]) & (cmin[:, None, :] <= rmax[:, :, None])
+
+
+def _image_reach_forward(blk, seq_len: int, bq: int, bk: int):
+    """int32 [B, nq]: per query block, one past the furthest key block its image blocks reach (0: none). The
+    forward and dQ kernels extend their causal range [.., hi) to at least this."""
+    hit = _image_block_hits(blk, blk, seq_len, bq, bk)
+    nk = hit.shape[-1]
+    last = nk - jnp.argmax(hit[..., ::-1], axis=-1)
+    return jnp.where(hit.any(axis=-1), last, 0).astype(jnp.int32)
+
+
+def _image_reach_backward(blk, seq_len: int, bk: int, bq: int):
+    """int32 [B, nk]: per key block, the earliest query block whose image blocks reach it (nq: none). The dK/dV
+    kernel starts its causal range [lo, ..) at most there."""
+    hit = _image_block_hits(blk, blk, seq_len, bk, bq)
+    nq = hit.shape[-1]
+    return jnp.where(hit.any(axis=-1), jnp.argmax(hit, axis=-1), nq).astype(jnp.int32)
+
+
+def _extend_hi(ranges, ext_ref, block):
+    """(lo, b, c, hi) with the last (masked) range stretched to the image-block reach of row block `block`."""
+    lo, b, c, hi = ranges
+    if ext_ref is None:
+        return ranges
+    return lo, b, c, jnp.maximum(hi, plgpu.load(ext_ref.at[block]))
+
+
+def _extend_lo(ranges, ext_ref, block):
+    """(lo, b, c, hi) with the first (masked) range stretched back to the image-block reach of key block
+    `block` (dK/dV)."""
+    lo, b, c, hi = ranges
+    if ext_ref is None:
+        return ranges
+    return jnp.minimum(lo, plgpu.load(ext_ref.at[block])), b, c, hi
+
+
 def _clamp_to_segments(ranges, rng_ref, block):
     """Intersect (lo, b, c, hi) with the segment range of row block `block` (no-op without segments)."""
     lo, b, c, hi = ranges
@@ -304,9 +371,11 @@ def _loop_ranges(ranges, body, carry):
     return lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
 
 
-def _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, k_lo, bk: int, st: _Static, masked: bool):
+def _kv_block_scores(q, qpos, qseg, qblk, k_ref, v_ref, kseg_ref, blk_ref, k_lo, bk: int, st: _Static,
+                     masked: bool):
     """(k, v, s, t) for query rows `q` against keys [k_lo, k_lo + bk): s the masked base-2 scores [bq, bk]
-    (-inf where a key may not be attended), t the softcap tanh (None without softcap). Forward and dQ."""
+    (-inf where a key may not be attended), t the softcap tanh (None without softcap). Forward and dQ.
+    qblk [bq, 1] / blk_ref: image block ids (None without), read in masked blocks only."""
     S = st.seq_len
     kpos = k_lo + jnp.arange(bk)
     k = _load_rows(k_ref, k_lo, bk, S, masked)
@@ -315,14 +384,18 @@ def _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, k_lo, bk: int, st: _
     kseg = None
     if kseg_ref is not None:
         kseg = _load_rows(kseg_ref, k_lo, bk, S, masked)[None, :]
-    keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False, check_k=True)
+    kblk = None
+    if masked and blk_ref is not None:
+        kblk = _load_rows(blk_ref, k_lo, bk, S, True, other=-1)[None, :]
+    keep = _mask(qpos[:, None], kpos[None, :], qseg, kseg, st, positions=masked, check_q=False, check_k=True,
+                 qblk=qblk if masked else None, kblk=kblk)
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
     return k, v, s, t
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref, *, st: _Static, bq: int,
-                bk: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, blk_ref, ext_ref, o_ref, lse_ref, *,
+                st: _Static, bq: int, bk: int):
     S = st.seq_len
     nq = cdiv(S, bq)
     qi = (nq - 1) - pl.program_id(0)  # heaviest (causal) blocks first
@@ -333,10 +406,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
     qseg = None
     if qseg_ref is not None:
         qseg = _load_rows(qseg_ref, q_lo, bq, S, ragged_q)[:, None]
+    qblk = None
+    if blk_ref is not None:
+        qblk = _load_rows(blk_ref, q_lo, bq, S, ragged_q, other=-1)[:, None]
 
     def body(kj, carry, masked: bool):
         acc, m_i, l_i = carry
-        _, v, s, _ = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
+        _, v, s, _ = _kv_block_scores(q, qpos, qseg, qblk, k_ref, v_ref, kseg_ref, blk_ref, kj * bk, bk, st,
+                                      masked)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = _exp2(m_i - m_new, st)
         p = _exp2(s - m_new[:, None], st)
@@ -350,7 +427,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, rng_ref, o_ref, lse_ref
         jnp.full((bq,), _M_INIT, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    ranges = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
+    ranges = _extend_hi(_kv_ranges_for_q_block(q_lo, st, bq, bk), ext_ref, qi)
+    ranges = _clamp_to_segments(ranges, rng_ref, qi)
     acc, m_i, l_i = _loop_ranges(ranges, body, carry)
     has = l_i > 0.0
     o = acc / jnp.where(has, l_i, 1.0)[:, None]
@@ -384,14 +462,28 @@ def _segment_operands(qseg, kseg, S: int, *, rows_are_queries: bool, b_rows: int
     return [ids_spec, ids_spec, pl.BlockSpec((None, 2, rng.shape[-1]), lambda r, b, h: (b, 0, 0))], rng
 
 
-def _fwd_call(q, k, v, qseg, kseg, st: _Static):
+def _block_operands(blk, S: int, *, rows_are_queries: bool, b_rows: int, b_cols: int):
+    """(BlockSpecs of the image block ids and of the per-row-block reach, the reach array); all None without
+    block ids."""
+    if blk is None:
+        return [None, None], None
+    if rows_are_queries:
+        ext = _image_reach_forward(blk, S, b_rows, b_cols)
+    else:
+        ext = _image_reach_backward(blk, S, b_rows, b_cols)
+    return [pl.BlockSpec((None, S), lambda r, b, h: (b, 0)),
+            pl.BlockSpec((None, ext.shape[-1]), lambda r, b, h: (b, 0))], ext
+
+
+def _fwd_call(q, k, v, qseg, kseg, blk, st: _Static):
     B, S, Hq, D = q.shape
     G = st.groups
     kb = _clamp_blocks(st.config.fwd, S)
     bq, bk = kb.block_q, kb.block_k
     grid = (cdiv(S, bq), B, Hq)
     seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
-    in_specs = [_head_spec(S, D), _kv_spec(S, D, G), _kv_spec(S, D, G), *seg_specs]
+    blk_specs, ext = _block_operands(blk, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
+    in_specs = [_head_spec(S, D), _kv_spec(S, D, G), _kv_spec(S, D, G), *seg_specs, *blk_specs]
     out_specs = [_head_spec(S, D), pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))]
     out_shape = [
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -406,12 +498,12 @@ def _fwd_call(q, k, v, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, qseg, kseg, rng)
+    )(q, k, v, qseg, kseg, rng, blk, ext)
 
 
 # ------------------------------------------------------------------------------------------ dK/dV kernel
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, dk_ref, dv_ref,
-                 *, st: _Static, bq: int, bk: int, groups: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, blk_ref, ext_ref,
+                 dk_ref, dv_ref, *, st: _Static, bq: int, bk: int, groups: int):
     # q_ref/do_ref: [S, G, D] (the `groups` query heads this program sums over); lse_ref/delta_ref: [G, S];
     # k/v: [S, D].
     S = st.seq_len
@@ -425,7 +517,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
     kseg = None
     if kseg_ref is not None:
         kseg = _load_rows(kseg_ref, k_lo, bk, S, ragged_k)[:, None]
-    ranges = _clamp_to_segments(_q_ranges_for_kv_block(k_lo, st, bq, bk), rng_ref, kj)
+    kblk = None
+    if blk_ref is not None:
+        kblk = _load_rows(blk_ref, k_lo, bk, S, ragged_k, other=-1)[:, None]
+    ranges = _extend_lo(_q_ranges_for_kv_block(k_lo, st, bq, bk), ext_ref, kj)
+    ranges = _clamp_to_segments(ranges, rng_ref, kj)
 
     def head_loop(g, carry):
         def body(qi, carry, masked: bool):
@@ -440,8 +536,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg
             qseg = None
             if qseg_ref is not None:
                 qseg = _load_rows(qseg_ref, q_lo, bq, S, masked)[None, :]
+            qblk = None
+            if masked and blk_ref is not None:
+                qblk = _load_rows(blk_ref, q_lo, bq, S, True, other=-1)[None, :]
             keep = _mask(qpos[None, :], kpos[:, None], qseg, kseg, st, positions=masked, check_q=True,
-                         check_k=False)
+                         check_k=False, qblk=qblk, kblk=kblk if masked else None)
             if keep is not None:
                 s_t = jnp.where(keep, s_t, -jnp.inf)
             p_t = _exp2(s_t - lse[None, :], st)
@@ -498,7 +597,7 @@ def dkdv_head_split(groups: int, batch: int, kv_heads: int, kv_blocks: int, requ
     return groups
 
 
-def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
+def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, blk, st: _Static):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     kb = _clamp_blocks(st.config.dkdv, S)
@@ -512,7 +611,8 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
     kv_spec = _kv_spec(S, D, split)
     stat_spec = pl.BlockSpec((None, gc, S), lambda j, b, h: (b, h, 0))
     seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=False, b_rows=bk, b_cols=bq)
-    in_specs = [group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec, *seg_specs]
+    blk_specs, ext = _block_operands(blk, S, rows_are_queries=False, b_rows=bk, b_cols=bq)
+    in_specs = [group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec, *seg_specs, *blk_specs]
     out_shape = jax.ShapeDtypeStruct((B, S, Hkv * split, D), k.dtype)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st, bq=bq, bk=bk, groups=gc),
@@ -523,7 +623,7 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_dkdv",
-    )(q, k, v, do, lse, delta, qseg, kseg, rng)
+    )(q, k, v, do, lse, delta, qseg, kseg, rng, blk, ext)
     if split > 1:  # sum the partial gradients of each KV head's query-head chunks
         def fold(x):
             return x.reshape(B, S, Hkv, split, D).sum(axis=3, dtype=jnp.float32).astype(k.dtype)
@@ -533,8 +633,8 @@ def _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
 
 
 # ------------------------------------------------------------------------------------------ dQ kernel
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, dq_ref, *,
-               st: _Static, bq: int, bk: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, rng_ref, blk_ref, ext_ref,
+               dq_ref, *, st: _Static, bq: int, bk: int):
     S = st.seq_len
     nq = cdiv(S, bq)
     qi = (nq - 1) - pl.program_id(0)
@@ -548,9 +648,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
     qseg = None
     if qseg_ref is not None:
         qseg = _load_rows(qseg_ref, q_lo, bq, S, ragged_q)[:, None]
+    qblk = None
+    if blk_ref is not None:
+        qblk = _load_rows(blk_ref, q_lo, bq, S, ragged_q, other=-1)[:, None]
 
     def body(kj, dq, masked: bool):
-        k, v, s, t = _kv_block_scores(q, qpos, qseg, k_ref, v_ref, kseg_ref, kj * bk, bk, st, masked)
+        k, v, s, t = _kv_block_scores(q, qpos, qseg, qblk, k_ref, v_ref, kseg_ref, blk_ref, kj * bk, bk, st,
+                                      masked)
         p = _exp2(s - lse[:, None], st)
         dp = plgpu.dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
@@ -560,12 +664,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
 
     d = q.shape[-1]
     dq = jnp.zeros((bq, d), jnp.float32)
-    ranges = _clamp_to_segments(_kv_ranges_for_q_block(q_lo, st, bq, bk), rng_ref, qi)
+    ranges = _extend_hi(_kv_ranges_for_q_block(q_lo, st, bq, bk), ext_ref, qi)
+    ranges = _clamp_to_segments(ranges, rng_ref, qi)
     dq = _loop_ranges(ranges, body, dq) * st.scale
     plgpu.store(dq_ref.at[pl.ds(q_lo, bq)], dq.astype(dq_ref.dtype), mask=(qpos < S)[:, None])
 
 
-def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
+def _dq_call(q, k, v, do, lse, delta, qseg, kseg, blk, st: _Static):
     B, S, Hq, D = q.shape
     G = st.groups
     kb = _clamp_blocks(st.config.dq, S)
@@ -575,7 +680,8 @@ def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
     kv_spec = _kv_spec(S, D, G)
     stat_spec = pl.BlockSpec((None, None, S), lambda i, b, h: (b, h, 0))
     seg_specs, rng = _segment_operands(qseg, kseg, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *seg_specs]
+    blk_specs, ext = _block_operands(blk, S, rows_are_queries=True, b_rows=bq, b_cols=bk)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, *seg_specs, *blk_specs]
     return pl.pallas_call(
         functools.partial(_dq_kernel, st=st, bq=bq, bk=bk),
         grid=grid,
@@ -585,7 +691,7 @@ def _dq_call(q, k, v, do, lse, delta, qseg, kseg, st: _Static):
         compiler_params=compiler_params(num_warps=kb.num_warps, num_stages=kb.num_stages),
         interpret=st.interpret,
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, qseg, kseg, rng)
+    )(q, k, v, do, lse, delta, qseg, kseg, rng, blk, ext)
 
 
 # ------------------------------------------------------------------------------------------ custom_vjp
@@ -595,32 +701,33 @@ def _delta(o, do):
     return jnp.transpose(d, (0, 2, 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, qseg, kseg, st: _Static):
-    return _fwd_call(q, k, v, qseg, kseg, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, qseg, kseg, blk, st: _Static):
+    return _fwd_call(q, k, v, qseg, kseg, blk, st)[0]
 
 
-def _flash_fwd(q, k, v, qseg, kseg, st: _Static):
-    o, lse = _fwd_call(q, k, v, qseg, kseg, st)
+def _flash_fwd(q, k, v, qseg, kseg, blk, st: _Static):
+    o, lse = _fwd_call(q, k, v, qseg, kseg, blk, st)
     # named so that a remat policy can keep (or offload) them and skip this forward in the backward pass
     o, lse = checkpoint_name(o, "flash_out"), checkpoint_name(lse, "flash_lse")
-    return o, (q, k, v, qseg, kseg, o, lse)
+    return o, (q, k, v, qseg, kseg, blk, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do):
-    q, k, v, qseg, kseg, o, lse = res
+    q, k, v, qseg, kseg, blk, o, lse = res
     do = do.astype(q.dtype)
     delta = _delta(o, do)
-    dk, dv = _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, st)
-    dq = _dq_call(q, k, v, do, lse, delta, qseg, kseg, st)
-    return dq, dk, dv, None, None
+    dk, dv = _dkdv_call(q, k, v, do, lse, delta, qseg, kseg, blk, st)
+    dq = _dq_call(q, k, v, do, lse, delta, qseg, kseg, blk, st)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # ------------------------------------------------------------------------------------------ public API
-def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret, config):
+def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret, config,
+             block_ids=None):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"expected q, k, v of rank 4 [B, S, H, D], got {q.shape}, {k.shape}, {v.shape}")
     B, S, Hq, D = q.shape
@@ -650,6 +757,13 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
         kseg = jnp.asarray(kseg).astype(jnp.int32)
         if qseg.shape != (B, S) or kseg.shape != (B, S):
             raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {qseg.shape}, {kseg.shape}")
+    blk = None
+    if block_ids is not None:
+        blk = jnp.asarray(block_ids)
+        if blk.shape != (B, S) or not jnp.issubdtype(blk.dtype, jnp.integer):
+            raise ValueError(f"block_ids must be integer [B, S] = {(B, S)}, got {blk.dtype} {blk.shape}")
+        # Without causal masking every key is visible already: the blocks add nothing.
+        blk = blk.astype(jnp.int32) if causal else None
     scale = float(1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     cap = None if softcap is None else float(softcap)
     if cap is not None and not cap > 0:
@@ -662,11 +776,11 @@ def _prepare(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale,
         seq_len=S, groups=Hq // Hkv, causal=bool(causal), window=window, softcap=cap, scale=scale,
         interpret=resolve_interpret(interpret), config=config,
     )
-    return qseg, kseg, st
+    return qseg, kseg, blk, st
 
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, softcap=None,
-                    sm_scale=None, interpret=None):
+                    sm_scale=None, interpret=None, block_ids=None):
     """Fused attention: softmax(mask(softcap(q k^T * sm_scale))) v with GQA, differentiable in q, k, v.
 
     Args:
@@ -681,21 +795,27 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=No
       softcap: float c: scores become c * tanh(scores / c) before masking (Gemma 2).
       sm_scale: score scale, default 1/sqrt(D).
       interpret: None -> Pallas interpret mode unless running on a GPU.
+      block_ids: [B, S] int, bidirectional blocks on top of the causal mask (Gemma 3's image tokens, ids from
+        `unsloth_jax.models.vision.image_block_ids`): -1 for ordinary tokens, an id >= 0 shared by the tokens
+        of one block. Query i also attends key j > i when block_ids[i] == block_ids[j] >= 0; the window and
+        segment conditions still apply (`unsloth_jax.ops.attention_mask`'s block_ids). Not differentiated.
+        Ignored when causal=False (every key is visible already).
     Returns:
       [B, S, Hq, D] in q.dtype.
     """
     return flash_attention_with_config(
         q, k, v, None, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window,
-        softcap=softcap, sm_scale=sm_scale, interpret=interpret)
+        softcap=softcap, sm_scale=sm_scale, interpret=interpret, block_ids=block_ids)
 
 
 def flash_attention_with_config(q, k, v, config: FlashConfig | None, *, causal=True, segment_ids=None,
-                                sliding_window=None, softcap=None, sm_scale=None, interpret=None):
+                                sliding_window=None, softcap=None, sm_scale=None, interpret=None,
+                                block_ids=None):
     """`flash_attention` with an explicit launch configuration (None: the table's); for tests and sweeps."""
-    qseg, kseg, st = _prepare(q, k, v, causal=causal, segment_ids=segment_ids,
-                              sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
-                              interpret=interpret, config=config)
-    return _flash(q, k, v, qseg, kseg, st)
+    qseg, kseg, blk, st = _prepare(q, k, v, causal=causal, segment_ids=segment_ids,
+                                   sliding_window=sliding_window, softcap=softcap, sm_scale=sm_scale,
+                                   interpret=interpret, config=config, block_ids=block_ids)
+    return _flash(q, k, v, qseg, kseg, blk, st)
 
 
 __all__ = ["flash_attention", "flash_attention_with_config", "FlashConfig", "KernelBlocks", "get_config",

@@ -1,7 +1,8 @@
 """Flash attention kernel vs the plain-jnp reference: forward and dQ/dK/dV.
 
 CPU runs use Pallas interpret mode at small ragged lengths (80, 200) with small blocks, so every loop range
-(window edge, unmasked interior, causal diagonal / ragged end) and every feature is exercised. GPU tests
+(window edge, unmasked interior, causal diagonal / ragged end) and every feature is exercised; Gemma 3's image
+blocks (block_ids) against unsloth_jax.ops.attention_mask(..., block_ids=...) + reference.attention. GPU tests
 (`pytest -m gpu`) run the compiled Triton kernels at S=2048 with the table's block sizes.
 """
 from __future__ import annotations
@@ -203,6 +204,127 @@ def test_config_table_and_triton_lowering():
         assert text.count("xla.gpu.triton") == 3
 
 
+# ------------------------------------------------------------------------------------------ image blocks
+def _image_rows(rng, s, rows, pad):
+    """Block ids [B, S] (unsloth_jax.models.vision.image_block_ids) and the segment ids (1 real, 0 right
+    padding; None without `pad`). rows: per batch row (run lengths, at_end): image runs of those lengths at
+    random places, separated by at least one text token; at_end: the last run ends with the row's last real
+    token (the very end of the sequence without padding)."""
+    from unsloth_jax.models.vision import image_block_ids
+
+    types = np.zeros((len(rows), s), np.int32)
+    valid = np.ones((len(rows), s), np.int32)
+    for i, (lengths, at_end) in enumerate(rows):
+        n_real = s - (int(rng.integers(1, max(2, s // 8))) if pad else 0)
+        valid[i, n_real:] = 0
+        gaps = len(lengths) + (0 if at_end else 1)
+        spare = n_real - sum(lengths) - max(len(lengths) - 1, 0)
+        assert spare >= 0
+        cuts = np.sort(rng.integers(0, spare + 1, size=max(gaps, 1) - 1))
+        extra = np.diff(np.concatenate([[0], cuts, [spare]]))
+        pos = 0
+        for j, n in enumerate(lengths):
+            pos += int(extra[j]) + (1 if j else 0)
+            types[i, pos:pos + n] = 1
+            pos += n
+        if at_end and lengths:
+            assert pos == n_real
+    blk = image_block_ids(jnp.asarray(types))
+    return blk, (jnp.asarray(valid) if pad else None)
+
+
+def _check_images(rng, *, b, s, hq, hkv, d, dtype, config, rows, pad=False, window=None, softcap=None,
+                  sm_scale=None):
+    """Kernel with block_ids vs the reference under unsloth_jax.ops.attention_mask(..., block_ids=...)."""
+    from unsloth_jax.ops import attention_mask
+
+    blk, seg = _image_rows(rng, s, rows, pad)
+    q, k, v, do = _inputs(rng, b, s, hq, hkv, d, dtype)
+    mask = attention_mask(s, s, causal=True, window=window, segment_ids=seg, block_ids=blk)
+    assert bool(jnp.any(mask & ~jnp.tril(jnp.ones((s, s), bool)))) == any(any(n > 1 for n in r[0]) for r in rows)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+
+    def kernel(q_, k_, v_):
+        return flash_attention_with_config(q_, k_, v_, config, causal=True, segment_ids=seg, block_ids=blk,
+                                           sliding_window=window, softcap=softcap, sm_scale=sm_scale)
+
+    def ref(q_, k_, v_):
+        return reference.attention(q_, k_, v_, mask, scale=scale, softcap=softcap)
+
+    out, grads = _value_and_grads(kernel, q, k, v, do)
+    out_r, grads_r = _reference(ref, q, k, v, do)
+    tol = TOL[jnp.dtype(dtype).name]
+    errs = {"out": rel_err(out, out_r)}
+    for name, g, gr, x in zip(("dq", "dk", "dv"), grads, grads_r, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        errs[name] = rel_err(g, gr)
+    print(errs)
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3g} >= {tol} ({errs})"
+
+
+# (id, b, s, hq, hkv, d, dtype, config, rows [(run lengths, at_end)], extra kwargs). Runs longer than the
+# blocks (16/32) cross block boundaries; rows with no run; one-token runs (the causal mask alone).
+IMAGE_CASES = [
+    ("images-f32-d64-g2", 2, 80, 4, 2, 64, "float32", SMALL_A, [([3, 40, 5], True), ([], False)], {}),
+    ("images-bf16-d64-g2", 2, 80, 4, 2, 64, "bfloat16", SMALL_A, [([], False), ([1, 37, 20], False)], {}),
+    ("images-window-bf16-d64-g2", 1, 200, 4, 2, 64, "bfloat16", SMALL_B, [([1, 50, 20, 9, 33], True)],
+     dict(window=37)),
+    ("images-padding-bf16-d32-g2-split", 2, 120, 4, 2, 32, "bfloat16", SMALL_C,
+     [([30, 7], True), ([12], False)], dict(pad=True)),
+    ("images-padding-window-softcap-f32-d64-g2", 2, 96, 4, 2, 64, "float32", SMALL_B,
+     [([45], True), ([3, 17, 33], False)], dict(pad=True, window=20, softcap=5.0, sm_scale=0.2)),
+    # the table's tiles (128 x 64 at D=64): the 130-token run covers rows 127 and 128 wherever it lands
+    ("images-table-bf16-d64-g2", 1, 200, 4, 2, 64, "bfloat16", None, [([2, 130, 30], True)], dict(window=90)),
+]
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES, ids=[c[0] for c in IMAGE_CASES])
+def test_flash_attention_image_blocks(rng, case):
+    _, b, s, hq, hkv, d, dtype, config, rows, kwargs = case
+    _check_images(rng, b=b, s=s, hq=hq, hkv=hkv, d=d, dtype=jnp.dtype(dtype), config=config, rows=rows,
+                  **kwargs)
+
+
+def test_image_blocks_absent_equal_causal(rng):
+    """block_ids all -1 (and any block_ids with causal=False) give exactly the plain kernels' results."""
+    b, s, hq, hkv, d = 2, 80, 4, 2, 32
+    q, k, v, do = _inputs(rng, b, s, hq, hkv, d, jnp.float32)
+    none = jnp.full((b, s), -1, jnp.int32)
+    some, _ = _image_rows(rng, s, [([40], True), ([9, 9], False)], False)
+
+    def pair(block_ids, causal):
+        def fn(q_, k_, v_):
+            return flash_attention_with_config(q_, k_, v_, SMALL_A, causal=causal, sliding_window=30,
+                                               block_ids=block_ids)
+
+        return _value_and_grads(fn, q, k, v, do)
+
+    for block_ids, causal in ((none, True), (some, False)):
+        got, want = pair(block_ids, causal), pair(None, causal)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError):
+        flash_attention(q, k, v, block_ids=none[:, :-1])
+
+
+def test_image_blocks_triton_lowering():
+    """With block_ids, all three kernels still lower to Triton IR (no GPU needed)."""
+    b, s, hq, hkv, d = 1, 200, 4, 2, 64
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((b, s, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
+    ids = sds((b, s), jnp.int32)
+
+    def fwd_bwd(q_, k_, v_, seg_, blk_, do_):
+        fn = lambda a, b_, c: flash_attention(  # noqa: E731
+            a, b_, c, causal=True, segment_ids=seg_, block_ids=blk_, sliding_window=50, interpret=False)
+        out, vjp = jax.vjp(fn, q_, k_, v_)
+        return out, vjp(do_)
+
+    text = lower_for_cuda(fwd_bwd, q, kv, kv, ids, ids, q)
+    assert text.count("xla.gpu.triton") == 3
+
+
 # ------------------------------------------------------------------------------------------ GPU only
 def _gpu_case(rng, *, b, s, hq, hkv, d, dtype, config=None, **kwargs):
     nseg = kwargs.pop("nseg", 0)
@@ -288,3 +410,10 @@ def test_gpu_noncausal_fully_masked_rows(rng):
     assert rel_err(out, out_r) < TOL["bfloat16"]
     for g, gr in zip(grads, grads_r):
         assert rel_err(g, gr) < TOL["bfloat16"]
+
+
+@pytest.mark.gpu
+def test_gpu_gemma3_image_blocks(rng):
+    # Gemma 3's shape of the problem: 256-token images, a 512-token window on a ragged, right-padded batch.
+    _check_images(rng, b=2, s=1999, hq=8, hkv=4, d=256, dtype=jnp.bfloat16, config=None,
+                  rows=[([256, 256], False), ([256], True)], pad=True, window=512)
