@@ -107,13 +107,23 @@ def test_vision_tower_and_projector_match_transformers(checkpoint, ours, rng):
     assert rel_err(feats, ref_feats) < 1e-5, rel_err(feats, ref_feats)
 
 
+@pytest.mark.parametrize("attention", ["auto", "pallas"])
 @pytest.mark.parametrize("with_types", [True, False], ids=["image_blocks", "causal"])
-def test_logits_match_transformers_with_images(checkpoint, ours, rng, with_types):
+def test_logits_match_transformers_with_images(checkpoint, ours, rng, with_types, attention):
+    """attention="pallas": every attention on the flash kernel (interpret mode on the CPU), the image blocks
+    included (its block_ids), as a GPU runs the bf16 model."""
+    from unsloth_jax import ops
+
     _, hf = checkpoint
     ids, types, mask, pixels = _inputs(rng)
     types = types if with_types else None
     ref = _hf_logits(hf, ids, types, mask, pixels)
-    out = np.asarray(ours(ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types))
+    ops.set_impl("attention", attention)
+    try:
+        out = np.asarray(ours(ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types))
+        assert attention == "auto" or ops.chosen_impls()["attention"] == "pallas"
+    finally:
+        ops.set_impl("attention", "auto")
     real = mask.astype(bool)
     err = rel_err(out[real], ref[real])
     assert err < 1e-5, f"relative error {err:.2e}"
