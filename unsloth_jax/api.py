@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -90,8 +91,11 @@ class Model(CausalLM):
 
         return gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=quantization_method)
 
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Sample or greedy-decode continuations with a KV cache (see unsloth_jax.generation.generate)."""
+    def generate(self, input_ids=None, attention_mask=None, **kwargs):
+        """Sample or greedy-decode continuations with a KV cache, with transformers' arguments (max_new_tokens,
+        max_length, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, num_return_sequences,
+        generation_config, use_cache, eos_token_id, pad_token_id, streamer; see unsloth_jax.generation.generate).
+        input_ids may be the tokenizer's output mapping (as input_ids=, or **inputs)."""
         from unsloth_jax.generation import generate
 
         return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
@@ -431,6 +435,11 @@ class FastLanguageModel:
         return model
 
 
+def _given(**kwargs) -> dict:
+    """kwargs without the None values."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 class _LoadedVisionModel:
     """What FastVisionModel adds to both vision-language NNX modules (mixed in before the module class):
     `max_seq_length`, `gradient_checkpointing` (as `Model`) and the trainers' `trainable_filter`."""
@@ -471,12 +480,16 @@ class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [N, C, H, W]
-        (the images of the rows' image tokens, in order), token_type_ids [B, P] (1 = image token). kwargs:
-        max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
-        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
+        [B, P], pixel_values [N, C, H, W] (the images of the rows' image tokens, in order), token_type_ids [B, P]
+        (1 = image token). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature, top_p,
+        top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id, pad_token_id,
+        seed, streamer). Returns [B * n, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
+        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
+            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
+                                                          token_type_ids=token_type_ids)}, **kwargs)
         return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
 
     def __repr__(self) -> str:
@@ -528,12 +541,16 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, **kwargs):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [patches,
-        C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows' image-token runs, in order).
-        kwargs: max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
-        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
+        [B, P], pixel_values [patches, C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows'
+        image-token runs, in order). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature,
+        top_p, top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id,
+        pad_token_id, seed, streamer). Returns [B * n, P + new] numpy int64 (generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
+        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
+            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
+                                                          image_grid_thw=image_grid_thw)}, **kwargs)
         return generate_vision(self, input_ids, attention_mask, pixel_values, image_grid_thw=image_grid_thw,
                                **kwargs)
 
