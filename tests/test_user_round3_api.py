@@ -6,6 +6,7 @@ print_trainable_parameters, push_to_hub*), GGUF export with a list of methods, t
 and GGUF message."""
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import warnings
@@ -207,3 +208,180 @@ def test_vision_generate_takes_transformers_arguments(gemma3_vl):
     np.testing.assert_array_equal(repeated, np.repeat(greedy, 2, axis=0))
     with pytest.raises(TypeError, match="num_beams=2 is not supported"):
         model.generate(**left, max_new_tokens=2, num_beams=2)
+
+
+# ---- item 5: Unsloth's names ----
+def test_fast_model_loads_text_or_vision_by_the_config():
+    from unsloth_jax import FastModel, Model, VisionModel
+
+    model, tokenizer = FastModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    assert isinstance(model, Model) and tokenizer is not None
+    model = FastModel.get_peft_model(model, r=4, finetune_vision_layers=True, finetune_mlp_modules=False)
+    assert model.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    vision, processor = FastModel.from_pretrained(ASSETS / "tiny-gemma3-vl", dtype="float32", progress=False)
+    assert isinstance(vision, VisionModel) and processor is not None
+
+
+def test_chat_templates_module_has_unsloths_names(tiny):
+    from unsloth_jax.chat_templates import (get_chat_template, standardize_data_formats, standardize_sharegpt,
+                                            train_on_responses_only)
+    from unsloth_jax.data import response_only
+
+    _, tokenizer, _ = tiny
+    tok = get_chat_template(tokenizer.__class__.from_pretrained(str(TINY_MODEL)), chat_template="llama-3")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|start_header_id|>user<|end_header_id|>" in text
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    want = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    assert standardize_sharegpt(rows) == standardize_data_formats(rows) == want
+    assert train_on_responses_only is response_only.train_on_responses_only
+
+
+def test_print_trainable_parameters_as_peft(capsys):
+    """The same LoRA on transformers' model through PEFT prints the same line."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model, _ = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False, load_tokenizer=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+    capsys.readouterr()
+    model.print_trainable_parameters()
+    ours = capsys.readouterr().out.strip()
+    hf = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(TINY_MODEL)), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"]))
+    hf.print_trainable_parameters()
+    assert ours == capsys.readouterr().out.strip()
+    assert ours.startswith("trainable params: ")
+    assert model.get_nb_trainable_parameters() == hf.get_nb_trainable_parameters()
+
+
+def test_save_lora_load_lora_and_fast_generate_with_the_request(tmp_path):
+    """An adapter saved, the model's LoRA then changed: fast_generate with load_lora's request equals generation
+    with the saved adapter loaded, and the model's own LoRA is untouched."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from unsloth_jax import SamplingParams
+
+    model, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8)
+
+    def randomise(seed):
+        for i, lin in enumerate(model.projections().values()):
+            lin.lora_b[...] = 0.5 * jax.random.normal(jax.random.PRNGKey(seed * 100 + i), lin.lora_b[...].shape)
+
+    randomise(1)
+    model.save_lora(tmp_path / "grpo_saved_lora")
+    randomise(2)
+    changed = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = ["What day was Ada Jaxon born?", "Hello"]
+    request = model.load_lora(tmp_path / "grpo_saved_lora")
+    assert request.lora_path == str(tmp_path / "grpo_saved_lora") and request.lora_int_id >= 1
+    with_request = model.fast_generate(prompts, params, lora_request=request)
+    saved, _ = FastLanguageModel.from_pretrained(tmp_path / "grpo_saved_lora", dtype="float32", progress=False)
+    reference = saved.fast_generate(prompts, params, tokenizer=tokenizer)
+    own = model.fast_generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in with_request] == [o.outputs[0].token_ids for o in reference]
+    assert [o.outputs[0].token_ids for o in own] != [o.outputs[0].token_ids for o in reference]
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam)), changed)
+    assert jnp.dtype(model.dtype) == jnp.float32
+    with pytest.raises(TypeError, match="load_lora"):
+        model.fast_generate(prompts, params, lora_request="grpo_saved_lora")
+
+
+# ---- item 6: push_to_hub ----
+class _FakeApi:
+    """huggingface_hub.HfApi stand-in: records the token, the repository and the uploaded folder's files."""
+
+    calls: list = []
+
+    def __init__(self, token=None, **kwargs):
+        self.token = token
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, self.token, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        from pathlib import Path
+
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        self.calls.append(("upload_folder", repo_id, self.token, files))
+
+
+@pytest.fixture
+def lora_model():
+    model, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    return FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8), tokenizer
+
+
+def test_push_to_hub_uploads_what_save_pretrained_writes(lora_model, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    model, tokenizer = lora_model
+    monkeypatch.setattr(huggingface_hub, "HfApi", _FakeApi)
+    _FakeApi.calls = []
+    url = model.push_to_hub("me/adapter", tokenizer=tokenizer, token="hf_secret")
+    model.save_pretrained(tmp_path / "local", tokenizer=tokenizer)
+    assert url == "https://huggingface.co/me/adapter"
+    (_, repo, token, kw), (_, repo2, token2, files) = _FakeApi.calls
+    assert (repo, token, repo2, token2) == ("me/adapter", "hf_secret", "me/adapter", "hf_secret")
+    assert kw["exist_ok"] is True
+    assert files == sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert "adapter_model.safetensors" in files and "tokenizer.json" in files
+    _FakeApi.calls = []
+    model.push_to_hub_merged("me/merged", tokenizer, token="t")
+    assert "model.safetensors" in _FakeApi.calls[1][3] and "config.json" in _FakeApi.calls[1][3]
+    _FakeApi.calls = []
+    model.push_to_hub_gguf("me/gguf", tokenizer, quantization_method=["q8_0", "f16"], token="t")
+    assert _FakeApi.calls[1][3] == ["unsloth.F16.gguf", "unsloth.Q8_0.gguf"]
+
+
+@pytest.mark.parametrize("offline", ["offline_mode", "connect_error"])
+def test_push_to_hub_without_network_says_what_to_do(lora_model, monkeypatch, offline):
+    """huggingface_hub's own errors with no network: HF_HUB_OFFLINE's OfflineModeIsEnabled, and its HTTP client's
+    connection error."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    model, _ = lora_model
+    if offline == "offline_mode":
+        error = errors.OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.")
+    else:
+        http = importlib.import_module(errors.HTTPError.__module__)  # huggingface_hub's HTTP client (httpx2)
+        error = http.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    def fail(self, repo_id, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fail)
+    with pytest.raises(ConnectionError, match=r"'me/adapter'.*save_pretrained\(dir\) and upload") as info:
+        model.push_to_hub("me/adapter")
+    assert info.value.__cause__ is error
+
+
+# ---- items 7, 8: GGUF with a list of methods; the vision models' fast_generate and GGUF ----
+def test_save_pretrained_gguf_takes_a_list(lora_model, tmp_path):
+    import gguf
+
+    model, tokenizer = lora_model
+    paths = model.save_pretrained_gguf(tmp_path, tokenizer, quantization_method=["q8_0", "f16"])
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["unsloth.Q8_0.gguf", "unsloth.F16.gguf"]
+    kinds = [{t.tensor_type.name for t in gguf.GGUFReader(p).tensors} for p in paths]
+    assert "Q8_0" in kinds[0] and "Q8_0" not in kinds[1] and "F16" in kinds[1]
+    assert isinstance(model.save_pretrained_gguf(tmp_path / "one", tokenizer, quantization_method="f16"), str)
+    with pytest.raises(TypeError, match="quantization_method"):
+        model.save_pretrained_gguf(tmp_path, tokenizer, quantization_method=[])
+
+
+def test_vision_model_fast_generate_and_gguf_say_what_to_use(gemma3_vl, tmp_path):
+    model, processor = gemma3_vl
+    with pytest.raises(NotImplementedError, match=r"model\.generate\(\*\*processor"):
+        model.fast_generate(["What colour is the square?"])
+    with pytest.raises(NotImplementedError, match=r"save_pretrained_merged.*--mmproj"):
+        model.save_pretrained_gguf(tmp_path, processor, quantization_method="q8_0")
+    with pytest.raises(NotImplementedError, match="--mmproj"):
+        model.push_to_hub_gguf("me/vl", processor)

@@ -59,11 +59,17 @@ def fast_generate(model, prompts, sampling_params: SamplingParams | None = None,
                   use_tqdm: bool = False, lora_request=None):
     """vLLM's `LLM.generate` (Unsloth's `model.fast_generate`): prompts (text, token ids, or lists of them)
     -> a list of RequestOutput (`.outputs[i].text / .token_ids / .logprobs / .finish_reason`). The model's
-    current weights, LoRA included, are used (lora_request, vLLM's way of naming an adapter, is accepted and
-    must be None or the model's own: there is one adapter, the one in the model)."""
-    if lora_request is not None and not getattr(lora_request, "_unsloth_jax_own", False):
-        raise ValueError("fast_generate: lora_request names another adapter; unsloth_jax generates with the "
-                         "adapter in the model (load another with FastLanguageModel.from_pretrained(adapter_dir))")
+    current weights, LoRA included, are used; lora_request (vLLM's way of naming an adapter: what
+    `model.load_lora(path)` returns) generates with that adapter's weights instead, on its `model`, a twin that
+    shares the base weights, so the model's own LoRA is untouched."""
+    if lora_request is not None:
+        twin = getattr(lora_request, "model", None)
+        if twin is None:
+            raise TypeError(f"fast_generate: lora_request must come from model.load_lora(path), got "
+                            f"{type(lora_request).__name__}")
+        if tokenizer is None and _has_text(prompts):  # the tokenizer of the model asked, not looked up for the twin
+            tokenizer = engine_for(model).tokenizer or _model_tokenizer(model)
+        model = twin
     engine = engine_for(model, tokenizer=tokenizer)
     if engine.tokenizer is None and _has_text(prompts):
         engine.tokenizer = _model_tokenizer(model)
