@@ -171,8 +171,10 @@ def test_streamer_receives_prompt_then_each_token(tiny, rng):
 def test_bad_inputs_raise(tiny):
     _, model = tiny("llama")
     ids = np.array([[5, 6, 7, 0]])
-    with pytest.raises(ValueError, match="LEFT padding"):
-        generate(model, ids, np.array([[1, 1, 1, 0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="padding between real tokens"):
+        generate(model, ids, np.array([[1, 0, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="no real token"):
+        generate(model, ids, np.array([[0, 0, 0, 0]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="shape"):
         generate(model, ids, np.array([[1, 1]]), max_new_tokens=2)
     with pytest.raises(ValueError, match="empty"):

@@ -20,7 +20,7 @@ PACKAGES = ("unsloth_jax", "pallas_kernels", "bench")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench", ("bench/",)),
     ("cli", ("unsloth_jax/cli.py", "unsloth_jax/__main__.py", "unsloth_jax/doctor.py")),
-    ("api", ("unsloth_jax/api.py", "unsloth_jax/__init__.py")),
+    ("api", ("unsloth_jax/api.py", "unsloth_jax/__init__.py", "unsloth_jax/chat_templates.py")),
     ("train", ("unsloth_jax/train/",)),
     ("distributed", ("unsloth_jax/distributed.py",)),
     ("hf", ("unsloth_jax/hf/",)),

@@ -30,6 +30,7 @@ _EXPORTS = {
     "FastLanguageModel": "unsloth_jax.api",
     "Model": "unsloth_jax.api",
     "FastVisionModel": "unsloth_jax.api",
+    "FastModel": "unsloth_jax.api",
     "VisionModel": "unsloth_jax.api",
     "QwenVisionModel": "unsloth_jax.api",
     "is_bfloat16_supported": "unsloth_jax.api",

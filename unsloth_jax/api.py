@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -76,8 +77,9 @@ class Model(CausalLM):
         export.save_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                            **kwargs)
 
-    def save_pretrained_gguf(self, save_directory, tokenizer, quantization_method: str = "f16") -> str:
-        """Write a llama.cpp GGUF file of the merged model; returns its path."""
+    def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16"):
+        """Write a llama.cpp GGUF file of the merged model and return its path; quantization_method may be a list
+        (as Unsloth's), one file per method, and then the paths come back as a list."""
         from unsloth_jax.hf import gguf_export
 
         if self.config.is_moe:
@@ -87,21 +89,78 @@ class Model(CausalLM):
                 f"GGUF export of {self.config.model_type} is not supported (mixture-of-experts); write a merged "
                 "16-bit checkpoint with save_pretrained_merged and convert it with llama.cpp's "
                 "convert_hf_to_gguf.py")
+        methods = _gguf_methods(quantization_method)
+        paths = [gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=m) for m in methods]
+        return paths if isinstance(quantization_method, (list, tuple)) else paths[0]
 
-        return gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=quantization_method)
+    def push_to_hub_gguf(self, repo_id: str, tokenizer=None, quantization_method="f16", *, token=None,
+                         private=None, commit_message: str | None = None) -> str:
+        """save_pretrained_gguf into a temporary directory, uploaded to the Hub repository repo_id (created if
+        needed); returns the repository's URL."""
+        return _push_to_hub(lambda d: self.save_pretrained_gguf(d, tokenizer, quantization_method), repo_id, token,
+                            private, commit_message, "save_pretrained_gguf")
 
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Sample or greedy-decode continuations with a KV cache (see unsloth_jax.generation.generate)."""
+    def save_lora(self, save_directory) -> None:
+        """Unsloth's name (its GRPO notebooks) for save_pretrained: the PEFT adapter directory."""
+        if not self.lora:
+            raise ValueError("save_lora: the model has no LoRA adapters (add them with FastLanguageModel."
+                             "get_peft_model, or use save_pretrained)")
+        self.save_pretrained(save_directory)
+
+    def load_lora(self, lora_path, load_tensors: bool = True) -> "LoRARequest":
+        """A saved adapter as vLLM's LoRARequest (Unsloth's name), for fast_generate(..., lora_request=...): a twin
+        of this model that shares its base weights and holds the adapter's LoRA, so the model's own LoRA weights
+        are left as they are. load_tensors is accepted for compatibility."""
+        from unsloth_jax.hf import peft_io
+
+        lora_path = Path(lora_path)
+        if not peft_io.is_adapter_dir(lora_path):
+            raise CheckpointNotFoundError(f"load_lora: {lora_path} is not a PEFT adapter directory (no "
+                                          "adapter_config.json); write one with model.save_lora(path)")
+        graphdef, state = nnx.split(self)
+        twin = nnx.merge(graphdef, state)  # new modules, the same (immutable) arrays
+        twin = peft_io.load_adapter(twin, lora_path)  # replaces the twin's LoRA pairs (hf.peft_io, lora.add_lora)
+        _LORA_IDS.append(str(lora_path))
+        return LoRARequest(lora_name=lora_path.name, lora_int_id=len(_LORA_IDS), lora_path=str(lora_path),
+                           model=twin)
+
+    def generate(self, input_ids=None, attention_mask=None, **kwargs):
+        """Sample or greedy-decode continuations with a KV cache, with transformers' arguments (max_new_tokens,
+        max_length, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, num_return_sequences,
+        generation_config, use_cache, eos_token_id, pad_token_id, streamer; see unsloth_jax.generation.generate).
+        input_ids may be the tokenizer's output mapping (as input_ids=, or **inputs)."""
         from unsloth_jax.generation import generate
 
         return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
 
-    def fast_generate(self, prompts, sampling_params=None, **kwargs):
+    def fast_generate(self, prompts, sampling_params=None, *, lora_request=None, **kwargs):
         """vLLM's generate (Unsloth's fast_inference name): prompts -> RequestOutputs, on the generation engine
-        (see unsloth_jax.generation.fast_generate; kwargs: tokenizer, use_tqdm, lora_request)."""
+        (see unsloth_jax.generation.fast_generate; kwargs: tokenizer, use_tqdm). lora_request: None (the model's
+        own weights, LoRA included) or model.load_lora(path) (that adapter's weights instead)."""
         from unsloth_jax.generation import fast_generate
 
-        return fast_generate(self, prompts, sampling_params, **kwargs)
+        return fast_generate(self, prompts, sampling_params, lora_request=lora_request, **kwargs)
+
+    def print_trainable_parameters(self) -> None:
+        """PEFT's line: trainable params: N || all params: M || trainable%: X."""
+        _print_trainable(self)
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """PEFT's (trainable parameters, all parameters)."""
+        return _trainable_counts(self)
+
+    def push_to_hub(self, repo_id: str, tokenizer=None, *, token=None, private=None,
+                    commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained (the adapter; after full fine-tuning, the model) into a temporary directory, uploaded
+        to the Hub repository repo_id (created if needed) with huggingface_hub; returns the repository's URL."""
+        return _push_to_hub(lambda d: self.save_pretrained(d, tokenizer=tokenizer, **kwargs), repo_id, token,
+                            private, commit_message, "save_pretrained")
+
+    def push_to_hub_merged(self, repo_id: str, tokenizer=None, save_method: str = "merged_16bit", *, token=None,
+                           private=None, commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained_merged into a temporary directory, uploaded to the Hub repository repo_id."""
+        return _push_to_hub(lambda d: self.save_pretrained_merged(d, tokenizer, save_method=save_method, **kwargs),
+                            repo_id, token, private, commit_message, "save_pretrained_merged")
 
     def __repr__(self) -> str:
         c = self.config
@@ -232,6 +291,69 @@ def _from_gguf(path: Path, max_seq_length: int, compute_dtype, load_in_4bit: boo
              cfg.num_hidden_layers, time.perf_counter() - start, compute_dtype.name,
              " + NF4 4-bit" if load_in_4bit else " + FP8 e4m3" if load_in_fp8 else "")
     return model, tokenizer
+
+
+class LoRARequest:
+    """vLLM's LoRARequest (lora_name, lora_int_id, lora_path), as Model.load_lora returns it; `model` is the twin
+    holding the adapter that fast_generate generates with."""
+
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str, model=None):
+        self.lora_name, self.lora_int_id, self.lora_path, self.model = lora_name, lora_int_id, lora_path, model
+
+    def __repr__(self) -> str:
+        return f"LoRARequest(lora_name={self.lora_name!r}, lora_int_id={self.lora_int_id}, lora_path={self.lora_path!r})"
+
+
+_LORA_IDS: list[str] = []  # the adapters load_lora has read, in order (lora_int_id = position + 1)
+
+
+def _gguf_methods(quantization_method) -> list[str]:
+    """save_pretrained_gguf's quantization_method (a name, or a list of names as Unsloth's) as a list."""
+    if isinstance(quantization_method, str):
+        return [quantization_method]
+    if not isinstance(quantization_method, (list, tuple)) or not quantization_method:
+        raise TypeError(f"quantization_method must be a name such as 'q8_0' or a non-empty list of names, got "
+                        f"{quantization_method!r}")
+    bad = [m for m in quantization_method if not isinstance(m, str)]
+    if bad:
+        raise TypeError(f"quantization_method: every entry must be a name such as 'q8_0', got {bad!r}")
+    return list(dict.fromkeys(quantization_method))
+
+
+def _trainable_counts(model) -> tuple[int, int]:
+    _, trainable, _ = lora_lib.split(model)
+    return lora_lib.count(trainable), lora_lib.count(model)
+
+
+def _print_trainable(model) -> None:
+    n_train, n_all = _trainable_counts(model)
+    print(f"trainable params: {n_train:,d} || all params: {n_all:,d} || trainable%: {100 * n_train / n_all:.4f}")
+
+
+def _push_to_hub(save, repo_id: str, token, private, commit_message, save_name: str) -> str:
+    """save(dir) into a temporary directory, then huggingface_hub's create_repo (exist_ok) and upload_folder to
+    repo_id; ConnectionError naming repo_id when the Hub cannot be reached."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HTTPError
+
+    if not isinstance(repo_id, str) or not repo_id.strip():
+        raise TypeError(f"repo_id must be a Hub repository name such as 'user/my-model', got {repo_id!r}")
+    with tempfile.TemporaryDirectory(prefix="unsloth-jax-push-") as folder:
+        save(folder)
+        api = HfApi(token=token)
+        try:
+            url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+            api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                              commit_message=commit_message or f"Upload with unsloth_jax ({save_name})")
+        except (ConnectionError, HTTPError) as e:
+            if isinstance(e, HfHubHTTPError):  # the Hub answered (authentication, permissions, ...)
+                raise
+            raise ConnectionError(f"push to the Hugging Face Hub repository {repo_id!r} failed: the Hub cannot be "
+                                  f"reached ({type(e).__name__}: {e}). Save locally with model.{save_name}(dir) "
+                                  f"and upload that directory later (`hf upload {repo_id} dir`)") from e
+    return str(url)
 
 
 class FastLanguageModel:
@@ -412,9 +534,7 @@ class FastLanguageModel:
             model.gradient_checkpointing = gradient_checkpointing
             if max_seq_length:
                 model.max_seq_length = max_seq_length
-        _, trainable, _ = lora_lib.split(model)
-        n_train, n_all = lora_lib.count(trainable), lora_lib.count(model)
-        print(f"trainable params: {n_train:,d} || all params: {n_all:,d} || trainable%: {100 * n_train / n_all:.4f}")
+        _print_trainable(model)
         return model
 
     @staticmethod
@@ -431,6 +551,11 @@ class FastLanguageModel:
         return model
 
 
+def _given(**kwargs) -> dict:
+    """kwargs without the None values."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 class _LoadedVisionModel:
     """What FastVisionModel adds to both vision-language NNX modules (mixed in before the module class):
     `max_seq_length`, `gradient_checkpointing` (as `Model`) and the trainers' `trainable_filter`."""
@@ -443,6 +568,48 @@ class _LoadedVisionModel:
     def trainable_filter(self):
         """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
         return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def print_trainable_parameters(self) -> None:
+        """PEFT's line: trainable params: N || all params: M || trainable%: X."""
+        _print_trainable(self)
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """PEFT's (trainable parameters, all parameters)."""
+        return _trainable_counts(self)
+
+    def push_to_hub(self, repo_id: str, tokenizer=None, *, token=None, private=None,
+                    commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained (the PEFT adapter, with the processor or tokenizer when given) into a temporary
+        directory, uploaded to the Hub repository repo_id (created if needed); returns the repository's URL."""
+        return _push_to_hub(lambda d: self.save_pretrained(d, tokenizer, **kwargs), repo_id, token, private,
+                            commit_message, "save_pretrained")
+
+    def push_to_hub_merged(self, repo_id: str, tokenizer=None, save_method: str = "merged_16bit", *, token=None,
+                           private=None, commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained_merged into a temporary directory, uploaded to the Hub repository repo_id."""
+        return _push_to_hub(lambda d: self.save_pretrained_merged(d, tokenizer, save_method=save_method, **kwargs),
+                            repo_id, token, private, commit_message, "save_pretrained_merged")
+
+    def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16", **kwargs):
+        """Not available for vision-language models: NotImplementedError saying what to use."""
+        raise NotImplementedError(_VISION_GGUF)
+
+    def push_to_hub_gguf(self, repo_id: str, tokenizer=None, quantization_method="f16", **kwargs):
+        """Not available for vision-language models: NotImplementedError saying what to use."""
+        raise NotImplementedError(_VISION_GGUF)
+
+    def fast_generate(self, prompts, sampling_params=None, **kwargs):
+        """Not available for vision-language models: NotImplementedError pointing to generate."""
+        raise NotImplementedError(
+            "fast_generate (vLLM's interface) serves text models; a vision-language model generates with "
+            "model.generate(**processor(text=prompts, images=images, return_tensors='np', padding=True), "
+            "max_new_tokens=..., do_sample=..., temperature=...) (docs/VISION.md)")
+
+
+_VISION_GGUF = ("GGUF export of vision-language models is not supported here: write the merged 16-bit checkpoint "
+                "with model.save_pretrained_merged(dir, processor), then convert it with llama.cpp's "
+                "convert_hf_to_gguf.py dir (the language model) and convert_hf_to_gguf.py dir --mmproj (the vision "
+                "tower and projector)")
 
 
 class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
@@ -471,12 +638,16 @@ class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [N, C, H, W]
-        (the images of the rows' image tokens, in order), token_type_ids [B, P] (1 = image token). kwargs:
-        max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
-        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
+        [B, P], pixel_values [N, C, H, W] (the images of the rows' image tokens, in order), token_type_ids [B, P]
+        (1 = image token). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature, top_p,
+        top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id, pad_token_id,
+        seed, streamer). Returns [B * n, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
+        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
+            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
+                                                          token_type_ids=token_type_ids)}, **kwargs)
         return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
 
     def __repr__(self) -> str:
@@ -537,12 +708,16 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, **kwargs):
         """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs`): input_ids [B, P] LEFT padded, attention_mask [B, P], pixel_values [patches,
-        C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows' image-token runs, in order).
-        kwargs: max_new_tokens, do_sample, temperature, top_p, top_k, min_p, repetition_penalty, eos_token_id,
-        pad_token_id, seed, streamer, as Model.generate. Returns [B, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
+        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
+        [B, P], pixel_values [patches, C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows'
+        image-token runs, in order). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature,
+        top_p, top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id,
+        pad_token_id, seed, streamer). Returns [B * n, P + new] numpy int64 (generation.generate_vision)."""
         from unsloth_jax.generation import generate_vision
 
+        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
+            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
+                                                          image_grid_thw=image_grid_thw)}, **kwargs)
         return generate_vision(self, input_ids, attention_mask, pixel_values, image_grid_thw=image_grid_thw,
                                **kwargs)
 
@@ -672,4 +847,64 @@ class FastVisionModel:
         return model
 
 
-__all__ = ["FastLanguageModel", "FastVisionModel", "Model", "QwenVisionModel", "VisionModel", "is_bfloat16_supported"]
+def _is_vision_checkpoint(model_name) -> bool:
+    """Whether model_name is a directory (or an adapter directory whose base is one) with the config.json of a
+    vision-language model FastVisionModel loads: Gemma 3 with a vision_config, or Qwen2.5-VL."""
+    from unsloth_jax.config import QWEN_VL_MODEL_TYPES, read_config_json
+    from unsloth_jax.hf import peft_io
+
+    path = _check_model_name(model_name)
+    if path.is_dir() and peft_io.is_adapter_dir(path):
+        path = Path(peft_io.base_model_path(path))
+    if not (path / "config.json").is_file():
+        return False  # a GGUF file, or a path from_pretrained reports as missing
+    cfg, _ = read_config_json(path)
+    return (cfg.get("model_type") == "gemma3" and "vision_config" in cfg) or cfg.get("model_type") in QWEN_VL_MODEL_TYPES
+
+
+class FastModel:
+    """Unsloth's generic loader: FastVisionModel for a vision-language checkpoint (Gemma 3 with images,
+    Qwen2.5-VL), FastLanguageModel for any other, chosen by the checkpoint's config.json."""
+
+    @staticmethod
+    def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
+                        load_in_4bit: bool = False, **kwargs):
+        """(model, tokenizer or processor): FastVisionModel.from_pretrained or FastLanguageModel.from_pretrained
+        with these arguments, by the checkpoint (or an adapter's base)."""
+        loader = FastVisionModel if _is_vision_checkpoint(model_name) else FastLanguageModel
+        return loader.from_pretrained(model_name, max_seq_length, dtype, load_in_4bit, **kwargs)
+
+    @staticmethod
+    def get_peft_model(model, r: int = 16, **kwargs):
+        """LoRA: FastVisionModel.get_peft_model for a vision-language model (finetune_* switches), else
+        FastLanguageModel.get_peft_model, where the switches pick target_modules when it is not given
+        (finetune_attention_modules: q/k/v/o_proj, finetune_mlp_modules: gate/up/down_proj; finetune_vision_layers
+        is ignored, as Unsloth does for a text model)."""
+        if isinstance(model, (VisionModel, QwenVisionModel)):
+            return FastVisionModel.get_peft_model(model, r, **kwargs)
+        switches = {k: require_bool(k, kwargs.pop(k)) for k in ("finetune_vision_layers", "finetune_language_layers",
+                                                                 "finetune_attention_modules", "finetune_mlp_modules")
+                    if k in kwargs}
+        if switches and "target_modules" not in kwargs:
+            if not switches.get("finetune_language_layers", True):
+                raise ValueError("finetune_language_layers=False leaves nothing to adapt in a text model")
+            targets = ((("q_proj", "k_proj", "v_proj", "o_proj") if switches.get("finetune_attention_modules", True)
+                        else ()) + (("gate_proj", "up_proj", "down_proj") if switches.get("finetune_mlp_modules", True)
+                                    else ()))
+            if not targets:
+                raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
+            kwargs["target_modules"] = list(targets)
+        return FastLanguageModel.get_peft_model(model, r, **kwargs)
+
+    @staticmethod
+    def for_inference(model):
+        """Unsloth's switch to inference: returns `model` unchanged."""
+        return model
+
+    @staticmethod
+    def for_training(model, use_gradient_checkpointing=True):
+        """Unsloth's switch back to training: returns `model` unchanged."""
+        return model
+
+
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "LoRARequest", "Model", "QwenVisionModel", "VisionModel", "is_bfloat16_supported"]

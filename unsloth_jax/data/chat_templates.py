@@ -36,7 +36,8 @@ RESPONSE_PARTS = {
 }
 
 _ALIASES = {"chatml": "chatml", "qwen-2.5": "qwen-2.5", "qwen2.5": "qwen-2.5", "qwen25": "qwen-2.5",
-            "llama-3.1": "llama-3.1", "llama3.1": "llama-3.1", "llama-31": "llama-3.1", "llama-3": "llama-3.1",
+            "llama-3.1": "llama-3.1", "llama3.1": "llama-3.1", "llama-31": "llama-3.1", "llama-3": "llama-3.1", "llama-3.2": "llama-3.1", "llama-32": "llama-3.1", "llama-3.3": "llama-3.1",
+            "llama-33": "llama-3.1",
             "llama3": "llama-3.1", "gemma": "gemma", "gemma2": "gemma", "gemma-2": "gemma"}
 
 _DEFAULT_MAPPING = {"role": "role", "content": "content", "user": "user", "assistant": "assistant",

@@ -155,7 +155,6 @@ class Engine:
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.seed = int(seed)
         self._requests_seen = 0
-        self._summaries: set = set()
         # timings of the last generate call (seconds; the decode ones include reading the tokens back)
         self.last_stats: dict[str, float] = {}
         _enable_compile_cache()
@@ -271,18 +270,22 @@ class Engine:
                                 s.stop_reason)
 
     def summary(self, rows: int, pool_pages: int, flags: SamplerFlags, sequences: int) -> None:
-        """One line on stderr (stdout carries what the user generates) the first time a configuration runs."""
-        key = (rows, pool_pages, flags)
-        if key in self._summaries:
-            return
-        self._summaries.add(key)
+        """One line on stderr (stdout carries what the user generates) the first time the model generates; later
+        calls log it at INFO (a chat's answers are not interleaved with it)."""
         per_page = paging.page_bytes(self.model.config, self.page_size, self.model.dtype)
         probe = jax.ShapeDtypeStruct((1, 1, self.model.config.head_dim), self.model.dtype)
         kernels = [op for op in ("paged_attention", "decode_linear") if ops.use_pallas(op, probe)]
-        print(f"unsloth_jax generate: {sequences} sequences on {rows} rows, KV pool {pool_pages} pages x "
-              f"{self.page_size} tokens ({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode "
-              f"kernels {'+'.join(kernels) or 'none (XLA)'}, dtype {jnp.dtype(self.model.dtype).name}",
-              file=sys.stderr)
+        line = (f"unsloth_jax generate: {sequences} sequences on {rows} rows, KV pool {pool_pages} pages x "
+                f"{self.page_size} tokens ({pool_pages * per_page / 2**30:.2f} GiB), weights {self.weights}, decode "
+                f"kernels {'+'.join(kernels) or 'none (XLA)'}, dtype {jnp.dtype(self.model.dtype).name}")
+        if self.model in _SUMMARIZED:
+            log.info("%s", line)
+            return
+        _SUMMARIZED.add(self.model)
+        print(line, file=sys.stderr)
+
+
+_SUMMARIZED: "weakref.WeakSet" = weakref.WeakSet()  # models whose first generate call printed its summary line
 
 
 def _memory_stats() -> dict | None:
