@@ -5,6 +5,7 @@ TensorBoard logs, and (slow) the README's `train` then `generate` reproducing a 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -525,6 +526,52 @@ def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
     assert rc == 2
     assert f"{data}, line 4" in err and "invalid JSON" in err and "skip_bad_lines" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_max_seq_length_below_the_prompts_names_truncation(tmp_path, rng, capsys):
+    """Issue 48: a --max_seq_length that cuts every response away is a truncation error (the record, its token
+    length, the limit and the flag to raise), not a missing-marker one."""
+    data = _dataset(tmp_path, rng, n=6)
+    rc = main(["-q", "train", "--dataset", str(data), "--max_seq_length", "16", "--max_steps", "1",
+               "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "truncation" in err and "--max_seq_length=16" in err and "raise --max_seq_length" in err, err
+    assert re.search(r"record 0 is \d+ tokens", err) and "check instruction_part" not in err, err
+
+
+def test_truncated_responses_are_warned_once_with_the_record(tmp_path):
+    """Some records lose their response to truncation: one warning from the tokenizer step (with the longest
+    length) and one from train_on_responses_only naming truncation and a record, not the marker."""
+    import logging
+
+    from unsloth_jax.data import RESPONSE_PARTS, tokenize_texts, train_on_responses_only
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    texts = ["### Instruction:\nSay hi.\n\n### Response:\nhi",
+             "### Instruction:\n" + "a very long instruction " * 20 + "\n\n### Response:\nok"]
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("unsloth_jax").addHandler(handler)
+    try:
+        examples = tokenize_texts(texts, tok, 40)
+        trainer = type("T", (), {"tokenizer": tok, "train_examples": examples, "eval_examples": None,
+                                 "max_seq_length": 40})()
+        train_on_responses_only(trainer, *RESPONSE_PARTS["alpaca"])
+    finally:
+        logging.getLogger("unsloth_jax").removeHandler(handler)
+    assert len(seen) == 2, seen
+    longest = len(tok(texts[1])["input_ids"])
+    assert "1 of 2 texts were longer than max_seq_length=40" in seen[0] and f"longest is {longest} tokens" in seen[0]
+    assert "1 of 2 train_examples" in seen[1] and "cut by truncation to max_seq_length=40" in seen[1], seen
+    assert f"record 1 is {longest} tokens" in seen[1] and "lack the response marker" not in seen[1], seen
 
 
 def test_bad_record_field_is_exit_2(tmp_path, capsys):
