@@ -656,6 +656,20 @@ def _readme_commands() -> list[list[str]]:
 
 
 @pytest.mark.slow
+def test_readme_train_commands_run_in_order_in_one_folder(tmp_path, monkeypatch, capsys):
+    """Issue 48: the `unsloth-jax train --...` commands of the README's first section, run in order in one folder
+    (1 step each), exit 0: the tiny-vision preset writes beside, not over, the tiny run's outputs/."""
+    start = (ROOT / "README.md").read_text().split("## API tour")[0]
+    commands = [c for c in re.findall(r"unsloth-jax (train --[^`&\n]*)", start) if "--help" not in c]
+    assert any("--preset tiny-vision" in c for c in commands) and any("--preset tiny " in c + " " for c in commands)
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        rc = main(["-q", *shlex.split(command), "--max_steps", "1", "--report_to", "none"])
+        assert rc == 0, (command, capsys.readouterr().err[-2000:])
+    assert (tmp_path / "outputs" / "adapter").is_dir() and (tmp_path / "outputs" / "tiny-vision" / "adapter").is_dir()
+
+
+@pytest.mark.slow
 def test_readme_train_then_generate_learns_the_fact(tmp_path):
     """README: `unsloth-jax train --preset tiny` (bundled tiny model + alpaca sample), then `unsloth-jax
     generate` on a trained question reproduces the trained answer."""

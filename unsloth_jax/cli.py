@@ -48,7 +48,8 @@ PRESETS = {
     "tiny-vision": {"model_name": str(VISION_MODEL), "dataset": str(VISION_DATASET), "dtype": "float32",
                     "learning_rate": 1e-2, "lora_alpha": 32, "max_steps": 30, "warmup_steps": 3,
                     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "logging_steps": 1,
-                    "use_gradient_checkpointing": False, "max_seq_length": 128},
+                    "use_gradient_checkpointing": False, "max_seq_length": 128,
+                    "output_dir": "outputs/tiny-vision"},  # beside, not over, a `--preset tiny` run's outputs/
 }
 
 log = logging.getLogger("unsloth_jax")
