@@ -279,6 +279,18 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, ca
     np.testing.assert_allclose([r["loss"] for r in part], [r["loss"] for r in full], rtol=1e-5)
 
 
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path, rng, capsys):
+    """Issue 48: --save_total_limit N (TrainingArguments' save_total_limit) leaves only the N newest checkpoints of a
+    run that checkpoints every step; a value below 1 is refused naming the flag."""
+    data = _dataset(tmp_path, rng, n=8)
+    common = ["-q", "train", "--dataset", str(data), "--max_seq_length", "64", "--report_to", "none", "--save_steps",
+              "1", "--max_steps", "4", "--no-save_model", "--seed", str(int(rng.integers(1 << 16)))]
+    assert main(common + ["--output_dir", str(tmp_path / "o"), "--save_total_limit", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert main(common + ["--output_dir", str(tmp_path / "p"), "--save_total_limit", "0"]) == 2
+    assert "--save_total_limit" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
 def test_a_failed_final_save_keeps_the_trained_adapter(tmp_path, rng, monkeypatch, capsys):
     """When writing the adapter fails after training, it is saved elsewhere (here OUTPUT_DIR) and the message
     says where (exit 1)."""

@@ -160,6 +160,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=3407, help="seed of the data order")
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
+    t.add_argument("--save_total_limit", type=int, default=None,
+                   help="keep only the N newest checkpoints in OUTPUT_DIR (older ones are deleted); None: keep all")
     t.add_argument("--overwrite_output_dir", action="store_true",
                    help="replace an earlier run's files in OUTPUT_DIR (metrics.jsonl, checkpoints, runs/, adapter/, "
                         "merged_16bit/, gguf/); without it a reused OUTPUT_DIR is refused")
@@ -495,6 +497,7 @@ def _training_arguments(args, mesh=None):
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
             logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
             lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit,
             report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh,
             overwrite_output_dir=args.overwrite_output_dir, resume_from_checkpoint=args.resume_from_checkpoint)
     except (TypeError, ValueError) as e:
