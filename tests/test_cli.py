@@ -266,10 +266,16 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, ca
         return real_batch(self, loader, step, rows)
 
     monkeypatch.setattr(SFTTrainer, "_step_batch", crash)
+    capsys.readouterr()
     assert main(common + ["--output_dir", str(tmp_path / "part")]) == 130
     monkeypatch.setattr(SFTTrainer, "_step_batch", real_batch)
-    capsys.readouterr()
-    rc = main(common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint", "true"])
+    err = capsys.readouterr().err
+    # Ctrl-C names the newest checkpoint and the command that continues (issue 48); that command is run below
+    assert f"the newest checkpoint is {tmp_path / 'part' / 'checkpoint-2'}" in err and "interrupted" in err, err
+    command = re.search(r"continue with: unsloth-jax (.*)", err).group(1)
+    assert shlex.split(command) == common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint",
+                                             "true"], command
+    rc = main(shlex.split(command))
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert f"Resuming from {tmp_path / 'part' / 'checkpoint-2'} at step 2" in printed.out

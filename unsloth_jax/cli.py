@@ -569,6 +569,7 @@ def cmd_train(args) -> int:
     trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=records,
                          dataset_text_field=args.dataset_text_field, max_seq_length=args.max_seq_length,
                          packing=args.packing, args=targs)
+    trainer.resume_hint = lambda newest: _resume_hint(args, newest)
     responses_only = args.train_on_responses_only
     if responses_only is None:
         responses_only = fmt in ("alpaca", "chat", "prompt_completion")
@@ -633,6 +634,25 @@ def cmd_train(args) -> int:
     return rc
 
 
+def _resume_hint(args, newest: Path | None) -> str:
+    """After Ctrl-C: the newest checkpoint and the command line that continues from it (this one, with
+    --resume_from_checkpoint true instead of any --resume_from_checkpoint / --overwrite_output_dir)."""
+    if newest is None:
+        return ("no checkpoint was saved, so a new run starts over (--save_steps N writes one every N steps)")
+    kept, skip = [], False
+    for arg in args.argv:
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = True
+        elif not (arg.startswith("--resume_from_checkpoint=") or arg == "--overwrite_output_dir"):
+            kept.append(arg)
+    import shlex
+
+    return (f"the newest checkpoint is {newest}; continue with: "
+            f"unsloth-jax {shlex.join(kept + ['--resume_from_checkpoint', 'true'])}")
+
+
 def _is_vision_model(model_name) -> bool:
     """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
     Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
@@ -680,6 +700,7 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
                                          instruction_part=parts[0], response_part=parts[1])
     trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=collator, train_dataset=records,
                          max_seq_length=args.max_seq_length, args=targs)
+    trainer.resume_hint = lambda newest: _resume_hint(args, newest)
     c, v = model.config, model.vl_config.vision
     quant = " + NF4 4-bit language model (QLoRA)" if args.load_in_4bit else ""
     print(f"unsloth-jax train: {Path(args.model_name).name} ({model.vl_config.model_type} vision-language, "
@@ -902,9 +923,11 @@ def cmd_export(args) -> int:
 # -------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 a problem with the input the user can fix)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if getattr(args, "preset", None):  # parse again with the preset's defaults under the explicit flags
         args = build_parser(args.preset).parse_args(argv)
+    args.argv = argv  # the command line as given (the resume command after Ctrl-C)
     if args.command == "doctor":
         from unsloth_jax import doctor
 
