@@ -592,6 +592,48 @@ def test_truncated_responses_are_warned_once_with_the_record(tmp_path):
     assert f"record 1 is {longest} tokens" in seen[1] and "lack the response marker" not in seen[1], seen
 
 
+def test_quiet_prints_no_step_lines_and_saves_print_their_paths(tmp_path, rng, capsys):
+    """Issue 48: -q prints no per-step JSON (metrics.jsonl still has every step); without -q the steps and the
+    saved adapter's path are printed. A Python save prints the path it wrote and returns it."""
+    import logging
+
+    data = _dataset(tmp_path, rng, n=8)
+    common = ["train", "--dataset", str(data), "--max_steps", "2", "--max_seq_length", "64", "--report_to", "none",
+              "--seed", str(int(rng.integers(1 << 16)))]
+    assert main(["-q", *common, "--output_dir", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert '{"step"' not in out and len((tmp_path / "q" / "metrics.jsonl").read_text().splitlines()) == 2, out
+    assert main([*common, "--output_dir", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert out.count('{"step"') == 2 and f"saved LoRA adapter to {tmp_path / 'v' / 'adapter'}" in out, out
+
+    from unsloth_jax.hf import export
+
+    logging.getLogger("unsloth_jax").setLevel(logging.NOTSET)  # as in a fresh Python session
+    from unsloth_jax import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(str(tmp_path / "v" / "adapter"), progress=False)
+    capsys.readouterr()
+    assert export.save_adapter(model, tmp_path / "again", tokenizer=tok) == str(tmp_path / "again")
+    assert f"saved LoRA adapter to {tmp_path / 'again'}" in capsys.readouterr().out
+
+
+def test_mistyped_flag_and_hub_ids_get_a_hint(tmp_path, capsys):
+    """Issue 48: a mistyped flag names the closest one; a model or dataset that reads as a Hub id says that ids are
+    not downloaded and to pass a local folder / file."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--learnig_rate", "1e-3"])
+    assert e.value.code == 2 and "--learnig_rate (did you mean --learning_rate?)" in capsys.readouterr().err
+    rc = main(["-q", "train", "--model_name", "meta-llama/Llama-3.2-1B", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Hub id" in err and "downloads nothing" in err and "local folder" in err, err
+    rc = main(["-q", "train", "--dataset", "yahma/alpaca-cleaned", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Hub id" in err and "--repo-type dataset" in err and ".jsonl/.json file" in err, err
+    rc = main(["-q", "generate", "--model_name", "unsloth/Llama-3.2-1B", "--prompt", "hi"])
+    assert rc == 2 and "downloads nothing" in capsys.readouterr().err
+
+
 def test_bad_record_field_is_exit_2(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')

@@ -247,7 +247,7 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     """The `unsloth-jax` parser; with `preset`, the train subcommand's defaults are PRESETS[preset]'s."""
     parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings from the library log")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no per-step lines; only warnings from the library log")
     sub = parser.add_subparsers(dest="command", metavar="{train,generate,export,doctor}")
     sub.required = True
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -372,12 +372,23 @@ def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
 
 
 # -------------------------------------------------------------------------------------------- validation
+def _hub_id_note(name, dataset: bool = False) -> str:
+    """For a missing path that reads as a Hugging Face Hub id ("owner/name"): that ids are not downloaded."""
+    text = str(name)
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.endswith((".jsonl", ".json", ".gguf")):
+        kind = " --repo-type dataset" if dataset else ""
+        return (f"; if {text} is a Hugging Face Hub id: unsloth-jax downloads nothing (no network use), so "
+                f"download it first (`huggingface-cli download {text}{kind} --local-dir DIR`) and pass the local "
+                f"{'.jsonl/.json file' if dataset else 'folder'}")
+    return ""
+
+
 def _check_model_path(name, hint: str) -> None:
     """UsageError unless `name` is a directory or a llama.cpp .gguf file (what from_pretrained loads)."""
     path = Path(name)
     if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
         what = "not a model directory or .gguf file" if path.exists() else "model not found"
-        raise UsageError(f"{what}: {name} ({hint})")
+        raise UsageError(f"{what}: {name} ({hint}){'' if path.exists() else _hub_id_note(name)}")
 
 
 SAVE_DIRS = ("adapter", "merged_16bit", "gguf")  # what `train` writes under OUTPUT_DIR by default
@@ -547,7 +558,7 @@ def cmd_train(args) -> int:
                                         "file, or omit it to use the bundled tiny model")
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl/.json file or a directory "
-                         "of .jsonl files)")
+                         f"of .jsonl files){_hub_id_note(args.dataset, dataset=True)}")
     records = load_records(args.dataset, skip_bad_lines=args.skip_bad_lines)
     records = validate_records(records, "auto", skip_bad_lines=args.skip_bad_lines,
                                text_field=args.dataset_text_field)
@@ -682,7 +693,8 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
 
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl file of chat records "
-                         "with images, as unsloth_jax/assets/shapes_sample/shapes_sample.jsonl)")
+                         "with images, as unsloth_jax/assets/shapes_sample/shapes_sample.jsonl)"
+                         f"{_hub_id_note(args.dataset, dataset=True)}")
     records = load_vision_records(args.dataset)
     model, processor = FastVisionModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
                                                        dtype=args.dtype, load_in_4bit=args.load_in_4bit)
@@ -898,7 +910,8 @@ def cmd_export(args) -> int:
 
     adapter = Path(args.model_name)
     if not adapter.is_dir():
-        raise UsageError(f"adapter directory not found: {adapter} (train one with `unsloth-jax train`)")
+        raise UsageError(f"adapter directory not found: {adapter} (train one with `unsloth-jax train`)"
+                         f"{_hub_id_note(adapter) if not adapter.exists() else ''}")
     if not peft_io.is_adapter_dir(adapter):
         raise UsageError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
     if args.save_method is None and not args.save_gguf:
@@ -921,10 +934,27 @@ def cmd_export(args) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- main
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """argparse's "unrecognized arguments" error (exit 2) from the subcommand's parser, with the closest flag of
+    that subcommand for each mistyped one ("did you mean --learning_rate?")."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    parts = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6) if arg.startswith("-") else []
+        parts.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    sub.error("unrecognized arguments: " + " ".join(parts))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 a problem with the input the user can fix)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     if getattr(args, "preset", None):  # parse again with the preset's defaults under the explicit flags
         args = build_parser(args.preset).parse_args(argv)
     args.argv = argv  # the command line as given (the resume command after Ctrl-C)

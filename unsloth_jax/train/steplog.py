@@ -6,7 +6,8 @@ goes to `trainer.state.log_history`: the loss and every other metric the step re
 reward, ...) averaged over the steps since the previous entry (NaNs ignored, as TRL averages), the last
 grad_norm, the learning rate, epoch and step. The same entry plus tokens_per_second (the window's tokens over
 the time its steps ran: compiling, checkpoint saves and evaluations left out), compile_seconds (when the window
-compiled) and memory_gib is printed and appended to output_dir/metrics.jsonl.
+compiled) and memory_gib is appended to output_dir/metrics.jsonl and printed (not when the "unsloth_jax" logger's
+level is set above INFO: the CLI's -q).
 
 A warm-up step (the first of a train() call, and the first run of each newly compiled batch shape: XLA's first
 run of a program is several times slower than the next) is left out of its window's tokens_per_second when the
@@ -16,6 +17,7 @@ warmup_seconds (their time, compiling left out) instead of a tokens_per_second t
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -160,7 +162,8 @@ class StepLog:
         speed = {} if tokens_per_second is None else {"tok_s": f"{tokens_per_second:.0f}"}
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['learning_rate']:.2e}", **speed,
                              **({"mem": f"{mem:.1f}G"} if mem is not None else {}))
-        tqdm.write(json.dumps(record))
+        if logging.getLogger("unsloth_jax").level <= logging.INFO:  # -q (or the level set to WARNING): no step lines
+            tqdm.write(json.dumps(record))
 
 
 def _nanmean(values: list[float]) -> float:
