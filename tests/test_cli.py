@@ -5,6 +5,7 @@ TensorBoard logs, and (slow) the README's `train` then `generate` reproducing a 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -265,10 +266,16 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, ca
         return real_batch(self, loader, step, rows)
 
     monkeypatch.setattr(SFTTrainer, "_step_batch", crash)
+    capsys.readouterr()
     assert main(common + ["--output_dir", str(tmp_path / "part")]) == 130
     monkeypatch.setattr(SFTTrainer, "_step_batch", real_batch)
-    capsys.readouterr()
-    rc = main(common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint", "true"])
+    err = capsys.readouterr().err
+    # Ctrl-C names the newest checkpoint and the command that continues (issue 48); that command is run below
+    assert f"the newest checkpoint is {tmp_path / 'part' / 'checkpoint-2'}" in err and "interrupted" in err, err
+    command = re.search(r"continue with: unsloth-jax (.*)", err).group(1)
+    assert shlex.split(command) == common + ["--output_dir", str(tmp_path / "part"), "--resume_from_checkpoint",
+                                             "true"], command
+    rc = main(shlex.split(command))
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert f"Resuming from {tmp_path / 'part' / 'checkpoint-2'} at step 2" in printed.out
@@ -276,6 +283,18 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path, rng, monkeypatch, ca
                   for d in ("full", "part"))
     assert [r["step"] for r in part] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["loss"] for r in part], [r["loss"] for r in full], rtol=1e-5)
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path, rng, capsys):
+    """Issue 48: --save_total_limit N (TrainingArguments' save_total_limit) leaves only the N newest checkpoints of a
+    run that checkpoints every step; a value below 1 is refused naming the flag."""
+    data = _dataset(tmp_path, rng, n=8)
+    common = ["-q", "train", "--dataset", str(data), "--max_seq_length", "64", "--report_to", "none", "--save_steps",
+              "1", "--max_steps", "4", "--no-save_model", "--seed", str(int(rng.integers(1 << 16)))]
+    assert main(common + ["--output_dir", str(tmp_path / "o"), "--save_total_limit", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert main(common + ["--output_dir", str(tmp_path / "p"), "--save_total_limit", "0"]) == 2
+    assert "--save_total_limit" in capsys.readouterr().err and not (tmp_path / "p").exists()
 
 
 def test_a_failed_final_save_keeps_the_trained_adapter(tmp_path, rng, monkeypatch, capsys):
@@ -527,6 +546,94 @@ def test_bad_dataset_line_is_exit_2_with_file_and_line(tmp_path, rng, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_max_seq_length_below_the_prompts_names_truncation(tmp_path, rng, capsys):
+    """Issue 48: a --max_seq_length that cuts every response away is a truncation error (the record, its token
+    length, the limit and the flag to raise), not a missing-marker one."""
+    data = _dataset(tmp_path, rng, n=6)
+    rc = main(["-q", "train", "--dataset", str(data), "--max_seq_length", "16", "--max_steps", "1",
+               "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "truncation" in err and "--max_seq_length=16" in err and "raise --max_seq_length" in err, err
+    assert re.search(r"record 0 is \d+ tokens", err) and "check instruction_part" not in err, err
+
+
+def test_truncated_responses_are_warned_once_with_the_record(tmp_path):
+    """Some records lose their response to truncation: one warning from the tokenizer step (with the longest
+    length) and one from train_on_responses_only naming truncation and a record, not the marker."""
+    import logging
+
+    from unsloth_jax.data import RESPONSE_PARTS, tokenize_texts, train_on_responses_only
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    texts = ["### Instruction:\nSay hi.\n\n### Response:\nhi",
+             "### Instruction:\n" + "a very long instruction " * 20 + "\n\n### Response:\nok"]
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("unsloth_jax").addHandler(handler)
+    try:
+        examples = tokenize_texts(texts, tok, 40)
+        trainer = type("T", (), {"tokenizer": tok, "train_examples": examples, "eval_examples": None,
+                                 "max_seq_length": 40})()
+        train_on_responses_only(trainer, *RESPONSE_PARTS["alpaca"])
+    finally:
+        logging.getLogger("unsloth_jax").removeHandler(handler)
+    assert len(seen) == 2, seen
+    longest = len(tok(texts[1])["input_ids"])
+    assert "1 of 2 texts were longer than max_seq_length=40" in seen[0] and f"longest is {longest} tokens" in seen[0]
+    assert "1 of 2 train_examples" in seen[1] and "cut by truncation to max_seq_length=40" in seen[1], seen
+    assert f"record 1 is {longest} tokens" in seen[1] and "lack the response marker" not in seen[1], seen
+
+
+def test_quiet_prints_no_step_lines_and_saves_print_their_paths(tmp_path, rng, capsys):
+    """Issue 48: -q prints no per-step JSON (metrics.jsonl still has every step); without -q the steps and the
+    saved adapter's path are printed. A Python save prints the path it wrote and returns it."""
+    import logging
+
+    data = _dataset(tmp_path, rng, n=8)
+    common = ["train", "--dataset", str(data), "--max_steps", "2", "--max_seq_length", "64", "--report_to", "none",
+              "--seed", str(int(rng.integers(1 << 16)))]
+    assert main(["-q", *common, "--output_dir", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert '{"step"' not in out and len((tmp_path / "q" / "metrics.jsonl").read_text().splitlines()) == 2, out
+    assert main([*common, "--output_dir", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    assert out.count('{"step"') == 2 and f"saved LoRA adapter to {tmp_path / 'v' / 'adapter'}" in out, out
+
+    from unsloth_jax.hf import export
+
+    logging.getLogger("unsloth_jax").setLevel(logging.NOTSET)  # as in a fresh Python session
+    from unsloth_jax import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(str(tmp_path / "v" / "adapter"), progress=False)
+    capsys.readouterr()
+    assert export.save_adapter(model, tmp_path / "again", tokenizer=tok) == str(tmp_path / "again")
+    assert f"saved LoRA adapter to {tmp_path / 'again'}" in capsys.readouterr().out
+
+
+def test_mistyped_flag_and_hub_ids_get_a_hint(tmp_path, capsys):
+    """Issue 48: a mistyped flag names the closest one; a model or dataset that reads as a Hub id says that ids are
+    not downloaded and to pass a local folder / file."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--learnig_rate", "1e-3"])
+    assert e.value.code == 2 and "--learnig_rate (did you mean --learning_rate?)" in capsys.readouterr().err
+    rc = main(["-q", "train", "--model_name", "meta-llama/Llama-3.2-1B", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Hub id" in err and "downloads nothing" in err and "local folder" in err, err
+    rc = main(["-q", "train", "--dataset", "yahma/alpaca-cleaned", "--output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Hub id" in err and "--repo-type dataset" in err and ".jsonl/.json file" in err, err
+    rc = main(["-q", "generate", "--model_name", "unsloth/Llama-3.2-1B", "--prompt", "hi"])
+    assert rc == 2 and "downloads nothing" in capsys.readouterr().err
+
+
 def test_bad_record_field_is_exit_2(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
@@ -606,6 +713,20 @@ def _readme_commands() -> list[list[str]]:
     """The `unsloth-jax ...` commands of the README's one-line quick start, as argument lists."""
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "unsloth-jax train" in x)
     return [shlex.split(part)[1:] for part in line.split("&&") if part.strip().startswith("unsloth-jax")]
+
+
+@pytest.mark.slow
+def test_readme_train_commands_run_in_order_in_one_folder(tmp_path, monkeypatch, capsys):
+    """Issue 48: the `unsloth-jax train --...` commands of the README's first section, run in order in one folder
+    (1 step each), exit 0: the tiny-vision preset writes beside, not over, the tiny run's outputs/."""
+    start = (ROOT / "README.md").read_text().split("## API tour")[0]
+    commands = [c for c in re.findall(r"unsloth-jax (train --[^`&\n]*)", start) if "--help" not in c]
+    assert any("--preset tiny-vision" in c for c in commands) and any("--preset tiny " in c + " " for c in commands)
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        rc = main(["-q", *shlex.split(command), "--max_steps", "1", "--report_to", "none"])
+        assert rc == 0, (command, capsys.readouterr().err[-2000:])
+    assert (tmp_path / "outputs" / "adapter").is_dir() and (tmp_path / "outputs" / "tiny-vision" / "adapter").is_dir()
 
 
 @pytest.mark.slow

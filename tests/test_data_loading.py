@@ -51,6 +51,19 @@ def test_load_jsonl_json_and_directory(tmp_path, rng):
     assert got.locations[4] == (str(d / "b.jsonl"), 1)
 
 
+@pytest.mark.parametrize("line, where", [('{"instruction": "a", "output": "b"', "the end of the line, column 35"),
+                                         ('{"instruction": "a", "output": }', "column 32"),
+                                         ('{"instruction": "a",, "output": "b"}', "column 21")])
+def test_bad_json_column_is_on_the_bad_line(tmp_path, line, where):
+    """Issue 48: the column of a malformed line is counted on that line (a line cut short used to be reported at
+    column 1 of the next one)."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"instruction": "x", "output": "y"}\n' + line + '\n{"instruction": "z", "output": "w"}\n')
+    with pytest.raises(DatasetFormatError) as e:
+        load_records(f)
+    assert f"{f}, line 2: invalid JSON" in str(e.value) and f"at {where})" in str(e.value), str(e.value)
+
+
 def test_bad_line_names_file_and_line(tmp_path, rng, caplog):
     recs = _random_records(rng, 6)
     lines = [json.dumps(r) for r in recs]

@@ -307,5 +307,6 @@ def test_tokens_per_second_when_each_step_blocks(llama_dir, tmp_path, rng, monke
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     max_tokens_per_step = 2 * 32
-    for r in lines:
+    assert "warmup_seconds" in lines[0] and all("tokens_per_second" in r for r in lines[1:])  # step 1: warm-up
+    for r in lines[1:]:
         assert 0 < r["tokens_per_second"] <= max_tokens_per_step / step_s, r

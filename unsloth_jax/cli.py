@@ -48,7 +48,8 @@ PRESETS = {
     "tiny-vision": {"model_name": str(VISION_MODEL), "dataset": str(VISION_DATASET), "dtype": "float32",
                     "learning_rate": 1e-2, "lora_alpha": 32, "max_steps": 30, "warmup_steps": 3,
                     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "logging_steps": 1,
-                    "use_gradient_checkpointing": False, "max_seq_length": 128},
+                    "use_gradient_checkpointing": False, "max_seq_length": 128,
+                    "output_dir": "outputs/tiny-vision"},  # beside, not over, a `--preset tiny` run's outputs/
 }
 
 log = logging.getLogger("unsloth_jax")
@@ -159,6 +160,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=3407, help="seed of the data order")
     t.add_argument("--output_dir", default="outputs", help="metrics.jsonl, checkpoints and saved models go here")
     t.add_argument("--save_steps", type=int, default=0, help="write a resumable checkpoint every N steps (0: never)")
+    t.add_argument("--save_total_limit", type=int, default=None,
+                   help="keep only the N newest checkpoints in OUTPUT_DIR (older ones are deleted); None: keep all")
     t.add_argument("--overwrite_output_dir", action="store_true",
                    help="replace an earlier run's files in OUTPUT_DIR (metrics.jsonl, checkpoints, runs/, adapter/, "
                         "merged_16bit/, gguf/); without it a reused OUTPUT_DIR is refused")
@@ -244,7 +247,7 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     """The `unsloth-jax` parser; with `preset`, the train subcommand's defaults are PRESETS[preset]'s."""
     parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings from the library log")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no per-step lines; only warnings from the library log")
     sub = parser.add_subparsers(dest="command", metavar="{train,generate,export,doctor}")
     sub.required = True
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -369,12 +372,23 @@ def _export_gguf(model, tokenizer, gguf_dir: Path, methods: list[str]) -> None:
 
 
 # -------------------------------------------------------------------------------------------- validation
+def _hub_id_note(name, dataset: bool = False) -> str:
+    """For a missing path that reads as a Hugging Face Hub id ("owner/name"): that ids are not downloaded."""
+    text = str(name)
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not text.endswith((".jsonl", ".json", ".gguf")):
+        kind = " --repo-type dataset" if dataset else ""
+        return (f"; if {text} is a Hugging Face Hub id: unsloth-jax downloads nothing (no network use), so "
+                f"download it first (`huggingface-cli download {text}{kind} --local-dir DIR`) and pass the local "
+                f"{'.jsonl/.json file' if dataset else 'folder'}")
+    return ""
+
+
 def _check_model_path(name, hint: str) -> None:
     """UsageError unless `name` is a directory or a llama.cpp .gguf file (what from_pretrained loads)."""
     path = Path(name)
     if not (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
         what = "not a model directory or .gguf file" if path.exists() else "model not found"
-        raise UsageError(f"{what}: {name} ({hint})")
+        raise UsageError(f"{what}: {name} ({hint}){'' if path.exists() else _hub_id_note(name)}")
 
 
 SAVE_DIRS = ("adapter", "merged_16bit", "gguf")  # what `train` writes under OUTPUT_DIR by default
@@ -494,6 +508,7 @@ def _training_arguments(args, mesh=None):
             max_steps=args.max_steps, num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
             logging_steps=args.logging_steps, optim=args.optim, weight_decay=args.weight_decay,
             lr_scheduler_type=args.lr_scheduler_type, seed=args.seed, save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit,
             report_to=args.report_to, logging_dir=args.logging_dir, mesh=mesh,
             overwrite_output_dir=args.overwrite_output_dir, resume_from_checkpoint=args.resume_from_checkpoint)
     except (TypeError, ValueError) as e:
@@ -543,7 +558,7 @@ def cmd_train(args) -> int:
                                         "file, or omit it to use the bundled tiny model")
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl/.json file or a directory "
-                         "of .jsonl files)")
+                         f"of .jsonl files){_hub_id_note(args.dataset, dataset=True)}")
     records = load_records(args.dataset, skip_bad_lines=args.skip_bad_lines)
     records = validate_records(records, "auto", skip_bad_lines=args.skip_bad_lines,
                                text_field=args.dataset_text_field)
@@ -565,6 +580,7 @@ def cmd_train(args) -> int:
     trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=records,
                          dataset_text_field=args.dataset_text_field, max_seq_length=args.max_seq_length,
                          packing=args.packing, args=targs)
+    trainer.resume_hint = lambda newest: _resume_hint(args, newest)
     responses_only = args.train_on_responses_only
     if responses_only is None:
         responses_only = fmt in ("alpaca", "chat", "prompt_completion")
@@ -629,6 +645,25 @@ def cmd_train(args) -> int:
     return rc
 
 
+def _resume_hint(args, newest: Path | None) -> str:
+    """After Ctrl-C: the newest checkpoint and the command line that continues from it (this one, with
+    --resume_from_checkpoint true instead of any --resume_from_checkpoint / --overwrite_output_dir)."""
+    if newest is None:
+        return ("no checkpoint was saved, so a new run starts over (--save_steps N writes one every N steps)")
+    kept, skip = [], False
+    for arg in args.argv:
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = True
+        elif not (arg.startswith("--resume_from_checkpoint=") or arg == "--overwrite_output_dir"):
+            kept.append(arg)
+    import shlex
+
+    return (f"the newest checkpoint is {newest}; continue with: "
+            f"unsloth-jax {shlex.join(kept + ['--resume_from_checkpoint', 'true'])}")
+
+
 def _is_vision_model(model_name) -> bool:
     """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
     Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
@@ -658,7 +693,8 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
 
     if not Path(args.dataset).exists():
         raise UsageError(f"dataset not found: {args.dataset} (pass --dataset with a .jsonl file of chat records "
-                         "with images, as unsloth_jax/assets/shapes_sample/shapes_sample.jsonl)")
+                         "with images, as unsloth_jax/assets/shapes_sample/shapes_sample.jsonl)"
+                         f"{_hub_id_note(args.dataset, dataset=True)}")
     records = load_vision_records(args.dataset)
     model, processor = FastVisionModel.from_pretrained(args.model_name, max_seq_length=args.max_seq_length,
                                                        dtype=args.dtype, load_in_4bit=args.load_in_4bit)
@@ -676,6 +712,7 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
                                          instruction_part=parts[0], response_part=parts[1])
     trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=collator, train_dataset=records,
                          max_seq_length=args.max_seq_length, args=targs)
+    trainer.resume_hint = lambda newest: _resume_hint(args, newest)
     c, v = model.config, model.vl_config.vision
     quant = " + NF4 4-bit language model (QLoRA)" if args.load_in_4bit else ""
     print(f"unsloth-jax train: {Path(args.model_name).name} ({model.vl_config.model_type} vision-language, "
@@ -873,7 +910,8 @@ def cmd_export(args) -> int:
 
     adapter = Path(args.model_name)
     if not adapter.is_dir():
-        raise UsageError(f"adapter directory not found: {adapter} (train one with `unsloth-jax train`)")
+        raise UsageError(f"adapter directory not found: {adapter} (train one with `unsloth-jax train`)"
+                         f"{_hub_id_note(adapter) if not adapter.exists() else ''}")
     if not peft_io.is_adapter_dir(adapter):
         raise UsageError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
     if args.save_method is None and not args.save_gguf:
@@ -896,11 +934,30 @@ def cmd_export(args) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- main
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """argparse's "unrecognized arguments" error (exit 2) from the subcommand's parser, with the closest flag of
+    that subcommand for each mistyped one ("did you mean --learning_rate?")."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    parts = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6) if arg.startswith("-") else []
+        parts.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    sub.error("unrecognized arguments: " + " ".join(parts))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 failure, 2 a problem with the input the user can fix)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     if getattr(args, "preset", None):  # parse again with the preset's defaults under the explicit flags
         args = build_parser(args.preset).parse_args(argv)
+    args.argv = argv  # the command line as given (the resume command after Ctrl-C)
     if args.command == "doctor":
         from unsloth_jax import doctor
 

@@ -41,10 +41,12 @@ def _read_jsonl(path: Path, skip_bad_lines: bool, out: list, locs: list) -> int:
             if reason is None:
                 if not line.strip():
                     continue  # blank lines are allowed
+                line = line.rstrip("\r\n")  # so an error at the end of the line is placed on it, not the next
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    obj, reason = None, f"invalid JSON ({e.msg} at column {e.colno})"
+                    where = "the end of the line, " if e.pos >= len(line.rstrip()) else ""
+                    obj, reason = None, f"invalid JSON ({e.msg} at {where}column {e.colno})"
                 else:
                     if not isinstance(obj, dict):
                         reason = f"expected a JSON object, got {type(obj).__name__}"

@@ -265,12 +265,36 @@ def train_on_responses_only(trainer: Any, instruction_part: str | None = "<|im_s
         if fallback:
             logger.info("train_on_responses_only: %d %s used token-id matching (re-encoding differed, or the "
                         "decoded text lacks the marker text)", fallback, attr)
+        cut = _cut_by_truncation(examples) if empty else []
+        limit = getattr(trainer, "max_seq_length", None)
         if examples and empty == len(examples):
+            if cut:
+                raise DatasetFormatError(
+                    f"train_on_responses_only: no {attr} example has a response token left: {len(cut)} of them were "
+                    f"cut by truncation to max_seq_length={limit} before or inside their response ("
+                    f"{_first_cut(examples, cut)}), so nothing would be trained; raise max_seq_length (the longest "
+                    f"example is {max(examples[i]['untruncated_length'] for i in cut)} tokens)")
             raise DatasetFormatError(
                 f"train_on_responses_only: no {attr} example contains the response marker {response_part!r}, so "
                 "nothing would be trained; check instruction_part/response_part against the chat template")
         if empty:
-            logger.warning("train_on_responses_only: %d of %d %s have no response tokens left (marker %r not "
-                           "found, or truncated away); they add nothing to the loss", empty, len(examples), attr,
-                           response_part)
+            why = (f"{len(cut)} of them were cut by truncation to max_seq_length={limit} before their response "
+                   f"({_first_cut(examples, cut)}; raise max_seq_length to keep them)" if cut else
+                   f"the response marker {response_part!r} is not in them")
+            if cut and len(cut) < empty:
+                why += f", {empty - len(cut)} lack the response marker {response_part!r}"
+            logger.warning("train_on_responses_only: %d of %d %s have no response tokens left: %s; they add nothing "
+                           "to the loss", empty, len(examples), attr, why)
     return trainer
+
+
+def _cut_by_truncation(examples: list[dict]) -> list[int]:
+    """Indices of the examples left without a trained token that tokenization truncated (they carry
+    "untruncated_length", unsloth_jax.data.tokenize.tokenize_texts)."""
+    return [i for i, ex in enumerate(examples) if "untruncated_length" in ex
+            and not np.any(np.asarray(ex["labels"]) != IGNORE_INDEX)]
+
+
+def _first_cut(examples: list[dict], cut: list[int]) -> str:
+    i = cut[0]
+    return f"record {i} is {examples[i]['untruncated_length']} tokens"

@@ -39,7 +39,9 @@ def tokenize_texts(texts: Sequence[str], tokenizer: Any, max_seq_length: int, ad
 
     BOS is added the way the tokenizer adds it (``add_special_tokens=True``), but not twice when the text
     already begins with the BOS string. ``add_eos=True`` appends ``tokenizer.eos_token_id`` unless the ids
-    already end with it. Sequences are then truncated to ``max_seq_length`` (the number truncated is logged).
+    already end with it. Sequences are then truncated to ``max_seq_length`` (the number truncated is logged once,
+    with the longest); a truncated example also carries ``"untruncated_length"`` (its length before the cut), so
+    train_on_responses_only can say that truncation removed a response.
     ``labels`` is a copy of ``input_ids`` (the loss shifts them; mask with train_on_responses_only).
     """
     if max_seq_length <= 0:
@@ -49,17 +51,21 @@ def tokenize_texts(texts: Sequence[str], tokenizer: Any, max_seq_length: int, ad
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if add_eos and eos_id is None:
         raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
-    examples, truncated = [], 0
+    examples, truncated, longest = [], 0, 0
     for ids in encode_texts(texts, tokenizer):
         if add_eos and (not ids or ids[-1] != eos_id):
             ids.append(eos_id)
+        example = {}
         if len(ids) > max_seq_length:
             truncated += 1
+            longest = max(longest, len(ids))
+            example["untruncated_length"] = len(ids)
             ids = ids[:max_seq_length]
-        examples.append({"input_ids": ids, "labels": list(ids)})
+        examples.append({"input_ids": ids, "labels": list(ids), **example})
     if truncated:
-        logger.warning("tokenize_texts: %d of %d texts were longer than max_seq_length=%d and were truncated",
-                       truncated, len(examples), max_seq_length)
+        logger.warning("tokenize_texts: %d of %d texts were longer than max_seq_length=%d and were truncated (the "
+                       "longest is %d tokens; raise max_seq_length to keep them whole)", truncated, len(examples),
+                       max_seq_length, longest)
     return examples
 
 

@@ -55,6 +55,13 @@ from unsloth_jax.quant import dense_kernel
 
 log = logging.getLogger("unsloth_jax")
 
+
+def announce(message: str, *args) -> None:
+    """Print what a save wrote (the paths), so a Python caller sees it without configuring logging; not when the
+    "unsloth_jax" logger's level is set above INFO (the CLI's -q)."""
+    if logging.getLogger("unsloth_jax").level <= logging.INFO:
+        print(message % args, flush=True)
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -456,7 +463,7 @@ def _write_adapter(model, directory: Path, base_model_name_or_path, out_dir, tok
     _write_json(directory / ADAPTER_CONFIG, _adapter_config(model, base_model_name_or_path))
 
 
-def save_adapter(model, out_dir, *, base_model_name_or_path=None, tokenizer=None) -> None:
+def save_adapter(model, out_dir, *, base_model_name_or_path=None, tokenizer=None) -> str:
     """Write a PEFT LoRA adapter directory that `peft.PeftModel.from_pretrained(hf_model, out_dir)` loads:
     adapter_config.json and adapter_model.safetensors (LoRA factors in float32 under PEFT's key names, plus
     modules_to_save copies and trained biases where configured), and the tokenizer when given. A GGUF-loaded
@@ -464,9 +471,10 @@ def save_adapter(model, out_dir, *, base_model_name_or_path=None, tokenizer=None
     `peft.AutoPeftModelForCausalLM.from_pretrained(out_dir)` loads it."""
     with atomic_directory(out_dir, _ADAPTER_ARTIFACTS) as tmp:
         _write_adapter(model, tmp, base_model_name_or_path, out_dir, tokenizer)
-    log.info("unsloth_jax: saved LoRA adapter to %s%s", out_dir,
+    announce("unsloth_jax: saved LoRA adapter to %s%s", out_dir,
              f" (with its base, dequantized from the GGUF, in {BASE_MODEL_DIR}/)" if _gguf_source(model)
              and base_model_name_or_path is None else "")
+    return str(out_dir)
 
 
 # -------------------------------------------------------------------------------------------- merged
@@ -615,7 +623,7 @@ def weights_dtype(model) -> str:
     return _dtype_name(_np_dtype(model.model.embed_tokens.weight[...].dtype))
 
 
-def save_full(model, out_dir, tokenizer=None, *, max_shard_size="5GB") -> None:
+def save_full(model, out_dir, tokenizer=None, *, max_shard_size="5GB") -> str:
     """Write a fully fine-tuned model as a transformers checkpoint in its weights' own dtype (bf16 stays bf16,
     float32 stays float32): sharded safetensors (+ index), config.json with the current vocab_size,
     generation_config.json. Tokenizer files only when `tokenizer` is given, as transformers' save_pretrained
@@ -623,11 +631,12 @@ def save_full(model, out_dir, tokenizer=None, *, max_shard_size="5GB") -> None:
     out_dtype = _resolve_out_dtype(model, weights_dtype(model))
     with atomic_directory(out_dir, _MERGED_ARTIFACTS) as tmp:
         _write_merged(model, tmp, tokenizer, max_shard_size, out_dtype, copy_tokenizer=False)
-    log.info("unsloth_jax: saved the fully fine-tuned %s model to %s", weights_dtype(model), out_dir)
+    announce("unsloth_jax: saved the fully fine-tuned %s model to %s", weights_dtype(model), out_dir)
+    return str(out_dir)
 
 
 def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16bit", max_shard_size="5GB",
-                dtype=None) -> None:
+                dtype=None) -> str:
     """Write the merged model as a Hugging Face checkpoint (save_method="merged_16bit"), or only the adapter and
     tokenizer (save_method="lora").
 
@@ -643,11 +652,11 @@ def save_merged(model, out_dir, tokenizer=None, *, save_method: str = "merged_16
                               "a quantized llama.cpp file)")
         raise ConfigError(f"save_method={save_method!r} is not supported; use one of {', '.join(SAVE_METHODS)}")
     if save_method == "lora":
-        save_adapter(model, out_dir, tokenizer=tokenizer)
-        return
+        return save_adapter(model, out_dir, tokenizer=tokenizer)
     stale = _MERGED_ARTIFACTS if tokenizer is None else re.compile(
         _MERGED_ARTIFACTS.pattern + "|" + "|".join(re.escape(f) for f in _TOKENIZER_FILES))
     out_dtype = _resolve_out_dtype(model, dtype)
     with atomic_directory(out_dir, stale) as tmp:
         _write_merged(model, tmp, tokenizer, max_shard_size, out_dtype)
-    log.info("unsloth_jax: saved merged %s model to %s", _dtype_name(out_dtype), out_dir)
+    announce("unsloth_jax: saved merged %s model to %s", _dtype_name(out_dtype), out_dir)
+    return str(out_dir)

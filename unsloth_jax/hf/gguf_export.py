@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.hf import export
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.gguf_common import llama3_rope_factors
 
@@ -594,5 +595,5 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    log.info("unsloth_jax: wrote %s (%s, %d tensors)", path, method, len(plan))
+    export.announce("unsloth_jax: wrote %s (%s, %d tensors)", path, method, len(plan))
     return str(path)

@@ -87,7 +87,7 @@ def _save_processor(model, directory: Path, processor) -> None:
             shutil.copyfile(src / fname, directory / fname)
 
 
-def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> None:
+def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> str:
     """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(Gemma3ForConditionalGeneration, out_dir)`
     loads: adapter_config.json (target_modules a regex, module docstring) and adapter_model.safetensors, plus the
     processor when given."""
@@ -95,7 +95,8 @@ def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_pa
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
     write_adapter_dir(out_dir, config, adapter_entries(model), processor)
-    log.info("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
+    export.announce("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
+    return str(out_dir)
 
 
 def write_adapter_dir(out_dir, config: dict, entries: list, processor) -> None:
@@ -158,27 +159,27 @@ def write_merged_checkpoint(model, out_dir, entries: list, config: dict, process
 
 
 def save_merged_or_adapter(model, out_dir, processor, save_method: str, max_shard_size, dtype, *, entries_of,
-                           save_adapter, label: str) -> None:
+                           save_adapter, label: str) -> str:
     """What both vision-language families' save_pretrained_merged do: save_method "lora" writes the adapter
     (save_adapter), a merged method writes entries_of(model, out_dtype) with the source's config.json in out_dtype
     (write_merged_checkpoint); another save_method is a ConfigError."""
     if save_method == "lora":
-        save_adapter(model, out_dir, processor)
-        return
+        return save_adapter(model, out_dir, processor)
     if save_method not in export.SAVE_METHODS:
         raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
                           f"{', '.join(export.SAVE_METHODS)}")
     out_dtype = export._resolve_out_dtype(model, dtype)
     write_merged_checkpoint(model, out_dir, entries_of(model, out_dtype), _merged_config(model, out_dtype),
                             processor, max_shard_size)
-    log.info("unsloth_jax: saved the merged %s %s model to %s", export._dtype_name(out_dtype), label, out_dir)
+    export.announce("unsloth_jax: saved the merged %s %s model to %s", export._dtype_name(out_dtype), label, out_dir)
+    return str(out_dir)
 
 
 def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
-                       max_shard_size="5GB", dtype=None) -> None:
+                       max_shard_size="5GB", dtype=None) -> str:
     """Write the merged model as a transformers Gemma3ForConditionalGeneration checkpoint (save_method
     "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
     the source says float16), with config.json from the source and the processor (given, else the source's
     files); save_method "lora": the adapter only."""
-    save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
-                           entries_of=merged_entries, save_adapter=save_vision_adapter, label="vision-language")
+    return save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
+                                  entries_of=merged_entries, save_adapter=save_vision_adapter, label="vision-language")

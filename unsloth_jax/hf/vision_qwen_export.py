@@ -28,14 +28,15 @@ from unsloth_jax.models.state import variable_at
 log = logging.getLogger("unsloth_jax")
 
 
-def save_qwen_vl_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> None:
+def save_qwen_vl_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> str:
     """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration,
     out_dir)` loads: adapter_config.json and adapter_model.safetensors, plus the processor when given."""
     check_exportable(model, "Qwen2.5-VL")
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
     write_adapter_dir(out_dir, config, adapter_entries(model), processor)
-    log.info("unsloth_jax: saved the Qwen2.5-VL LoRA adapter to %s", out_dir)
+    export.announce("unsloth_jax: saved the Qwen2.5-VL LoRA adapter to %s", out_dir)
+    return str(out_dir)
 
 
 def _vision_make(model, spec, out_dtype):
@@ -59,9 +60,9 @@ def merged_entries(model, out_dtype: np.dtype) -> list:
 
 
 def save_qwen_vl_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
-                        max_shard_size="5GB", dtype=None) -> None:
+                        max_shard_size="5GB", dtype=None) -> str:
     """Write the merged model as a transformers Qwen2_5_VLForConditionalGeneration checkpoint (save_method
     "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged), with config.json
     from the source and the processor (given, else the source's files); save_method "lora": the adapter only."""
-    save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
-                           entries_of=merged_entries, save_adapter=save_qwen_vl_adapter, label="Qwen2.5-VL")
+    return save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
+                                  entries_of=merged_entries, save_adapter=save_qwen_vl_adapter, label="Qwen2.5-VL")

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -287,8 +288,29 @@ class TrainerBase:
         written back into the model (in place). Returns a TrainOutput; trainer.state keeps the log history."""
         try:
             return self._train(resume_from_checkpoint)
+        except KeyboardInterrupt:
+            if distributed.is_main_process():
+                print(self._interrupted_message(), file=sys.stderr, flush=True)
+            raise
         finally:
             self._close_reporters()
+
+    # How to continue an interrupted run, given the newest checkpoint (or None): the CLI sets its command line.
+    resume_hint: Callable[[Path | None], str] | None = None
+
+    def _interrupted_message(self) -> str:
+        """What Ctrl-C prints: the step reached, the newest checkpoint and how to resume from it."""
+        found = checkpoints.checkpoints_in(self.args.output_dir)
+        newest = found[-1][1] if found else None
+        head = f"unsloth_jax: training interrupted at step {self.state.global_step}; "
+        if self.resume_hint is not None:
+            return head + self.resume_hint(newest)
+        if newest is None:
+            return head + ("no checkpoint was saved, so a new run starts over (TrainingArguments(save_steps=N) "
+                           "writes one every N steps)")
+        return (head + f"the newest checkpoint is {newest}; continue with "
+                f"trainer.train(resume_from_checkpoint={str(newest)!r}) (or resume_from_checkpoint=True: the newest "
+                "in output_dir)")
 
     def _train(self, resume_from_checkpoint) -> TrainOutput:
         args = self.args
@@ -357,7 +379,7 @@ class TrainerBase:
                 steplog.exclude(compiled, compiled=True)
             return metrics
 
-        def finish(step_idx, m):
+        def finish(step_idx, m, warmup):
             nonlocal bad_in_row
             m = jax.device_get(m)
             stamp = time.perf_counter()
@@ -372,7 +394,7 @@ class TrainerBase:
                                         f"stopping. {self.nonfinite_hint}; saved checkpoints are untouched.")
             else:
                 bad_in_row = 0
-            steplog.step(step_idx, m, stamp, last=step_idx == last_step)
+            steplog.step(step_idx, m, stamp, last=step_idx == last_step, warmup=warmup)
 
         def read_pending():
             nonlocal pending
@@ -394,12 +416,13 @@ class TrainerBase:
                         read_pending()
                     batch = self.next_batch(step)
                     shape = _shapes(batch)
-                    if pending is not None and (shape not in shapes_seen or is_ready(pending[1])):
+                    new_shape = shape not in shapes_seen  # the step compiles: its first run is a warm-up
+                    if pending is not None and (new_shape or is_ready(pending[1])):
                         read_pending()
                     shapes_seen.add(shape)
                     metrics = call_step(batch)
                     read_pending()
-                    pending = (step, metrics)
+                    pending = (step, metrics, new_shape)
                     done = step + 1
                     self.state.global_step, self.state.epoch = done, run.epoch_at(done)
                     bar.update(1)
