@@ -256,3 +256,14 @@ def test_processor_is_built_without_torchvision(checkpoint, tmp_path):
     assert batch["pixel_values"].shape == ref["pixel_values"].shape
     with pytest.raises(ValueError, match="videos"):
         processor(text=texts, videos=[np.zeros((2, 16, 16, 3), np.uint8)])
+
+
+def test_patch_buckets_keep_padding_small():
+    """Patch buckets: multiples of the merge unit, growing, and above 256 patches under a quarter of padding."""
+    from unsloth_jax.data.vision_loader import patch_bucket
+
+    sizes = [patch_bucket(n, 4) for n in range(1, 20000)]
+    assert all(b >= n and b % 4 == 0 for n, b in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes) and patch_bucket(1024, 4) == 1024 and patch_bucket(1025, 4) == 1280
+    assert max(b / n for n, b in enumerate(sizes, start=1) if n > 256) <= 1.25
+    assert len(set(sizes)) <= 4 * 9  # four per octave up to 2**15: a bounded number of compiles

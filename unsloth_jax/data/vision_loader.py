@@ -8,7 +8,7 @@ the same batches. Records are shuffled per epoch as DataLoader shuffles examples
 collated by an UnslothVisionDataCollator when their batch is asked for (images are preprocessed lazily, never
 all at once), and padded to the smallest of DataLoader's bucket lengths (powers of two from 64, then
 max_seq_length) that holds the batch, so a jitted step compiles for few shapes. Qwen2.5-VL's patches are
-padded likewise (patch_bucket: powers of two from 64) and the tower's window layout is added (pad_patches).
+padded likewise (patch_bucket: 64, 128, then four buckets per octave) and the tower's window layout is added (pad_patches).
 The last batch is filled with empty rows (all padding, labels -100, no image) unless drop_last.
 
     records = load_vision_records("shapes_sample.jsonl")   # `images` given as file paths -> PIL images
@@ -52,11 +52,14 @@ def pad_rows(batch: dict, length: int, rows: int, pad_token_id: int) -> dict:
 
 
 def patch_bucket(count: int, unit: int) -> int:
-    """The padded patch count of a Qwen2.5-VL batch with `count` patches: the smallest power of two from 64
-    that holds it (a multiple of the merge unit `unit`), so steps compile once per bucket, not per set of grids."""
+    """The padded patch count of a Qwen2.5-VL batch with `count` patches, so steps compile once per bucket, not per
+    set of grids: the smallest bucket that holds it, a multiple of the merge unit `unit`. Buckets: 64, 128, then
+    four per octave (256, 320, 384, 448, 512, 640, ...), so padding stays under a quarter of the real patches
+    above 256 (a 448-pixel image is 1,024 patches; powers of two alone padded 1,025 to 2,048)."""
     size = 64
     while size < count:
-        size *= 2
+        octave = 1 << (size.bit_length() - 1)  # the power of two at or below size
+        size += octave // 4 if octave >= 256 else octave
     return max(size, -(-count // unit) * unit)
 
 
