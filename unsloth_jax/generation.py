@@ -22,7 +22,7 @@ from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
-from unsloth_jax.inference.images import ImagePrompt, generate_with_images
+from unsloth_jax.inference.image_inputs import batch_image_prompts
 from unsloth_jax.inference.sampling import SamplingParams
 
 log = logging.getLogger("unsloth_jax")
@@ -215,25 +215,40 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     Qwen2-VL image processor gives them (its mm_token_type_ids are accepted and not needed); M-RoPE positions.
 
     The other arguments as `generate` (temperature, top_p, top_k, min_p, repetition_penalty: the engine's
-    sampler). Runs on inference.images.generate_with_images (one contiguous KV cache). Returns [B, P + new]
-    numpy int64."""
+    sampler). Each row is one engine request with its own images (image_inputs.batch_image_prompts), so the rows
+    are prefilled together and decode with continuous batching on the paged cache. Returns [B, P + new] numpy
+    int64."""
     unknown = [k for k in kwargs if k not in _VISION_IGNORED]
     if unknown:
         raise TypeError(f"generate (vision): unsupported argument(s) {', '.join(unknown)}")
     ids, mask = _prompt_arrays(input_ids, attention_mask)
+    grid = types = None
     if isinstance(model.vl_config, QwenVLConfig):
         if token_type_ids is not None:
             raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
-        prompt = _qwen_image_prompt(model, ids, mask, pixel_values, image_grid_thw)
+        pixels, grid = _qwen_images(model, ids, mask, pixel_values, image_grid_thw)
     else:
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is Qwen2.5-VL's; Gemma 3 takes pixel_values [N, C, H, W]")
-        prompt = _gemma_image_prompt(model.vl_config, ids, pixel_values, token_type_ids)
+        pixels, types = _gemma_images(model.vl_config, ids, pixel_values, token_type_ids)
     if max_new_tokens <= 0:
         return ids.astype(np.int64)
     params, eos, pad_token_id = _sampling(model, ids.shape[0], max_new_tokens, do_sample, temperature, top_p, top_k,
                                           min_p, repetition_penalty, seed, eos_token_id, pad_token_id)
-    return generate_with_images(model, ids, mask, prompt, int(max_new_tokens), params, eos, streamer, pad_token_id)
+    prompts = batch_image_prompts(model.vl_config, ids, mask, pixels, grid, types)
+    on_tokens = None
+    if streamer is not None:
+        if hasattr(streamer, "put"):
+            streamer.put(ids.astype(np.int64))
+        on_tokens = _step_streamer(streamer, ids.shape[0], pad_token_id)
+    outs = engine_for(model, streaming=streamer is not None).generate(prompts, params, on_tokens=on_tokens)
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
+    rows = [o.outputs[0].token_ids for o in outs]
+    new = np.full((ids.shape[0], max(len(r) for r in rows)), pad_token_id, np.int64)
+    for i, r in enumerate(rows):
+        new[i, :len(r)] = r
+    return np.concatenate([ids.astype(np.int64), new], axis=1)
 
 
 def _pixels(pixel_values, shape: str, ndim: int) -> np.ndarray:
@@ -250,9 +265,10 @@ def _check_no_image_tokens(n_image_tokens: int) -> None:
         raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
 
 
-def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
-    """Gemma 3's checked ImagePrompt: pixel_values [N, C, H, W] for N * mm_tokens_per_image image tokens of ids
-    [B, P], token_type_ids [B, P] or None."""
+def _gemma_images(cfg, ids: np.ndarray, pixel_values, token_type_ids
+                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Gemma 3's checked (pixel_values [N, C, H, W] float32 or None, token_type_ids [B, P] int32 or None): N *
+    mm_tokens_per_image image tokens in ids [B, P]."""
     n_image_tokens = int(np.sum(ids == cfg.image_token_index))
     pixels = None
     if pixel_values is None:
@@ -268,12 +284,13 @@ def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
         types = _as_ids(token_type_ids, "token_type_ids").astype(np.int32)
         if types.shape != ids.shape:
             raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape {ids.shape}")
-    return ImagePrompt(pixels, token_type_ids=types)
+    return pixels, types
 
 
-def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw):
-    """Qwen2.5-VL's checked ImagePrompt: pixel_values [patches, C*T*p*p] of the images image_grid_thw [I, 3],
-    whose t*h*w / merge^2 tokens each fill ids' [B, P] runs of image_token_id in order; M-RoPE positions."""
+def _qwen_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Qwen2.5-VL's checked (pixel_values [patches, C*T*p*p] float32, image_grid_thw [I, 3] int64), or (None,
+    None): the t*h*w / merge^2 tokens of each image fill ids' [B, P] runs of image_token_id in order."""
     cfg = model.vl_config
     if np.any(ids == cfg.video_token_id):
         raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
@@ -282,7 +299,7 @@ def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, i
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is given but pixel_values is None")
         _check_no_image_tokens(n_image_tokens)
-        return ImagePrompt(rope_positions=model.rope_positions(ids, mask))
+        return None, None
     if image_grid_thw is None:
         raise ValueError("generate: pixel_values needs image_grid_thw [images, 3] (each image's t, h, w patches, "
                          "as the image processor gives it)")
@@ -299,7 +316,8 @@ def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, i
     if n_image_tokens != needed:
         raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but image_grid_thw's "
                          f"{len(grid)} images need {needed} (t*h*w / {vision.merge_unit} each)")
-    return ImagePrompt(pixels, rope_positions=model.rope_positions(ids, mask, grid), image_grid_thw=grid)
+    model.rope_positions(ids, mask, grid)  # ValueError when a run of image tokens does not match its grid
+    return pixels, grid
 
 
 # transformers' generate arguments generate_vision accepts and ignores
