@@ -2,7 +2,8 @@
 different lengths and image counts (and a text prompt among them), greedy, gives each prompt transformers'
 generate tokens for that prompt alone and the engine's tokens for that prompt run alone. Qwen2.5-VL (M-RoPE,
 decoding at rope_deltas) with more sequences than rows and a short decode chunk, so a prompt with images is
-admitted while the others decode (continuous batching); Gemma 3 with token_type_ids' bidirectional image blocks."""
+admitted while the others decode (continuous batching), and prompts alone compile the vision tower and embedding
+once per (length, patch) bucket; Gemma 3 with token_type_ids' bidirectional image blocks."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +30,9 @@ def _hf_greedy(hf, ids: list[int], new: int, **images) -> list[int]:
 
 def test_qwen_image_prompts_batch_as_alone_and_as_transformers(tmp_path):
     from unsloth_jax import FastVisionModel
-    from unsloth_jax.inference.engine import Engine, ImageInputs, SamplingParams
+    from unsloth_jax.data.vision_loader import patch_bucket
+    from unsloth_jax.inference import runner
+    from unsloth_jax.inference.engine import Engine, ImageInputs, SamplingParams, bucket
 
     hf = qm.hf_qwen_vl()
     hf.save_pretrained(tmp_path)
@@ -58,17 +61,26 @@ def test_qwen_image_prompts_batch_as_alone_and_as_transformers(tmp_path):
     outs = engine.generate(prompts, params, on_tokens=lambda news: calls.append({r for r, _ in news}))
     assert any(4 in c and c - {4} for c in calls), calls
 
+    # alone (one prompt per prefill), the image prompts' embeddings compile at most once per (length, patch) bucket:
+    # the 4 image prompts (4 sets of grids, 16 to 64 patches, 11 to 30 tokens) fall in 2
+    seen = set()
     for k, (prompt, out, m) in enumerate(zip(prompts, outs, max_tokens)):
         ids = prompt if isinstance(prompt, list) else prompt["prompt_token_ids"]
         images = {} if isinstance(prompt, list) else dict(  # transformers' M-RoPE reads the image tokens' types
             pixel_values=prompt["images"].pixel_values, image_grid_thw=prompt["images"].image_grid_thw,
             mm_token_type_ids=[[int(t == qm.IMAGE) for t in ids]])
         theirs = _hf_greedy(hf, ids, m, **images)
+        compiles = runner.image_embeddings.jitted._cache_size()
         alone = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        if isinstance(prompt, dict):
+            key = (bucket(len(ids), 16), patch_bucket(len(prompt["images"].pixel_values), 4))
+            assert key not in seen or runner.image_embeddings.jitted._cache_size() == compiles, key
+            seen.add(key)
         print(k, "engine", out.outputs[0].token_ids, "transformers", theirs)
         assert [o.token_ids for o in out.outputs] == [theirs, theirs], k
         assert alone[0].outputs[0].token_ids == theirs, k
     assert len({tuple(o.outputs[0].token_ids[:4]) for o in outs}) == len(outs)  # the prompts' tokens differ
+    assert len(seen) == 2, seen
 
 
 def test_gemma_image_prompts_batch_as_alone_and_as_transformers(gemma_checkpoint):  # noqa: F811
