@@ -3,7 +3,8 @@ different lengths and image counts (and a text prompt among them), greedy, gives
 generate tokens for that prompt alone and the engine's tokens for that prompt run alone. Qwen2.5-VL (M-RoPE,
 decoding at rope_deltas) with more sequences than rows and a short decode chunk, so a prompt with images is
 admitted while the others decode (continuous batching), and prompts alone compile the vision tower and embedding
-once per (length, patch) bucket; Gemma 3 with token_type_ids' bidirectional image blocks."""
+once per (length, patch) bucket, and generate streams a text row beside an image row step by step; Gemma 3 with
+token_type_ids' bidirectional image blocks."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ torch = pytest.importorskip("torch")
 from tests import vl_models  # noqa: E402
 from tests import vl_qwen_models as qm  # noqa: E402
 from tests.test_vision_generate import checkpoint as gemma_checkpoint  # noqa: E402,F401
-from tests.test_vision_qwen_generate import _image  # noqa: E402
+from tests.test_vision_qwen_generate import _image, _left_padded  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -81,6 +82,17 @@ def test_qwen_image_prompts_batch_as_alone_and_as_transformers(tmp_path):
         assert alone[0].outputs[0].token_ids == theirs, k
     assert len({tuple(o.outputs[0].token_ids[:4]) for o in outs}) == len(outs)  # the prompts' tokens differ
     assert len(seen) == 2, seen
+
+    # generate with a text row beside an image row: both are prefilled in one admission (two batches), and the
+    # streamer sees one step per token, the first tokens of both rows together
+    ids, mask = _left_padded([prompts[1]["prompt_token_ids"], prompts[0]])
+    steps = []
+    both = model.generate(ids, mask, pixel_values=prompts[1]["images"].pixel_values,
+                          image_grid_thw=prompts[1]["images"].image_grid_thw, max_new_tokens=6, eos_token_id=[],
+                          streamer=steps.append)
+    np.testing.assert_array_equal(np.stack(steps, axis=1), both[:, ids.shape[1]:])
+    assert both[0, ids.shape[1]:].tolist() == outs[1].outputs[0].token_ids[:6]
+    assert both[1, ids.shape[1]:].tolist() == outs[0].outputs[0].token_ids[:6]
 
 
 def test_gemma_image_prompts_batch_as_alone_and_as_transformers(gemma_checkpoint):  # noqa: F811

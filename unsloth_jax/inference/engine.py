@@ -403,13 +403,18 @@ class _Run:
             self._prefill(admitted)
 
     def _prefill(self, admitted) -> None:
-        """Prefill the admitted prompts: those without images in one batch, those with images in another."""
+        """Prefill the admitted prompts (those without images in one batch, those with images in another) and
+        report their first tokens together."""
+        news = {}
         for with_images in (False, True):
             group = [(r, seqs) for r, seqs in admitted if (self.images[r] is not None) == with_images]
             if group:
-                self._prefill_group(group, with_images)
+                news.update(self._prefill_group(group, with_images))
+        self._emit(news)
+        self._retire_finished()
 
-    def _prefill_group(self, admitted, with_images: bool) -> None:
+    def _prefill_group(self, admitted, with_images: bool) -> dict:
+        """Prefill one batch of admitted prompts and start their rows -> {(request, index): [first token]}."""
         size = self.e.page_size
         num_slots = self.num_pages * size
         n_prompts = len(admitted)
@@ -473,8 +478,7 @@ class _Run:
         for k, (_, s) in enumerate(new):
             self._append(s, [int(first[k])], [float(lps[k])])
             news[(s.request, s.index)] = [int(first[k])]
-        self._emit(news)
-        self._retire_finished()
+        return news
 
     # ------------------------------------------------------------------------------------------ progress
     def _collect(self, tokens: np.ndarray, logprobs: np.ndarray) -> None:
