@@ -28,7 +28,7 @@ from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
 from unsloth_jax.inference.eos import generation_config as generation_config_json
-from unsloth_jax.inference.images import ImagePrompt, generate_with_images
+from unsloth_jax.inference.image_inputs import batch_image_prompts
 from unsloth_jax.inference.sampling import SamplingParams
 from unsloth_jax.validation import require_bool, require_int, require_real
 
@@ -345,17 +345,22 @@ def generate(model, input_ids=None, attention_mask=None, max_new_tokens: int | N
         return generate_contiguous(model, ids, mask, max_new_tokens, params, eos, streamer, pad_token_id)
 
     prompts = [row[m > 0].tolist() for row, m in zip(ids, mask)]
+    return _run_engine(model, ids, prompts, params, streamer, pad_token_id)
+
+
+def _run_engine(model, ids: np.ndarray, prompts: list, params: list, streamer, pad_token_id: int) -> np.ndarray:
+    """The engine's completions of `prompts` (one request per row of the left-padded prompt ids [B, P]) with
+    `params`, streamed to `streamer`, as generate returns them: [B, P + new] int64, finished rows padded."""
     on_tokens = None
     if streamer is not None:
         if hasattr(streamer, "put"):
             streamer.put(ids.astype(np.int64))
-        on_tokens = _step_streamer(streamer, b, pad_token_id)
+        on_tokens = _step_streamer(streamer, ids.shape[0], pad_token_id)
     outs = engine_for(model, streaming=streamer is not None).generate(prompts, params, on_tokens=on_tokens)
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     rows = [o.outputs[0].token_ids for o in outs]
-    width = max(len(r) for r in rows)
-    new = np.full((b, width), pad_token_id, np.int64)
+    new = np.full((ids.shape[0], max(len(r) for r in rows)), pad_token_id, np.int64)
     for i, r in enumerate(rows):
         new[i, :len(r)] = r
     return np.concatenate([ids.astype(np.int64), new], axis=1)
@@ -379,9 +384,9 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     Qwen2-VL image processor gives them (its mm_token_type_ids are accepted and not needed); M-RoPE positions.
 
     The other arguments as `generate` (max_length, num_return_sequences, generation_config and the model's
-    generation_config.json too; temperature, top_p, top_k, min_p, repetition_penalty: the engine's sampler).
-    Runs on inference.images.generate_with_images (one contiguous KV cache). Returns [B * n, P + new] numpy
-    int64."""
+    generation_config.json too; temperature, top_p, top_k, min_p, repetition_penalty: the engine's sampler). Each
+    row is one engine request with its own images (image_inputs.batch_image_prompts), so the rows are prefilled
+    together and decode with continuous batching on the paged cache. Returns [B * n, P + new] numpy int64."""
     call = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, do_sample=do_sample,
                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, top_k=top_k, min_p=min_p,
                 repetition_penalty=repetition_penalty, max_length=max_length,
@@ -389,10 +394,11 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     settings = _settings(model, {k: v for k, v in call.items() if v is not None}, generation_config, "generate")
     input_ids, attention_mask = _unpack(input_ids, attention_mask)
     ids, mask, order = _prompt_arrays(input_ids, attention_mask)
+    grid = types = None
     if isinstance(model.vl_config, QwenVLConfig):
         if token_type_ids is not None:
             raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
-        prompt = _qwen_image_prompt(model, ids, mask, pixel_values, image_grid_thw)
+        pixels, grid = _qwen_images(model, ids, mask, pixel_values, image_grid_thw)
     else:
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is Qwen2.5-VL's; Gemma 3 takes pixel_values [N, C, H, W]")
@@ -402,21 +408,17 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
                 raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape "
                                  f"{ids.shape}")
             token_type_ids = np.take_along_axis(types, order, axis=1)
-        prompt = _gemma_image_prompt(model.vl_config, ids, pixel_values, token_type_ids)
+        pixels, types = _gemma_images(model.vl_config, ids, pixel_values, token_type_ids)
     max_new_tokens = _new_tokens(settings, ids.shape[1])
-    if max_new_tokens <= 0:
-        return np.repeat(ids, settings["num_return_sequences"], axis=0).astype(np.int64)
     n = settings["num_return_sequences"]
+    if max_new_tokens <= 0:
+        return np.repeat(ids, n, axis=0).astype(np.int64)
     if n > 1 and streamer is not None:
         raise ValueError("generate: a streamer takes one completion per prompt; drop it or num_return_sequences")
-    params, eos, pad_token_id = _sampling(model, ids.shape[0] * n, max_new_tokens, settings, seed)
-    runs = [generate_with_images(model, ids, mask, prompt, int(max_new_tokens), params[j::n], eos, streamer,
-                                 pad_token_id) for j in range(n)]  # run j: completion j of every prompt
-    width = max(r.shape[1] for r in runs)
-    out = np.full((ids.shape[0] * n, width), pad_token_id, np.int64)
-    for j, r in enumerate(runs):
-        out[j::n, :r.shape[1]] = r  # rows p0 x n, p1 x n, ... (transformers' order)
-    return out
+    prompts = [p for p in batch_image_prompts(model.vl_config, ids, mask, pixels, grid, types) for _ in range(n)]
+    ids = np.repeat(ids, n, axis=0)  # rows p0 x n, p1 x n, ... (transformers' order)
+    params, eos, pad_token_id = _sampling(model, ids.shape[0], max_new_tokens, settings, seed)
+    return _run_engine(model, ids, prompts, params, streamer, pad_token_id)
 
 
 def _pixels(pixel_values, shape: str, ndim: int) -> np.ndarray:
@@ -433,9 +435,10 @@ def _check_no_image_tokens(n_image_tokens: int) -> None:
         raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
 
 
-def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
-    """Gemma 3's checked ImagePrompt: pixel_values [N, C, H, W] for N * mm_tokens_per_image image tokens of ids
-    [B, P], token_type_ids [B, P] or None."""
+def _gemma_images(cfg, ids: np.ndarray, pixel_values, token_type_ids
+                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Gemma 3's checked (pixel_values [N, C, H, W] float32 or None, token_type_ids [B, P] int32 or None): N *
+    mm_tokens_per_image image tokens in ids [B, P]."""
     n_image_tokens = int(np.sum(ids == cfg.image_token_index))
     pixels = None
     if pixel_values is None:
@@ -451,12 +454,13 @@ def _gemma_image_prompt(cfg, ids: np.ndarray, pixel_values, token_type_ids):
         types = _as_ids(token_type_ids, "token_type_ids").astype(np.int32)
         if types.shape != ids.shape:
             raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape {ids.shape}")
-    return ImagePrompt(pixels, token_type_ids=types)
+    return pixels, types
 
 
-def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw):
-    """Qwen2.5-VL's checked ImagePrompt: pixel_values [patches, C*T*p*p] of the images image_grid_thw [I, 3],
-    whose t*h*w / merge^2 tokens each fill ids' [B, P] runs of image_token_id in order; M-RoPE positions."""
+def _qwen_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Qwen2.5-VL's checked (pixel_values [patches, C*T*p*p] float32, image_grid_thw [I, 3] int64), or (None,
+    None): the t*h*w / merge^2 tokens of each image fill ids' [B, P] runs of image_token_id in order."""
     cfg = model.vl_config
     if np.any(ids == cfg.video_token_id):
         raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
@@ -465,7 +469,7 @@ def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, i
         if image_grid_thw is not None:
             raise ValueError("generate: image_grid_thw is given but pixel_values is None")
         _check_no_image_tokens(n_image_tokens)
-        return ImagePrompt(rope_positions=model.rope_positions(ids, mask))
+        return None, None
     if image_grid_thw is None:
         raise ValueError("generate: pixel_values needs image_grid_thw [images, 3] (each image's t, h, w patches, "
                          "as the image processor gives it)")
@@ -482,7 +486,8 @@ def _qwen_image_prompt(model, ids: np.ndarray, mask: np.ndarray, pixel_values, i
     if n_image_tokens != needed:
         raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but image_grid_thw's "
                          f"{len(grid)} images need {needed} (t*h*w / {vision.merge_unit} each)")
-    return ImagePrompt(pixels, rope_positions=model.rope_positions(ids, mask, grid), image_grid_thw=grid)
+    model.rope_positions(ids, mask, grid)  # ValueError when a run of image tokens does not match its grid
+    return pixels, grid
 
 
 def _step_streamer(streamer, rows: int, pad: int):

@@ -6,10 +6,11 @@ CLI and the RL trainers (docs/GENERATION.md).
 
 Modules: `sampling` (SamplingParams, the on-device sampler), `pages` (page pools and their allocator),
 `weights` (the rollout's weights: shared, copied or merged), `runner` (the compiled prefill and decode loop),
-`engine` (continuous batching, vLLM's RequestOutput), `eos` (end-of-sequence ids), `contiguous` (the
-contiguous-cache fallback).
+`engine` (continuous batching, vLLM's RequestOutput), `image_inputs` (prompts with images: ImageInputs, their
+checks and prefill batches), `eos` (end-of-sequence ids), `contiguous` (the contiguous-cache fallback).
 """
 from unsloth_jax.inference.engine import CompletionOutput, Engine, Logprob, RequestOutput
+from unsloth_jax.inference.image_inputs import ImageInputs
 from unsloth_jax.inference.sampling import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "ImageInputs"]

@@ -218,7 +218,7 @@ def generate_contiguous(model, ids: np.ndarray, mask: np.ndarray, max_new_tokens
 
 
 def decode_loop(state, cache, tok, done, sampler, first_positions, first_slot: int, max_new_tokens: int, eos_arr, pad,
-                common: dict, streamer, rows: int, *, rebuild_at: int | None = None, fed_tokens=None) -> np.ndarray:
+                common: dict, streamer, rows: int, *, rebuild_at: int | None, fed_tokens) -> np.ndarray:
     """The decode steps after a prefill that gave the first new tokens `tok` [R] (done [R], cache, sampler): step n
     feeds its token at cache slot first_slot + n and position first_positions [R] + n, the next step dispatched
     before this one's tokens are read back; it ends after max_new_tokens tokens or when the first `rows` rows
@@ -249,4 +249,4 @@ def decode_loop(state, cache, tok, done, sampler, first_positions, first_slot: i
     return np.stack(out, axis=1) if out else np.zeros((rows, 0), np.int32)
 
 
-__all__ = ["generate_contiguous", "bucket", "decode_loop", "row_sampler", "RowSampler"]
+__all__ = ["generate_contiguous", "bucket"]

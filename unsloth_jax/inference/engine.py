@@ -3,6 +3,7 @@
     engine = Engine(model, tokenizer)
     outs = engine.generate(["Hello"], SamplingParams(n=4, temperature=0.8, max_tokens=64))
     outs[0].outputs[2].text, .token_ids, .logprobs, .finish_reason
+    engine.generate([{"prompt_token_ids": ids, "images": ImageInputs(pixel_values, ...)}], params)  # with images
 
 One `generate` call: the prompts (text, or token id lists) become sequences (n per prompt). R decode rows
 (a power of two, up to max_rows) run together; the host admits waiting sequences into free rows, prefilling
@@ -12,6 +13,12 @@ tokens back once, retires finished sequences (stop token, max_tokens, stop strin
 rows for the next admissions. The KV pool is allocated for the call and released at its end, under a memory cap
 (`gpu_memory_utilization` of the free device memory, or `kv_cache_gib`); a sequence is admitted only when pages
 for its whole length are free, and one that could never fit is refused with the numbers.
+
+Prompts with images (a vision-language model; image_inputs.ImageInputs) are prefilled in their own batch of an
+admission: the vision tower's features written into their embeddings (`runner.image_embeddings`), Gemma 3's image
+blocks attending both ways, Qwen2.5-VL's M-RoPE positions, whose rows then decode at their cache slot plus a
+per-row offset (transformers' rope_deltas). Text prompts keep their own prefill and, in a run without M-RoPE
+prompts, their decode program.
 
 The weights are the model's own, read at each call (`weights.prepare`: "shared", "copy" or "merged"), so a
 trainer that updates the model in place generates with its current weights.
@@ -35,6 +42,7 @@ from unsloth_jax import ops
 from unsloth_jax.inference import pages as paging
 from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
+from unsloth_jax.inference.image_inputs import ImageInputs, ImageRequest, image_batch, image_request
 from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key
 from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
 
@@ -167,13 +175,18 @@ class Engine:
         return model
 
     # ------------------------------------------------------------------------------------------ inputs
-    def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+    def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]], list[ImageRequest | None]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        texts, ids = [], []
+        texts, ids, images = [], [], []
         for i, p in enumerate(prompts):
+            image_inputs = None
             if isinstance(p, dict):
+                image_inputs = p.get("images")
+                if image_inputs is not None and "prompt_token_ids" not in p:
+                    raise ValueError(f"prompts[{i}]: a prompt with images needs 'prompt_token_ids' (the processor's "
+                                     "ids, image tokens expanded), not text")
                 if "prompt_token_ids" in p:
                     p = p["prompt_token_ids"]
                 elif "prompt" in p:
@@ -197,7 +210,9 @@ class Engine:
             bad = [t for t in ids[-1] if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return texts, ids
+            images.append(None if image_inputs is None else
+                          image_request(self.model, ids[-1], image_inputs, f"prompts[{i}]"))
+        return texts, ids, images
 
     def _sequences(self, ids, params_list) -> list[_Sequence]:
         eos = default_stop_ids(self.model, self.tokenizer)
@@ -236,11 +251,12 @@ class Engine:
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, on_tokens=None) -> list[RequestOutput]:
-        """Complete every prompt (a string, token ids, a {"prompt_token_ids": ...} dict, or a list of those).
-        sampling_params: one for all prompts or one per prompt (default SamplingParams()). on_tokens: called
-        after each decode chunk with {(request, index): new token ids} (streaming). Returns one RequestOutput
-        per prompt, in order."""
-        texts, ids = self._prompt_ids(prompts)
+        """Complete every prompt (a string, token ids, a {"prompt_token_ids": ...} dict, or a list of those; a
+        dict may carry the prompt's images: {"prompt_token_ids": ids, "images": image_inputs.ImageInputs(...)}, ids
+        with the image tokens expanded as the processor gives them). sampling_params: one for all prompts or one
+        per prompt (default SamplingParams()). on_tokens: called after each decode chunk with {(request, index):
+        new token ids} (streaming). Returns one RequestOutput per prompt, in order."""
+        texts, ids, images = self._prompt_ids(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = ([sampling_params] * len(ids) if isinstance(sampling_params, SamplingParams)
@@ -251,7 +267,7 @@ class Engine:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         seqs = self._sequences(ids, params_list)
-        _Run(self, ids, seqs, use_tqdm, on_tokens).run()
+        _Run(self, ids, images, seqs, use_tqdm, on_tokens).run()
         outs = []
         for r, (text, prompt) in enumerate(zip(texts, ids)):
             mine = sorted((s for s in seqs if s.request == r), key=lambda s: s.index)
@@ -299,8 +315,11 @@ def _memory_stats() -> dict | None:
 class _Run:
     """The host loop of one `Engine.generate` call."""
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], seqs: list[_Sequence], use_tqdm, on_tokens):
-        self.e, self.prompts, self.seqs, self.on_tokens = engine, prompts, seqs, on_tokens
+    def __init__(self, engine: Engine, prompts: list[list[int]], images: list[ImageRequest | None],
+                 seqs: list[_Sequence], use_tqdm, on_tokens):
+        self.e, self.prompts, self.images, self.seqs, self.on_tokens = engine, prompts, images, seqs, on_tokens
+        # rows carry position offsets only in runs with M-RoPE prompts: text runs keep their decode program
+        self.offsets = any(r is not None and r.rope_positions is not None for r in images)
         params = [s.params for s in seqs]
         self.flags = SamplerFlags.of(params)
         size = engine.page_size
@@ -328,7 +347,7 @@ class _Run:
         t0 = time.perf_counter()
         self.plan, self.weights = prepare(e.model, e.weights)
         self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
-        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags)
+        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets)
         jax.block_until_ready((self.weights, self.pools))
         stats["prepare_s"] = time.perf_counter() - t0
         try:
@@ -387,6 +406,18 @@ class _Run:
             self._prefill(admitted)
 
     def _prefill(self, admitted) -> None:
+        """Prefill the admitted prompts (those without images in one batch, those with images in another) and
+        report their first tokens together."""
+        news = {}
+        for with_images in (False, True):
+            group = [(r, seqs) for r, seqs in admitted if (self.images[r] is not None) == with_images]
+            if group:
+                news.update(self._prefill_group(group, with_images))
+        self._emit(news)
+        self._retire_finished()
+
+    def _prefill_group(self, admitted, with_images: bool) -> dict:
+        """Prefill one batch of admitted prompts and start their rows -> {(request, index): [first token]}."""
         size = self.e.page_size
         num_slots = self.num_pages * size
         n_prompts = len(admitted)
@@ -408,8 +439,14 @@ class _Run:
                 for s in group[1:]:
                     src.append(first.pages[part])
                     dst.append(s.pages[part])
+        images = None
+        if with_images:
+            batch = image_batch(self.e.model, [self.images[r] for r, _ in admitted], p_b, s_b)
+            embeds = runner.image_embeddings(self.weights, jnp.asarray(ids), batch.pixel_values, batch.image_kwargs,
+                                             plan=self.plan)
+            images = runner.PrefillImages(embeds, batch.block_ids, batch.rope_positions)
         self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
-                                            jnp.asarray(slots), plan=self.plan)
+                                            jnp.asarray(slots), images, plan=self.plan)
         if src:
             self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
         new = [(i, s) for i, (_, group) in enumerate(admitted) for s in group]
@@ -423,9 +460,12 @@ class _Run:
         width = bucket(max(lengths), 16) if self.flags.penalty else 1
         prompt_tokens = np.full((n_b, width), NO_TOKEN, np.int32)
         params = [SamplingParams()] * n_b
+        offsets = np.zeros((n_b,), np.int32)
         for k, (i, s) in enumerate(new):
             prompt = self.prompts[s.request]
             prompt_of[k], targets[k], plen[k], budgets[k] = i, s.row, len(prompt), s.params.max_tokens
+            if self.images[s.request] is not None:
+                offsets[k] = self.images[s.request].position_offset
             keys[k] = s.key
             stop_ids[k, :len(s.stop_ids)] = s.stop_ids
             if self.flags.penalty:
@@ -435,14 +475,13 @@ class _Run:
         self.state, first, lps = runner.start_rows(self.state, logits, jnp.asarray(prompt_of), jnp.asarray(targets),
                                                    jnp.asarray(plen), jnp.asarray(budgets), jnp.asarray(keys), rp,
                                                    jnp.asarray(stop_ids), jnp.asarray(prompt_tokens),
-                                                   flags=self.flags)
+                                                   jnp.asarray(offsets) if self.offsets else None, flags=self.flags)
         first, lps = np.asarray(first), np.asarray(lps)
         news = {}
         for k, (_, s) in enumerate(new):
             self._append(s, [int(first[k])], [float(lps[k])])
             news[(s.request, s.index)] = [int(first[k])]
-        self._emit(news)
-        self._retire_finished()
+        return news
 
     # ------------------------------------------------------------------------------------------ progress
     def _collect(self, tokens: np.ndarray, logprobs: np.ndarray) -> None:
@@ -508,4 +547,5 @@ def _by_request(seqs: list[_Sequence]) -> list[list[_Sequence]]:
     return list(groups.values())
 
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "default_stop_ids"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "default_stop_ids",
+           "ImageInputs"]

@@ -1,6 +1,8 @@
 """The compiled pieces of the generation engine: prefill, first tokens, the decode loop, row updates.
 
     pools, logits = prefill(weights, pools, ids, lengths, slots, plan=plan)   # prompts [P, S] right padded
+    embeds = image_embeddings(weights, ids, pixel_values, image_kwargs, plan=plan)   # prompts with images:
+    pools, logits = prefill(weights, pools, ids, lengths, slots, PrefillImages(embeds, block_ids, mrope), plan=plan)
     rows, first, lp = start_rows(rows, logits, ..., flags=flags)             # first tokens of admitted rows
     pools, rows, tokens, logprobs, taken = decode_chunk(weights, pools, rows, tables, steps, plan=plan,
                                                         flags=flags, cap=cap)
@@ -11,8 +13,9 @@ of up to `steps` tokens that stops early once every row is done; the host reads 
 
 Row state (`Rows`, arrays [R, ...]): the token to feed next, the tokens already cached (`lengths`, also the next
 token's position), whether the row is active, tokens still allowed (`budget`), tokens generated, the row's PRNG
-key, its sampling parameters, its stop token ids [R, S] (-1 padded) and, with a repetition penalty, the tokens
-seen [R, V].
+key, its sampling parameters, its stop token ids [R, S] (-1 padded), with a repetition penalty the tokens seen
+[R, V], and in a run with M-RoPE prompts (Qwen2.5-VL with images) each row's position offset (a token's rotary
+position is its cache slot + the offset: transformers' rope_deltas).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from unsloth_jax import ops
 from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens, token_keys
 from unsloth_jax.inference.weights import DecodeWeights, LayerPlan, layer_module
 from unsloth_jax.models.attention import Batch, PagedDecode, PagedPrefill
+from unsloth_jax.models.rope import mrope_tables
 
 
 class Rows(NamedTuple):
@@ -38,13 +42,27 @@ class Rows(NamedTuple):
     params: RowParams
     stop_ids: jax.Array  # [R, S] int32, -1 padded
     seen: jax.Array | None  # [R, V] bool, with a repetition penalty
+    offsets: jax.Array | None = None  # [R] int32, rotary position - cache slot (runs with M-RoPE prompts)
 
 
-def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool):
+class PrefillImages(NamedTuple):
+    """The image side of a prefill of prompts [P, S]: embeds [P, S, D] (the model's embed_with_images: token
+    embeddings with the image features at the image tokens; `image_embeddings`), block_ids [P, S] int32 (Gemma 3's
+    image blocks, attending to each other both ways; -1 elsewhere) or None (causal), rope_positions [3, P, S]
+    int32 (Qwen2.5-VL's M-RoPE positions) or None (positions 0 .. S-1)."""
+
+    embeds: jax.Array
+    block_ids: jax.Array | None
+    rope_positions: jax.Array | None
+
+
+def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool,
+            rope=None):
     """Every layer over x [B, S, D], layer i with the cache `caches(i)` (a PagedPrefill or PagedDecode over its
-    page pools) -> (x, new pools tuple). decode: one token per row (projection kernels read in place)."""
+    page pools) -> (x, new pools tuple). decode: one token per row (projection kernels read in place). rope:
+    ((cos, sin), local) tables to rotate by instead of the text model's at `positions`."""
     cfg = model.config
-    (cos, sin), local = model.model.rope(positions)
+    (cos, sin), local = model.model.rope(positions) if rope is None else rope
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
     pools = []
@@ -57,20 +75,36 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     return x, tuple(pools)
 
 
-def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, *, plan: LayerPlan):
+def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: PrefillImages | None = None, *,
+             plan: LayerPlan):
     """Prompts ids [P, S] (right padded, lengths [P]) through the model, their keys/values written to the pools
-    at slots [P, S] -> (pools, logits of each prompt's last token [P, V] float32)."""
+    at slots [P, S] -> (pools, logits of each prompt's last token [P, V] float32). images (PrefillImages, prompts
+    with images): the layers start from its embeddings (ids unused), with its image blocks and M-RoPE positions."""
     model = nnx.merge(plan.graphdef, weights.state)
     p, s = ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
-    x = model.model.embed(ids, model.dtype)
+    rope, block_ids = None, None
+    if images is None:
+        x = model.model.embed(ids, model.dtype)
+    else:
+        x, block_ids = images.embeds, images.block_ids
+        if images.rope_positions is not None:
+            rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section), None)
 
     def caches(i):
-        return PagedPrefill(pools[i][0], pools[i][1], slots, lengths)
+        return PagedPrefill(pools[i][0], pools[i][1], slots, lengths, block_ids)
 
-    x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False)
+    x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope)
     last = jnp.take_along_axis(x, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
     return pools, model.logits_from_hidden(model.model.norm(last))
+
+
+def _image_embeddings(weights: DecodeWeights, ids, pixel_values, image_kwargs, *, plan: LayerPlan):
+    """The prefill embeddings [P, S, D] of prompts ids [P, S] with images: the model's embed_with_images(ids,
+    pixel_values, **image_kwargs) (the vision tower, LoRA included, and the image features at the image tokens;
+    image_inputs.image_batch builds the arguments)."""
+    model = nnx.merge(plan.graphdef, weights.state)
+    return model.embed_with_images(ids, pixel_values, **image_kwargs)
 
 
 def _stopped(tokens, stop_ids):
@@ -78,19 +112,19 @@ def _stopped(tokens, stop_ids):
 
 
 def _start_rows(rows: Rows, logits, prompt_of, targets, prompt_lengths, budgets, keys, params: RowParams, stop_ids,
-                prompt_tokens, *, flags: SamplerFlags):
+                prompt_tokens, offsets=None, *, flags: SamplerFlags):
     """Admit new rows: their first token sampled from their prompt's last logits.
 
     logits [P, V]; prompt_of [N] (which prompt each new row continues); targets [N] the row slots; prompt_lengths
     [N]; budgets [N] (max_tokens); keys [N, 2]; params (RowParams of [N]); stop_ids [N, S]; prompt_tokens [N, T]
-    (NO_TOKEN padded; for the repetition penalty's seen tokens). Returns (rows, first tokens [N], their log-probs
-    [N])."""
+    (NO_TOKEN padded; for the repetition penalty's seen tokens); offsets [N] (the rows' position offsets; exactly
+    when `rows` has them). Returns (rows, first tokens [N], their log-probs [N])."""
     n = targets.shape[0]
     seen = seen_tokens(prompt_tokens, logits.shape[-1]) if flags.penalty else None
     tokens, logprobs = sample(logits[prompt_of], params, token_keys(keys, jnp.zeros((n,), jnp.int32)), flags, seen)
     active = ~_stopped(tokens, stop_ids) & (budgets > 1)
     new = Rows(tokens, prompt_lengths, active, budgets - 1, jnp.ones((n,), jnp.int32), keys, params, stop_ids,
-               None if seen is None else seen.at[jnp.arange(n), tokens].set(True))
+               None if seen is None else seen.at[jnp.arange(n), tokens].set(True), offsets)
     rows = jax.tree.map(lambda old, fresh: old.at[targets].set(fresh.astype(old.dtype)), rows, new)
     return rows, tokens, logprobs
 
@@ -115,7 +149,8 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
         def caches(i):
             return PagedDecode(pools[i][0], pools[i][1], slots, tables, attend_len)
 
-        x, pools = _layers(plan, weights, model, x, rows.lengths[:, None], caches, None, decode=True)
+        positions = rows.lengths if rows.offsets is None else rows.lengths + rows.offsets
+        x, pools = _layers(plan, weights, model, x, positions[:, None], caches, None, decode=True)
         logits = model.logits_from_hidden(model.model.norm(x[:, 0]))
         tok, lp = sample(logits, rows.params, token_keys(rows.keys, rows.generated), flags, rows.seen)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))
@@ -144,14 +179,16 @@ def _deactivate(rows: Rows, targets):
 
 
 prefill = ops.policy_jit(_prefill, static_argnames=("plan",), donate_argnums=(1,))
+image_embeddings = ops.policy_jit(_image_embeddings, static_argnames=("plan",))
 start_rows = ops.policy_jit(_start_rows, static_argnames=("flags",), donate_argnums=(0,))
 decode_chunk = ops.policy_jit(_decode_chunk, static_argnames=("plan", "flags", "cap"), donate_argnums=(1, 2),
                               compiler_options=ops.decode_compiler_options)
 deactivate = jax.jit(_deactivate, donate_argnums=(0,))
 
 
-def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags) -> Rows:
-    """Row state of r idle rows (every field its own buffer: the state is donated)."""
+def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags, offsets: bool = False) -> Rows:
+    """Row state of r idle rows (every field its own buffer: the state is donated); offsets: with position
+    offsets (a run with M-RoPE prompts)."""
     def ints():
         return jnp.zeros((r,), jnp.int32)
 
@@ -159,7 +196,8 @@ def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags) -> Rows
                        jnp.zeros((r,), jnp.float32), jnp.ones((r,), jnp.float32))
     return Rows(ints(), ints(), jnp.zeros((r,), bool), ints(), ints(), jnp.zeros((r, 2), jnp.uint32), params,
                 jnp.full((r, stop_width), -1, jnp.int32),
-                jnp.zeros((r, vocab), bool) if flags.penalty else None)
+                jnp.zeros((r, vocab), bool) if flags.penalty else None, ints() if offsets else None)
 
 
-__all__ = ["Rows", "prefill", "start_rows", "decode_chunk", "deactivate", "empty_rows"]
+__all__ = ["Rows", "PrefillImages", "prefill", "image_embeddings", "start_rows", "decode_chunk", "deactivate",
+           "empty_rows"]

@@ -47,17 +47,19 @@ class PagedPrefill(NamedTuple):
 
     k_pages / v_pages [P, BS, Hkv, hd] (P pages of BS token slots); slots [B, S] int32: the flat slot
     (page * BS + offset) each prompt token's key and value go to (padding tokens: a slot of the scratch page);
-    lengths [B] int32: real tokens per row (rows are right padded)."""
+    lengths [B] int32: real tokens per row (rows are right padded); block_ids [B, S] int32 or None: blocks of
+    tokens that attend to each other both ways (Gemma 3's images; ops.attention's block_ids)."""
 
     k_pages: jax.Array
     v_pages: jax.Array
     slots: jax.Array
     lengths: jax.Array
+    block_ids: jax.Array | None = None
 
     def attend(self, q, k, v, *, scale, window, softcap, sinks):
         valid = (jnp.arange(q.shape[1])[None, :] < self.lengths[:, None]).astype(jnp.int32)
         out = ops.attention(q, k, v, scale=scale, causal=True, window=window, softcap=softcap, kv_valid=valid,
-                            kv_lengths=self.lengths, sinks=sinks)
+                            kv_lengths=self.lengths, sinks=sinks, block_ids=self.block_ids)
         return out, write_pages(self.k_pages, self.v_pages, self.slots, k, v)
 
 

@@ -312,7 +312,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
     (Gemma 3, from `DecoderModel.rope`), or None.
     cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
-    a NamedTuple with k and v fields and an `attend` as KVCache's: inference.images.ImagePrefillCache).
+    a NamedTuple with k and v fields and an `attend` as KVCache's).
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
     router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
     """
