@@ -11,6 +11,11 @@
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
+# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape in about 8 minutes, each row its own
+# process and timeout, up to 4 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
+# QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
+# 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
+# process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
@@ -19,7 +24,9 @@
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
 # LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
-# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT.
+# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
+# SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
+# SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,6 +69,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/s
 $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
 for st in $stages; do
   case $st in
+    smoke)
+      # bench/smoke.py: checkpoints under $CK (written once, reused by the later stages), rows as they end
+      log "smoke ${SMOKE_FLAGS:-}"
+      timeout ${SMOKE_TIMEOUT:-540} $PY bench/smoke.py --out "$OUT/smoke.jsonl" --log-dir "$OUT/smoke_logs" --ckpt-dir $CK \
+        ${SMOKE_FLAGS:+${SMOKE_FLAGS//+/ }} 2>>"$OUT/smoke_err.txt" | tee -a "$OUT/session.log"
+      [ "${PIPESTATUS[0]}" = 124 ] && echo "smoke: stopped after ${SMOKE_TIMEOUT:-540} s; the rows that ended are in smoke.jsonl" ;;
     tests)
       # the whole GPU suite (the MoE tests most of all) needs more than 5 minutes with 8 workers (BENCHMARKS.md)
       log "pytest -m gpu ${GPU_TESTS:-tests}"
