@@ -3,7 +3,7 @@
 # Nothing is written into the tree: after the session a person files $OUT's JSON lines into benchmarks/data/AREA.jsonl
 # with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
 # benchmarks/data/logs/) and updates BENCHMARKS.md.
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
+# Stages: smoke tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
 # longctx rematmem
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
@@ -18,8 +18,10 @@
 # process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
-# Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
-# compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
+# Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
+# PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU; default: one per GIB_PER_TEST_WORKER (12)
+# GiB of free memory, at most the CPU count, each capped at its share by XLA_PYTHON_CLIENT_MEM_FRACTION; compiling is
+# the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
@@ -76,11 +78,15 @@ for st in $stages; do
         ${SMOKE_FLAGS:+${SMOKE_FLAGS//+/ }} 2>>"$OUT/smoke_err.txt" | tee -a "$OUT/session.log"
       [ "${PIPESTATUS[0]}" = 124 ] && echo "smoke: stopped after ${SMOKE_TIMEOUT:-540} s; the rows that ended are in smoke.jsonl" ;;
     tests)
-      # the whole GPU suite (the MoE tests most of all) needs more than 5 minutes with 8 workers (BENCHMARKS.md)
-      log "pytest -m gpu ${GPU_TESTS:-tests}"
-      timeout ${TEST_TIMEOUT:-480} $PY -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
-        -n ${PYTEST_WORKERS:-4} --timeout ${PER_TEST_TIMEOUT:-150} --tb=short --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
-      grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.txt" | tail -8 ;;
+      # bench/gpu_tests.py: -m "gpu or gpu_suite" (GPU_MARKS; gpu_suite: the engine, vision and long-context files),
+      # one pytest-xdist worker per GIB_PER_TEST_WORKER (12) GiB of the card's free memory (PYTEST_WORKERS overrides),
+      # each with XLA_PYTHON_CLIENT_MEM_FRACTION = its share; tests out of memory or time beside the others retried
+      # alone in the time left; the summary line "gpu tests: P passed, F failed, ..."
+      log "gpu tests ${GPU_MARKS:-gpu or gpu_suite} ${GPU_TESTS:-tests}"
+      $PY bench/gpu_tests.py --marks "${GPU_MARKS:-gpu or gpu_suite}" ${PYTEST_WORKERS:+--workers $PYTEST_WORKERS} \
+        --gib-per-worker ${GIB_PER_TEST_WORKER:-12} --timeout ${TEST_TIMEOUT:-480} \
+        --per-test-timeout ${PER_TEST_TIMEOUT:-150} --out "$OUT/pytest_gpu.txt" ${GPU_TESTS:-tests} 2>&1 \
+        | tee -a "$OUT/session.log" | tail -30 ;;
     kernels)
       # KERNEL_BENCHES: "name[:flag+flag][@seconds] ..." e.g. "nf4:--sweep=dequant@80 kernels_elementwise"
       for spec in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do
