@@ -12,7 +12,7 @@
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
 # smoke (issue 47: bench/smoke.py, every mission feature once at a real shape in about 8 minutes, each row its own
-# process and timeout, up to 4 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
+# process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
 # QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
 # 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
 # process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)

@@ -19,7 +19,7 @@ wait for it; a row whose checkpoint failed is reported failed without running.
 
 Every item runs in its own subprocess with its own timeout (and the stage's --budget, 480 s by default on a GPU:
 an item is started only while enough of it is left), so one failure, hang or OOM never stops the others. Up to
---jobs items run at once (4 on a GPU, 1 on the CPU), each started only while the device memory it is expected
+--jobs items run at once (5 on a GPU, 1 on the CPU), each started only while the device memory it is expected
 to take (Item.gib, a rough peak) fits beside the running ones in the card's free memory (nvidia-smi); concurrent
 rows share the GPU, so their tokens/s are indicative only (each line's "overlapped" names the rows that ran beside
 it). One JSON line per row (and per prep item, "prep": true) in --out as each ends: name, ran, error (the last
@@ -305,7 +305,7 @@ def run_stage(chosen: list[Item], *, jobs: int, budget: float, mem_gib: float, l
         if out_file is not None:
             out_file.write(json.dumps(rec) + "\n")
             out_file.flush()
-        what = (f"{rec['tokens_per_s']} tokens/s, peak {rec['peak_gib']} GiB" if rec["ran"] and not rec.get("prep")
+        what = (f"ran, {rec['tokens_per_s']} tokens/s, peak {rec['peak_gib']} GiB" if rec["ran"] and not rec.get("prep")
                 else "cached" if rec.get("cached") else "ok" if rec["ran"] else f"FAILED: {rec['error']}")
         print(f"== {time.time() - t_start:6.1f}s {rec['name']}: {what} ({rec['seconds']} s)", flush=True)
 
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", help="each process's stdout/stderr (default: smoke_logs/ beside --out, else a "
                                       "temporary folder)")
     ap.add_argument("--ckpt-dir", help="checkpoints (default /tmp/ckpt; --tiny: a temporary folder)")
-    ap.add_argument("--jobs", type=int, help="items at once (default 4 with a GPU, else 1)")
+    ap.add_argument("--jobs", type=int, help="items at once (default 5 with a GPU, else 1)")
     ap.add_argument("--budget", type=float, help="seconds for the whole stage (default 480 with a GPU, else 3000)")
     ap.add_argument("--mem-gib", type=float, help="device memory the running items may take together (default: "
                                                   "0.9 x the GPU's free memory; unlimited without one)")
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
             print(f"{i.name}: {i.command()}")
         return 0
     free = gpu_free_gib()
-    jobs = a.jobs or (4 if free else 1)
+    jobs = a.jobs or (5 if free else 1)
     budget = a.budget or (480.0 if free else 3000.0)
     mem = a.mem_gib or (0.9 * free if free else float("inf"))
     log_dir = a.log_dir or (os.path.join(os.path.dirname(os.path.abspath(a.out)), "smoke_logs") if a.out

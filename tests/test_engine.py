@@ -182,9 +182,10 @@ def test_sampled_frequencies_match_the_distribution():
     The expected distribution comes from filtered_probs (run op by op), the draws from one jitted program: two
     programs, which may round float32 differently (more so on a GPU). A token whose probability sits at a cut's
     threshold is kept by one and dropped by the other (a GPU run, issue 47, dropped a token 5.5e-5 above the min_p
-    floor in its draws, seed 21's last row: p = 7.8e-18, the one failing case of 120), which says nothing about the draw. So each
-    seed's logits are redrawn until every cut is at least 1e-3 (relative) from its threshold; the cases skipped so
-    are drawn too, and named in a warning when the programs disagree on them (the warnings summary shows it)."""
+    floor in its draws, seed 21's last row: p = 7.8e-18, the one failing case of 120), which says nothing about
+    the draw. So each seed's logits are redrawn until every cut is at least 1e-3 (relative) from its threshold;
+    the cases skipped so are drawn too, and named in a warning when the programs disagree on them (the warnings
+    summary shows it)."""
     from scipy import stats
 
     v, draws, min_margin = 16, 4000, 1e-3
