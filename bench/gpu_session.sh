@@ -3,7 +3,7 @@
 # Nothing is written into the tree: after the session a person files $OUT's JSON lines into benchmarks/data/AREA.jsonl
 # with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
 # benchmarks/data/logs/) and updates BENCHMARKS.md.
-# Stages: tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
+# Stages: smoke tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
 # longctx rematmem
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
@@ -11,15 +11,24 @@
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
+# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape in about 8 minutes, each row its own
+# process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
+# QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
+# 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
+# process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
-# Env: GPU_TESTS, TEST_TIMEOUT, PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU;
-# compiling is the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
+# Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
+# PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU; default: one per GIB_PER_TEST_WORKER (12)
+# GiB of free memory, at most the CPU count, each capped at its share by XLA_PYTHON_CLIENT_MEM_FRACTION; compiling is
+# the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
 # ATTN_TIMEOUT, TRAIN15_VARIANTS, GEMMA2_VARIANTS, TRAIN_TIMEOUT, TRAIN8B_FLAGS, TRAIN8B_TIMEOUT, GRPO_FLAGS,
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
 # LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
-# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT.
+# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
+# SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
+# SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -62,12 +71,22 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee -a "$OUT/s
 $PY -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)" 2>&1 | tee -a "$OUT/session.log"
 for st in $stages; do
   case $st in
+    smoke)
+      # bench/smoke.py: checkpoints under $CK (written once, reused by the later stages), rows as they end
+      log "smoke ${SMOKE_FLAGS:-}"
+      timeout ${SMOKE_TIMEOUT:-540} $PY bench/smoke.py --out "$OUT/smoke.jsonl" --log-dir "$OUT/smoke_logs" --ckpt-dir $CK \
+        ${SMOKE_FLAGS:+${SMOKE_FLAGS//+/ }} 2>>"$OUT/smoke_err.txt" | tee -a "$OUT/session.log"
+      [ "${PIPESTATUS[0]}" = 124 ] && echo "smoke: stopped after ${SMOKE_TIMEOUT:-540} s; the rows that ended are in smoke.jsonl" ;;
     tests)
-      # the whole GPU suite (the MoE tests most of all) needs more than 5 minutes with 8 workers (BENCHMARKS.md)
-      log "pytest -m gpu ${GPU_TESTS:-tests}"
-      timeout ${TEST_TIMEOUT:-480} $PY -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
-        -n ${PYTEST_WORKERS:-4} --timeout ${PER_TEST_TIMEOUT:-150} --tb=short --durations=15 ${GPU_TESTS:-tests} > "$OUT/pytest_gpu.txt" 2>&1
-      grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_gpu.txt" | tail -8 ;;
+      # bench/gpu_tests.py: -m "gpu or gpu_suite" (GPU_MARKS; gpu_suite: the engine, vision and long-context files),
+      # one pytest-xdist worker per GIB_PER_TEST_WORKER (12) GiB of the card's free memory (PYTEST_WORKERS overrides),
+      # each with XLA_PYTHON_CLIENT_MEM_FRACTION = its share; tests out of memory or time beside the others retried
+      # alone in the time left; the summary line "gpu tests: P passed, F failed, ..."
+      log "gpu tests ${GPU_MARKS:-gpu or gpu_suite} ${GPU_TESTS:-tests}"
+      $PY bench/gpu_tests.py --marks "${GPU_MARKS:-gpu or gpu_suite}" ${PYTEST_WORKERS:+--workers $PYTEST_WORKERS} \
+        --gib-per-worker ${GIB_PER_TEST_WORKER:-12} --timeout ${TEST_TIMEOUT:-480} \
+        --per-test-timeout ${PER_TEST_TIMEOUT:-150} --out "$OUT/pytest_gpu.txt" ${GPU_TESTS:-tests} 2>&1 \
+        | tee -a "$OUT/session.log" | tail -30 ;;
     kernels)
       # KERNEL_BENCHES: "name[:flag+flag][@seconds] ..." e.g. "nf4:--sweep=dequant@80 kernels_elementwise"
       for spec in ${KERNEL_BENCHES:-kernels_elementwise kernels_matmul nf4}; do

@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--remat", default="unsloth", choices=["unsloth", "true", "false"])
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference pass)")
+    ap.add_argument("--no-sft-step", action="store_true", help="skip the sft_step line (bench/smoke.py: GRPO only)")
     a = ap.parse_args()
     if a.steps <= a.warmup:
         ap.error("--steps must exceed --warmup")
@@ -135,6 +136,8 @@ def main() -> None:
                       "peak_gib_by_step": memory.peak, "train_s_all": [round(e["time/train"], 3) for e in steps],
                       "final_loss": result.training_loss}), flush=True)
 
+    if a.no_sft_step:
+        return
     # The SFT train step (what SFTTrainer runs: make_train_step) on the same model, rows of the GRPO step's shape.
     sft_seq = round_up(seq)
     graphdef, trainable, frozen = lora.split(model)

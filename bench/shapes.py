@@ -32,6 +32,18 @@ SHAPES = {
                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, sliding_window=2047,
                       rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5,
                       bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+    # bench/smoke.py: the GGUF/merged export row (Qwen2-0.5B's body as a Llama, with the bundled tiny-llama
+    # tokenizer's 2048-token vocabulary, since random-init checkpoints have no tokenizer), and the --tiny rows
+    "llama-0.5b-tok2k": dict(model_type="llama", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, vocab_size=2048, rope_theta=1000000.0,
+                             max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=3),
+    "qwen2-tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                       max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama3-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=500000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 
 

@@ -4,8 +4,11 @@ Wins against XLA, not against cuDNN: forward+backward 7.2-9.3x XLA at D=128, 3.4
 2's softcap + window case, but 0.60-0.78x cuDNN; Gemma-2-2B's step takes 324.1 ms with it against 417.4 with XLA
 attention (BENCHMARKS.md, "Flash attention (Pallas) vs cuDNN and XLA, 2026-11-29"). Default
 (ops.PALLAS_WINS["attention"], after cuDNN in ops.attention): 16-bit calls cuDNN cannot serve (softcap, packed
-segments, left padding) with head_dim 64, 128 or 256. head_dim 64 was not timed: XLA's path materialises the same
-[S, S] scores at any D, so the kernel's lead, larger at D=128 than at D=256, is taken to hold there.
+segments, left padding, Gemma 3's image blocks, the vision towers' windows) with head_dim up to 256, other head dims
+zero-padded to 64, 128 or 256 (ops.flash_head_dim). head_dim 64 was not timed: XLA's path materialises the same
+[S, S] scores at any D, so the kernel's lead, larger at D=128 than at D=256, is taken to hold there. At the vision
+towers' padded 72 / 80 the alternative, XLA's dense scores, ran the Qwen2.5-VL-7B step out of memory; with the
+kernel it trains at 9,372 tokens/s (BENCHMARKS.md, "Vision-language at real shapes, 2026-12-06").
 
 `flash_attention(q, k, v, *, causal, segment_ids, sliding_window, softcap, sm_scale, interpret, block_ids)`:
 q [B, S, Hq, D], k and v [B, S, Hkv, D] with Hq a multiple of Hkv (grouped-query attention: query head h

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -93,12 +94,76 @@ def _has_gpu() -> bool:
         return False
 
 
+def _gpu_peak_bytes() -> int | None:
+    """jax's peak device memory of this process (GPU only), or None."""
+    if not _has_gpu():
+        return None
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On a GPU: a test that raised its process's peak device memory records the new peak (GiB) in its report's
+    user_properties; pytest_terminal_summary lists the largest (what bench/gpu_tests.py's per-worker share has to
+    hold; the peak counts what earlier tests of the process still hold)."""
+    before = _gpu_peak_bytes()
+    yield
+    after = _gpu_peak_bytes() if before is not None else None
+    if after is not None and after > before:
+        item.user_properties.append(("gpu_peak_gib", round(after / 2**30, 2)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 largest gpu_peak_gib of the run (GPU runs only; xdist carries user_properties to the controller)."""
+    peaks = [(value, rep.nodeid) for key in ("passed", "failed", "error")
+             for rep in terminalreporter.stats.get(key, []) if getattr(rep, "when", None) == "call"
+             for name, value in getattr(rep, "user_properties", ()) if name == "gpu_peak_gib"]
+    if peaks:
+        terminalreporter.write_sep("=", "GPU memory: the tests that raised their process's peak most (GiB)")
+        for value, nodeid in sorted(peaks, reverse=True)[:15]:
+            terminalreporter.write_line(f"{value:8.2f}  {nodeid}")
+
+
 # Files whose tests run longest on a 2-core CPU (a minute or so each: subprocesses, notebooks, the real
 # SmolLM2 model): they start first, so pytest-xdist's workers do not end on them one at a time.
 _LONG_FIRST = ("test_grpo_notebook.py", "test_cli.py", "test_distributed.py", "test_notebooks.py", "test_fp8_model.py",
                "test_readme.py", "test_gguf_loading.py", "test_trainer_base.py", "test_grpo.py", "test_long_context.py",
                "test_vision_lora.py", "test_vision_sft.py", "test_vision_export.py", "test_engine.py",
                "test_vision_sample.py", "test_vision_qlora.py", "test_vision_qwen2_5_vl.py")
+
+
+# Test files of code with GPU paths that run on the CPU (no gpu marker: the engine, the vision-language models, long
+# context): collected with the `gpu_suite` marker, so the GPU suite (bench/gpu_tests.py, -m "gpu or gpu_suite") runs
+# them on the GPU backend too, with float32 matmuls at full precision there (_float32_matmuls_at_full_precision).
+_GPU_SUITE_FILES = ("test_engine.py", "test_long_context.py")
+_GPU_SUITE_PREFIXES = ("test_vision_",)
+
+
+def in_gpu_suite(path) -> bool:
+    """True for a test file the GPU suite runs beside the gpu-marked tests (_GPU_SUITE_FILES, test_vision_*)."""
+    name = Path(path).name
+    return name in _GPU_SUITE_FILES or name.startswith(_GPU_SUITE_PREFIXES)
+
+
+def pytest_itemcollected(item):
+    """The gpu_suite marker on the tests of in_gpu_suite files (before -m selects)."""
+    if in_gpu_suite(item.path):
+        item.add_marker(pytest.mark.gpu_suite)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float32_matmuls_at_full_precision(request):
+    """On a GPU, an in_gpu_suite module runs under jax.default_matmul_precision("highest"): its float32 results are
+    compared with torch / transformers (float32 at full precision) or with another program of ours at tolerances
+    set on the CPU, whose float32 matmuls are full precision, while the GPU's default float32 matmul is TF32 (10-bit
+    mantissa products: relative errors around 1e-3; four vision tests failed at 2e-5..4e-3). bf16 matmuls are
+    unchanged. Module scope, so the module's fixtures (models, reference outputs) are computed under it too. The
+    CPU is left as it is (full precision already)."""
+    if not (in_gpu_suite(request.path) and _has_gpu()):
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _one_case_per_test(items: list) -> list:
