@@ -7,6 +7,7 @@
     unsloth-jax generate --model_name outputs/tiny-vision/adapter --image picture.png --prompt "Describe the shape."
     unsloth-jax export --model_name outputs/adapter --save_method merged_16bit --save_gguf --quantization q8_0
     unsloth-jax doctor [--json]
+    unsloth-jax --version
 
 `train` takes the flags of Unsloth's unsloth-cli.py (--model_name, --dataset, --r, --lora_alpha, ...) with its
 defaults (learning rate 2e-4, LoRA r=16 alpha=16, batch 2 x 4 accumulation, 400 steps, report to TensorBoard),
@@ -245,11 +246,26 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
+def _version_line() -> str:
+    """'unsloth-jax X (jax Y)': jax's version from its installed distribution's metadata."""
+    from importlib import metadata
+
+    import unsloth_jax
+
+    try:
+        jax_version = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax_version = "not installed"
+    return f"unsloth-jax {unsloth_jax.__version__} (jax {jax_version})"
+
+
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     """The `unsloth-jax` parser; with `preset`, the train subcommand's defaults are PRESETS[preset]'s."""
     parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-step lines; only warnings from the library log")
+    parser.add_argument("--version", action="version", version=_version_line(),
+                        help="print the versions of unsloth-jax and jax, and exit")
     sub = parser.add_subparsers(dest="command", metavar="{train,generate,export,doctor}")
     sub.required = True
     fmt = argparse.ArgumentDefaultsHelpFormatter
