@@ -773,6 +773,22 @@ def test_cli_help_starts_without_importing_jax():
     assert helped.returncode == 0 and "train" in helped.stdout, helped.stderr[-2000:]
 
 
+def test_version_prints_unsloth_jax_and_jax_versions(capsys):
+    """`unsloth-jax --version` prints `unsloth-jax <__version__> (jax <version>)` and exits 0, without a
+    subcommand."""
+    import jax
+
+    import unsloth_jax
+
+    expected = f"unsloth-jax {unsloth_jax.__version__} (jax {jax.__version__})"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == expected
+    run = subprocess.run([sys.executable, "-m", "unsloth_jax.cli", "--version"], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == expected, (run.stdout, run.stderr[-2000:])
+
+
 def test_prompt_completion_records_are_named_and_generate_raw(tmp_path):
     from unsloth_jax import cli
 

@@ -403,3 +403,46 @@ def test_evaluate_without_eval_dataset_is_a_training_error(tmp_path, rng):
 
     with pytest.raises(TrainingError, match="eval_dataset"):
         _trainer(tmp_path, rng).evaluate()
+
+
+@pytest.mark.torch
+def test_save_model_writes_the_adapter_and_tokenizer_peft_loads(tmp_path, rng):
+    """transformers' trainer.save_model(): the adapter and tokenizer into args.output_dir (the run's metrics and
+    checkpoints stay), or into the folder given; PEFT loads it onto transformers' model and gives our logits.
+    After full fine-tuning it writes the whole model, which transformers loads."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    model, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    out = tmp_path / "out"
+    trainer = SFTTrainer(model=model, tokenizer=tokenizer, train_dataset=_dataset(rng), max_seq_length=32,
+                         args=TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=3,
+                                                learning_rate=1e-2, save_steps=0, report_to="none"))
+    trainer.train()
+    assert trainer.save_model() == str(out)
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json", "metrics.jsonl"} <= {
+        p.name for p in out.iterdir()}
+    assert trainer.save_model(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "adapter_model.safetensors").is_file()
+
+    ids = np.array([[1, 20, 30, 40, 50, 60]])
+    ours = np.asarray(model(ids))
+    base = transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(torch.tensor(ids)).logits.numpy()
+        theirs = peft.PeftModel.from_pretrained(base, out).eval()(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4 and np.abs(ours - before).max() > 1e-3
+    assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
+
+    full, tokenizer = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", full_finetuning=True,
+                                                        progress=False)
+    trainer = SFTTrainer(model=full, tokenizer=tokenizer, train_dataset=_dataset(rng), max_seq_length=32,
+                         args=TrainingArguments(output_dir=str(tmp_path / "full"), per_device_train_batch_size=2,
+                                                max_steps=2, learning_rate=1e-3, save_steps=0, report_to="none"))
+    trainer.train()
+    trainer.save_model()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    with torch.no_grad():
+        assert np.abs(np.asarray(full(ids)) - hf(torch.tensor(ids)).logits.numpy()).max() < 1e-4

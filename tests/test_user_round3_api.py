@@ -385,3 +385,32 @@ def test_vision_model_fast_generate_and_gguf_say_what_to_use(gemma3_vl, tmp_path
         model.save_pretrained_gguf(tmp_path, processor, quantization_method="q8_0")
     with pytest.raises(NotImplementedError, match="--mmproj"):
         model.push_to_hub_gguf("me/vl", processor)
+
+
+def test_saves_return_the_paths_they_wrote(lora_model, tmp_path):
+    """save_pretrained / save_pretrained_merged / save_lora of Model (adapter and full fine-tuning), VisionModel
+    and QwenVisionModel return the folder they wrote (save_pretrained_gguf: the file, above)."""
+    from tests import vl_qwen_models
+    from unsloth_jax import FastVisionModel
+
+    model, tokenizer = lora_model
+    saves = {"adapter": lambda d: model.save_pretrained(d, tokenizer=tokenizer),
+             "merged": lambda d: model.save_pretrained_merged(d, tokenizer),
+             "merged_lora": lambda d: model.save_pretrained_merged(d, tokenizer, save_method="lora"),
+             "lora": model.save_lora}
+    full, _ = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", full_finetuning=True, progress=False)
+    saves["full"] = full.save_pretrained
+    vl, processor = FastVisionModel.from_pretrained(ASSETS / "tiny-gemma3-vl", dtype="float32", progress=False)
+    vl = FastVisionModel.get_peft_model(vl, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    saves["vision_adapter"] = lambda d: vl.save_pretrained(d, processor)
+    saves["vision_merged"] = lambda d: vl.save_pretrained_merged(d, processor)
+    vl_qwen_models.hf_qwen_vl().save_pretrained(tmp_path / "qwen_base")
+    qwen, _ = FastVisionModel.from_pretrained(tmp_path / "qwen_base", dtype="float32", progress=False)
+    qwen = FastVisionModel.get_peft_model(qwen, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    saves["qwen_adapter"] = qwen.save_pretrained
+    saves["qwen_merged"] = qwen.save_pretrained_merged
+    for name, save in saves.items():
+        folder = tmp_path / name
+        assert save(folder) == str(folder), name
+        written = {p.name for p in folder.iterdir()}
+        assert "adapter_config.json" in written or "config.json" in written, (name, written)

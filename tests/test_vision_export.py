@@ -1,6 +1,6 @@
 """Export of a Gemma 3 vision-language LoRA model to transformers: the PEFT adapter (language and vision pairs)
 loads with PEFT onto transformers' Gemma3ForConditionalGeneration and gives our logits; the merged 16-bit
-checkpoint loads in transformers (and back here) and gives our logits (float32 export: the same bound; bfloat16:
+checkpoint loads in transformers (and back here) with no tensor missing and gives our logits (float32 export: the same bound; bfloat16:
 the rounding of 16-bit weights)."""
 from __future__ import annotations
 
@@ -75,8 +75,17 @@ def test_merged_checkpoint_loads_in_transformers_with_equal_logits(trained, tmp_
     model, processor, batch = trained
     out = tmp_path / "merged"
     model.save_pretrained_merged(out, processor, save_method="merged_16bit", dtype=dtype)
-    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
-                                                                     attn_implementation="eager").eval()
+    hf, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    hf.eval()
+    # nothing missing: SigLIP's pooling head (unused by Gemma 3) is written through from the source checkpoint
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    source = transformers.Gemma3ForConditionalGeneration.from_pretrained(model.model_dir, dtype=torch.float32)
+    head = {n: p for n, p in source.named_parameters() if ".head." in n}
+    assert len(head) == 11, sorted(head)  # probe, attention in/out weight and bias, layernorm, mlp fc1/fc2
+    for name, p in hf.named_parameters():
+        if name in head:
+            assert torch.equal(p, head[name].to(getattr(torch, dtype)).float()), name
     assert transformers.AutoProcessor.from_pretrained(out).tokenizer.image_token_id == vl_models.IMAGE
     real = batch["attention_mask"].astype(bool)
     ours = _ours(model, batch)

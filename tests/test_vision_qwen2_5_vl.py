@@ -319,8 +319,10 @@ def test_lora_adapter_gradients_and_merged_export_match_transformers(checkpoint,
     import transformers
 
     model.save_pretrained_merged(tmp_path / "merged", dtype="float32")
-    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        tmp_path / "merged", dtype=torch.float32, attn_implementation="eager").eval()
+    merged, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    merged.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         got = merged(torch.tensor(ids), **kw).logits.numpy()
     err = rel_err(got[real], ref[real])

@@ -57,24 +57,25 @@ class Model(CausalLM):
         return lora_lib.trainable_filter(self.lora, self.full_finetuning)
 
     # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
-    def save_pretrained(self, save_directory, **kwargs) -> None:
+    def save_pretrained(self, save_directory, **kwargs) -> str:
         """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors; kwargs: tokenizer, also
         written there); after full fine-tuning, the whole model as a transformers checkpoint in its own dtype
         (hf.export.save_full; kwargs: tokenizer, max_shard_size). A GGUF-loaded model's adapter directory also
-        gets the base and tokenizer that transformers and PEFT need (hf.export.save_adapter)."""
+        gets the base and tokenizer that transformers and PEFT need (hf.export.save_adapter). Returns the
+        directory's path."""
         from unsloth_jax.hf import export
 
         if self.full_finetuning:
-            export.save_full(self, save_directory, **kwargs)
-        else:
-            export.save_adapter(self, save_directory, **kwargs)
+            return export.save_full(self, save_directory, **kwargs)
+        return export.save_adapter(self, save_directory, **kwargs)
 
     def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
-                               max_shard_size="5GB", **kwargs) -> None:
-        """Write the merged model (W + scale * A @ B) as a 16-bit HF checkpoint, or just the adapter ("lora")."""
+                               max_shard_size="5GB", **kwargs) -> str:
+        """Write the merged model (W + scale * A @ B) as a 16-bit HF checkpoint, or just the adapter ("lora");
+        returns the directory's path."""
         from unsloth_jax.hf import export
 
-        export.save_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+        return export.save_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                            **kwargs)
 
     def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16"):
@@ -100,12 +101,12 @@ class Model(CausalLM):
         return _push_to_hub(lambda d: self.save_pretrained_gguf(d, tokenizer, quantization_method), repo_id, token,
                             private, commit_message, "save_pretrained_gguf")
 
-    def save_lora(self, save_directory) -> None:
-        """Unsloth's name (its GRPO notebooks) for save_pretrained: the PEFT adapter directory."""
+    def save_lora(self, save_directory) -> str:
+        """Unsloth's name (its GRPO notebooks) for save_pretrained: the PEFT adapter directory (its path returned)."""
         if not self.lora:
             raise ValueError("save_lora: the model has no LoRA adapters (add them with FastLanguageModel."
                              "get_peft_model, or use save_pretrained)")
-        self.save_pretrained(save_directory)
+        return self.save_pretrained(save_directory)
 
     def load_lora(self, lora_path, load_tensors: bool = True) -> "LoRARequest":
         """A saved adapter as vLLM's LoRARequest (Unsloth's name), for fast_generate(..., lora_request=...): a twin
@@ -620,20 +621,22 @@ class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
     save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
     generate continues prompts with images."""
 
-    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> str:
         """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
-        Gemma3ForConditionalGeneration, with the processor or tokenizer when given (hf.vision_export)."""
+        Gemma3ForConditionalGeneration, with the processor or tokenizer when given (hf.vision_export); returns
+        the directory's path."""
         from unsloth_jax.hf.vision_export import save_vision_adapter
 
-        save_vision_adapter(self, save_directory, tokenizer, **kwargs)
+        return save_vision_adapter(self, save_directory, tokenizer, **kwargs)
 
     def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
-                               max_shard_size="5GB", dtype=None) -> None:
+                               max_shard_size="5GB", dtype=None) -> str:
         """Write the merged model (W + scale * A @ B) as a 16-bit transformers Gemma3ForConditionalGeneration
-        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora"); returns the
+        directory's path."""
         from unsloth_jax.hf.vision_export import save_vision_merged
 
-        save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+        return save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                            dtype=dtype)
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
@@ -690,20 +693,22 @@ class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
     data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md); save_pretrained writes the PEFT
     adapter, save_pretrained_merged the merged checkpoint; generate continues prompts with images."""
 
-    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> None:
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> str:
         """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
-        Qwen2_5_VLForConditionalGeneration, with the processor or tokenizer when given."""
+        Qwen2_5_VLForConditionalGeneration, with the processor or tokenizer when given; returns the directory's
+        path."""
         from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_adapter
 
-        save_qwen_vl_adapter(self, save_directory, tokenizer, **kwargs)
+        return save_qwen_vl_adapter(self, save_directory, tokenizer, **kwargs)
 
     def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
-                               max_shard_size="5GB", dtype=None) -> None:
+                               max_shard_size="5GB", dtype=None) -> str:
         """Write the merged model (W + scale * A @ B) as a 16-bit transformers Qwen2_5_VLForConditionalGeneration
-        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora")."""
+        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora"); returns the
+        directory's path."""
         from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_merged
 
-        save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
+        return save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
                             dtype=dtype)
 
     def generate(self, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, **kwargs):

@@ -4,8 +4,10 @@
     unsloth-jax train --preset tiny-vision # the bundled tiny Gemma 3 vision-language model on the bundled images
     unsloth-jax generate --model_name outputs/adapter --prompt "What day was Ada Jaxon born?"
     unsloth-jax generate --model_name outputs/adapter            # interactive
+    unsloth-jax generate --model_name outputs/tiny-vision/adapter --image picture.png --prompt "Describe the shape."
     unsloth-jax export --model_name outputs/adapter --save_method merged_16bit --save_gguf --quantization q8_0
     unsloth-jax doctor [--json]
+    unsloth-jax --version
 
 `train` takes the flags of Unsloth's unsloth-cli.py (--model_name, --dataset, --r, --lora_alpha, ...) with its
 defaults (learning rate 2e-4, LoRA r=16 alpha=16, batch 2 x 4 accumulation, 400 steps, report to TensorBoard),
@@ -18,7 +20,8 @@ model or data is loaded.
 
 A --model_name whose config.json is a Gemma 3 vision-language model (model_type "gemma3" with a vision_config)
 trains as docs/VISION.md describes: FastVisionModel, UnslothVisionDataCollator and a .jsonl of chat records
-whose `images` are file paths relative to it (unsloth_jax.data.vision_loader.load_vision_records).
+whose `images` are file paths relative to it (unsloth_jax.data.vision_loader.load_vision_records); `generate`
+answers with such a model or adapter, given pictures by --image (repeatable).
 """
 from __future__ import annotations
 
@@ -243,11 +246,26 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
+def _version_line() -> str:
+    """'unsloth-jax X (jax Y)': jax's version from its installed distribution's metadata."""
+    from importlib import metadata
+
+    import unsloth_jax
+
+    try:
+        jax_version = metadata.version("jax")
+    except metadata.PackageNotFoundError:
+        jax_version = "not installed"
+    return f"unsloth-jax {unsloth_jax.__version__} (jax {jax_version})"
+
+
 def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     """The `unsloth-jax` parser; with `preset`, the train subcommand's defaults are PRESETS[preset]'s."""
     parser = argparse.ArgumentParser(prog="unsloth-jax", description="Fast LoRA/QLoRA fine-tuning in JAX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-step lines; only warnings from the library log")
+    parser.add_argument("--version", action="version", version=_version_line(),
+                        help="print the versions of unsloth-jax and jax, and exit")
     sub = parser.add_subparsers(dest="command", metavar="{train,generate,export,doctor}")
     sub.required = True
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -273,6 +291,9 @@ def build_parser(preset: str | None = None) -> argparse.ArgumentParser:
     ge.add_argument("--dtype", type=_dtype, default=None,
                     help="bfloat16, float16 or float32; None: bfloat16 where supported, else float32")
     ge.add_argument("--load_in_4bit", action="store_true", help="keep the base weights in NF4")
+    ge.add_argument("--image", action="append", default=None, metavar="PATH",
+                    help="a picture for a vision-language model (Gemma 3, Qwen2.5-VL) or adapter, put before the "
+                         "prompt in the chat message; repeat for several")
     _add_sampling_args(ge)
 
     ex = sub.add_parser("export", help="export a saved adapter as a merged 16-bit model and/or GGUF",
@@ -667,11 +688,14 @@ def _resume_hint(args, newest: Path | None) -> str:
 def _is_vision_model(model_name) -> bool:
     """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
     Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
-    Qwen2.5-VL ("qwen2_5_vl")."""
+    Qwen2.5-VL ("qwen2_5_vl"), or an adapter directory whose base model is one."""
     from unsloth_jax.config import QWEN_VL_MODEL_TYPES, read_config_json
     from unsloth_jax.errors import UnslothJaxError
+    from unsloth_jax.hf import peft_io
 
     try:
+        if Path(model_name).is_dir() and peft_io.is_adapter_dir(model_name):
+            model_name = peft_io.base_model_path(model_name)
         cfg, _ = read_config_json(model_name)
     except (UnslothJaxError, OSError):
         return False
@@ -850,6 +874,11 @@ def cmd_generate(args) -> int:
     model_dir = Path(args.model_name)
     _check_model_path(model_dir, "train one with `unsloth-jax train`, or pass --model_name with a model or adapter "
                                  "directory or a .gguf file")
+    if _is_vision_model(model_dir):
+        return _generate_vision(args, model_dir)
+    if args.image:
+        raise UsageError(f"--image needs a vision-language model (Gemma 3 with a vision_config, Qwen2.5-VL) or an "
+                         f"adapter of one; {model_dir} is a text-only model")
     model, tokenizer = FastLanguageModel.from_pretrained(str(model_dir), max_seq_length=args.max_seq_length,
                                                          dtype=args.dtype, load_in_4bit=args.load_in_4bit,
                                                          progress=False)
@@ -888,6 +917,78 @@ def cmd_generate(args) -> int:
         return 0
     print(f"unsloth-jax: chatting with {model_dir} ({fmt} prompts). Empty line or Ctrl-D quits; /reset clears the "
           "conversation.", file=sys.stderr)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            break
+        if not line.strip() or line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = []
+            continue
+        answer(line, history)
+    return 0
+
+
+def _open_images(paths: list[str]) -> list:
+    """The --image files as RGB PIL images; a missing or undecodable file is a UsageError naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise UsageError(f"--image {path}: file not found")
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(f"--image {path}: cannot be decoded as a picture ({e})") from None
+    return images
+
+
+def _generate_vision(args, model_dir: Path) -> int:
+    """`generate` for a vision-language model or adapter (FastVisionModel): each prompt is a chat user turn of the
+    --image pictures (first turn only) and the text, rendered by the processor's chat template with the
+    generation prompt; the answer is decoded after model.generate."""
+    from unsloth_jax import FastVisionModel
+
+    if args.format not in ("auto", "chat") or args.input:
+        raise UsageError("a vision-language model takes chat prompts only: drop --format / --input")
+    images = _open_images(args.image or [])
+    model, processor = FastVisionModel.from_pretrained(str(model_dir), max_seq_length=args.max_seq_length,
+                                                       dtype=args.dtype, load_in_4bit=args.load_in_4bit,
+                                                       progress=False)
+    if processor is None or not getattr(processor, "chat_template", None):
+        raise UsageError(f"{model_dir}: no usable processor with a chat template (preprocessor_config.json / "
+                         "processor_config.json and chat_template); generating with images needs it")
+    FastVisionModel.for_inference(model)
+    stop = _stop_ids(model, processor.tokenizer, True)
+    sample = args.temperature > 0
+
+    def answer(text: str, history: list[dict]) -> str:
+        parts = [{"type": "image"} for _ in images] if not history else []
+        history.append({"role": "user", "content": parts + [{"type": "text", "text": text}]})
+        prompt = processor.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="np")
+        prompt_len = inputs["input_ids"].shape[1]
+        if prompt_len + args.max_new_tokens > args.max_seq_length:
+            raise UsageError(f"the prompt is {prompt_len} tokens; with --max_new_tokens {args.max_new_tokens} it "
+                             f"passes --max_seq_length {args.max_seq_length}")
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature if sample else 1.0, top_p=args.top_p, do_sample=sample,
+                             eos_token_id=stop, seed=args.seed)
+        reply = processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True)
+        print(reply, flush=True)
+        history.append({"role": "assistant", "content": [{"type": "text", "text": reply}]})
+        return reply
+
+    if args.prompt is not None:
+        answer(args.prompt, [])
+        return 0
+    print(f"unsloth-jax: chatting with {model_dir} (vision-language, {len(images)} image(s) in the first turn). "
+          "Empty line or Ctrl-D quits; /reset clears the conversation.", file=sys.stderr)
     history: list[dict] = []
     while True:
         try:

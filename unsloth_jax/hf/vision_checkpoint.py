@@ -77,6 +77,27 @@ def read_vl_checkpoint(model_dir: str | os.PathLike, specs: dict[str, TensorSpec
                                  f"also read as {also_read_as}): {first_names(missing)}")
 
 
+def skipped_tensors(model_dir: str | os.PathLike, canonical_name: Callable[[str], str],
+                    prefixes: tuple[str, ...]) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """The tensors of the checkpoint in `model_dir` that read_vl_checkpoint skips by `ignored_prefixes` (Gemma 3's
+    SigLIP head), for an export to write through unchanged: (canonical name, shape, a function reading the tensor
+    from its file as float32 when called). Nothing is read now."""
+    def reader(path, name):
+        def read() -> np.ndarray:
+            with SafetensorsFile(path) as f:
+                return np.array(f.get(name), np.float32)  # a copy: the file's map closes after
+        return read
+
+    found = []
+    for path in checkpoint_files(model_dir):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                canon = canonical_name(name)
+                if canon.startswith(prefixes):
+                    found.append((canon, tuple(f.shape(name)), reader(path, name)))
+    return found
+
+
 def _place_vision(params: Params, spec: TensorSpec, array: np.ndarray, dtype, vision_layers: int,
                   where: str) -> None:
     """One vision-tower / projector tensor (HF layout) into `params` in `dtype`: a conv "patch" weight

@@ -10,7 +10,8 @@ target_modules is a regex naming exactly the adapted modules of each tower (a pl
 other tower's q/k/v_proj). The merged checkpoint uses the tensor names transformers' save_pretrained writes
 (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`): the text decoder's tensors come from
 export.merged_entries (the text export), the vision tower's and projector's from mapping.vision_language_specs, in
-the layouts the loader (hf.vision_io) reads back. Both are written through export's atomic directory.
+the layouts the loader (hf.vision_io) reads back, and SigLIP's pooling head (unused by Gemma 3, skipped by the
+loader) copied from the source checkpoint. Both are written through export's atomic directory.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import numpy as np
 
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
-from unsloth_jax.hf.mapping import vision_language_specs
+from unsloth_jax.hf.mapping import VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
+from unsloth_jax.hf.vision_checkpoint import skipped_tensors
 from unsloth_jax.hf.vision_adapters import adapter_layout
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
@@ -121,8 +123,22 @@ def _vision_make(model, spec, out_dtype):
                               ).astype(out_dtype)
 
 
+def _source_entries(model, out_dtype: np.dtype) -> list:
+    """The source checkpoint's tensors the loader skipped (SigLIP's pooling head, which Gemma 3 never runs but
+    transformers' model holds), read from model.model_dir at write time and cast to out_dtype, so transformers
+    finds none missing. A source that is gone is warned about."""
+    source = getattr(model, "model_dir", None)
+    if source is None or not Path(source).is_dir():
+        log.warning("unsloth_jax: the source checkpoint %s is not there any more: the merged model lacks its "
+                    "SigLIP head tensors (unused by Gemma 3; transformers will report them missing)", source)
+        return []
+    return [export._Entry(name, shape, out_dtype, lambda read=read: read().astype(out_dtype))
+            for name, shape, read in skipped_tensors(source, vl_canonical_name, VL_IGNORED_PREFIXES)]
+
+
 def merged_entries(model, out_dtype: np.dtype) -> list:
-    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then vision."""
+    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then vision, then the
+    source's tensors the model does not hold (SigLIP's head), unchanged."""
     entries = []
     for e in export.merged_entries(model, out_dtype):
         name = "language_model." + e.name if e.name.startswith("model.") else e.name
@@ -130,7 +146,7 @@ def merged_entries(model, out_dtype: np.dtype) -> list:
     for name, spec in vision_language_specs(model.vl_config).items():
         if not name.startswith(("language_model.", "lm_head.")):
             entries.append(export._Entry(name, spec.hf_shape, out_dtype, _vision_make(model, spec, out_dtype)))
-    return entries
+    return entries + _source_entries(model, out_dtype)
 
 
 def _merged_config(model, out_dtype: np.dtype) -> dict:

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -171,6 +172,23 @@ class TrainerBase:
 
     def restore_trainer_state(self, record: dict, directory: Path) -> None:
         """Take back what checkpoint_record() / write_checkpoint_files() saved."""
+
+    # -------------------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> str:
+        """transformers' Trainer.save_model: the model's save_pretrained (a PEFT adapter; the whole model after
+        full fine-tuning) with the trainer's tokenizer or processor, into `output_dir` (None: args.output_dir).
+        Called during train() (from a callback), it saves the current weights. Returns the directory's path."""
+        out = output_dir if output_dir is not None else self.args.output_dir
+        if not out:
+            raise ValueError("save_model: no output_dir given, and args.output_dir is empty")
+        save = getattr(self.model, "save_pretrained", None)
+        if save is None:
+            raise TypeError(f"save_model: the model ({type(self.model).__name__}) has no save_pretrained; load it with "
+                            "FastLanguageModel.from_pretrained or FastVisionModel.from_pretrained")
+        if self.train_state is not None:  # mid-run: the model object holds the weights of the last update
+            nnx.update(self.model, self.train_state["trainable"])
+        save(str(out), tokenizer=getattr(self, "tokenizer", None))
+        return str(out)
 
     # ----------------------------------------------------------------------------------- shared pieces
     def _apply_precision_flags(self) -> None:
