@@ -164,22 +164,23 @@ def test_fast_generate_greedy_equals_generate(family):
     chats = [{"messages": [rows[0]["messages"][0]], "images": rows[0]["images"]},
              [{"role": "user", "content": [{"type": "image", "image": rows[1]["images"][0]},
                                            {"type": "text", "text": "What colour is the square?"}]}]]
-    outs = model.fast_generate(chats, SamplingParams(temperature=0, max_tokens=6), processor=processor)
+    outs = model.fast_generate(chats, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                               processor=processor)
     processor.tokenizer.padding_side = "left"
     texts = [processor.apply_chat_template([r["messages"][0]], add_generation_prompt=True) for r in rows]
     inputs = dict(processor(text=texts, images=[r["images"] for r in rows], return_tensors="np", padding=True,
                             add_special_tokens=False))
-    expect = model.generate(**inputs, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    expect = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=[])
     got = np.asarray([o.outputs[0].token_ids for o in outs])
     print(name, got.tolist(), expect[:, -6:].tolist())
     assert (got == expect[:, -6:]).all()
-    for out, row in zip(outs, inputs["input_ids"]):
-        assert out.prompt_token_ids == row[inputs["attention_mask"][0].size - len(out.prompt_token_ids):].tolist()
+    for out, row, mask in zip(outs, inputs["input_ids"], inputs["attention_mask"]):
+        assert out.prompt_token_ids == row[mask > 0].tolist()
     from unsloth_jax.inference.image_inputs import chat_request
     from unsloth_jax.data.vision import multimodal_messages
 
     request = chat_request(model.vl_config, processor, multimodal_messages(chats[1], [], "x"), "x")
-    again = model.fast_generate([request], SamplingParams(temperature=0, max_tokens=6))
+    again = model.fast_generate([request], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert list(again[0].outputs[0].token_ids) == got[1].tolist()
     with pytest.raises(Exception, match=r"prompts\[0\]: 1 image placeholder"):
         model.fast_generate([[rows[0]["messages"][0]]], processor=processor)
