@@ -30,6 +30,10 @@ num_items_in_batch). The log has TRL's keys (loss, reward, reward_std, rewards/<
 frac_reward_zero_std, completions/mean_length, min/max_length, clipped_ratio, kl, clip_ratio/low_mean,
 high_mean, region_mean, num_tokens; the reward keys of the step's latest generation) plus time/generation,
 time/rewards, time/train (seconds per step); TrainOutput.metrics holds the totals of that split.
+
+A vision-language model with its processor as processing_class takes TRL's vision rows (a conversational prompt
+with image parts, an "image" or "images" column): prompts go to the engine with their images, and the training
+rows carry the prompt's image fields (train/rl_images.py; docs/VISION.md, "GRPO with images").
 """
 from __future__ import annotations
 
@@ -645,7 +649,8 @@ class GRPOTrainer(RLTrainerBase):
     def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of the completions of the train
         dataset's `rows`."""
-        return self._score([self.records[r] for r in rows], completion_ids, [self.prompt_messages[r] for r in rows])
+        return self._score([self.records[r] for r in rows], completion_ids,
+                           [self.prompt_messages[r] for r in rows])
 
     def _reward_metrics(self, rewards_per_func: np.ndarray, completions: list, truncated: list) -> dict:
         """TRL's reward and completion log keys of one batch of scored completions."""
