@@ -710,7 +710,8 @@ class GRPOTrainer(RLTrainerBase):
                                            args.scale_rewards)
         t2 = time.perf_counter()
         batch = self.build_batch(prompts, completions, truncated, advantages,
-                                 np.random.default_rng([args.seed, generation, 7]), images if self.with_images else None)
+                                 np.random.default_rng([args.seed, generation, 7]),
+                                 images if self.with_images else None)
         self._generation += 1
         self._prompt_position += len(rows)
         self._tokens_seen += int(sum(len(p) for p in prompts) + sum(len(c) for c in completions))
