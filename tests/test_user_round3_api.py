@@ -378,9 +378,13 @@ def test_save_pretrained_gguf_takes_a_list(lora_model, tmp_path):
 
 
 def test_vision_model_fast_generate_and_gguf_say_what_to_use(gemma3_vl, tmp_path):
+    from unsloth_jax.inference import SamplingParams
+
     model, processor = gemma3_vl
-    with pytest.raises(NotImplementedError, match=r"model\.generate\(\*\*processor"):
-        model.fast_generate(["What colour is the square?"])
+    # fast_generate serves vision-language models now (tests/test_grpo_vision.py): text through the processor
+    out = model.fast_generate(["What colour is the square?"], SamplingParams(max_tokens=2, ignore_eos=True),
+                              processor=processor)
+    assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(NotImplementedError, match=r"save_pretrained_merged.*--mmproj"):
         model.save_pretrained_gguf(tmp_path, processor, quantization_method="q8_0")
     with pytest.raises(NotImplementedError, match="--mmproj"):

@@ -599,12 +599,14 @@ class _LoadedVisionModel:
         """Not available for vision-language models: NotImplementedError saying what to use."""
         raise NotImplementedError(_VISION_GGUF)
 
-    def fast_generate(self, prompts, sampling_params=None, **kwargs):
-        """Not available for vision-language models: NotImplementedError pointing to generate."""
-        raise NotImplementedError(
-            "fast_generate (vLLM's interface) serves text models; a vision-language model generates with "
-            "model.generate(**processor(text=prompts, images=images, return_tensors='np', padding=True), "
-            "max_new_tokens=..., do_sample=..., temperature=...) (docs/VISION.md)")
+    def fast_generate(self, prompts, sampling_params=None, *, processor=None, use_tqdm: bool = False):
+        """vLLM's `LLM.generate` for prompts with images (unsloth_jax.generation.fast_generate_vision): each prompt
+        an engine request {"prompt_token_ids": ids, "images": ImageInputs(...)}, token ids, a chat (a list of
+        messages whose image parts carry their images) or {"messages": chat, "images": [...]} (TRL's columns),
+        with processor (default: the one from_pretrained loaded) for chats and text. Returns RequestOutputs."""
+        from unsloth_jax.generation import fast_generate_vision
+
+        return fast_generate_vision(self, prompts, sampling_params, processor=processor, use_tqdm=use_tqdm)
 
 
 _VISION_GGUF = ("GGUF export of vision-language models is not supported here: write the merged 16-bit checkpoint "
@@ -658,6 +660,15 @@ class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
         lora = f", lora r={self.lora.r}" if self.lora else ""
         return (f"VisionModel(gemma3, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision layers="
                 f"{v.num_hidden_layers}, image {v.image_size}px / patch {v.patch_size}, dtype={self.dtype.name}{lora})")
+
+
+def _remember_processor(model, processor):
+    """processor, kept as the one model.fast_generate uses for chats and text (generation.set_default_tokenizer)."""
+    if processor is not None:
+        from unsloth_jax.generation import set_default_tokenizer
+
+        set_default_tokenizer(model, processor)
+    return processor
 
 
 def _load_processor(model_dir: Path):
@@ -783,7 +794,7 @@ class FastVisionModel:
                                                                load_processor=False, progress=progress, **kwargs)
             load_vision_adapter(model, model_dir)
             processor = (_load_processor(model_dir) or _load_processor(base)) if load_processor else None
-            return model, processor
+            return model, _remember_processor(model, processor)
         if not model_dir.is_dir():
             raise CheckpointNotFoundError(f"model directory not found: {model_dir}")
         if load_in_4bit and _bnb_4bit_checkpoint(model_dir):
@@ -805,7 +816,7 @@ class FastVisionModel:
                  cfg.model_type,
                  cfg.text.num_hidden_layers, cfg.vision.num_hidden_layers, time.perf_counter() - start,
                  compute_dtype.name, " + NF4 4-bit language model" if load_in_4bit else "")
-        return model, processor
+        return model, _remember_processor(model, processor)
 
     @staticmethod
     def get_peft_model(model: VisionModel, r: int = 16, *, finetune_vision_layers: bool = False,

@@ -28,7 +28,8 @@ from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
 from unsloth_jax.inference.eos import generation_config as generation_config_json
-from unsloth_jax.inference.image_inputs import batch_image_prompts
+from unsloth_jax.data.vision import multimodal_messages
+from unsloth_jax.inference.image_inputs import batch_image_prompts, chat_request
 from unsloth_jax.inference.sampling import SamplingParams
 from unsloth_jax.validation import require_bool, require_int, require_real
 
@@ -74,6 +75,43 @@ def fast_generate(model, prompts, sampling_params: SamplingParams | None = None,
     if engine.tokenizer is None and _has_text(prompts):
         engine.tokenizer = _model_tokenizer(model)
     return engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def fast_generate_vision(model, prompts, sampling_params: SamplingParams | None = None, *, processor=None,
+                         use_tqdm: bool = False):
+    """`fast_generate` for a vision-language model (VisionModel / QwenVisionModel.fast_generate): prompts with
+    their images -> a list of RequestOutput, one per prompt. A prompt is an engine request ({"prompt_token_ids":
+    ids, "images": ImageInputs(...)}, image tokens expanded as the processor gives them), token ids, text, a chat
+    (a list of messages whose image parts carry their images: {"type": "image", "image": img}) or
+    {"messages": chat, "images": [...]} (or "image": one image) whose images fill the chat's image placeholders
+    (TRL's prepare_multimodal_messages rule, data.vision.multimodal_messages). Chats go through `processor`
+    (default: the one FastVisionModel.from_pretrained loaded): its chat template with the generation prompt,
+    then its image preprocessing (inference.image_inputs.chat_request). Errors name prompts[i]."""
+    items = [prompts] if isinstance(prompts, (str, dict)) or _is_chat(prompts) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))) else list(prompts)
+    if processor is None:
+        processor = _tokenizers.get(model)
+    requests = []
+    for i, p in enumerate(items):
+        where = f"prompts[{i}]"
+        if isinstance(p, dict) and "messages" in p:
+            given = p.get("images", [p["image"]] if p.get("image") is not None else [])
+            messages = multimodal_messages(p["messages"], [] if given is None else list(given), where)
+        elif _is_chat(p):
+            messages = multimodal_messages(p, [], where)
+        else:
+            requests.append(p)
+            continue
+        if processor is None:
+            raise ValueError(f"fast_generate: {where} is a chat; pass processor=... (FastVisionModel.from_pretrained "
+                             "returns it)")
+        requests.append(chat_request(model.vl_config, processor, messages, where))
+    tokenizer = None if processor is None else getattr(processor, "tokenizer", processor)
+    return engine_for(model, tokenizer=tokenizer).generate(requests, sampling_params, use_tqdm=use_tqdm)
 
 
 def _has_text(prompts) -> bool:
@@ -507,5 +545,5 @@ def _step_streamer(streamer, rows: int, pad: int):
     return on_tokens
 
 
-__all__ = ["generate", "generate_vision", "fast_generate", "engine_for", "set_default_tokenizer", "default_eos_ids",
-           "SamplingParams"]
+__all__ = ["generate", "generate_vision", "fast_generate", "fast_generate_vision", "engine_for",
+           "set_default_tokenizer", "default_eos_ids", "SamplingParams"]

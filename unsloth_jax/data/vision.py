@@ -136,6 +136,70 @@ def _without_embedded_images(messages: list) -> list:
     return out
 
 
+def processor_image(image: Any, where: str):
+    """An image as the processor reads it (a PIL image as RGB; an array [H, W, C], uint8 or float in [0, 1], as
+    uint8 RGB); DatasetFormatError naming `where` for anything else."""
+    try:
+        return _as_image(image, 0, "images")
+    except DatasetFormatError as e:
+        raise DatasetFormatError(f"{where}: {str(e).split(': ', 1)[1]}") from None
+
+
+def multimodal_messages(messages: Any, images: Sequence | None, where: str) -> list[dict]:
+    """TRL's prepare_multimodal_messages: chat turns with every content a list of parts and the images put into
+    the image parts ({"type": "image", "image": img}), in order. Turns whose content is a string become one text
+    part; the first user turn with string content gets one {"type": "image"} placeholder per image before its
+    text (so a dataset may give plain-text prompts and an image column). Image parts that already carry an
+    "image" keep it; the placeholders without one must be exactly as many as `images`. DatasetFormatError naming
+    `where` otherwise."""
+    images = list(images or [])
+    if not isinstance(messages, list) or not messages:
+        raise DatasetFormatError(f"{where}: the prompt must be a non-empty list of chat messages to hold images, got "
+                                 f"{type(messages).__name__}")
+    out, placed = [], False
+    for t, turn in enumerate(messages):
+        if not isinstance(turn, dict) or "role" not in turn:
+            raise DatasetFormatError(f"{where}: message {t} is not a {{'role', 'content'}} dict")
+        role, content = turn["role"], turn.get("content")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise DatasetFormatError(f"{where}: message {t} has role {role!r}; expected 'system', 'user', "
+                                     "'assistant' or 'tool'")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if role == "user" and not placed:
+                parts = [{"type": "image"} for _ in images] + parts
+                placed = True
+            turn = {**turn, "content": parts}
+        elif content is not None and not isinstance(content, list):
+            raise DatasetFormatError(f"{where}: message {t}'s content is {type(content).__name__}; expected a "
+                                     "string or a list of {'type': 'text' | 'image'} parts")
+        out.append(turn)
+    empty = sum(1 for turn in out if turn.get("content") and turn["role"] != "tool"
+                for part in turn["content"] if isinstance(part, dict) and part.get("type") == "image"
+                and "image" not in part)
+    if empty != len(images):
+        raise DatasetFormatError(f"{where}: {empty} image placeholder(s) ({{'type': 'image'}}) in the prompt but "
+                                 f"{len(images)} image(s) in the row's 'image' / 'images' column")
+    queue = iter(images)
+    for i, turn in enumerate(out):
+        if turn.get("content") and turn["role"] != "tool":
+            out[i] = {**turn, "content": [{**part, "image": next(queue)} if isinstance(part, dict) and
+                                          part.get("type") == "image" and "image" not in part else part
+                                          for part in turn["content"]]}
+    return out
+
+
+def message_images(messages: list[dict]) -> list:
+    """The images inside the image parts of chat messages (multimodal_messages' output), in order."""
+    return [part["image"] for turn in messages if isinstance(turn.get("content"), list)
+            for part in turn["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def text_only_messages(messages: list) -> list:
+    """The messages with each image part reduced to {"type": "image"} (chat templates only need the marker)."""
+    return _without_embedded_images(messages)
+
+
 class UnslothVisionDataCollator:
     """Records of chat `messages` with images -> a training batch (module docstring), with transformers'
     processor doing the chat template, the image-token expansion and the pixel preprocessing.
@@ -254,4 +318,5 @@ class UnslothVisionDataCollator:
 
 VisionDataCollator = UnslothVisionDataCollator
 
-__all__ = ["UnslothVisionDataCollator", "VisionDataCollator", "image_parts", "record_images"]
+__all__ = ["UnslothVisionDataCollator", "VisionDataCollator", "image_parts", "message_images", "multimodal_messages",
+           "processor_image", "record_images", "text_only_messages"]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsloth_jax.config import QwenVLConfig
+from unsloth_jax.data.vision import message_images, processor_image, text_only_messages
 from unsloth_jax.data.vision_loader import pad_images, pad_patches, patch_bucket
 from unsloth_jax.models.vision import image_block_ids
 
@@ -201,4 +202,32 @@ def batch_image_prompts(vl_config, ids: np.ndarray, mask: np.ndarray, pixel_valu
     return prompts
 
 
-__all__ = ["ImageInputs", "ImageRequest", "ImageBatch", "image_request", "image_batch", "batch_image_prompts"]
+def chat_request(vl_config, processor, messages: list[dict], where: str):
+    """One chat prompt (messages whose image parts carry their images, as data.vision.multimodal_messages gives
+    them) as an engine request: the processor's chat template with the generation prompt, then the processor on
+    that text and the images (image tokens expanded, pixels resized and normalised, as transformers feeds the
+    model) -> {"prompt_token_ids": ids, "images": ImageInputs(...)}; the token ids alone when it has no image.
+    Gemma 3's ImageInputs carry the processor's token_type_ids (1 on image tokens: each image's block attends both
+    ways); Qwen2.5-VL's its image_grid_thw. `where` names the prompt in errors."""
+    if processor is None or not hasattr(processor, "image_processor"):
+        raise TypeError(f"{where}: a chat prompt with images needs the model's transformers processor "
+                        f"(FastVisionModel.from_pretrained returns it), got {type(processor).__name__}")
+    images = [processor_image(im, where) for im in message_images(messages)]
+    text = processor.apply_chat_template(text_only_messages(messages), tokenize=False, add_generation_prompt=True)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if not images:  # the chat template writes the special tokens (bos) itself
+        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    out = processor(text=[text], images=[images], return_tensors="np", add_special_tokens=False)
+    ids = np.asarray(out["input_ids"][0]).astype(np.int64)
+    pixels = np.asarray(out["pixel_values"], np.float32)
+    if isinstance(vl_config, QwenVLConfig):
+        inputs = ImageInputs(pixels, image_grid_thw=np.asarray(out["image_grid_thw"], np.int64))
+    else:
+        types = (np.asarray(out["token_type_ids"][0], np.int32) if "token_type_ids" in out
+                 else (ids == vl_config.image_token_index).astype(np.int32))
+        inputs = ImageInputs(pixels, token_type_ids=types)
+    return {"prompt_token_ids": ids.tolist(), "images": inputs}
+
+
+__all__ = ["ImageInputs", "ImageRequest", "ImageBatch", "image_request", "image_batch", "batch_image_prompts",
+           "chat_request"]

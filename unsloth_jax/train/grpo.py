@@ -30,6 +30,10 @@ num_items_in_batch). The log has TRL's keys (loss, reward, reward_std, rewards/<
 frac_reward_zero_std, completions/mean_length, min/max_length, clipped_ratio, kl, clip_ratio/low_mean,
 high_mean, region_mean, num_tokens; the reward keys of the step's latest generation) plus time/generation,
 time/rewards, time/train (seconds per step); TrainOutput.metrics holds the totals of that split.
+
+A vision-language model with its processor as processing_class takes TRL's vision rows (a conversational prompt
+with image parts, an "image" or "images" column): prompts go to the engine with their images, and the training
+rows carry the prompt's image fields (train/rl_images.py; docs/VISION.md, "GRPO with images").
 """
 from __future__ import annotations
 
@@ -50,9 +54,13 @@ from flax import nnx
 from unsloth_jax import distributed, ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.generation import default_eos_ids, engine_for
+from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.inference import SamplingParams
+from unsloth_jax.inference.image_inputs import chat_request
 from unsloth_jax.train.base import RunPlan
-from unsloth_jax.train.logprobs import reference_model, token_logps
+from unsloth_jax.train.logprobs import image_fields, reference_model, token_logps
+from unsloth_jax.train.rl_images import (column_images, dataset_has_images, image_micro_batches, prompt_has_images,
+                                         request_ids, request_images, row_prompt)
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
 from unsloth_jax.train.preference import encode_prompt, is_conversational
 from unsloth_jax.backend import commit_to_devices
@@ -285,13 +293,16 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
     """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
     micro-batches: input_ids, attention_mask, completion_mask (int32), advantages [A, B] f32, and when needed
     old_logps / ref_logps [A, B, S-1] f32; num_items f32 [A] or a scalar: "dapo"'s normalizer of each micro-batch,
-    the completion tokens of the generation batch it came from (TRL's num_items_in_batch)."""
+    the completion tokens of the generation batch it came from (TRL's num_items_in_batch). A vision-language
+    model's rows with images add their image fields (rl_images.image_micro_batches: pixel_values and
+    token_type_ids, or Qwen2.5-VL's pixel_values, vision_* and mrope_positions), which the log-probabilities
+    read as the SFT step does."""
     accum = cfg.gradient_accumulation_steps
 
     def micro(trainable, frozen, mb):
         model = nnx.merge(graphdef, trainable, frozen)
         lp = token_logps(model, mb["input_ids"], mb["attention_mask"], remat=remat, temperature=cfg.temperature,
-                         chunk=chunk)
+                         chunk=chunk, images=image_fields(mb))
         old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(lp)
         return grpo_loss(lp, old, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"][:, 1:],
                          beta=cfg.beta, epsilon_low=cfg.epsilon_low,
@@ -323,17 +334,18 @@ def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool,
 
     def score(trainable, frozen, ref_trainable, batch):
         def one(mb):
-            out = {}
+            out, images = {}, image_fields(mb)
             if want_old:
                 out["old_logps"] = token_logps(nnx.merge(graphdef, trainable, frozen), mb["input_ids"],
-                                               mb["attention_mask"], temperature=cfg.temperature, chunk=chunk)
+                                               mb["attention_mask"], temperature=cfg.temperature, chunk=chunk,
+                                               images=images)
             if want_ref:
                 out["ref_logps"] = token_logps(reference_model(graphdef, trainable, frozen, ref_trainable),
                                                mb["input_ids"], mb["attention_mask"], temperature=cfg.temperature,
-                                               chunk=chunk)
+                                               chunk=chunk, images=images)
             return out
 
-        return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "attention_mask")})
+        return jax.lax.map(one, {**{k: batch[k] for k in ("input_ids", "attention_mask")}, **image_fields(batch)})
 
     return ops.policy_jit(score)
 
@@ -446,34 +458,84 @@ class GRPOTrainer(RLTrainerBase):
         self.records = records_of(train_dataset)
         if not self.records:
             raise TrainingError("GRPOTrainer needs a non-empty train_dataset of records with a 'prompt'")
-        self.prompt_ids = self._encode_prompts(self.records, "train_dataset")
         self.eval_records = records_of(eval_dataset)
-        self.eval_prompt_ids = self._encode_prompts(self.eval_records, "eval_dataset")
+        # a processor's text half tokenizes plain-text prompts and decodes completions
+        self.text_tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)
+        self.vision = self._check_vision(model)
+        # every batch carries image fields (one compiled step shape) when the dataset has images
+        self.with_images = self.vision and dataset_has_images(self.records)
+        self.prompt_ids, self.prompt_messages = self._encode_prompts(self.records, "train_dataset")
+        self.eval_prompt_ids, self.eval_prompt_messages = self._encode_prompts(self.eval_records, "eval_dataset")
         self.conversational = is_conversational(self.records[0])
-        self.pad_id = pad_token_id(self.tokenizer, model)
+        self.pad_id = pad_token_id(self.text_tokenizer, model)
         eos = {int(e) for e in default_eos_ids(model)}
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
+        if getattr(self.text_tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.text_tokenizer.eos_token_id))
         self.eos_ids = sorted(eos)
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._compiled = None
         self._reset_stream()
 
-    def _encode_prompts(self, records: list, name: str) -> list[list[int]]:
-        """Token ids of each record's prompt (cut to its last max_prompt_length tokens)."""
-        out = []
+    def _check_vision(self, model) -> bool:
+        """Whether prompts go through the processor with their images: a vision-language model with its
+        processor as processing_class. Images in a dataset need both (TypeError / TrainingError otherwise)."""
+        is_vl = hasattr(model, "vl_config")
+        has_processor = hasattr(self.tokenizer, "image_processor")
+        for name, records in (("train_dataset", self.records), ("eval_dataset", self.eval_records)):
+            if not dataset_has_images(records):
+                continue
+            if not is_vl:
+                raise TrainingError(f"GRPOTrainer: {name} holds images but {type(model).__name__} is not a "
+                                    "vision-language model (FastVisionModel.from_pretrained loads one)")
+            if not has_processor:
+                raise TypeError(f"GRPOTrainer: {name} holds images; pass the model's processor as processing_class "
+                                f"(FastVisionModel.from_pretrained returns it), got {type(self.tokenizer).__name__}")
+        return is_vl and has_processor
+
+    def _encode_prompts(self, records: list, name: str) -> tuple[list, list]:
+        """(token ids of each record's prompt (cut to its last max_prompt_length tokens), or None for a prompt
+        the processor prepares with its images when sampled; those prompts' messages with their images
+        (rl_images.row_prompt, checked here), or None)."""
+        ids_out, messages_out = [], []
         for i, rec in enumerate(records):
             if not isinstance(rec, dict) or "prompt" not in rec:
                 got = f"keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__
                 raise DatasetFormatError(f"{name}[{i}]: GRPO records need a 'prompt' (a string or a list of "
                                          f"messages), got {got}")
-            ids = encode_prompt(self.tokenizer, rec["prompt"])
+            if self.vision and (is_conversational(rec) or column_images(rec)):
+                messages_out.append(row_prompt(rec, f"{name}[{i}]"))
+                ids_out.append(None)
+                continue
+            if column_images(rec) or prompt_has_images(rec["prompt"]):  # images, but no vision model: refused above
+                raise DatasetFormatError(f"{name}[{i}]: the row has images but the trainer has no processor")
+            tokenizer = self.tokenizer if isinstance(rec["prompt"], list) else self.text_tokenizer
+            ids = encode_prompt(tokenizer, rec["prompt"])
             if self.args.max_prompt_length is not None:
                 ids = ids[-self.args.max_prompt_length:]
             if not ids:
                 raise DatasetFormatError(f"{name}[{i}]: the prompt is empty after tokenization")
-            out.append(ids)
-        return out
+            ids_out.append(ids)
+            messages_out.append(None)
+        return ids_out, messages_out
+
+    def _request(self, row: int, split: str = "train_dataset"):
+        """The engine request of a dataset row's prompt: its token ids, or, for a prompt with images, the
+        processor's ids and images ({"prompt_token_ids", "images"}, inference.image_inputs.chat_request; made
+        here, when a generation needs it). A prompt with images longer than max_prompt_length is refused (cutting
+        it could split an image block)."""
+        ids, messages = ((self.prompt_ids, self.prompt_messages) if split == "train_dataset"
+                         else (self.eval_prompt_ids, self.eval_prompt_messages))
+        if ids[row] is not None:
+            return ids[row]
+        where, limit = f"{split}[{row}]", self.args.max_prompt_length
+        request = chat_request(self.model.vl_config, self.tokenizer, messages[row], where)
+        if limit is not None and len(request_ids(request)) > limit:
+            if request_images(request) is not None:
+                raise DatasetFormatError(f"{where}: the prompt is {len(request_ids(request))} tokens with its image "
+                                         f"tokens, more than max_prompt_length={limit}, and cutting it could split "
+                                         "an image; raise max_prompt_length or set it to None")
+            request = request_ids(request)[-limit:]
+        return request
 
     def _reset_stream(self) -> None:
         """The training-progress state a checkpoint keeps, at the start of a run."""
@@ -501,32 +563,54 @@ class GRPOTrainer(RLTrainerBase):
             out.append(int(perm[i]))
         return np.asarray(out)
 
-    def _sample(self, unique: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
-        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) of the prompts
-        `unique`, each sampled num_generations times by the generation engine with the model's current weights."""
+    def _image_token_ids(self) -> list[int]:
+        """The ids whose embeddings a vision-language model replaces by image features (none for text models)."""
+        if not self.vision:
+            return []
+        cfg = self.model.vl_config
+        if isinstance(cfg, QwenVLConfig):
+            return [int(cfg.image_token_id), int(cfg.video_token_id)]
+        return [int(cfg.image_token_index)]
+
+    def _sample(self, unique: list, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool], list]:
+        """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags, the prompts'
+        ImageInputs or None) of the engine requests `unique`, each sampled num_generations times by the generation
+        engine with the model's current weights.
+
+        TRL suppresses a vision-language model's image token in sampling (its features would be missing in the
+        training pass); the engine has no token suppression, so a sampled image token ends the completion there
+        instead: the token is dropped and the completion counts as truncated."""
         a, g = self.args, self.args.num_generations
+        image_ids = self._image_token_ids()
         params = [SamplingParams(n=g, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
-                                 max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids, ignore_eos=True,
-                                 seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
+                                 max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids + image_ids,
+                                 ignore_eos=True, seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
         outs = engine_for(self.model).generate(unique, params)  # the g completions of a prompt share its pages
-        prompts = [p for p in unique for _ in range(g)]
+        prompts = [request_ids(p) for p in unique for _ in range(g)]
+        images = [request_images(p) for p in unique for _ in range(g)]
         completions = [list(c.token_ids) for o in outs for c in o.outputs]
         truncated = [c.finish_reason == "length" for o in outs for c in o.outputs]
-        return prompts, completions, truncated
+        for i, c in enumerate(completions):
+            if c and c[-1] in image_ids:
+                completions[i], truncated[i] = c[:-1], True
+        return prompts, completions, truncated, images
 
     def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the train
         dataset's rows, each repeated num_generations times, sampled with the model's current weights."""
-        return self._sample([self.prompt_ids[r] for r in rows], seed)
+        return self._sample([self._request(int(r)) for r in rows], seed)[:3]
 
-    def _score(self, records: list[dict], completion_ids: list[list[int]]) -> np.ndarray:
+    def _score(self, records: list[dict], completion_ids: list[list[int]], messages: list | None = None
+               ) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of completions, each of `records`
-        num_generations times."""
+        num_generations times. messages: per record, its prompt with the images in their parts (rl_images.row_prompt)
+        or None: the reward functions get that prompt, as TRL's (the image columns come as the other columns)."""
         g = self.args.num_generations
+        messages = messages or [None] * len(records)
         recs = [rec for rec in records for _ in range(g)]
-        prompts = [rec["prompt"] for rec in recs]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [rec["prompt"] if m is None else m for rec, m in zip(records, messages) for _ in range(g)]
+        texts = self.text_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         keys = [k for k in recs[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [rec.get(k) for rec in recs] for k in keys}
@@ -565,7 +649,8 @@ class GRPOTrainer(RLTrainerBase):
     def score_completions(self, rows: np.ndarray, completion_ids: list[list[int]]) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of the completions of the train
         dataset's `rows`."""
-        return self._score([self.records[r] for r in rows], completion_ids)
+        return self._score([self.records[r] for r in rows], completion_ids,
+                           [self.prompt_messages[r] for r in rows])
 
     def _reward_metrics(self, rewards_per_func: np.ndarray, completions: list, truncated: list) -> dict:
         """TRL's reward and completion log keys of one batch of scored completions."""
@@ -583,11 +668,12 @@ class GRPOTrainer(RLTrainerBase):
             metrics[f"rewards/{name}/std"] = float(_nanstd(col))
         return metrics
 
-    def build_batch(self, prompts, completions, truncated, advantages, rng) -> dict:
+    def build_batch(self, prompts, completions, truncated, advantages, rng, images=None) -> dict:
         """A generation batch's [steps_per_generation, B, S] micro-batches (rows shuffled, as TRL does): prompt +
         completion right padded to a multiple of loop.SEQUENCE_MULTIPLE, completion_mask on the completion tokens
         (zeroed for truncated ones with mask_truncated_completions), advantages [steps_per_generation, B],
-        num_items (its completion tokens, f32 scalar)."""
+        num_items (its completion tokens, f32 scalar). images: per row its prompt's ImageInputs or None (None:
+        a text batch); then the micro-batches' image fields too (rl_images.image_micro_batches)."""
         a, b = self.args.steps_per_generation, self.args.per_device_train_batch_size
         n = len(prompts)
         length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)))
@@ -604,6 +690,8 @@ class GRPOTrainer(RLTrainerBase):
                  "advantages": np.asarray(advantages, np.float32)[order]}
         batch = {k: v.reshape((a, b) + v.shape[1:]) for k, v in batch.items()}
         batch["num_items"] = np.float32(cmask.sum())
+        if images is not None:
+            batch.update(image_micro_batches(self.model, ids[order], mask[order], [images[i] for i in order], a))
         return batch
 
     def _generation_round(self, trainable) -> tuple[dict, dict]:
@@ -614,14 +702,16 @@ class GRPOTrainer(RLTrainerBase):
         t0 = time.perf_counter()
         rows = self._prompt_rows(self._prompt_position, self.prompts_per_generation)
         sample_seed = (args.seed * 1000003 + generation) % 2**31
-        prompts, completions, truncated = self.generate_completions(rows, seed=sample_seed)
+        prompts, completions, truncated, images = self._sample([self._request(int(r)) for r in rows],
+                                                               seed=sample_seed)
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
         advantages, _, _ = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
                                            args.scale_rewards)
         t2 = time.perf_counter()
         batch = self.build_batch(prompts, completions, truncated, advantages,
-                                 np.random.default_rng([args.seed, generation, 7]))
+                                 np.random.default_rng([args.seed, generation, 7]),
+                                 images if self.with_images else None)
         self._generation += 1
         self._prompt_position += len(rows)
         self._tokens_seen += int(sum(len(p) for p in prompts) + sum(len(c) for c in completions))
@@ -783,9 +873,10 @@ class GRPOTrainer(RLTrainerBase):
         calls = range(0, len(self.eval_records), per_call)
         for start in calls:
             rows = range(start, min(start + per_call, len(self.eval_records)))
-            _, comps, trunc = self._sample([self.eval_prompt_ids[r] for r in rows],
-                                           seed=(a.seed * 1000003 + 999_983 + start) % 2**31)
-            rewards.append(self._score([self.eval_records[r] for r in rows], comps))
+            _, comps, trunc, _ = self._sample([self._request(r, "eval_dataset") for r in rows],
+                                              seed=(a.seed * 1000003 + 999_983 + start) % 2**31)
+            rewards.append(self._score([self.eval_records[r] for r in rows], comps,
+                                       [self.eval_prompt_messages[r] for r in rows]))
             completions += comps
             truncated += trunc
         metrics = self._reward_metrics(np.concatenate(rewards), completions, truncated)
@@ -797,9 +888,14 @@ class GRPOTrainer(RLTrainerBase):
         return out
 
 
+_ROW_FIELDS = ("input_ids", "attention_mask", "completion_mask", "token_type_ids", "old_logps", "ref_logps")
+
+
 def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
     """One step's [A, B, S] arrays from (generation buffer, slice index) pairs of buffers of different lengths:
-    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere), num_items [A] per slice."""
+    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere; mrope_positions [3, B, S] too),
+    num_items [A] per slice. Image fields: Gemma 3's pixel_values [N, C, H, W] padded with zero images to the
+    largest N; Qwen2.5-VL's patch arrays must agree (the same patch bucket), else a TrainingError."""
     length = max(buf["input_ids"].shape[-1] for buf, _ in pieces)
     out = {}
     for key in pieces[0][0]:
@@ -809,10 +905,19 @@ def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
         rows = []
         for buf, i in pieces:
             x = buf[key][i]
-            if x.ndim == 2:  # [B, S] or [B, S-1]: pad the sequence axis
-                width = length - buf["input_ids"].shape[-1]
-                x = jnp.pad(x, ((0, 0), (0, width)), constant_values=pad_id if key == "input_ids" else 0)
+            width = length - buf["input_ids"].shape[-1]
+            if key in _ROW_FIELDS or key == "mrope_positions":  # [B, S], [B, S-1] or [3, B, S]: the sequence axis
+                pad = [(0, 0)] * (x.ndim - 1) + [(0, width)]
+                x = jnp.pad(x, pad, constant_values=pad_id if key == "input_ids" else 0)
+            elif key == "pixel_values" and x.ndim == 4:  # Gemma 3's images: trailing zero images are never read
+                most = max(buf[key].shape[1] for buf, _ in pieces)
+                x = jnp.pad(x, [(0, most - x.shape[0])] + [(0, 0)] * 3)
             rows.append(x)
+        if len({r.shape for r in rows}) > 1:
+            raise TrainingError(f"GRPO: one optimizer step takes micro-batches of generations whose {key} shapes "
+                                f"differ ({sorted({r.shape for r in rows})}): Qwen2.5-VL's patches fall in different "
+                                "buckets; make gradient_accumulation_steps a multiple of steps_per_generation x "
+                                "num_iterations (or equal to it)")
         out[key] = jnp.stack(rows)
     return out
 

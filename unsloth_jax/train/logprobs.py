@@ -20,18 +20,24 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.train.step import vision_hidden_states
 
 
 def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array, *, remat: str = "none",
-                temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False):
+                temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False, images: dict | None = None):
     """[B, S-1] float32: entry t is log p(input_ids[:, t+1]) given the tokens up to t (logits / temperature).
 
     input_ids, attention_mask: int32 [B, S], right padded. Entries whose target is padding hold log-probs of
     the padding token and must be masked by the caller (`masked_sum`). mean_logits=True: also each position's
-    logits averaged over the vocabulary, [B, S-1] (no gradient), as a second item.
+    logits averaged over the vocabulary, [B, S-1] (no gradient), as a second item. images: a vision-language
+    model's image fields of the rows (`image_fields`: pixel_values and token_type_ids, or Qwen2.5-VL's
+    pixel_values, mrope_positions and vision_*), run as the SFT step runs them (step.vision_hidden_states).
     """
     side = make_batch(input_ids, attention_mask, right_padded=True)
-    h = model.hidden_states(input_ids, side, remat_mode=remat)
+    if images:
+        h = vision_hidden_states(model, input_ids, side, images, remat)
+    else:
+        h = model.hidden_states(input_ids, side, remat_mode=remat)
     b, s, d = h.shape
     targets = input_ids[:, 1:].reshape(-1)
     flat = h[:, :-1].reshape(-1, d)
@@ -43,15 +49,25 @@ def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array
     return lp, ops.token_mean_logits(flat, model.head_weight(), softcap=softcap, chunk=chunk).reshape(b, s - 1)
 
 
+IMAGE_FIELDS = ("pixel_values", "token_type_ids", "mrope_positions")  # and Qwen2.5-VL's vision_* layout arrays
+
+
+def image_fields(batch: dict) -> dict:
+    """The image fields of a batch (IMAGE_FIELDS and vision_*), for token_logps(images=...); {} for text."""
+    return {k: v for k, v in batch.items() if k in IMAGE_FIELDS or k.startswith("vision_")}
+
+
 def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
     """Row sums of values [B, T] where mask [B, T] is nonzero -> [B] float32."""
     return jnp.sum(jnp.where(mask > 0, values, 0.0), axis=-1)
 
 
 def drop_adapters(model: CausalLM) -> CausalLM:
-    """Remove the LoRA pair of every projection of `model` (in place) and return it. Used on a module merged
-    inside a jitted function, so the model the user holds keeps its adapters."""
-    for lin in model.projections().values():
+    """Remove the LoRA pair of every projection of `model` (in place; a vision-language model's vision-tower
+    projections too) and return it. Used on a module merged inside a jitted function, so the model the user
+    holds keeps its adapters."""
+    vision = model.vision_projections() if hasattr(model, "vision_projections") else {}
+    for lin in [*model.projections().values(), *vision.values()]:
         lin.lora_a = lin.lora_b = None
         lin.lora_scale = None
     return model
@@ -71,4 +87,5 @@ def trains_beyond_lora(model: CausalLM) -> bool:
     return bool(settings is not None and (settings.modules_to_save or settings.bias != "none"))
 
 
-__all__ = ["token_logps", "masked_sum", "drop_adapters", "reference_model", "trains_beyond_lora"]
+__all__ = ["IMAGE_FIELDS", "image_fields", "token_logps", "masked_sum", "drop_adapters", "reference_model",
+           "trains_beyond_lora"]
