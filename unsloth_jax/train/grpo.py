@@ -601,6 +601,12 @@ class GRPOTrainer(RLTrainerBase):
         dataset's rows, each repeated num_generations times, sampled with the model's current weights."""
         return self._sample([self._request(int(r)) for r in rows], seed)[:3]
 
+    def _row_images(self, rows: np.ndarray) -> list:
+        """The ImageInputs (or None) of the train dataset's rows' prompts, each num_generations times (the order of
+        generate_completions' rows)."""
+        g = self.args.num_generations
+        return [request_images(self._request(int(r))) for r in rows for _ in range(g)]
+
     def _score(self, records: list[dict], completion_ids: list[list[int]], messages: list | None = None
                ) -> np.ndarray:
         """rewards [N, F] (float64, NaN where a function returned None) of completions, each of `records`
@@ -702,8 +708,8 @@ class GRPOTrainer(RLTrainerBase):
         t0 = time.perf_counter()
         rows = self._prompt_rows(self._prompt_position, self.prompts_per_generation)
         sample_seed = (args.seed * 1000003 + generation) % 2**31
-        prompts, completions, truncated, images = self._sample([self._request(int(r)) for r in rows],
-                                                               seed=sample_seed)
+        prompts, completions, truncated = self.generate_completions(rows, sample_seed)
+        images = self._row_images(rows) if self.with_images else None
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
         advantages, _, _ = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
@@ -711,7 +717,7 @@ class GRPOTrainer(RLTrainerBase):
         t2 = time.perf_counter()
         batch = self.build_batch(prompts, completions, truncated, advantages,
                                  np.random.default_rng([args.seed, generation, 7]),
-                                 images if self.with_images else None)
+                                 images)
         self._generation += 1
         self._prompt_position += len(rows)
         self._tokens_seen += int(sum(len(p) for p in prompts) + sum(len(c) for c in completions))
