@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -19,7 +20,7 @@ from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
-from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
+from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.generation import generate  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -121,8 +122,6 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     model = FastLanguageModel.get_peft_model(_load(path), r=4, lora_alpha=8, target_modules=ALL,
                                              use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
     g, t, f = lora.split(model)
-    from flax import nnx
-
     kinds = {p[-1] for p, _ in nnx.to_flat_state(t)}
     assert kinds == {"lora_a", "lora_b"}, kinds
     ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
@@ -172,27 +171,32 @@ def test_greedy_generation_matches_transformers(family, tiny, rng):
 
 
 # ------------------------------------------------------------------------------------------------ GGUF
-def test_gguf_export(tiny, tmp_path):
-    """llama.cpp's smollm3 architecture (q/k rows in its interleaved RoPE layout, as for llama); llama.cpp hard-codes
-    NoPE on every 4th layer and has no sliding window for it, so other patterns are refused naming the key."""
+def test_gguf_export_roundtrip_and_refusals(tiny, tmp_path, rng):
+    """save_pretrained_gguf writes llama.cpp's smollm3 architecture (llama's tensors, q/k rows in its interleaved
+    RoPE layout; the chat template without [:] slicing); read back as a model source (NoPE every 4th layer, as
+    llama.cpp hard-codes) it gives our logits. A NoPE pattern llama.cpp would run differently, or sliding
+    windows, is refused naming the key."""
     gguf = pytest.importorskip("gguf")
-    from unsloth_jax.hf.gguf_export import save_gguf
+    from tests.hf_models import make_hf_model
     from unsloth_jax.hf.gguf_loading import hf_config
 
-    tok = transformers.AutoTokenizer.from_pretrained(
-        str(__import__("pathlib").Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets" / "tiny-llama"))
-    path, _, model = tiny("smollm3")
-    if len(tok) > model.config.vocab_size:
-        pytest.skip("the asset tokenizer is larger than the tiny vocabulary")
-    out = save_gguf(model, tmp_path / "gguf", tok, quantization_method="f32")
+    asset = __import__("pathlib").Path(__file__).resolve().parents[1] / "unsloth_jax" / "assets" / "tiny-llama"
+    tok = transformers.AutoTokenizer.from_pretrained(str(asset))
+    tok.chat_template = "{% for m in messages[:] %}{{ m['content'] }}{% endfor %}"
+    src = tmp_path / "src"
+    make_hf_model("smollm3", seed=fresh_seed("smollm3 gguf") % (1 << 31), vocab_size=len(tok)).save_pretrained(str(src))
+    model = _load(src)
+    out = model.save_pretrained_gguf(tmp_path / "gguf", tok, quantization_method="f32")
     reader = gguf.GGUFReader(out)
-    arch = reader.fields["general.architecture"]
-    assert bytes(arch.parts[arch.data[0]]).decode() == "smollm3"
-    names = {t.name for t in reader.tensors}
-    assert {"blk.3.attn_q.weight", "token_embd.weight", "output_norm.weight"} <= names
-    raw = hf_config(out)
-    assert raw["model_type"] == "smollm3"
+    field = lambda k: bytes(reader.fields[k].parts[reader.fields[k].data[0]]).decode()  # noqa: E731
+    assert field("general.architecture") == "smollm3"
+    assert field("tokenizer.chat_template") == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert {"blk.3.attn_q.weight", "token_embd.weight", "output_norm.weight"} <= {t.name for t in reader.tensors}
+    assert hf_config(out)["model_type"] == "smollm3"
+    back = _load(out)
+    assert back.config.layer_rope == model.config.layer_rope
+    ids = rng.integers(3, len(tok), size=(2, 12))
+    assert rel_err(np.asarray(back(ids)), np.asarray(model(ids))) < 1e-5
     _, _, sliding = tiny("smollm3_sliding")
     with pytest.raises(ConfigError, match="no_rope_layers"):
-        save_gguf(sliding, tmp_path / "gguf2", tok, quantization_method="f32")
-    del UnsupportedArchitectureError
+        sliding.save_pretrained_gguf(tmp_path / "gguf2", tok, quantization_method="f32")
