@@ -49,7 +49,8 @@ def _load(path, **kw):
 
 
 def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             attn_implementation="eager")
 
 
 def _torch_logits(m, ids, mask=None):
