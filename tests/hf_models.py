@@ -37,6 +37,16 @@ FAMILIES = {
 }
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # family prefix -> model_type, where they differ
 
+# ---- SmolLM3 (tests/test_smollm3.py) ----
+# "smollm3": SmolLM3Config's default NoPE pattern (every 4th layer: layer 3 of 4), tied embeddings (its default);
+# "smollm3_sliding": every 3rd layer NoPE and, by SmolLM3Config's layer_types rule, sliding (window 8): a scan
+# group of 3 layers and a tail of 1; untied
+FAMILIES.update({
+    "smollm3": dict(num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_theta=50000.0),
+    "smollm3_sliding": dict(num_hidden_layers=4, no_rope_layer_interval=3, use_sliding_window=True, sliding_window=8,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+})
+
 
 def model_type_of(family: str) -> str:
     prefix = family.split("_")[0].replace("llama3", "llama")

@@ -1,7 +1,7 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
 One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
-Gemma 3 text, Phi-3; the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss).
+Gemma 3 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss).
 Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
 `rope_parameters`.
 """
@@ -20,6 +20,7 @@ log = logging.getLogger("unsloth_jax")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (see _moe_fields)
+SUPPORTED_MODEL_TYPES += ("smollm3",)  # SmolLM3: Llama's layer with NoPE layers (_smollm3_fields, layer_rope)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,8 @@ class ModelConfig:
     rope_beta_fast: float = 32.0  # YaRN (gpt-oss)
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
+    # per layer: False where the layer applies no RoPE (SmolLM3's NoPE layers); () means every layer rotates
+    layer_rope: tuple[bool, ...] = ()
     # ---- norms and embeddings ----
     rms_norm_eps: float = 1e-6
     norm_offset: float = 0.0  # Gemma's (1 + w) RMSNorm
@@ -102,16 +105,21 @@ class ModelConfig:
 
     @property
     def layer_period(self) -> int:
-        """Smallest p such that layer_windows and layer_sparse repeat with period p (layer i has the window and
-        the MLP kind of layer i % p). p need not divide num_hidden_layers: Gemma 3's 26 layers are 4 groups of 6
-        and a tail of 2."""
+        """Smallest p such that layer_windows, layer_sparse and layer_rope repeat with period p (layer i has the
+        window, the MLP kind and the RoPE choice of layer i % p). p need not divide num_hidden_layers: Gemma 3's
+        26 layers are 4 groups of 6 and a tail of 2. A pattern that never repeats gives p = L (one group)."""
         n = self.num_hidden_layers
         windows = self.layer_windows or (None,) * n
-        kinds = list(zip(windows, self.layer_sparse or (False,) * n))
+        kinds = list(zip(windows, self.layer_sparse or (False,) * n, self.layer_rope or (True,) * n))
         for p in range(1, n + 1):
             if all(kinds[i] == kinds[i % p] for i in range(n)):
                 return p
         return n
+
+    @property
+    def has_nope_layers(self) -> bool:
+        """Whether some decoder layer applies no RoPE (SmolLM3's NoPE layers)."""
+        return not all(self.layer_rope or (True,))
 
     @property
     def is_moe(self) -> bool:
@@ -178,6 +186,8 @@ def _rope(raw: dict, source: str) -> dict:
 
 
 def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
+    if model_type == "smollm3":  # _smollm3_fields reads its windows (SmolLM3Attention's rule)
+        return (None,) * n_layers
     window = raw.get("sliding_window")
     types = raw.get("layer_types")
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
@@ -444,6 +454,50 @@ def _phi3_fields(raw: dict, source: str) -> dict:
 
 # model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
 _FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM3
+def _smollm3_fields(raw: dict, source: str) -> dict:
+    """SmolLM3 (SmolLM3ForCausalLM): Llama's layer, but the layers whose `no_rope_layers` entry is 0 apply no
+    RoPE at all (NoPE); without the list, every `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...)
+    is NoPE, as SmolLM3Config does. Sliding windows as transformers' SmolLM3Attention: a layer attends within
+    `sliding_window` only when `use_sliding_window` is true and its `layer_types` entry is "sliding_attention";
+    without `layer_types`, the NoPE layers slide (when use_sliding_window and sliding_window are set). Embeddings
+    are tied unless tie_word_embeddings is false (SmolLM3Config's default is true)."""
+    n = int(_need(raw, "num_hidden_layers", source))
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"{source}: no_rope_layer_interval must be a positive integer, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise ConfigError(f"{source}: no_rope_layers must be a list of {n} entries (num_hidden_layers), each 1 (RoPE) "
+                          f"or 0 (NoPE), got {flags!r}")
+    rope = tuple(bool(f) for f in flags)
+    use_sliding, window = bool(raw.get("use_sliding_window", False)), raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if use_sliding and window is not None and not r else "full_attention"
+                 for r in rope]
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, sliding_attention)")
+    windows = (None,) * n
+    if use_sliding and "sliding_attention" in types:
+        if not window or int(window) <= 0:
+            raise ConfigError(f"{source}: use_sliding_window is true and layer_types asks for sliding attention, but "
+                              f"sliding_window is {window!r} (it must be a positive integer)")
+        windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    out = _rope(raw, source)
+    out.update(layer_rope=rope if not all(rope) else (), layer_windows=windows,
+               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    return out
+
+
+_FAMILY_FIELDS["smollm3"] = _smollm3_fields
 
 
 # --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)

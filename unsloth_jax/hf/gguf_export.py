@@ -5,7 +5,9 @@
 The file is what llama.cpp's convert_hf_to_gguf.py writes for the merged 16-bit checkpoint that
 `export.save_merged` produces (facts from ggml-org/llama.cpp `convert_hf_to_gguf.py` / `conversion/*.py`):
 
-* architectures: llama (Llama and Mistral), qwen2, qwen3, gemma, gemma2, phi3 (its fused qkv_proj / gate_up_proj
+* architectures: llama (Llama and Mistral), qwen2, qwen3, gemma, gemma2, smollm3 (llama's tensors and hparams;
+  llama.cpp hard-codes its NoPE layers as every 4th, so other no_rope_layers patterns and sliding windows are
+  refused), phi3 (its fused qkv_proj / gate_up_proj
   written back as attn_qkv / ffn_up; LongRoPE as rope_factors_long / rope_factors_short tensors plus
   rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does); Gemma 3 is refused;
 * tensors: llama.cpp names (token_embd, blk.N.attn_q, ..., output_norm, output); a tensor that is not float16 or
@@ -69,6 +71,11 @@ _ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "fp16": "f16", "fl
 _LOW_BIT = ("q4_0", "q4_1", "q5_0", "q5_1")
 _ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
          "gemma2": "GEMMA2", "phi3": "PHI3"}
+# SmolLM3: convert_hf_to_gguf.py's SmolLM3Model is LlamaModel with its own arch (q/k rows permuted as llama's);
+# llama.cpp has no GGUF key for the NoPE layers: it hard-codes NoPE on every 4th layer (n_no_rope_layer_step = 4)
+_ARCH["smollm3"] = "SMOLLM3"
+_LLAMA_LAYOUT = ("LLAMA", "SMOLLM3")  # archs whose q/k rows take llama.cpp's interleaved RoPE layout
+SMOLLM3_GGUF_NOPE_STEP = 4
 
 # convert_hf_to_gguf.py's pre-tokenizer check text and the hashes of the families this package supports.
 _CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ '
@@ -139,7 +146,7 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     # The merged weights at the model's own precision (a float32 model is not rounded to 16 bits first); each
     # tensor is then converted to its GGUF type.
     hf_dtype = export._resolve_out_dtype(model, model.dtype)
-    permute = _ARCH[cfg.model_type] == "LLAMA"
+    permute = _ARCH[cfg.model_type] in _LLAMA_LAYOUT
     gemma = cfg.model_type in ("gemma", "gemma2")
     plan: list[_Tensor] = []
     if permute and cfg.rope_type == "llama3":
@@ -242,9 +249,27 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_file_type(ftype)
-    if _ARCH[mt] == "LLAMA":  # LlamaModel.set_gguf_parameters
+    if _ARCH[mt] in _LLAMA_LAYOUT:  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM3
+def _check_smollm3(cfg) -> None:
+    """llama.cpp's smollm3 runs NoPE on layers 3, 7, 11, ... (no metadata key says otherwise) and full attention
+    everywhere: a model whose layers differ would run wrongly there, so it is refused, naming the config key."""
+    n = cfg.num_hidden_layers
+    want = tuple((i + 1) % SMOLLM3_GGUF_NOPE_STEP != 0 for i in range(n))
+    have = cfg.layer_rope or (True,) * n
+    if have != want:
+        raise ConfigError(
+            f"GGUF export of smollm3: llama.cpp hard-codes NoPE on every {SMOLLM3_GGUF_NOPE_STEP}th layer "
+            f"(no_rope_layers {[int(r) for r in want]}), but this model's no_rope_layers is {[int(r) for r in have]}; "
+            "save the merged model with save_pretrained_merged instead")
+    if any(cfg.layer_windows):
+        raise ConfigError("GGUF export of smollm3: llama.cpp's smollm3 has no sliding-window attention, but this "
+                          "model sets use_sliding_window / sliding_window on some layers (layer_types); save the "
+                          "merged model with save_pretrained_merged instead")
 
 
 # ---------------------------------------------------------------------------------------------- Phi-3
@@ -519,8 +544,11 @@ def _add_vocab_impl(w, model, tokenizer, raw_config: dict) -> None:
             w.add_token_list(tokens)
             w.add_token_types(types)
             special = gguf.SpecialVocab(td, load_merges=True)
+        if cfg.model_type == "smollm3" and isinstance(special.chat_template, str):
+            # SmolLM3Model.set_vocab: llama.cpp's template engine has no [:] slicing, which SmolLM3's uses
+            special.chat_template = special.chat_template.replace("[:]", "")
         special.add_to_gguf(w, quiet=True)
-        if _ARCH[cfg.model_type] == "LLAMA" and isinstance(tok_config.get("add_prefix_space"), bool):
+        if _ARCH[cfg.model_type] in _LLAMA_LAYOUT and isinstance(tok_config.get("add_prefix_space"), bool):
             w.add_add_space_prefix(tok_config["add_prefix_space"])
         if cfg.model_type == "gemma":
             extra = gguf.SpecialVocab(td, load_merges=False, special_token_types=["eot"], n_vocab=n_vocab)
@@ -544,6 +572,8 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
             f"GGUF export does not support model_type {cfg.model_type!r} (supported: {', '.join(_ARCH)}); save "
             "the merged 16-bit model with save_pretrained_merged and convert it with llama.cpp's "
             "convert_hf_to_gguf.py")
+    if cfg.model_type == "smollm3":
+        _check_smollm3(cfg)
     if tokenizer is None:
         if model.model_dir is None:
             raise ConfigError("save_gguf needs the tokenizer (pass the one from_pretrained returned)")

@@ -50,6 +50,7 @@ log = logging.getLogger("unsloth_jax")
 ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
          "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma": ("gemma", "GemmaForCausalLM"),
          "gemma2": ("gemma2", "Gemma2ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
+ARCHS["smollm3"] = ("smollm3", "SmolLM3ForCausalLM")  # llama's layout; NoPE on every 4th layer (llama.cpp's rule)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
 # tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's names; others: GPT-2's)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -164,7 +165,10 @@ def hf_config(path_or_file) -> dict:
         "pad_token_id": f.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    if model_type == "llama":
+    if model_type == "smollm3":  # llama.cpp hard-codes n_no_rope_layer_step = 4 and full attention
+        raw["no_rope_layer_interval"] = 4
+        raw["use_sliding_window"] = False
+    if model_type in ("llama", "smollm3"):
         raw["attention_bias"] = "blk.0.attn_q.bias" in names
         raw["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     rope_dims = f.get(a + "rope.dimension_count")
@@ -297,7 +301,7 @@ def load_gguf_params(f: GGUFFile, cfg: ModelConfig, dtype, *, placer: Placer | N
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise MissingTensorError(f"{f.path}: GGUF file is missing {len(missing)} tensor(s): {shown}")
-    permute = f.arch == "llama"
+    permute = f.arch in ("llama", "smollm3")
     gemma_norms = f.arch in ("gemma", "gemma2")
     params: dict = {}
     names = [n for n in f.tensors if n in by_name]

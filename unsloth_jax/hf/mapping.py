@@ -70,6 +70,7 @@ FAMILY_LAYER_TENSORS = {
     "gemma3_text": _LLAMA + _SANDWICH + _QK_NORM,
     "phi3": _PHI3,
 }
+FAMILY_LAYER_TENSORS["smollm3"] = _LLAMA  # SmolLM3: Llama's tensors (its NoPE layers have no tensors of their own)
 # MoE families: attention and norms here; the MLP tensors (router, experts, dense layers) come from moe_specs.
 _ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
 FAMILY_LAYER_TENSORS.update({"qwen3_moe": _ATTN_NORMS + _QK_NORM, "mixtral": _ATTN_NORMS, "gpt_oss": _ATTN_NORMS})

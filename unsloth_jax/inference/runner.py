@@ -66,9 +66,10 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
     pools = []
+    ropes = model.model.layer_ropes(cos, sin, local)  # per group layer; (None, None) on NoPE layers
     for i in range(cfg.num_hidden_layers):
         j = i % cfg.layer_period
-        rope = local if (local is not None and windows[j] is not None) else (cos, sin)
+        rope = ropes[j]
         layer = layer_module(plan, weights, i, in_place=decode)
         x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j])
         pools.append(kv)

@@ -1,5 +1,6 @@
 """Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
-first rotary_dim dims of each head: Phi-3's partial rotary), GQA attention, optional attention sinks (gpt-oss)."""
+first rotary_dim dims of each head: Phi-3's partial rotary; none in SmolLM3's NoPE layers, given cos = None),
+GQA attention, optional attention sinks (gpt-oss)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -119,7 +120,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
                  cache: KVCache | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x [B, S, D] (already normed) -> ([B, S, D], new (k, v) cache arrays or None).
+        """x [B, S, D] (already normed) -> ([B, S, D], new (k, v) cache arrays or None). cos/sin None: this
+        layer applies no RoPE (a NoPE layer, ModelConfig.layer_rope).
 
         With `cache` (KVCache, PagedPrefill or PagedDecode), the cache writes the new keys/values and runs the
         attention (`cache.attend`); the second item is then the cache's new arrays.
@@ -131,7 +133,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotate(q, k, cos, sin)
+        if cos is not None:  # None: a NoPE layer (SmolLM3), no rotary embedding at all
+            q, k = self.rotate(q, k, cos, sin)
         new_cache = None
         sinks = None if self.sinks is None else jax.lax.stop_gradient(self.sinks[...])
         if cache is None:

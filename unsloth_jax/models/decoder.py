@@ -29,7 +29,8 @@ from flax import nnx
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, group_sparse, group_windows, run_layers
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_ropes, group_sparse, group_windows,
+                                            run_layers)
 from unsloth_jax.models.layers import Embedding, RMSNorm
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
@@ -123,6 +124,11 @@ class DecoderModel(nnx.Module):
     def layer_sparse(self) -> tuple[bool, ...]:
         """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
         return group_sparse(self.config)
+
+    def layer_ropes(self, cos, sin, local=None) -> tuple:
+        """The (cos, sin) each layer of one scan group rotates by (length cfg.layer_period): `local` on the
+        sliding-window layers when given, (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
+        return group_ropes(self.config, cos, sin, local)
 
     def rope(self, positions: jax.Array):
         """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global

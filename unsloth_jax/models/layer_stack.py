@@ -298,19 +298,32 @@ def group_sparse(cfg: ModelConfig) -> tuple[bool, ...]:
     return (cfg.layer_sparse or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
 
 
+def group_rope(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether each layer of one scan group applies RoPE (length cfg.layer_period; False: a NoPE layer)."""
+    return (cfg.layer_rope or (True,) * cfg.num_hidden_layers)[:cfg.layer_period]
+
+
+def group_ropes(cfg: ModelConfig, cos, sin, local_rope=None) -> tuple:
+    """The (cos, sin) each layer of one scan group rotates by: `local_rope` for the sliding-window layers when
+    given (Gemma 3), (None, None) for the NoPE layers (SmolLM3: Attention then rotates nothing), else (cos, sin)."""
+    return tuple((None, None) if not rotates else
+                 local_rope if (local_rope is not None and w is not None) else (cos, sin)
+                 for w, rotates in zip(group_windows(cfg), group_rope(cfg)))
+
+
 def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
                policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
                router_stats: bool = False):
     """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
     x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step scan over the remaining L mod
-    period layers, if any). Layer i has the window and MLP kind of layer i % period, so the tail's layers are
+    period layers, if any). Layer i has the window, MLP kind and RoPE choice of layer i % period, so the tail's layers are
     those of the first `tail` layers of a group.
     policy: the LayerStackPolicy (module docstring); under two-level checkpointing the scan groups run in
     checkpointed groups of ceil(K / period) scan groups (the last one shorter when they do not divide
     L // period); the L mod period tail layers keep per-layer "full" remat.
 
     cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
-    (Gemma 3, from `DecoderModel.rope`), or None.
+    (Gemma 3, from `DecoderModel.rope`), or None; NoPE layers (cfg.layer_rope False) get neither.
     cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
     a NamedTuple with k and v fields and an `attend` as KVCache's).
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
@@ -320,7 +333,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     groups, tail = divmod(cfg.num_hidden_layers, period)
     windows = group_windows(cfg)
     sparse = group_sparse(cfg)
-    ropes = tuple(local_rope if (local_rope is not None and w is not None) else (cos, sin) for w in windows)
+    ropes = group_ropes(cfg, cos, sin, local_rope)
     graphdef, state = nnx.split(layers)
 
     def run_group(h, xs_group, ropes, batch):
@@ -415,4 +428,4 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
 
 
 __all__ = ["LayerStackPolicy", "NO_REMAT", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
-           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse"]
+           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse", "group_rope", "group_ropes"]
