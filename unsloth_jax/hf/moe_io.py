@@ -37,7 +37,7 @@ from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.models.state import variable_at
 
 # Model types whose MLP target_modules PEFT 0.21 remaps onto expert weights under transformers 5.
-_PEFT_REMAPS_MLP_TARGETS = ("qwen3_moe", "mixtral")
+_PEFT_REMAPS_MLP_TARGETS = ("qwen3_moe", "mixtral", "glm4_moe")
 _EXPERT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.(base_layer\.)?"
                          r"(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
 
