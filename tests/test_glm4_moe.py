@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -132,6 +131,21 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
     assert rel_err(ours[real], _torch_logits(_hf(tmp_path / "merged"), ids, mask)[real]) < 1e-5
     back = _load(tmp_path / "adapter")
     assert rel_err(np.asarray(back(ids, attention_mask=mask)), ours) < 1e-6
+    # 16-bit merged: experts etc. in bfloat16, the router weight and score bias float32 as transformers writes
+    # them; transformers and we read that checkpoint to equal logits
+    model.save_pretrained_merged(tmp_path / "merged16", None, dtype="bfloat16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "merged16" / "model.safetensors"), "np") as f:
+        dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] \
+        == "F32" and dtypes["model.layers.1.mlp.experts.0.gate_proj.weight"] == "BF16"
+    merged16 = _torch_logits(_hf(tmp_path / "merged16"), ids, mask)[real]
+    assert rel_err(np.asarray(_load(tmp_path / "merged16")(ids, attention_mask=mask))[real], merged16) < 1e-5
+    assert rel_err(merged16, ours[real]) < 5e-2
+    bf16, _ = FastLanguageModel.from_pretrained(tmp_path / "merged16", dtype="bfloat16", load_tokenizer=False,
+                                                progress=False)
+    assert bf16.model.layers.mlp.gate.kernel[...].dtype == np.float32  # the router stays float32
 
 
 def test_greedy_generation_matches_transformers(glm, rng):

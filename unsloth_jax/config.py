@@ -98,6 +98,8 @@ class ModelConfig:
     router_score_bias: bool = False  # the router has e_score_correction_bias, added to the scores for the choice
     shared_expert_size: int = 0  # intermediate size of the shared experts' MLP beside the routed ones; 0 = none
     num_mtp_layers: int = 0  # checkpoint layers past num_hidden_layers (multi-token prediction): not loaded
+    router_fp32: bool = False  # router weight and score bias held, loaded and written in float32 (transformers'
+    #   _keep_in_fp32_modules_strict), whatever the model's dtype
     # ---- end GLM-4.5 MoE ----
 
     @property
@@ -408,7 +410,7 @@ def _glm4_moe_router_fields(raw: dict, experts: int, top_k: int, source: str) ->
     return dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)), router_score_bias=True,
-                shared_expert_size=shared * int(_need(raw, "moe_intermediate_size", source)),
+                shared_expert_size=shared * int(_need(raw, "moe_intermediate_size", source)), router_fp32=True,
                 num_mtp_layers=int(mtp or 0))
 
 

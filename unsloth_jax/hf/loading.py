@@ -164,7 +164,7 @@ def place(params: Params, spec: TensorSpec, array: np.ndarray, dtype, placer: Pl
         for part, start, end in fused_parts(spec):
             place(params, part, array[start:end], dtype, placer, cfg, where)
         return
-    value = placer(spec, _to_param_layout(array, spec), dtype)
+    value = placer(spec, _to_param_layout(array, spec), jnp.float32 if spec.keep_fp32 else dtype)
     if spec.layer is None:
         set_path(params, spec.path, value)
     elif spec.kind == "expert":

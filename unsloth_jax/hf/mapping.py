@@ -89,6 +89,7 @@ class TensorSpec:
     parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
     expert: int | None = None  # kind "expert": the expert this tensor is
     column: int = 0  # kind "expert": first column of the fused output axis it fills (gate 0, up F)
+    keep_fp32: bool = False  # loaded and written in float32 whatever the dtype (GLM-4.5's router: cfg.router_fp32)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -249,6 +250,9 @@ def moe_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, T
             add(f"{p}.experts.{x}.{w_gate}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=0)
             add(f"{p}.experts.{x}.{w_up}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=f)
             add(f"{p}.experts.{x}.{w_down}.weight", down + ("kernel",), i, "expert", (d, f), expert=x, column=0)
+    if cfg.router_fp32:  # GLM-4.5: mlp.gate.weight and e_score_correction_bias stay float32
+        specs = {n: dataclasses.replace(s, keep_fp32=True) if s.path[-2] == cfg.router_name else s
+                 for n, s in specs.items()}
     return specs
 
 

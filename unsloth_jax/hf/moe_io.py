@@ -66,6 +66,7 @@ class MergedExperts:
         """A function producing the HF tensor of `spec` in out_dtype."""
         if spec.kind == "router":
             kernel = variable_at(self.model, spec.path)[...]
+            out_dtype = np.float32 if spec.keep_fp32 else out_dtype
             return lambda: np.ascontiguousarray(np.asarray(kernel[spec.layer], np.float32).T).astype(out_dtype)
         grouped = _parent(self.model, spec.path)
         if spec.kind == "experts_t":

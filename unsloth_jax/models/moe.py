@@ -207,7 +207,8 @@ def route(logits: jax.Array, cfg: ModelConfig, score_bias: jax.Array | None = No
 
 
 # ---- GLM-4.5 MoE: sigmoid grouped routing, shared experts ----
-def route_sigmoid_group(logits: jax.Array, cfg: ModelConfig, score_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def route_sigmoid_group(logits: jax.Array, cfg: ModelConfig,
+                        score_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """GLM-4.5's router (DeepSeek-V3's noaux_tc), as transformers' Glm4MoeTopkRouter: scores = sigmoid(logits);
     the choice uses scores + score_bias: the E experts are n_group groups, a group's score is the sum of its 2
     best, experts outside the topk_group best groups are excluded, and the k best remaining are chosen. Their
@@ -309,7 +310,8 @@ class SparseMLP(nnx.Module):
         self.config = cfg
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(cfg.hidden_size, cfg.num_experts, use_bias=cfg.router_bias,
-                                              stack=stack, dtype=dtype, rngs=rngs,
+                                              stack=stack, dtype=jnp.float32 if cfg.router_fp32 else dtype,
+                                              rngs=rngs,
                                               score_bias=cfg.router_score_bias))
         self.experts = Experts(cfg, stack=stack, dtype=dtype, rngs=rngs)
         dense = cfg.has_dense_mlp
