@@ -181,3 +181,5 @@ def test_refusals_and_mtp_layers(glm, tmp_path):
     (mtp / "config.json").write_text((path / "config.json").read_text())
     assert ModelConfig.from_pretrained(mtp).num_mtp_layers == 1
     _load(mtp)
+    with pytest.raises(ConfigError, match="output_router_logits"):
+        _load(path, output_router_logits=True)

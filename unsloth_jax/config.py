@@ -411,7 +411,8 @@ def _glm4_moe_router_fields(raw: dict, experts: int, top_k: int, source: str) ->
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)), router_score_bias=True,
                 shared_expert_size=shared * int(_need(raw, "moe_intermediate_size", source)), router_fp32=True,
-                num_mtp_layers=int(mtp or 0))
+                num_mtp_layers=int(mtp or 0),
+                output_router_logits=False)  # transformers computes no load-balancing loss for GLM
 
 
 def _glm4_moe_fields(raw: dict, source: str) -> dict:
