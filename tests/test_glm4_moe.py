@@ -157,6 +157,11 @@ def test_greedy_generation_matches_transformers(glm, rng):
                            do_sample=False, pad_token_id=0).numpy()
     got = np.asarray(model.generate(ids, max_new_tokens=5))
     np.testing.assert_array_equal(got[:, :want.shape[1]], want)
+    # the paged engine (fast_generate, vLLM's API): the same greedy tokens
+    from unsloth_jax import SamplingParams
+
+    out = model.fast_generate([ids[0].tolist()], SamplingParams(temperature=0.0, max_tokens=5))
+    assert list(out[0].outputs[0].token_ids) == want[0, ids.shape[1]:].tolist()
 
 
 def test_refusals_and_mtp_layers(glm, tmp_path):
