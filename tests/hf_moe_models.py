@@ -66,3 +66,41 @@ def save_hf_moe_model(family: str, path, seed: int = 0, dtype=torch.float32, sav
     model = make_hf_moe_model(family, seed, dtype, **overrides)
     model.save_pretrained(str(path), save_original_format=save_original_format)
     return model
+
+
+# ---- GLM-4.5 MoE (glm4_moe) ----
+# 3 layers: the first dense (first_k_dense_replace=1), two MoE with 8 experts in 4 groups of 2, tokens using their
+# 2 best groups (n_group > 1 exercises the group masking), top-3, routed_scaling_factor 2.5, one shared expert,
+# RoPE on half of each head (partial_rotary_factor 0.5, GLM's default), q/k norms and q/k/v biases.
+GLM4_MOE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, intermediate_size=96,
+                moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False)
+
+
+def make_hf_glm4_moe(seed: int = 0, dtype=torch.float32, **overrides):
+    """A transformers Glm4MoeForCausalLM (eager attention) randomised as make_hf_moe_model does, plus a nonzero
+    e_score_correction_bias (a buffer) of the size of the score gaps, so it changes some expert choices."""
+    import transformers
+
+    config = tiny_config("glm4_moe", GLM4_MOE | overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif ".gate." in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    model.eval()
+    return model
+# ---- end GLM-4.5 MoE ----

@@ -211,6 +211,10 @@ def _with_overrides(cfg: ModelConfig, kwargs: dict) -> ModelConfig:
                         f"{cfg.model_type}")
     if "output_router_logits" in given:
         given["output_router_logits"] = require_bool("output_router_logits", given["output_router_logits"])
+        if given["output_router_logits"] and cfg.router == "sigmoid_group":  # GLM-4.5 MoE
+            raise ConfigError(f"from_pretrained(): output_router_logits=True adds the softmax load-balancing loss, "
+                              f"which {cfg.model_type} (sigmoid router balanced by its e_score_correction_bias) "
+                              "does not train with, as in transformers")
     if "router_aux_loss_coef" in given:
         given["router_aux_loss_coef"] = float(require_real("router_aux_loss_coef", given["router_aux_loss_coef"],
                                                            minimum=0))

@@ -1,7 +1,7 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
 One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
-Gemma 3 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral and gpt-oss).
+Gemma 3 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 MoE).
 Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
 `rope_parameters`.
 """
@@ -19,7 +19,7 @@ from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, Unsupported
 log = logging.getLogger("unsloth_jax")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (see _moe_fields)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")  # mixture-of-experts families (see _moe_fields)
 SUPPORTED_MODEL_TYPES += ("smollm3",)  # SmolLM3: Llama's layer with NoPE layers (_smollm3_fields, layer_rope)
 
 
@@ -83,6 +83,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's intermediate size
     layer_sparse: tuple[bool, ...] = ()  # per layer: True where the MLP is the routed experts block
     router: str = "softmax_topk"  # "softmax_topk" (softmax, then top-k) | "topk_softmax" (gpt-oss)
+    #   | "sigmoid_group" (GLM-4.5: sigmoid, grouped top-k with a score-correction bias; see the GLM block)
     norm_topk_prob: bool = False  # softmax_topk: renormalise the top-k probabilities to sum to 1
     router_bias: bool = False  # gpt-oss: the router linear has a bias
     router_name: str = "gate"  # HF attribute of the router under `mlp` ("gate", or "router" for gpt-oss)
@@ -93,6 +94,16 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     output_router_logits: bool = False  # as in transformers: add router_aux_loss_coef * aux loss to the loss
     router_aux_loss_coef: float = 0.001
+    # ---- GLM-4.5 MoE (glm4_moe): sigmoid grouped router, shared experts, MTP layers ----
+    n_group: int = 1  # router "sigmoid_group": the experts in n_group equal groups ...
+    topk_group: int = 1  # ... and each token picks its experts from its topk_group best groups
+    routed_scaling_factor: float = 1.0  # sigmoid_group: the routing weights are multiplied by this
+    router_score_bias: bool = False  # the router has e_score_correction_bias, added to the scores for the choice
+    shared_expert_size: int = 0  # intermediate size of the shared experts' MLP beside the routed ones; 0 = none
+    num_mtp_layers: int = 0  # checkpoint layers past num_hidden_layers (multi-token prediction): not loaded
+    router_fp32: bool = False  # router weight and score bias held, loaded and written in float32 (transformers'
+    #   _keep_in_fp32_modules_strict), whatever the model's dtype
+    # ---- end GLM-4.5 MoE ----
 
     @property
     def scale(self) -> float:
@@ -315,6 +326,8 @@ def _yarn(raw: dict, params: dict, source: str) -> dict:
 def _moe_layer_sparse(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[bool, ...]:
     """Which layers route to experts: every layer for Mixtral and gpt-oss; for Qwen3-MoE the layers not in
     mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step (transformers' rule)."""
+    if model_type == "glm4_moe":
+        return _glm4_moe_sparse(raw, n_layers, source)
     if model_type != "qwen3_moe":
         return (True,) * n_layers
     dense = set(raw.get("mlp_only_layers") or [])
@@ -327,15 +340,15 @@ def _moe_layer_sparse(raw: dict, model_type: str, n_layers: int, source: str) ->
 
 def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
     """The ModelConfig fields of a MoE family, from its config.json (Qwen3MoeConfig, MixtralConfig, GptOssConfig)."""
-    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
     if not experts or int(experts) <= 0:
-        raise ConfigError(f"{source}: num_experts / num_local_experts is missing or not positive")
+        raise ConfigError(f"{source}: num_experts / num_local_experts / n_routed_experts is missing or not positive")
     experts = int(experts)
     top_k = int(_need(raw, "num_experts_per_tok", source))
     if not 0 < top_k <= experts:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts")
     sparse = _moe_layer_sparse(raw, model_type, n_layers, source)
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "glm4_moe"):
         expert_size = int(_need(raw, "moe_intermediate_size", source))
         if not all(sparse):
             _need(raw, "intermediate_size", source)  # the dense MLP layers use it
@@ -347,7 +360,7 @@ def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
                           "(only silu)")
     if model_type == "mixtral" and float(raw.get("router_jitter_noise") or 0.0) > 0:
         raise ConfigError(f"{source}: router_jitter_noise > 0 (random router noise in training) is not supported")
-    return dict(
+    out = dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=expert_size,
@@ -365,6 +378,76 @@ def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
         router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
         attn_sinks=gpt_oss,
     )
+    if model_type == "glm4_moe":
+        out.update(_glm4_moe_router_fields(raw, experts, top_k, source))
+    return out
+
+
+# ---- GLM-4.5 MoE (glm4_moe, Glm4MoeForCausalLM) ----
+def _glm4_moe_sparse(raw: dict, n_layers: int, source: str) -> tuple[bool, ...]:
+    """GLM-4.5: the first `first_k_dense_replace` layers are dense (default 1), the others MoE."""
+    first = raw.get("first_k_dense_replace", 1)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ConfigError(f"{source}: first_k_dense_replace={first!r} must be a non-negative integer")
+    if first >= n_layers:
+        raise ConfigError(f"{source}: first_k_dense_replace={first} leaves no MoE layer of the {n_layers} "
+                          "(num_hidden_layers); a model without experts is not supported as glm4_moe")
+    return tuple(i >= first for i in range(n_layers))
+
+
+def _glm4_moe_router_fields(raw: dict, experts: int, top_k: int, source: str) -> dict:
+    """GLM-4.5's router (transformers' Glm4MoeTopkRouter): sigmoid scores; for the choice the scores plus
+    e_score_correction_bias, the experts in n_group groups, a group scored by the sum of its 2 best, the
+    topk_group best groups kept, top-k among their experts; weights are the chosen experts' sigmoid scores,
+    renormalised when norm_topk_prob (default true), times routed_scaling_factor. Shared experts: one MLP of
+    moe_intermediate_size * n_shared_experts beside the routed ones."""
+    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    if n_group <= 0 or experts % n_group:
+        raise ConfigError(f"{source}: n_group={n_group} must be positive and divide the {experts} experts "
+                          "(n_routed_experts)")
+    if n_group > 1 and experts // n_group < 2:
+        raise ConfigError(f"{source}: n_group={n_group} leaves {experts // n_group} expert per group; a group is "
+                          "scored by its 2 best experts, so each needs at least 2")
+    if not 0 < topk_group <= n_group:
+        raise ConfigError(f"{source}: topk_group={topk_group} must be between 1 and n_group={n_group}")
+    if top_k > topk_group * (experts // n_group):
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} "
+                          f"experts of the topk_group={topk_group} groups a token may use")
+    shared = int(raw.get("n_shared_experts", 1) or 0)
+    if shared < 0:
+        raise ConfigError(f"{source}: n_shared_experts={shared} must be non-negative")
+    mtp = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0))
+    return dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)), router_score_bias=True,
+                shared_expert_size=shared * int(_need(raw, "moe_intermediate_size", source)), router_fp32=True,
+                num_mtp_layers=int(mtp or 0),
+                output_router_logits=False)  # transformers computes no load-balancing loss for GLM
+
+
+def _glm4_moe_fields(raw: dict, source: str) -> dict:
+    """GLM-4.5's attention and RoPE: q/k/v biases by attention_bias (o_proj never has one), q/k RMSNorm by
+    use_qk_norm, RoPE on the first partial_rotary_factor (default 0.5) of each head's dims (rope_parameters or
+    the top level), default / linear / llama3 scaling."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+    head_dim = int(raw.get("head_dim") or int(_need(raw, "hidden_size", source)) // int(
+        _need(raw, "num_attention_heads", source)))
+    rotary = int(head_dim * float(0.5 if partial is None else partial))
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
+                          "head; it must be even and between 2 and head_dim")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported for glm4_moe "
+                          "(supported: default, linear, llama3)")
+    out = _rope({"rope_parameters": params}, source)
+    bias = bool(raw.get("attention_bias", False))
+    out.update(rotary_dim=0 if rotary == head_dim else rotary, qkv_bias=bias, o_bias=False,
+               qk_norm=bool(raw.get("use_qk_norm", False)))
+    return out
+# ---- end GLM-4.5 MoE ----
 
 
 # ------------------------------------------------------------------------------------ Gemma 3 text, Phi-3
@@ -454,6 +537,7 @@ def _phi3_fields(raw: dict, source: str) -> dict:
 
 # model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
 _FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}
+_FAMILY_FIELDS["glm4_moe"] = _glm4_moe_fields  # GLM-4.5 MoE
 
 
 # ------------------------------------------------------------------------------------------------ SmolLM3

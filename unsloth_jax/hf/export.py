@@ -508,10 +508,10 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
         else:
             leaf = variable_at(model, spec.path)[...]
 
-            def make(leaf=leaf, i=spec.layer):
+            def make(leaf=leaf, i=spec.layer, out_dtype=np.float32 if spec.keep_fp32 else out_dtype):
                 x = leaf if i is None else leaf[i]
                 return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
-        entries.append(_Entry(name, spec.hf_shape, out_dtype, make))
+        entries.append(_Entry(name, spec.hf_shape, np.float32 if spec.keep_fp32 else out_dtype, make))
     return entries
 
 

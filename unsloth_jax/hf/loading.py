@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import TensorSpec, detect_expert_layout, fused_parts, stack_shape, tensor_specs
+from unsloth_jax.hf.mapping import (TensorSpec, detect_expert_layout, fused_parts, mtp_layer_tensor, stack_shape,
+                                     tensor_specs)
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.state import fill
@@ -163,7 +164,7 @@ def place(params: Params, spec: TensorSpec, array: np.ndarray, dtype, placer: Pl
         for part, start, end in fused_parts(spec):
             place(params, part, array[start:end], dtype, placer, cfg, where)
         return
-    value = placer(spec, _to_param_layout(array, spec), dtype)
+    value = placer(spec, _to_param_layout(array, spec), jnp.float32 if spec.keep_fp32 else dtype)
     if spec.layer is None:
         set_path(params, spec.path, value)
     elif spec.kind == "expert":
@@ -219,6 +220,8 @@ def load_params(
                         continue
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # older checkpoints store the RoPE table; it is derived from the config
+                    if mtp_layer_tensor(cfg, name):
+                        continue  # GLM-4.5's multi-token-prediction layers: not part of the causal LM
                     unexpected.append(f"{name} (in {path.name})")
                     continue
                 if name in seen:

@@ -74,6 +74,7 @@ FAMILY_LAYER_TENSORS["smollm3"] = _LLAMA  # SmolLM3: Llama's tensors (its NoPE l
 # MoE families: attention and norms here; the MLP tensors (router, experts, dense layers) come from moe_specs.
 _ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
 FAMILY_LAYER_TENSORS.update({"qwen3_moe": _ATTN_NORMS + _QK_NORM, "mixtral": _ATTN_NORMS, "gpt_oss": _ATTN_NORMS})
+FAMILY_LAYER_TENSORS["glm4_moe"] = _ATTN_NORMS  # GLM-4.5 MoE: q/k norms (use_qk_norm) and biases by switch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class TensorSpec:
     parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
     expert: int | None = None  # kind "expert": the expert this tensor is
     column: int = 0  # kind "expert": first column of the fused output axis it fills (gate 0, up F)
+    keep_fp32: bool = False  # loaded and written in float32 whatever the dtype (GLM-4.5's router: cfg.router_fp32)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -113,6 +115,8 @@ def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
     """The family's per-layer table, with optional biases switched on by the config."""
     entries = list(FAMILY_LAYER_TENSORS[cfg.model_type])
+    if cfg.qk_norm and not any(e[1][1] == "q_norm" for e in entries):  # optional q/k norms (GLM-4.5 use_qk_norm)
+        entries += _QK_NORM
     if cfg.qkv_bias and cfg.model_type != "qwen2":
         entries += _QKV_BIAS
     if cfg.o_bias:
@@ -185,10 +189,12 @@ MOE_KINDS = ("router", "expert", "experts", "experts_t", "copy")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 # transformers 5's save_pretrained writes the original (per-expert) format for Qwen3-MoE and Mixtral, fused
 # 3-D expert tensors for gpt-oss; with save_original_format=False it writes Qwen3-MoE and Mixtral fused too.
-DEFAULT_EXPERT_LAYOUT = {"qwen3_moe": "per_expert", "mixtral": "per_expert", "gpt_oss": "fused"}
+DEFAULT_EXPERT_LAYOUT = {"qwen3_moe": "per_expert", "mixtral": "per_expert", "gpt_oss": "fused",
+                         "glm4_moe": "per_expert"}
 # Per-expert names: (checkpoint module of the MoE block, gate, up, down) (Mixtral's Hub checkpoints: w1/w3/w2).
 _PER_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-                     "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+                     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                     "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def detect_expert_layout(cfg: ModelConfig, names) -> str:
@@ -231,6 +237,7 @@ def moe_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, T
             add(f"{p}.experts.down_proj", down + ("kernel",), i, "experts_t", (e, f, d))
             add(f"{p}.experts.down_proj_bias", down + ("bias",), i, "copy", (e, d))
             continue
+        _glm4_moe_extra_specs(cfg, i, add)
         block, w_gate, w_up, w_down = _PER_EXPERT_NAMES[cfg.model_type]
         if layout == "fused":
             p = f"model.layers.{i}.mlp"
@@ -244,7 +251,34 @@ def moe_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, T
             add(f"{p}.experts.{x}.{w_gate}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=0)
             add(f"{p}.experts.{x}.{w_up}.weight", gate_up + ("kernel",), i, "expert", (f, d), expert=x, column=f)
             add(f"{p}.experts.{x}.{w_down}.weight", down + ("kernel",), i, "expert", (d, f), expert=x, column=0)
+    if cfg.router_fp32:  # GLM-4.5: mlp.gate.weight and e_score_correction_bias stay float32
+        specs = {n: dataclasses.replace(s, keep_fp32=True) if s.path[-2] == cfg.router_name else s
+                 for n, s in specs.items()}
     return specs
+
+
+# ---- GLM-4.5 MoE ----
+def _glm4_moe_extra_specs(cfg: ModelConfig, i: int, add) -> None:
+    """MoE layer i's router score-correction bias `mlp.gate.e_score_correction_bias` [E] and shared experts
+    `mlp.shared_experts.{gate,up,down}_proj.weight` (GLM-4.5), where the config has them."""
+    mlp, p = LAYERS + ("mlp",), f"model.layers.{i}.mlp"
+    if cfg.router_score_bias:
+        add(f"{p}.gate.e_score_correction_bias", mlp + ("gate", "e_score_correction_bias"), i, "copy",
+            (cfg.num_experts,))
+    if cfg.shared_expert_size:
+        d, f = cfg.hidden_size, cfg.shared_expert_size
+        for proj, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+            add(f"{p}.shared_experts.{proj}.weight", mlp + ("shared_experts", proj, "kernel"), i, "kernel", shape)
+
+
+def mtp_layer_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to a multi-token-prediction layer past the decoder's layers
+    (GLM-4.5's model.layers.{L..L+num_mtp_layers-1}.*), which transformers does not load either."""
+    if not cfg.num_mtp_layers or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and cfg.num_hidden_layers <= int(index) < cfg.num_hidden_layers + cfg.num_mtp_layers
+# ---- end GLM-4.5 MoE ----
 
 
 def stack_shape(cfg: ModelConfig, spec: TensorSpec) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.models.state import variable_at
 
 # Model types whose MLP target_modules PEFT 0.21 remaps onto expert weights under transformers 5.
-_PEFT_REMAPS_MLP_TARGETS = ("qwen3_moe", "mixtral")
+_PEFT_REMAPS_MLP_TARGETS = ("qwen3_moe", "mixtral", "glm4_moe")
 _EXPERT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.(base_layer\.)?"
                          r"(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
 
@@ -66,6 +66,7 @@ class MergedExperts:
         """A function producing the HF tensor of `spec` in out_dtype."""
         if spec.kind == "router":
             kernel = variable_at(self.model, spec.path)[...]
+            out_dtype = np.float32 if spec.keep_fp32 else out_dtype
             return lambda: np.ascontiguousarray(np.asarray(kernel[spec.layer], np.float32).T).astype(out_dtype)
         grouped = _parent(self.model, spec.path)
         if spec.kind == "experts_t":

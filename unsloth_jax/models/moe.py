@@ -161,13 +161,22 @@ class Experts(nnx.Module):
 
 
 class Router(nnx.Module):
-    """logits = x @ kernel (+ bias) in float32; kernel [*stack, D, E] (HF's [E, D] weight transposed), frozen."""
+    """logits = x @ kernel (+ bias) in float32; kernel [*stack, D, E] (HF's [E, D] weight transposed), frozen.
+    score_bias (GLM-4.5): e_score_correction_bias [*stack, E], which `route` adds to the scores for the choice
+    only (not part of the logits)."""
 
     def __init__(self, hidden: int, num_experts: int, *, use_bias: bool, stack: tuple[int, ...] = (),
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=jnp.float32, rngs: nnx.Rngs, score_bias: bool = False):
         shape = (*stack, int(hidden), int(num_experts))
         self.kernel = nnx.Param((INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((*stack, int(num_experts)), dtype)) if use_bias else None)
+        self.e_score_correction_bias = nnx.data(
+            nnx.Param(jnp.zeros((*stack, int(num_experts)), dtype)) if score_bias else None)
+
+    def score_bias(self) -> jax.Array | None:
+        """The e_score_correction_bias [E] float32 (frozen), or None."""
+        b = self.e_score_correction_bias
+        return None if b is None else jax.lax.stop_gradient(b[...]).astype(jnp.float32)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> router logits [T, E] float32."""
@@ -178,12 +187,15 @@ class Router(nnx.Module):
         return logits
 
 
-def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, cfg: ModelConfig, score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (top-k weights [T, k] float32, expert ids [T, k] int32).
 
     "softmax_topk" (Qwen3-MoE, Mixtral): softmax over all experts, the k largest, renormalised to sum 1 when
-    norm_topk_prob. "topk_softmax" (gpt-oss): the k largest logits, softmax over those k."""
+    norm_topk_prob. "topk_softmax" (gpt-oss): the k largest logits, softmax over those k. "sigmoid_group"
+    (GLM-4.5): `route_sigmoid_group` (score_bias: the router's e_score_correction_bias [E])."""
     k = cfg.num_experts_per_tok
+    if cfg.router == "sigmoid_group":
+        return route_sigmoid_group(logits, cfg, score_bias)
     if cfg.router == "topk_softmax":
         top, experts = jax.lax.top_k(logits, k)
         return jax.nn.softmax(top, axis=-1), experts
@@ -192,6 +204,46 @@ def route(logits: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts
+
+
+# ---- GLM-4.5 MoE: sigmoid grouped routing, shared experts ----
+def route_sigmoid_group(logits: jax.Array, cfg: ModelConfig,
+                        score_bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """GLM-4.5's router (DeepSeek-V3's noaux_tc), as transformers' Glm4MoeTopkRouter: scores = sigmoid(logits);
+    the choice uses scores + score_bias: the E experts are n_group groups, a group's score is the sum of its 2
+    best, experts outside the topk_group best groups are excluded, and the k best remaining are chosen. Their
+    weights are the plain scores, divided by their sum (+ 1e-20) when norm_topk_prob, times
+    routed_scaling_factor."""
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias
+    if cfg.n_group > 1:
+        groups = choice.reshape(choice.shape[0], cfg.n_group, e // cfg.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, n_group]
+        _, best = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.zeros(group_scores.shape, bool).at[jnp.arange(choice.shape[0])[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=-1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts
+
+
+class SharedExperts(nnx.Module):
+    """GLM-4.5's shared experts (HF's `mlp.shared_experts`): a SwiGLU MLP of cfg.shared_expert_size that every
+    token of a MoE layer runs beside the routed experts (its output is added); frozen (no LoRA target)."""
+
+    def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.shared_expert_size
+        common = dict(stack=stack, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(d, f, **common)
+        self.up_proj = Linear(d, f, **common)
+        self.down_proj = Linear(f, d, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(ops.glu(self.gate_proj(x), self.up_proj(x), "silu"))
+# ---- end GLM-4.5 MoE ----
 
 
 def router_stats(logits: jax.Array, experts: jax.Array, valid: jax.Array | None) -> RouterStats:
@@ -258,7 +310,9 @@ class SparseMLP(nnx.Module):
         self.config = cfg
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(cfg.hidden_size, cfg.num_experts, use_bias=cfg.router_bias,
-                                              stack=stack, dtype=dtype, rngs=rngs))
+                                              stack=stack, dtype=jnp.float32 if cfg.router_fp32 else dtype,
+                                              rngs=rngs,
+                                              score_bias=cfg.router_score_bias))
         self.experts = Experts(cfg, stack=stack, dtype=dtype, rngs=rngs)
         dense = cfg.has_dense_mlp
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -266,6 +320,8 @@ class SparseMLP(nnx.Module):
         self.gate_proj = nnx.data(Linear(d, f, **common) if dense else None)
         self.up_proj = nnx.data(Linear(d, f, **common) if dense else None)
         self.down_proj = nnx.data(Linear(f, d, **common) if dense else None)
+        # GLM-4.5: the shared experts' MLP (zeros in the dense layers, like the expert stacks)
+        self.shared_experts = nnx.data(SharedExperts(cfg, **common) if cfg.shared_expert_size else None)
 
     def __call__(self, x: jax.Array, *, sparse: bool, valid: jax.Array | None = None):
         """x [B, S, D] -> ([B, S, D], RouterStats of this layer or None for a dense layer). valid [B, S]: the
@@ -274,13 +330,16 @@ class SparseMLP(nnx.Module):
             return self.down_proj(ops.glu(self.gate_proj(x), self.up_proj(x), "silu")), None
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
-        logits = getattr(self, self.router_name)(tokens)
-        weights, experts = route(logits, self.config)
+        router = getattr(self, self.router_name)
+        logits = router(tokens)
+        weights, experts = route(logits, self.config, router.score_bias())
         out = expert_ffn(tokens, weights, experts, self.experts, self.config)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         stats = router_stats(logits, experts, None if valid is None else valid.reshape(-1))
         return out.reshape(b, s, d), stats
 
 
-__all__ = ["EXPERT_PARAMETERS", "EXPERT_PROJS", "Experts", "GroupedLinear", "Router", "RouterStats", "SparseMLP",
-           "expert_activation", "expert_ffn", "grouped_linear", "grouped_weight_grad", "load_balancing_loss",
-           "ragged_matmul", "route", "router_stats"]
+__all__ = ["EXPERT_PARAMETERS", "EXPERT_PROJS", "Experts", "GroupedLinear", "Router", "RouterStats", "SharedExperts",
+           "SparseMLP", "expert_activation", "expert_ffn", "grouped_linear", "grouped_weight_grad",
+           "load_balancing_loss", "ragged_matmul", "route", "route_sigmoid_group", "router_stats"]
