@@ -400,3 +400,42 @@ def test_decode_kernels_in_the_engine_equal_xla(llama, rng, impl):
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
+
+
+def test_a_large_offline_batch_runs_in_one_call(llama, rng):
+    """300 greedy prompts in one call (a tiny model: rows up to 512, the pool every page they can use) give
+    the tokens of the same prompts run 40 at a time, each completion as long as asked."""
+    from unsloth_jax.inference import engine as engine_mod
+
+    _, model = llama
+    engine = Engine(model)
+    assert engine.max_rows == engine_mod.MAX_ROWS_SMALL
+    prompts = _prompts(rng, [int(rng.integers(2, 20)) for _ in range(300)])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    big = engine.generate(prompts, greedy)
+    assert engine.last_stats["rows"] == 512 and engine.last_stats["pool_pages"] == 512 * 2
+    assert len(big) == 300 and all(len(o.outputs[0].token_ids) == 6 for o in big)
+    small = Engine(model, max_rows=40)
+    for start in range(0, 300, 40):
+        part = small.generate(prompts[start:start + 40], greedy)
+        assert small.last_stats["rows"] == (64 if len(part) == 40 else 32)
+        for k, o in enumerate(part):
+            assert o.outputs[0].token_ids == big[start + k].outputs[0].token_ids, start + k
+
+
+def test_rows_follow_the_kv_cache_cap(llama):
+    """A cap that holds 40 sequences at their full length gives 32 rows (a power of two), not 512; a model over
+    a billion parameters defaults to 256 rows."""
+    from unsloth_jax.inference import engine as engine_mod
+
+    _, model = llama
+    page = 2 * 16 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
+    engine = Engine(model, kv_cache_gib=80 * page / 2**30)
+    assert engine._sizes(300, 2) == (32, 64)
+    assert Engine(model, max_rows=8, kv_cache_gib=80 * page / 2**30)._sizes(300, 2) == (8, 16)
+    real = engine_mod._parameter_count
+    try:
+        engine_mod._parameter_count = lambda m: engine_mod.SMALL_MODEL_PARAMS
+        assert Engine(model).max_rows == engine_mod.MAX_ROWS
+    finally:
+        engine_mod._parameter_count = real

@@ -37,6 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.inference import pages as paging
@@ -49,6 +50,9 @@ from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
 log = logging.getLogger("unsloth_jax")
 
 MIN_ROWS = 8  # the smallest row bucket
+MAX_ROWS = 256  # the default largest row bucket (vLLM's max_num_seqs)
+MAX_ROWS_SMALL = 512  # ... for a model under SMALL_MODEL_PARAMS parameters, whose decode step stays cheap
+SMALL_MODEL_PARAMS = 1_000_000_000
 
 
 @dataclasses.dataclass
@@ -135,17 +139,20 @@ def default_stop_ids(model, tokenizer) -> list[int]:
 class Engine:
     """Generation for one model (a CausalLM). Settings:
 
-    max_rows: decode rows at once (vLLM's max_num_seqs); page_size: tokens per KV page; chunk: decode steps per
+    max_rows: decode rows at once (vLLM's max_num_seqs; default 256, 512 for a model under a billion parameters;
+    fewer when the KV cache cap cannot hold that many sequences at their full length); page_size: tokens per KV page; chunk: decode steps per
     host round trip; gpu_memory_utilization: fraction of the free device memory the KV pool may take (default
     0.9); kv_cache_gib: a fixed cap instead; weights: "shared" (the model's stacked weights, no copy),
     "copy" or "merged" (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
     (default: config.max_position_embeddings); seed: for requests without their own."""
 
-    def __init__(self, model, tokenizer=None, *, max_rows: int = 256, page_size: int = 16, chunk: int = 64,
+    def __init__(self, model, tokenizer=None, *, max_rows: int | None = None, page_size: int = 16, chunk: int = 64,
                  gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
                  weights: str = "shared", max_model_len: int | None = None, seed: int = 0):
         if weights not in WEIGHT_MODES:
             raise ValueError(f"Engine: weights={weights!r}; use one of {WEIGHT_MODES}")
+        if max_rows is None:
+            max_rows = MAX_ROWS_SMALL if _parameter_count(model) < SMALL_MODEL_PARAMS else MAX_ROWS
         for name, value in (("max_rows", max_rows), ("page_size", page_size), ("chunk", chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
@@ -230,23 +237,36 @@ class Engine:
         return seqs
 
     # -------------------------------------------------------------------------------------------- sizes
-    def _pool_pages(self, rows: int, max_pages: int) -> int:
-        cfg, size = self.model.config, self.page_size
-        need = rows * max_pages
-        per_page = paging.page_bytes(cfg, size, self.model.dtype)
+    def _page_cap(self, max_pages: int) -> int | None:
+        """The pages the KV cache cap holds (kv_cache_gib, else gpu_memory_utilization of the free device
+        memory; None where the backend reports no memory), checked to hold one sequence of max_pages."""
+        size = self.page_size
+        per_page = paging.page_bytes(self.model.config, size, self.model.dtype)
         if self.kv_cache_gib is not None:
             cap = int(self.kv_cache_gib * 2**30 // per_page)
         else:
             stats = _memory_stats()
             if stats is None:
-                return need
+                return None
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
             cap = int((self.gpu_memory_utilization or 0.9) * free // per_page)
         if cap < max_pages:
             raise ValueError(f"the KV cache cap holds {cap} pages of {size} tokens ({per_page / 2**20:.1f} MiB "
                              f"each) but one sequence needs {max_pages}; raise gpu_memory_utilization or "
                              f"kv_cache_gib, or lower max_tokens")
-        return min(need, cap)
+        return cap
+
+    def _sizes(self, sequences: int, max_pages: int) -> tuple[int, int]:
+        """(rows, pool pages) of a call with `sequences` sequences of up to max_pages pages: rows the power of
+        two that holds them all (at least MIN_ROWS), at most max_rows and at most what the cap holds at full
+        length (rounded down to a power of two); the pool every page those rows can use, up to the cap."""
+        cap = self._page_cap(max_pages)
+        rows = min(bucket(sequences, MIN_ROWS), bucket(self.max_rows, MIN_ROWS))
+        if cap is not None:
+            fit = 1 << (max(cap // max_pages, 1).bit_length() - 1)  # the largest power of two <= cap // max_pages
+            rows = min(rows, max(fit, MIN_ROWS))
+        need = rows * max_pages
+        return rows, need if cap is None else min(need, cap)
 
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -304,6 +324,11 @@ class Engine:
 _SUMMARIZED: "weakref.WeakSet" = weakref.WeakSet()  # models whose first generate call printed its summary line
 
 
+def _parameter_count(model) -> int:
+    """The model's parameters (array elements of its state; a quantized kernel counts its stored elements)."""
+    return sum(int(a.size) for a in jax.tree.leaves(nnx.state(model)) if hasattr(a, "size"))
+
+
 def _memory_stats() -> dict | None:
     try:
         stats = jax.devices()[0].memory_stats()
@@ -323,10 +348,9 @@ class _Run:
         params = [s.params for s in seqs]
         self.flags = SamplerFlags.of(params)
         size = engine.page_size
-        self.rows = min(bucket(len(seqs), MIN_ROWS), bucket(engine.max_rows, MIN_ROWS))
         longest = max(len(prompts[s.request]) + s.params.max_tokens for s in seqs)
         self.max_pages = paging.pages_for(longest, size)
-        self.num_pages = engine._pool_pages(self.rows, self.max_pages)
+        self.rows, self.num_pages = engine._sizes(len(seqs), self.max_pages)
         self.stop_width = max(1, max(len(s.stop_ids) for s in seqs))
         self.alloc = paging.PageAllocator(self.num_pages)
         self.free_rows = list(range(self.rows - 1, -1, -1))
