@@ -315,6 +315,8 @@ def test_weight_layouts_agree(llama, rng):
     got = {w: Engine(model, weights=w).generate(prompts, greedy) for w in ("shared", "copy", "merged")}
     for w in ("copy", "merged"):
         assert [o.outputs[0].token_ids for o in got[w]] == [o.outputs[0].token_ids for o in got["shared"]], w
+    again = Engine(model, weights="shared").generate(prompts, greedy)  # merging left the model's kernels alone
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got["shared"]]
     bf16, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="bfloat16", load_tokenizer=False, progress=False)
     bf16 = FastLanguageModel.get_peft_model(bf16, r=4, lora_alpha=8)
     for (name, lin), (_, src) in zip(bf16.projections().items(), model.projections().items()):
@@ -439,3 +441,52 @@ def test_rows_follow_the_kv_cache_cap(llama):
         assert Engine(model).max_rows == engine_mod.MAX_ROWS
     finally:
         engine_mod._parameter_count = real
+
+
+@pytest.mark.torch
+def test_merged_buffer_equals_unmerged_and_peft_and_follows_lora_updates(llama, rng, tmp_path, capsys):
+    """"merged_buffer" (LoRA merged once per call into a buffer the engine reuses): greedy tokens equal the
+    unmerged "shared" layout's and transformers + PEFT's generate on the same adapter; after a LoRA update the
+    next call sees the new weights (equal to a fresh unmerged engine's, not the previous call's) and the merge
+    wrote into the same buffer shape; "auto" picks it for a float base with LoRA and says so once."""
+    import peft
+    import torch
+
+    from unsloth_jax.inference import weights as W
+
+    hf, base = llama
+    model = _live_lora(base.model_dir, rng)
+    prompts = _prompts(rng, [9, 4, 17])
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(model, weights="auto")
+    merged = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+    assert engine.weights == "merged_buffer"
+    assert capsys.readouterr().err.count("weights merged_buffer (LoRA merged into a reused") == 1
+    shapes = [k.shape for k in engine._merge_buffers.kernels]
+    assert len(shapes) == len(model.projections())
+    shared = [o.outputs[0].token_ids for o in Engine(model, weights="shared").generate(prompts, greedy)]
+    assert merged == shared
+    model.save_pretrained(str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
+    pm.eval()
+    try:
+        for p, got in zip(prompts, merged):
+            with torch.no_grad():
+                ref = pm.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                                  max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert ref[0, len(p):].tolist() == got
+    finally:
+        pm.unload()
+    # a LoRA update: the next call merges the new factors (into the reused buffers)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    for i, lin in enumerate(model.projections().values()):
+        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, 100 + i), lin.lora_b[...].shape)
+    again = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+    fresh = [o.outputs[0].token_ids for o in Engine(model, weights="shared").generate(prompts, greedy)]
+    assert again == fresh and again != merged
+    assert [k.shape for k in engine._merge_buffers.kernels] == shapes
+    assert "weights merged_buffer" not in capsys.readouterr().err  # the notice came once
+    # "auto" without LoRA, or with too little free memory, reads the weights unmerged
+    assert W.choose_layout(base, None)[0] == "shared"
+    assert W.choose_layout(model, 4 * W.merged_bytes(model) - 1)[0] == "shared"
+    assert W.choose_layout(model, 4 * W.merged_bytes(model))[0] == "merged_buffer"

@@ -39,17 +39,19 @@ _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model 
 _STREAM_CHUNK = 4  # decode steps per host round trip when streaming
 
 
-def engine_for(model, *, streaming: bool = False, tokenizer=None) -> Engine:
-    """The engine `generate` and `fast_generate` use for `model` (one per model and streaming mode, with the
-    model's inference settings: `gpu_memory_utilization` from from_pretrained, if any). tokenizer: for text
-    prompts (default: the one in the model's directory, loaded when first needed)."""
+def engine_for(model, *, streaming: bool = False, tokenizer=None, weights: str = "shared") -> Engine:
+    """The engine `generate` and `fast_generate` use for `model` (one per model, streaming mode and weight layout,
+    with the model's inference settings: `gpu_memory_utilization` from from_pretrained, if any). tokenizer: for
+    text prompts (default: the one in the model's directory, loaded when first needed). weights: the Engine's
+    weight layout (GRPO's rollouts: "auto", LoRA merged into a reused buffer when it fits)."""
     per_model = _engines.setdefault(model, {})
-    if streaming not in per_model:
-        options = dict(gpu_memory_utilization=getattr(model, "gpu_memory_utilization", None))
+    key = (streaming, weights)
+    if key not in per_model:
+        options = dict(gpu_memory_utilization=getattr(model, "gpu_memory_utilization", None), weights=weights)
         if streaming:
             options["chunk"] = _STREAM_CHUNK
-        per_model[streaming] = Engine(model, **options)
-    engine = per_model[streaming]
+        per_model[key] = Engine(model, **options)
+    engine = per_model[key]
     if tokenizer is not None:
         engine.tokenizer = tokenizer
     return engine

@@ -45,7 +45,7 @@ from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
 from unsloth_jax.inference.image_inputs import ImageInputs, ImageRequest, image_batch, image_request
 from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key
-from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
+from unsloth_jax.inference.weights import WEIGHT_MODES, MergeBuffers, choose_layout, prepare
 
 log = logging.getLogger("unsloth_jax")
 
@@ -143,7 +143,9 @@ class Engine:
     fewer when the KV cache cap cannot hold that many sequences at their full length); page_size: tokens per KV page; chunk: decode steps per
     host round trip; gpu_memory_utilization: fraction of the free device memory the KV pool may take (default
     0.9); kv_cache_gib: a fixed cap instead; weights: "shared" (the model's stacked weights, no copy),
-    "copy" or "merged" (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
+    "copy", "merged", "merged_buffer" (LoRA merged once per call into a buffer the engine keeps) or "auto"
+    ("merged_buffer" when its copy fits in weights.MERGE_FRACTION of the free memory, else "shared"; chosen at
+    the first call, with a one-line notice) (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
     (default: config.max_position_embeddings); seed: for requests without their own."""
 
     def __init__(self, model, tokenizer=None, *, max_rows: int | None = None, page_size: int = 16, chunk: int = 64,
@@ -167,6 +169,7 @@ class Engine:
         self.max_rows, self.page_size, self.chunk = max_rows, page_size, chunk
         self.gpu_memory_utilization, self.kv_cache_gib = gpu_memory_utilization, kv_cache_gib
         self.weights = weights
+        self._merge_buffers = MergeBuffers()  # "merged_buffer": the merged kernels, reused call after call
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.seed = int(seed)
         self._requests_seen = 0
@@ -235,6 +238,16 @@ class Engine:
                 seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops))
         self._requests_seen += len(ids)
         return seqs
+
+    def layout(self) -> str:
+        """The weight layout of the next call: `weights`, with "auto" resolved (once, by the free device memory;
+        the choice printed in one line on stderr) to "merged_buffer" or "shared"."""
+        if self.weights == "auto":
+            stats = _memory_stats()
+            free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            self.weights, why = choose_layout(self.model, free)
+            print(f"unsloth_jax generate: weights {self.weights} ({why})", file=sys.stderr)
+        return self.weights
 
     # -------------------------------------------------------------------------------------------- sizes
     def _page_cap(self, max_pages: int) -> int | None:
@@ -347,14 +360,9 @@ class _Run:
         self.offsets = any(r is not None and r.rope_positions is not None for r in images)
         params = [s.params for s in seqs]
         self.flags = SamplerFlags.of(params)
-        size = engine.page_size
         longest = max(len(prompts[s.request]) + s.params.max_tokens for s in seqs)
-        self.max_pages = paging.pages_for(longest, size)
-        self.rows, self.num_pages = engine._sizes(len(seqs), self.max_pages)
+        self.max_pages = paging.pages_for(longest, engine.page_size)
         self.stop_width = max(1, max(len(s.stop_ids) for s in seqs))
-        self.alloc = paging.PageAllocator(self.num_pages)
-        self.free_rows = list(range(self.rows - 1, -1, -1))
-        self.tables = np.zeros((self.rows, self.max_pages), np.int32)
         self.waiting = collections.deque(_by_request(seqs))
         self.running: dict[int, _Sequence] = {}
         self.bar = None
@@ -365,11 +373,16 @@ class _Run:
 
     def run(self) -> None:
         e, cfg = self.e, self.e.model.config
+        t0 = time.perf_counter()
+        self.plan, self.weights = prepare(e.model, e.layout(), e._merge_buffers)
+        # sized after the weights: a first merged buffer is in use when the free memory is read
+        self.rows, self.num_pages = e._sizes(len(self.seqs), self.max_pages)
+        self.alloc = paging.PageAllocator(self.num_pages)
+        self.free_rows = list(range(self.rows - 1, -1, -1))
+        self.tables = np.zeros((self.rows, self.max_pages), np.int32)
         e.summary(self.rows, self.num_pages, self.flags, len(self.seqs))
         stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
                                 "rows": self.rows, "pool_pages": self.num_pages}
-        t0 = time.perf_counter()
-        self.plan, self.weights = prepare(e.model, e.weights)
         self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
         self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets)
         jax.block_until_ready((self.weights, self.pools))

@@ -509,7 +509,8 @@ class GRPOTrainer(RLTrainerBase):
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
                                  max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids, ignore_eos=True,
                                  seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
-        outs = engine_for(self.model).generate(unique, params)  # the g completions of a prompt share its pages
+        # the g completions of a prompt share its pages; LoRA merged into a reused buffer when it fits
+        outs = engine_for(self.model, weights="auto").generate(unique, params)
         prompts = [p for p in unique for _ in range(g)]
         completions = [list(c.token_ids) for o in outs for c in o.outputs]
         truncated = [c.finish_reason == "length" for o in outs for c in o.outputs]
