@@ -1,6 +1,6 @@
 """The generation engine (unsloth_jax.inference) against independent truths: transformers' logits processors for
-the sampler, the model's own forward pass for the returned log-probabilities, the contiguous-cache path for the
-paged cache, and each request generated alone for continuous batching."""
+the sampler, the model's own forward pass (no cache) for the paged cache's greedy tokens and the returned
+log-probabilities, and each request generated alone for continuous batching."""
 from __future__ import annotations
 
 import jax
@@ -12,7 +12,6 @@ from tests.conftest import fresh_seed
 from unsloth_jax import FastLanguageModel
 from unsloth_jax.inference import Engine, SamplingParams
 from unsloth_jax.inference import sampling
-from unsloth_jax.inference.contiguous import generate_contiguous
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +28,15 @@ def llama(tmp_path_factory):
 
 def _prompts(rng, lengths, vocab=256):
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def _greedy_by_forward(model, prompt, new: int) -> list[int]:
+    """Greedy continuation of `prompt` by `new` tokens, each the argmax of the model's forward pass over the whole
+    sequence so far (no KV cache)."""
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(np.argmax(np.asarray(model(np.asarray([seq], np.int32)))[0, -1])))
+    return seq[len(prompt):]
 
 
 def _live_lora(model_dir, rng, dtype="float32", **load):
@@ -246,8 +254,8 @@ def test_sampling_params_errors():
 
 # ------------------------------------------------------------------------------------------------- engine
 @pytest.mark.torch
-def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(llama, rng):
-    """Rows of different lengths: the engine's greedy tokens equal the contiguous-cache path's, and each
+def test_engine_greedy_and_logprobs_equal_the_forward_pass(llama, rng):
+    """Rows of different lengths: the engine's greedy tokens equal the uncached forward pass's argmax, and each
     returned log-probability equals log_softmax of the model's logits over the whole sequence (one forward)."""
     _, model = llama
     prompts = _prompts(rng, [int(rng.integers(1, 20)) for _ in range(5)])
@@ -255,9 +263,7 @@ def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(lla
                                                           ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
-        want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
-                                   12, [SamplingParams(temperature=0)], (), None, 0)[0, len(prompt):]
-        np.testing.assert_array_equal(c.token_ids, want)
+        np.testing.assert_array_equal(c.token_ids, _greedy_by_forward(model, prompt, 12))
         seq = np.asarray([prompt + c.token_ids[:-1]], np.int32)
         logp = np.asarray(jax.nn.log_softmax(model(seq), axis=-1))[0, len(prompt) - 1:]
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
@@ -355,16 +361,15 @@ def test_stops_and_bad_input(llama, rng):
 
 
 @pytest.mark.parametrize("kind", ["load_in_4bit", "load_in_fp8"])
-def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
-    """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the tokens of the
-    contiguous-cache path on the same quantized model (up to a near-tie: _assert_greedy_equal_up_to_a_tie)."""
+def test_quantized_bases_decode_as_the_forward_pass(llama, rng, kind):
+    """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the greedy tokens of
+    the uncached forward pass of the same quantized model (up to a near-tie: _assert_greedy_equal_up_to_a_tie)."""
     _, base = llama
     model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False,
                                                  progress=False, **{kind: True})
     prompt = _prompts(rng, [11])[0]
     got = Engine(model).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8,
-                               [SamplingParams(temperature=0)], (), None, 0)[0, 11:]
+    want = _greedy_by_forward(model, prompt, 8)
     _assert_greedy_equal_up_to_a_tie(model, prompt, got[0].outputs[0].token_ids, want)
 
 

@@ -102,6 +102,8 @@ class _Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None
+    long_from: int = 0  # LongRoPE: the first output token fed with the long factors (negative: the prompt too)
+    rewrite: bool = False  # LongRoPE: at that token, rewrite the cached keys with the long factors first
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
@@ -224,8 +226,25 @@ class Engine:
                           image_request(self.model, ids[-1], image_inputs, f"prompts[{i}]"))
         return texts, ids, images
 
-    def _sequences(self, ids, params_list) -> list[_Sequence]:
+    def _longrope_plan(self, ids, longrope) -> list[tuple[int, bool]]:
+        """Per prompt (long_from, rewrite): `longrope` checked, or each prompt's own switch as transformers'
+        Phi-3 makes it for that prompt alone: the long factors from the token whose position reaches
+        original_max_position_embeddings, the cache rebuilt with them there (when the prompt is no longer)."""
+        cfg = self.model.config
+        if longrope is None:
+            if cfg.rope_type != "longrope":
+                return [(0, False)] * len(ids)
+            return [(cfg.rope_original_max_position - len(p), len(p) <= cfg.rope_original_max_position) for p in ids]
+        if cfg.rope_type != "longrope":
+            raise ValueError(f"longrope: the model's rope_type is {cfg.rope_type!r}, not 'longrope'")
+        plan = list(longrope)
+        if len(plan) != len(ids) or not all(isinstance(x, tuple) and len(x) == 2 for x in plan):
+            raise ValueError(f"longrope: give one (long_from, rewrite) tuple per prompt ({len(ids)}), got {longrope!r}")
+        return [(int(a), bool(b)) for a, b in plan]
+
+    def _sequences(self, ids, params_list, longrope=None) -> list[_Sequence]:
         eos = default_stop_ids(self.model, self.tokenizer)
+        plan = self._longrope_plan(ids, longrope)
         seqs = []
         for r, (prompt, params) in enumerate(zip(ids, params_list)):
             total = len(prompt) + params.max_tokens
@@ -235,7 +254,8 @@ class Engine:
             seed = params.seed if params.seed is not None else self.seed * 1_000_003 + self._requests_seen + r
             stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
             for j in range(params.n):
-                seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops))
+                seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops, long_from=plan[r][0],
+                                      rewrite=plan[r][1] and plan[r][0] >= 0))
         self._requests_seen += len(ids)
         return seqs
 
@@ -283,12 +303,16 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, on_tokens=None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, on_tokens=None, longrope=None) -> list[RequestOutput]:
         """Complete every prompt (a string, token ids, a {"prompt_token_ids": ...} dict, or a list of those; a
         dict may carry the prompt's images: {"prompt_token_ids": ids, "images": image_inputs.ImageInputs(...)}, ids
         with the image tokens expanded as the processor gives them). sampling_params: one for all prompts or one
         per prompt (default SamplingParams()). on_tokens: called after each decode chunk with {(request, index):
-        new token ids} (streaming). Returns one RequestOutput per prompt, in order."""
+        new token ids} (streaming). longrope (a LongRoPE model: Phi-3): per prompt (long_from, rewrite), the index of
+        the first output token fed with the long factors (negative: the prompt's too) and whether the row's cached
+        keys are rewritten with them there (a prefill of its sequence so far); default: each prompt's own switch
+        (`_longrope_plan`); `generation.generate` gives a batch's, as transformers' Phi-3 takes it for the batch.
+        Returns one RequestOutput per prompt, in order."""
         texts, ids, images = self._prompt_ids(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -299,7 +323,7 @@ class Engine:
         for p in params_list:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        seqs = self._sequences(ids, params_list)
+        seqs = self._sequences(ids, params_list, longrope)
         _Run(self, ids, images, seqs, use_tqdm, on_tokens).run()
         outs = []
         for r, (text, prompt) in enumerate(zip(texts, ids)):
@@ -358,6 +382,7 @@ class _Run:
         self.e, self.prompts, self.images, self.seqs, self.on_tokens = engine, prompts, images, seqs, on_tokens
         # rows carry position offsets only in runs with M-RoPE prompts: text runs keep their decode program
         self.offsets = any(r is not None and r.rope_positions is not None for r in images)
+        self.longrope = engine.model.config.rope_type == "longrope"
         params = [s.params for s in seqs]
         self.flags = SamplerFlags.of(params)
         longest = max(len(prompts[s.request]) + s.params.max_tokens for s in seqs)
@@ -384,7 +409,8 @@ class _Run:
         stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
                                 "rows": self.rows, "pool_pages": self.num_pages}
         self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
-        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets)
+        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets,
+                                       self.longrope)
         jax.block_until_ready((self.weights, self.pools))
         stats["prepare_s"] = time.perf_counter() - t0
         try:
@@ -395,8 +421,9 @@ class _Run:
                 if not self.running:
                     continue
                 t0 = time.perf_counter()
+                steps = self._longrope_switch() if self.longrope else e.chunk
                 out = runner.decode_chunk(self.weights, self.pools, self.state, jnp.asarray(self.tables),
-                                          jnp.int32(e.chunk), plan=self.plan, flags=self.flags, cap=e.chunk)
+                                          jnp.int32(steps), plan=self.plan, flags=self.flags, cap=e.chunk)
                 self.pools, self.state, tokens, logprobs, taken = out
                 tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
                 stats["decode_s"] += time.perf_counter() - t0
@@ -407,6 +434,34 @@ class _Run:
             self.pools = self.state = self.weights = None  # the KV pool and copied weights go with the call
             if self.bar is not None:
                 self.bar.close()
+
+    def _longrope_switch(self) -> int:
+        """LongRoPE: rewrite the cached keys of the rows about to feed their `long_from` token with the long
+        factors (one prefill of each row's sequence so far, into its own pages; the n completions of a prompt,
+        in step, write the same values to the pages they share), then the steps the next chunk may take: up to
+        the next row's rewrite."""
+        size, num_slots = self.e.page_size, self.num_pages * self.e.page_size
+        now, steps = [], self.e.chunk
+        for s in self.running.values():
+            fed = len(s.tokens) - 1  # the index of the token the row feeds next
+            if s.rewrite and fed == s.long_from:
+                now.append(s)
+                s.rewrite = False
+            elif s.rewrite:
+                steps = min(steps, s.long_from - fed)
+        if now:
+            seqs = [self.prompts[s.request] + s.tokens[:-1] for s in now]
+            p_b, s_b = bucket(len(seqs)), bucket(max(len(q) for q in seqs), 16)
+            ids = np.zeros((p_b, s_b), np.int32)
+            slots = np.full((p_b, s_b), num_slots, np.int32)
+            lens = np.zeros((p_b,), np.int32)
+            for i, (s, q) in enumerate(zip(now, seqs)):
+                t = np.arange(len(q))
+                ids[i, :len(q)], lens[i] = q, len(q)
+                slots[i, :len(q)] = np.asarray(s.pages)[t // size] * size + t % size
+            self.pools, _ = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
+                                           jnp.asarray(slots), None, jnp.ones((p_b,), bool), plan=self.plan)
+        return steps
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -482,8 +537,13 @@ class _Run:
             embeds = runner.image_embeddings(self.weights, jnp.asarray(ids), batch.pixel_values, batch.image_kwargs,
                                              plan=self.plan)
             images = runner.PrefillImages(embeds, batch.block_ids, batch.rope_positions)
+        long = None
+        if self.longrope:  # prompts past the original context take the long factors from the start
+            long = np.zeros((p_b,), bool)
+            long[:n_prompts] = [group[0].long_from < 0 for _, group in admitted]
+            long = jnp.asarray(long)
         self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
-                                            jnp.asarray(slots), images, plan=self.plan)
+                                            jnp.asarray(slots), images, long, plan=self.plan)
         if src:
             self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
         new = [(i, s) for i, (_, group) in enumerate(admitted) for s in group]
@@ -498,12 +558,13 @@ class _Run:
         prompt_tokens = np.full((n_b, width), NO_TOKEN, np.int32)
         params = [SamplingParams()] * n_b
         offsets = np.zeros((n_b,), np.int32)
+        long_from = np.zeros((n_b,), np.int32)
         for k, (i, s) in enumerate(new):
             prompt = self.prompts[s.request]
             prompt_of[k], targets[k], plen[k], budgets[k] = i, s.row, len(prompt), s.params.max_tokens
             if self.images[s.request] is not None:
                 offsets[k] = self.images[s.request].position_offset
-            keys[k] = s.key
+            keys[k], long_from[k] = s.key, s.long_from
             stop_ids[k, :len(s.stop_ids)] = s.stop_ids
             if self.flags.penalty:
                 prompt_tokens[k, :len(prompt)] = prompt
@@ -512,7 +573,8 @@ class _Run:
         self.state, first, lps = runner.start_rows(self.state, logits, jnp.asarray(prompt_of), jnp.asarray(targets),
                                                    jnp.asarray(plen), jnp.asarray(budgets), jnp.asarray(keys), rp,
                                                    jnp.asarray(stop_ids), jnp.asarray(prompt_tokens),
-                                                   jnp.asarray(offsets) if self.offsets else None, flags=self.flags)
+                                                   jnp.asarray(offsets) if self.offsets else None,
+                                                   jnp.asarray(long_from) if self.longrope else None, flags=self.flags)
         first, lps = np.asarray(first), np.asarray(lps)
         news = {}
         for k, (_, s) in enumerate(new):
