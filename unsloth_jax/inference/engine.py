@@ -45,7 +45,7 @@ from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
 from unsloth_jax.inference.image_inputs import ImageInputs, ImageRequest, image_batch, image_request
 from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key
-from unsloth_jax.inference.weights import WEIGHT_MODES, MergeBuffers, choose_layout, prepare
+from unsloth_jax.inference.weights import WEIGHT_MODES, FP8Copies, MergeBuffers, choose_layout, prepare
 
 log = logging.getLogger("unsloth_jax")
 
@@ -145,7 +145,8 @@ class Engine:
     fewer when the KV cache cap cannot hold that many sequences at their full length); page_size: tokens per KV page; chunk: decode steps per
     host round trip; gpu_memory_utilization: fraction of the free device memory the KV pool may take (default
     0.9); kv_cache_gib: a fixed cap instead; weights: "shared" (the model's stacked weights, no copy),
-    "copy", "merged", "merged_buffer" (LoRA merged once per call into a buffer the engine keeps) or "auto"
+    "copy", "merged", "merged_buffer" (LoRA merged once per call into a buffer the engine keeps), "fp8" (an e4m3
+    copy of the base, made once and kept, LoRA unmerged: FP8 rollouts) or "auto"
     ("merged_buffer" when its copy fits in weights.MERGE_FRACTION of the free memory, else "shared"; chosen at
     the first call, with a one-line notice) (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
     (default: config.max_position_embeddings); seed: for requests without their own."""
@@ -171,7 +172,8 @@ class Engine:
         self.max_rows, self.page_size, self.chunk = max_rows, page_size, chunk
         self.gpu_memory_utilization, self.kv_cache_gib = gpu_memory_utilization, kv_cache_gib
         self.weights = weights
-        self._merge_buffers = MergeBuffers()  # "merged_buffer": the merged kernels, reused call after call
+        # "merged_buffer": the merged kernels, rewritten call after call; "fp8": the base's e4m3 copies, kept
+        self._merge_buffers = FP8Copies() if weights == "fp8" else MergeBuffers()
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.seed = int(seed)
         self._requests_seen = 0

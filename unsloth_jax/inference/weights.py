@@ -16,6 +16,11 @@ slice in place), which on the H200 doubled the step at 1.5B (BENCHMARKS.md, gene
             keeps (`MergeBuffers`) and donates to the next merge: the decode step of "merged" without its
             LoRA reads, one extra copy of the projection kernels held across rollouts, not one more per rollout
             (16-bit bases only).
+  "fp8"     the stacked layout of "shared" with each dense projection kernel replaced by an e4m3 copy
+            (per-output-channel scales: pallas_kernels.fp8.quantize_fp8_weight, the load_in_fp8 format) made
+            once per base kernel and kept by the caller (`FP8Copies`; the base is frozen), LoRA unmerged in the
+            compute dtype: decoding reads half the bytes of a 16-bit base; the tokens are the FP8 model's, close
+            to the 16-bit ones (tests/test_fp8_rollouts.py measures how close).
   "auto"    "merged_buffer" when the model has LoRA on a 16-bit base and the merged copy fits in MERGE_FRACTION
             of the free device memory, else "shared" (`choose_layout`; the engine resolves it once and prints
             its choice in one line).
@@ -32,10 +37,10 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.backend import commit_to_devices
-from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.fp8 import FP8Weight, quantize_fp8_weight
 from pallas_kernels.nf4_format import NF4Weight
 
-WEIGHT_MODES = ("shared", "copy", "merged", "merged_buffer", "auto")
+WEIGHT_MODES = ("shared", "copy", "merged", "merged_buffer", "fp8", "auto")
 MERGE_FRACTION = 0.25  # "auto" merges when the merged kernels take at most this share of the free device memory
 
 
@@ -95,9 +100,19 @@ class MergeBuffers:
         self.kernels: list[jax.Array] = []
 
 
-def prepare(model, mode: str = "shared", buffers: MergeBuffers | None = None) -> tuple[LayerPlan, DecodeWeights]:
+class FP8Copies:
+    """The e4m3 copies of "fp8", one per projection in the order of the layer stack's projections, each with the
+    base kernel it was made from (remade when that kernel is another array)."""
+
+    def __init__(self):
+        self.copies: list[tuple[jax.Array, FP8Weight]] = []
+
+
+def prepare(model, mode: str = "shared", buffers: MergeBuffers | FP8Copies | None = None
+            ) -> tuple[LayerPlan, DecodeWeights]:
     """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES other than "auto", which
-    `choose_layout` resolves). buffers: the MergeBuffers "merged_buffer" writes into (a fresh one if None)."""
+    `choose_layout` resolves). buffers: the MergeBuffers "merged_buffer" writes into, or the FP8Copies "fp8"
+    reuses (a fresh one if None or of the other kind)."""
     if mode not in WEIGHT_MODES or mode == "auto":
         raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES[:-1]} (resolve 'auto' by choose_layout)")
     commit_in_place(model)
@@ -108,7 +123,11 @@ def prepare(model, mode: str = "shared", buffers: MergeBuffers | None = None) ->
     if mode == "merged":
         return _prepare_merged(model, graphdef, state, layers, n, dtype)
     if mode == "merged_buffer":
-        return _prepare_merged_buffer(graphdef, state, layers, n, dtype, buffers or MergeBuffers())
+        keep = buffers if isinstance(buffers, MergeBuffers) else MergeBuffers()
+        return _prepare_merged_buffer(graphdef, state, layers, n, dtype, keep)
+    if mode == "fp8":
+        return _prepare_fp8(graphdef, state, layers, n, dtype, buffers if isinstance(buffers, FP8Copies)
+                            else FP8Copies())
     layer_graphdef, lora_state, base_state = nnx.split(layers, nnx.LoRAParam, ...)
     if mode == "shared":
         per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
@@ -218,6 +237,29 @@ def _prepare_merged_buffer(graphdef, state, layers, n, dtype, buffers: MergeBuff
 _unstack_jit = jax.jit(_unstack, static_argnums=(1,))
 
 
+def _prepare_fp8(graphdef, state, layers, n, dtype, copies: FP8Copies):
+    """"fp8": a stacked layer module whose dense projection kernels are e4m3 copies (made once per base kernel),
+    LoRA unmerged and split per layer as in "shared"."""
+    from unsloth_jax.models.layers import FP8Param
+
+    if _quantized_base(layers):
+        raise ValueError("weights='fp8' needs a 16-bit base; this model's projections are already 4-bit or FP8 "
+                         "(use weights='shared')")
+    layer_graphdef, layer_state = nnx.split(layers)
+    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables: the model keeps its kernels
+    old = copies.copies
+    fresh = []
+    for k, lin in enumerate(_projections(clone)):
+        kernel = lin.kernel.get_value()
+        fp8 = old[k][1] if k < len(old) and old[k][0] is kernel else quantize_fp8_weight(kernel)
+        fresh.append((kernel, fp8))
+        lin.kernel = FP8Param(fp8)
+    copies.copies = fresh
+    layer_graphdef, lora_state, base_state = nnx.split(clone, nnx.LoRAParam, ...)
+    per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
+    return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
+
+
 def _is_projection_kernel(path) -> bool:
     from unsloth_jax.models.decoder import PROJ_PARENT
 
@@ -245,5 +287,6 @@ def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: b
     return nnx.merge(plan.layer_graphdef, *parts)
 
 
-__all__ = ["WEIGHT_MODES", "MERGE_FRACTION", "LayerPlan", "DecodeWeights", "MergeBuffers", "prepare", "choose_layout",
+__all__ = ["WEIGHT_MODES", "MERGE_FRACTION", "LayerPlan", "DecodeWeights", "MergeBuffers", "FP8Copies", "prepare",
+           "choose_layout",
            "merged_bytes", "layer_module", "commit_in_place"]
