@@ -256,8 +256,9 @@ class Engine:
             seed = params.seed if params.seed is not None else self.seed * 1_000_003 + self._requests_seen + r
             stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
             for j in range(params.n):
+                # a rewrite only where the row feeds that token (its last fed token is max_tokens - 2)
                 seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops, long_from=plan[r][0],
-                                      rewrite=plan[r][1] and plan[r][0] >= 0))
+                                      rewrite=plan[r][1] and 0 <= plan[r][0] <= params.max_tokens - 2))
         self._requests_seen += len(ids)
         return seqs
 
