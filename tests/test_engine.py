@@ -1,6 +1,6 @@
 """The generation engine (unsloth_jax.inference) against independent truths: transformers' logits processors for
-the sampler, the model's own forward pass for the returned log-probabilities, the contiguous-cache path for the
-paged cache, and each request generated alone for continuous batching."""
+the sampler, the model's own forward pass (no cache) for the paged cache's greedy tokens and the returned
+log-probabilities, and each request generated alone for continuous batching."""
 from __future__ import annotations
 
 import jax
@@ -12,7 +12,6 @@ from tests.conftest import fresh_seed
 from unsloth_jax import FastLanguageModel
 from unsloth_jax.inference import Engine, SamplingParams
 from unsloth_jax.inference import sampling
-from unsloth_jax.inference.contiguous import generate_contiguous
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +28,15 @@ def llama(tmp_path_factory):
 
 def _prompts(rng, lengths, vocab=256):
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def _greedy_by_forward(model, prompt, new: int) -> list[int]:
+    """Greedy continuation of `prompt` by `new` tokens, each the argmax of the model's forward pass over the whole
+    sequence so far (no KV cache)."""
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(np.argmax(np.asarray(model(np.asarray([seq], np.int32)))[0, -1])))
+    return seq[len(prompt):]
 
 
 def _live_lora(model_dir, rng, dtype="float32", **load):
@@ -246,8 +254,8 @@ def test_sampling_params_errors():
 
 # ------------------------------------------------------------------------------------------------- engine
 @pytest.mark.torch
-def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(llama, rng):
-    """Rows of different lengths: the engine's greedy tokens equal the contiguous-cache path's, and each
+def test_engine_greedy_and_logprobs_equal_the_forward_pass(llama, rng):
+    """Rows of different lengths: the engine's greedy tokens equal the uncached forward pass's argmax, and each
     returned log-probability equals log_softmax of the model's logits over the whole sequence (one forward)."""
     _, model = llama
     prompts = _prompts(rng, [int(rng.integers(1, 20)) for _ in range(5)])
@@ -255,9 +263,7 @@ def test_engine_greedy_equals_contiguous_and_logprobs_equal_the_forward_pass(lla
                                                           ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
-        want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, len(prompt)), np.int32),
-                                   12, [SamplingParams(temperature=0)], (), None, 0)[0, len(prompt):]
-        np.testing.assert_array_equal(c.token_ids, want)
+        np.testing.assert_array_equal(c.token_ids, _greedy_by_forward(model, prompt, 12))
         seq = np.asarray([prompt + c.token_ids[:-1]], np.int32)
         logp = np.asarray(jax.nn.log_softmax(model(seq), axis=-1))[0, len(prompt) - 1:]
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
@@ -315,6 +321,8 @@ def test_weight_layouts_agree(llama, rng):
     got = {w: Engine(model, weights=w).generate(prompts, greedy) for w in ("shared", "copy", "merged")}
     for w in ("copy", "merged"):
         assert [o.outputs[0].token_ids for o in got[w]] == [o.outputs[0].token_ids for o in got["shared"]], w
+    again = Engine(model, weights="shared").generate(prompts, greedy)  # merging left the model's kernels alone
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got["shared"]]
     bf16, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="bfloat16", load_tokenizer=False, progress=False)
     bf16 = FastLanguageModel.get_peft_model(bf16, r=4, lora_alpha=8)
     for (name, lin), (_, src) in zip(bf16.projections().items(), model.projections().items()):
@@ -353,16 +361,15 @@ def test_stops_and_bad_input(llama, rng):
 
 
 @pytest.mark.parametrize("kind", ["load_in_4bit", "load_in_fp8"])
-def test_quantized_bases_decode_as_the_contiguous_path(llama, rng, kind):
-    """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the tokens of the
-    contiguous-cache path on the same quantized model (up to a near-tie: _assert_greedy_equal_up_to_a_tie)."""
+def test_quantized_bases_decode_as_the_forward_pass(llama, rng, kind):
+    """NF4 and FP8 bases generate through the engine (their projections sliced per layer) the greedy tokens of
+    the uncached forward pass of the same quantized model (up to a near-tie: _assert_greedy_equal_up_to_a_tie)."""
     _, base = llama
     model, _ = FastLanguageModel.from_pretrained(base.model_dir, dtype="float32", load_tokenizer=False,
                                                  progress=False, **{kind: True})
     prompt = _prompts(rng, [11])[0]
     got = Engine(model).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    want = generate_contiguous(model, np.asarray([prompt], np.int32), np.ones((1, 11), np.int32), 8,
-                               [SamplingParams(temperature=0)], (), None, 0)[0, 11:]
+    want = _greedy_by_forward(model, prompt, 8)
     _assert_greedy_equal_up_to_a_tie(model, prompt, got[0].outputs[0].token_ids, want)
 
 
@@ -400,3 +407,91 @@ def test_decode_kernels_in_the_engine_equal_xla(llama, rng, impl):
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         np.testing.assert_allclose(g.outputs[0].cumulative_logprob, w.outputs[0].cumulative_logprob, rtol=1e-4)
+
+
+def test_a_large_offline_batch_runs_in_one_call(llama, rng):
+    """300 greedy prompts in one call (a tiny model: rows up to 512, the pool every page they can use) give
+    the tokens of the same prompts run 40 at a time, each completion as long as asked."""
+    from unsloth_jax.inference import engine as engine_mod
+
+    _, model = llama
+    engine = Engine(model)
+    assert engine.max_rows == engine_mod.MAX_ROWS_SMALL
+    prompts = _prompts(rng, [int(rng.integers(2, 20)) for _ in range(300)])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    big = engine.generate(prompts, greedy)
+    assert engine.last_stats["rows"] == 512 and engine.last_stats["pool_pages"] == 512 * 2
+    assert len(big) == 300 and all(len(o.outputs[0].token_ids) == 6 for o in big)
+    small = Engine(model, max_rows=40)
+    for start in range(0, 300, 40):
+        part = small.generate(prompts[start:start + 40], greedy)
+        assert small.last_stats["rows"] == (64 if len(part) == 40 else 32)
+        for k, o in enumerate(part):
+            assert o.outputs[0].token_ids == big[start + k].outputs[0].token_ids, start + k
+
+
+def test_rows_follow_the_kv_cache_cap(llama):
+    """A cap that holds 40 sequences at their full length gives 32 rows (a power of two), not 512; a model over
+    a billion parameters defaults to 256 rows."""
+    from unsloth_jax.inference import engine as engine_mod
+
+    _, model = llama
+    page = 2 * 16 * model.config.num_hidden_layers * model.config.num_key_value_heads * model.config.head_dim * 4
+    engine = Engine(model, kv_cache_gib=80 * page / 2**30)
+    assert engine._sizes(300, 2) == (32, 64)
+    assert Engine(model, max_rows=8, kv_cache_gib=80 * page / 2**30)._sizes(300, 2) == (8, 16)
+    real = engine_mod._parameter_count
+    try:
+        engine_mod._parameter_count = lambda m: engine_mod.SMALL_MODEL_PARAMS
+        assert Engine(model).max_rows == engine_mod.MAX_ROWS
+    finally:
+        engine_mod._parameter_count = real
+
+
+@pytest.mark.torch
+def test_merged_buffer_equals_unmerged_and_peft_and_follows_lora_updates(llama, rng, tmp_path, capsys):
+    """"merged_buffer" (LoRA merged once per call into a buffer the engine reuses): greedy tokens equal the
+    unmerged "shared" layout's and transformers + PEFT's generate on the same adapter; after a LoRA update the
+    next call sees the new weights (equal to a fresh unmerged engine's, not the previous call's) and the merge
+    wrote into the same buffer shape; "auto" picks it for a float base with LoRA and says so once."""
+    import peft
+    import torch
+
+    from unsloth_jax.inference import weights as W
+
+    hf, base = llama
+    model = _live_lora(base.model_dir, rng)
+    prompts = _prompts(rng, [9, 4, 17])
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(model, weights="auto")
+    merged = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+    assert engine.weights == "merged_buffer"
+    assert capsys.readouterr().err.count("weights merged_buffer (LoRA merged into a reused") == 1
+    shapes = [k.shape for k in engine._merge_buffers.kernels]
+    assert len(shapes) == len(model.projections())
+    shared = [o.outputs[0].token_ids for o in Engine(model, weights="shared").generate(prompts, greedy)]
+    assert merged == shared
+    model.save_pretrained(str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter"))
+    pm.eval()
+    try:
+        for p, got in zip(prompts, merged):
+            with torch.no_grad():
+                ref = pm.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                                  max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert ref[0, len(p):].tolist() == got
+    finally:
+        pm.unload()
+    # a LoRA update: the next call merges the new factors (into the reused buffers)
+    key = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    for i, lin in enumerate(model.projections().values()):
+        lin.lora_b[...] = 0.2 * jax.random.normal(jax.random.fold_in(key, 100 + i), lin.lora_b[...].shape)
+    again = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)]
+    fresh = [o.outputs[0].token_ids for o in Engine(model, weights="shared").generate(prompts, greedy)]
+    assert again == fresh and again != merged
+    assert [k.shape for k in engine._merge_buffers.kernels] == shapes
+    assert "weights merged_buffer" not in capsys.readouterr().err  # the notice came once
+    # "auto" without LoRA, or with too little free memory, reads the weights unmerged
+    assert W.choose_layout(base, None)[0] == "shared"
+    assert W.choose_layout(model, 4 * W.merged_bytes(model) - 1)[0] == "shared"
+    assert W.choose_layout(model, 4 * W.merged_bytes(model))[0] == "merged_buffer"

@@ -88,6 +88,34 @@ def test_longrope_cache_rebuild_follows_the_prompt_width(tiny, rng):
 
 
 @pytest.mark.torch
+def test_longrope_requests_on_the_engine_switch_as_transformers_alone(tiny, rng):
+    """Engine requests of a LongRoPE model (original context 16) in one call, each switching where transformers
+    switches generating it alone: prompts of 5 and 13 tokens (long factors and a cache rewrite mid-decode, 13 with
+    n=2 greedy completions sharing the prompt's pages), 16 (the rewrite before the first decode step) and 20
+    (long from the prefill) give transformers' greedy tokens; without the rewrite the scores differ."""
+    from unsloth_jax.inference import Engine, SamplingParams
+
+    hf, model = tiny("phi3_longrope")
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 13, 16, 20)]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=2 if len(p) == 13 else 1)
+              for p in prompts]
+    outs = Engine(model, chunk=4).generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        ref = _hf_generate(hf, np.asarray([p]), np.ones((1, len(p)), np.int64), 14, eos=[-1])[0, len(p):]
+        for c in out.outputs:
+            assert c.token_ids == ref.tolist(), len(p)
+    # the rewrite matters: without it the same tokens (where they stay equal) get other log-probabilities
+    scored = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=0)
+    with_rewrite = Engine(model).generate(prompts[:1], scored)[0].outputs[0]
+    no_rewrite = Engine(model).generate(prompts[:1], scored, longrope=[(16 - 5, False)])[0].outputs[0]
+    assert with_rewrite.token_ids == outs[0].outputs[0].token_ids
+    assert (no_rewrite.token_ids != with_rewrite.token_ids
+            or abs(no_rewrite.cumulative_logprob - with_rewrite.cumulative_logprob) > 1e-3)
+    with pytest.raises(ValueError, match="longrope"):
+        Engine(model).generate(prompts[:1], params[0], longrope=[11])
+
+
+@pytest.mark.torch
 def test_lora_greedy_matches_peft(tiny, rng, tmp_path):
     """A LoRA model (random nonzero B) saved as a PEFT adapter: PEFT's greedy generate equals ours, for a single
     1-D prompt (the CLI's case)."""

@@ -379,8 +379,8 @@ def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, mo
     calls = []
     real_engine_for = G.engine_for
 
-    def counting_engine_for(m):
-        engine = real_engine_for(m)
+    def counting_engine_for(m, **kw):
+        engine = real_engine_for(m, **kw)
 
         class Counting:
             def generate(self, *a, **kw):
@@ -461,7 +461,7 @@ def test_several_generations_in_one_step(tmp_path, monkeypatch):
             calls.append(1)
             return self.engine.generate(*a, **kw)
 
-    monkeypatch.setattr(G, "engine_for", lambda m: Counting(real_engine_for(m)))
+    monkeypatch.setattr(G, "engine_for", lambda m, **kw: Counting(real_engine_for(m, **kw)))
 
     def varied(prompts, completions, completion_ids, **kwargs):
         out = [float(np.mean(np.asarray(c) % 5)) for c in completion_ids]

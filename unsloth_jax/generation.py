@@ -9,10 +9,9 @@ refused by name. Batches may be padded left or right (attention_mask 0 on the pa
 as transformers' output for a left-padded batch; each row is generated as its own sequence (its real tokens only,
 positions from 0), so a padded row generates exactly what it would alone.
 A row stops at its first end-of-sequence token; later slots hold pad_token_id; the result is as wide as the
-longest row's output. The engine (paged KV cache, on-device decode loop) serves every family; LongRoPE models
-whose sequences would cross original_max_position_embeddings go to the contiguous-cache path
-(unsloth_jax.inference.contiguous), which rebuilds its cache at the switch as transformers' Phi-3 does, with a
-one-line notice.
+longest row's output. The engine (paged KV cache, on-device decode loop) serves every family; a LongRoPE batch
+(Phi-3) switches to the long factors where transformers' Phi-3 does for the same batch (`_longrope_plan`), the
+engine rewriting its rows' cached keys with them where transformers rebuilds its cache.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from collections.abc import Mapping
 import numpy as np
 
 from unsloth_jax.config import QwenVLConfig
-from unsloth_jax.inference.contiguous import generate_contiguous
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
 from unsloth_jax.inference.eos import generation_config as generation_config_json
@@ -40,17 +38,19 @@ _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model 
 _STREAM_CHUNK = 4  # decode steps per host round trip when streaming
 
 
-def engine_for(model, *, streaming: bool = False, tokenizer=None) -> Engine:
-    """The engine `generate` and `fast_generate` use for `model` (one per model and streaming mode, with the
-    model's inference settings: `gpu_memory_utilization` from from_pretrained, if any). tokenizer: for text
-    prompts (default: the one in the model's directory, loaded when first needed)."""
+def engine_for(model, *, streaming: bool = False, tokenizer=None, weights: str = "shared") -> Engine:
+    """The engine `generate` and `fast_generate` use for `model` (one per model, streaming mode and weight layout,
+    with the model's inference settings: `gpu_memory_utilization` from from_pretrained, if any). tokenizer: for
+    text prompts (default: the one in the model's directory, loaded when first needed). weights: the Engine's
+    weight layout (GRPO's rollouts: "auto", LoRA merged into a reused buffer when it fits)."""
     per_model = _engines.setdefault(model, {})
-    if streaming not in per_model:
-        options = dict(gpu_memory_utilization=getattr(model, "gpu_memory_utilization", None))
+    key = (streaming, weights)
+    if key not in per_model:
+        options = dict(gpu_memory_utilization=getattr(model, "gpu_memory_utilization", None), weights=weights)
         if streaming:
             options["chunk"] = _STREAM_CHUNK
-        per_model[streaming] = Engine(model, **options)
-    engine = per_model[streaming]
+        per_model[key] = Engine(model, **options)
+    engine = per_model[key]
     if tokenizer is not None:
         engine.tokenizer = tokenizer
     return engine
@@ -156,8 +156,18 @@ def _as_ids(x, name: str) -> np.ndarray:
     return arr
 
 
-def _crosses_longrope_switch(cfg, prompt_width: int, max_new_tokens: int) -> bool:
-    return cfg.rope_type == "longrope" and prompt_width + max_new_tokens > cfg.rope_original_max_position
+def _longrope_plan(cfg, mask: np.ndarray) -> list[tuple[int, bool]] | None:
+    """The engine's LongRoPE plan (Engine.generate's `longrope`) for the left-padded batch of mask [B, P], as
+    transformers' Phi-3 generates that batch: a forward call takes the long factors once its largest position + 1
+    (the longest row's, L real tokens) passes original_max_position_embeddings O, so every row feeds its output
+    token O - L on with them (all of it when L > O); and the cache is rebuilt once the padded width reaches O + 1
+    (output token O - P), which rewrites the cached keys with the long factors only when that is the same token
+    (L == P); otherwise the rebuild keeps the short factors (the cache as it is) and keys of both kinds stay
+    cached. None for other models."""
+    if cfg.rope_type != "longrope":
+        return None
+    longest, width, original = int(mask.sum(axis=1).max()), mask.shape[1], cfg.rope_original_max_position
+    return [(original - longest, longest == width and longest <= original)] * mask.shape[0]
 
 
 def _prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -312,8 +322,7 @@ def _new_tokens(settings: dict, prompt_width: int) -> int:
 
 def _sampling(model, rows: int, max_new_tokens: int, settings: dict, seed: int
               ) -> tuple[list[SamplingParams], tuple[int, ...], int]:
-    """generate's settings as (one SamplingParams per row, eos ids, pad id), for the engine and the contiguous
-    paths alike: temperature 0 unless do_sample; row i's seed is seed's i-th stream. ValueError names a bad value."""
+    """generate's settings as (one SamplingParams per row, eos ids, pad id), for the engine: temperature 0 unless do_sample; row i's seed is seed's i-th stream. ValueError names a bad value."""
     do_sample, temperature = settings["do_sample"], settings["temperature"]
     if temperature <= 0 and do_sample:
         raise ValueError("generate: temperature must be positive when do_sample=True (use do_sample=False for greedy)")
@@ -377,24 +386,22 @@ def generate(model, input_ids=None, attention_mask=None, max_new_tokens: int | N
         return ids.astype(np.int64)
     cfg = model.config
     params, eos, pad_token_id = _sampling(model, b, max_new_tokens, settings, seed)
-    if _crosses_longrope_switch(cfg, p, max_new_tokens):
-        log.warning("unsloth_jax: LongRoPE sequence past original_max_position_embeddings=%d: generating on the "
-                    "contiguous-cache path (not the engine)", cfg.rope_original_max_position)
-        return generate_contiguous(model, ids, mask, max_new_tokens, params, eos, streamer, pad_token_id)
-
     prompts = [row[m > 0].tolist() for row, m in zip(ids, mask)]
-    return _run_engine(model, ids, prompts, params, streamer, pad_token_id)
+    return _run_engine(model, ids, prompts, params, streamer, pad_token_id, _longrope_plan(cfg, mask))
 
 
-def _run_engine(model, ids: np.ndarray, prompts: list, params: list, streamer, pad_token_id: int) -> np.ndarray:
+def _run_engine(model, ids: np.ndarray, prompts: list, params: list, streamer, pad_token_id: int,
+                longrope=None) -> np.ndarray:
     """The engine's completions of `prompts` (one request per row of the left-padded prompt ids [B, P]) with
-    `params`, streamed to `streamer`, as generate returns them: [B, P + new] int64, finished rows padded."""
+    `params` (and Engine.generate's `longrope` plan), streamed to `streamer`, as generate returns them:
+    [B, P + new] int64, finished rows padded."""
     on_tokens = None
     if streamer is not None:
         if hasattr(streamer, "put"):
             streamer.put(ids.astype(np.int64))
         on_tokens = _step_streamer(streamer, ids.shape[0], pad_token_id)
-    outs = engine_for(model, streaming=streamer is not None).generate(prompts, params, on_tokens=on_tokens)
+    outs = engine_for(model, streaming=streamer is not None).generate(prompts, params, on_tokens=on_tokens,
+                                                                      longrope=longrope)
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
     rows = [o.outputs[0].token_ids for o in outs]

@@ -7,7 +7,7 @@ CLI and the RL trainers (docs/GENERATION.md).
 Modules: `sampling` (SamplingParams, the on-device sampler), `pages` (page pools and their allocator),
 `weights` (the rollout's weights: shared, copied or merged), `runner` (the compiled prefill and decode loop),
 `engine` (continuous batching, vLLM's RequestOutput), `image_inputs` (prompts with images: ImageInputs, their
-checks and prefill batches), `eos` (end-of-sequence ids), `contiguous` (the contiguous-cache fallback).
+checks and prefill batches), `eos` (end-of-sequence ids).
 """
 from unsloth_jax.inference.engine import CompletionOutput, Engine, Logprob, RequestOutput
 from unsloth_jax.inference.image_inputs import ImageInputs

@@ -37,6 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.inference import pages as paging
@@ -44,11 +45,14 @@ from unsloth_jax.inference import runner
 from unsloth_jax.inference.eos import default_eos_ids
 from unsloth_jax.inference.image_inputs import ImageInputs, ImageRequest, image_batch, image_request
 from unsloth_jax.inference.sampling import NO_TOKEN, RowParams, SamplerFlags, SamplingParams, completion_key
-from unsloth_jax.inference.weights import WEIGHT_MODES, prepare
+from unsloth_jax.inference.weights import WEIGHT_MODES, FP8Copies, MergeBuffers, choose_layout, prepare
 
 log = logging.getLogger("unsloth_jax")
 
 MIN_ROWS = 8  # the smallest row bucket
+MAX_ROWS = 256  # the default largest row bucket (vLLM's max_num_seqs)
+MAX_ROWS_SMALL = 512  # ... for a model under SMALL_MODEL_PARAMS parameters, whose decode step stays cheap
+SMALL_MODEL_PARAMS = 1_000_000_000
 
 
 @dataclasses.dataclass
@@ -98,6 +102,8 @@ class _Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None
+    long_from: int = 0  # LongRoPE: the first output token fed with the long factors (negative: the prompt too)
+    rewrite: bool = False  # LongRoPE: at that token, rewrite the cached keys with the long factors first
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
@@ -135,17 +141,23 @@ def default_stop_ids(model, tokenizer) -> list[int]:
 class Engine:
     """Generation for one model (a CausalLM). Settings:
 
-    max_rows: decode rows at once (vLLM's max_num_seqs); page_size: tokens per KV page; chunk: decode steps per
+    max_rows: decode rows at once (vLLM's max_num_seqs; default 256, 512 for a model under a billion parameters;
+    fewer when the KV cache cap cannot hold that many sequences at their full length); page_size: tokens per KV page; chunk: decode steps per
     host round trip; gpu_memory_utilization: fraction of the free device memory the KV pool may take (default
     0.9); kv_cache_gib: a fixed cap instead; weights: "shared" (the model's stacked weights, no copy),
-    "copy" or "merged" (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
+    "copy", "merged", "merged_buffer" (LoRA merged once per call into a buffer the engine keeps), "fp8" (an e4m3
+    copy of the base, made once and kept, LoRA unmerged: FP8 rollouts) or "auto"
+    ("merged_buffer" when its copy fits in weights.MERGE_FRACTION of the free memory, else "shared"; chosen at
+    the first call, with a one-line notice) (see unsloth_jax.inference.weights); max_model_len: the longest prompt + completion
     (default: config.max_position_embeddings); seed: for requests without their own."""
 
-    def __init__(self, model, tokenizer=None, *, max_rows: int = 256, page_size: int = 16, chunk: int = 64,
+    def __init__(self, model, tokenizer=None, *, max_rows: int | None = None, page_size: int = 16, chunk: int = 64,
                  gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
                  weights: str = "shared", max_model_len: int | None = None, seed: int = 0):
         if weights not in WEIGHT_MODES:
             raise ValueError(f"Engine: weights={weights!r}; use one of {WEIGHT_MODES}")
+        if max_rows is None:
+            max_rows = MAX_ROWS_SMALL if _parameter_count(model) < SMALL_MODEL_PARAMS else MAX_ROWS
         for name, value in (("max_rows", max_rows), ("page_size", page_size), ("chunk", chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
@@ -160,6 +172,8 @@ class Engine:
         self.max_rows, self.page_size, self.chunk = max_rows, page_size, chunk
         self.gpu_memory_utilization, self.kv_cache_gib = gpu_memory_utilization, kv_cache_gib
         self.weights = weights
+        # "merged_buffer": the merged kernels, rewritten call after call; "fp8": the base's e4m3 copies, kept
+        self._merge_buffers = FP8Copies() if weights == "fp8" else MergeBuffers()
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         self.seed = int(seed)
         self._requests_seen = 0
@@ -214,8 +228,25 @@ class Engine:
                           image_request(self.model, ids[-1], image_inputs, f"prompts[{i}]"))
         return texts, ids, images
 
-    def _sequences(self, ids, params_list) -> list[_Sequence]:
+    def _longrope_plan(self, ids, longrope) -> list[tuple[int, bool]]:
+        """Per prompt (long_from, rewrite): `longrope` checked, or each prompt's own switch as transformers'
+        Phi-3 makes it for that prompt alone: the long factors from the token whose position reaches
+        original_max_position_embeddings, the cache rebuilt with them there (when the prompt is no longer)."""
+        cfg = self.model.config
+        if longrope is None:
+            if cfg.rope_type != "longrope":
+                return [(0, False)] * len(ids)
+            return [(cfg.rope_original_max_position - len(p), len(p) <= cfg.rope_original_max_position) for p in ids]
+        if cfg.rope_type != "longrope":
+            raise ValueError(f"longrope: the model's rope_type is {cfg.rope_type!r}, not 'longrope'")
+        plan = list(longrope)
+        if len(plan) != len(ids) or not all(isinstance(x, tuple) and len(x) == 2 for x in plan):
+            raise ValueError(f"longrope: give one (long_from, rewrite) tuple per prompt ({len(ids)}), got {longrope!r}")
+        return [(int(a), bool(b)) for a, b in plan]
+
+    def _sequences(self, ids, params_list, longrope=None) -> list[_Sequence]:
         eos = default_stop_ids(self.model, self.tokenizer)
+        plan = self._longrope_plan(ids, longrope)
         seqs = []
         for r, (prompt, params) in enumerate(zip(ids, params_list)):
             total = len(prompt) + params.max_tokens
@@ -225,37 +256,66 @@ class Engine:
             seed = params.seed if params.seed is not None else self.seed * 1_000_003 + self._requests_seen + r
             stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
             for j in range(params.n):
-                seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops))
+                # a rewrite only where the row feeds that token (its last fed token is max_tokens - 2)
+                seqs.append(_Sequence(r, j, params, completion_key(seed, j), stops, long_from=plan[r][0],
+                                      rewrite=plan[r][1] and 0 <= plan[r][0] <= params.max_tokens - 2))
         self._requests_seen += len(ids)
         return seqs
 
+    def layout(self) -> str:
+        """The weight layout of the next call: `weights`, with "auto" resolved (once, by the free device memory;
+        the choice printed in one line on stderr) to "merged_buffer" or "shared"."""
+        if self.weights == "auto":
+            stats = _memory_stats()
+            free = None if stats is None else stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+            self.weights, why = choose_layout(self.model, free)
+            print(f"unsloth_jax generate: weights {self.weights} ({why})", file=sys.stderr)
+        return self.weights
+
     # -------------------------------------------------------------------------------------------- sizes
-    def _pool_pages(self, rows: int, max_pages: int) -> int:
-        cfg, size = self.model.config, self.page_size
-        need = rows * max_pages
-        per_page = paging.page_bytes(cfg, size, self.model.dtype)
+    def _page_cap(self, max_pages: int) -> int | None:
+        """The pages the KV cache cap holds (kv_cache_gib, else gpu_memory_utilization of the free device
+        memory; None where the backend reports no memory), checked to hold one sequence of max_pages."""
+        size = self.page_size
+        per_page = paging.page_bytes(self.model.config, size, self.model.dtype)
         if self.kv_cache_gib is not None:
             cap = int(self.kv_cache_gib * 2**30 // per_page)
         else:
             stats = _memory_stats()
             if stats is None:
-                return need
+                return None
             free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
             cap = int((self.gpu_memory_utilization or 0.9) * free // per_page)
         if cap < max_pages:
             raise ValueError(f"the KV cache cap holds {cap} pages of {size} tokens ({per_page / 2**20:.1f} MiB "
                              f"each) but one sequence needs {max_pages}; raise gpu_memory_utilization or "
                              f"kv_cache_gib, or lower max_tokens")
-        return min(need, cap)
+        return cap
+
+    def _sizes(self, sequences: int, max_pages: int) -> tuple[int, int]:
+        """(rows, pool pages) of a call with `sequences` sequences of up to max_pages pages: rows the power of
+        two that holds them all (at least MIN_ROWS), at most max_rows and at most what the cap holds at full
+        length (rounded down to a power of two); the pool every page those rows can use, up to the cap."""
+        cap = self._page_cap(max_pages)
+        rows = min(bucket(sequences, MIN_ROWS), bucket(self.max_rows, MIN_ROWS))
+        if cap is not None:
+            fit = 1 << (max(cap // max_pages, 1).bit_length() - 1)  # the largest power of two <= cap // max_pages
+            rows = min(rows, max(fit, MIN_ROWS))
+        need = rows * max_pages
+        return rows, need if cap is None else min(need, cap)
 
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, on_tokens=None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, on_tokens=None, longrope=None) -> list[RequestOutput]:
         """Complete every prompt (a string, token ids, a {"prompt_token_ids": ...} dict, or a list of those; a
         dict may carry the prompt's images: {"prompt_token_ids": ids, "images": image_inputs.ImageInputs(...)}, ids
         with the image tokens expanded as the processor gives them). sampling_params: one for all prompts or one
         per prompt (default SamplingParams()). on_tokens: called after each decode chunk with {(request, index):
-        new token ids} (streaming). Returns one RequestOutput per prompt, in order."""
+        new token ids} (streaming). longrope (a LongRoPE model: Phi-3): per prompt (long_from, rewrite), the index of
+        the first output token fed with the long factors (negative: the prompt's too) and whether the row's cached
+        keys are rewritten with them there (a prefill of its sequence so far); default: each prompt's own switch
+        (`_longrope_plan`); `generation.generate` gives a batch's, as transformers' Phi-3 takes it for the batch.
+        Returns one RequestOutput per prompt, in order."""
         texts, ids, images = self._prompt_ids(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -266,7 +326,7 @@ class Engine:
         for p in params_list:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        seqs = self._sequences(ids, params_list)
+        seqs = self._sequences(ids, params_list, longrope)
         _Run(self, ids, images, seqs, use_tqdm, on_tokens).run()
         outs = []
         for r, (text, prompt) in enumerate(zip(texts, ids)):
@@ -304,6 +364,11 @@ class Engine:
 _SUMMARIZED: "weakref.WeakSet" = weakref.WeakSet()  # models whose first generate call printed its summary line
 
 
+def _parameter_count(model) -> int:
+    """The model's parameters (array elements of its state; a quantized kernel counts its stored elements)."""
+    return sum(int(a.size) for a in jax.tree.leaves(nnx.state(model)) if hasattr(a, "size"))
+
+
 def _memory_stats() -> dict | None:
     try:
         stats = jax.devices()[0].memory_stats()
@@ -320,17 +385,12 @@ class _Run:
         self.e, self.prompts, self.images, self.seqs, self.on_tokens = engine, prompts, images, seqs, on_tokens
         # rows carry position offsets only in runs with M-RoPE prompts: text runs keep their decode program
         self.offsets = any(r is not None and r.rope_positions is not None for r in images)
+        self.longrope = engine.model.config.rope_type == "longrope"
         params = [s.params for s in seqs]
         self.flags = SamplerFlags.of(params)
-        size = engine.page_size
-        self.rows = min(bucket(len(seqs), MIN_ROWS), bucket(engine.max_rows, MIN_ROWS))
         longest = max(len(prompts[s.request]) + s.params.max_tokens for s in seqs)
-        self.max_pages = paging.pages_for(longest, size)
-        self.num_pages = engine._pool_pages(self.rows, self.max_pages)
+        self.max_pages = paging.pages_for(longest, engine.page_size)
         self.stop_width = max(1, max(len(s.stop_ids) for s in seqs))
-        self.alloc = paging.PageAllocator(self.num_pages)
-        self.free_rows = list(range(self.rows - 1, -1, -1))
-        self.tables = np.zeros((self.rows, self.max_pages), np.int32)
         self.waiting = collections.deque(_by_request(seqs))
         self.running: dict[int, _Sequence] = {}
         self.bar = None
@@ -341,13 +401,19 @@ class _Run:
 
     def run(self) -> None:
         e, cfg = self.e, self.e.model.config
+        t0 = time.perf_counter()
+        self.plan, self.weights = prepare(e.model, e.layout(), e._merge_buffers)
+        # sized after the weights: a first merged buffer is in use when the free memory is read
+        self.rows, self.num_pages = e._sizes(len(self.seqs), self.max_pages)
+        self.alloc = paging.PageAllocator(self.num_pages)
+        self.free_rows = list(range(self.rows - 1, -1, -1))
+        self.tables = np.zeros((self.rows, self.max_pages), np.int32)
         e.summary(self.rows, self.num_pages, self.flags, len(self.seqs))
         stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
                                 "rows": self.rows, "pool_pages": self.num_pages}
-        t0 = time.perf_counter()
-        self.plan, self.weights = prepare(e.model, e.weights)
         self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
-        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets)
+        self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets,
+                                       self.longrope)
         jax.block_until_ready((self.weights, self.pools))
         stats["prepare_s"] = time.perf_counter() - t0
         try:
@@ -358,8 +424,9 @@ class _Run:
                 if not self.running:
                     continue
                 t0 = time.perf_counter()
+                steps = self._longrope_switch() if self.longrope else e.chunk
                 out = runner.decode_chunk(self.weights, self.pools, self.state, jnp.asarray(self.tables),
-                                          jnp.int32(e.chunk), plan=self.plan, flags=self.flags, cap=e.chunk)
+                                          jnp.int32(steps), plan=self.plan, flags=self.flags, cap=e.chunk)
                 self.pools, self.state, tokens, logprobs, taken = out
                 tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
                 stats["decode_s"] += time.perf_counter() - t0
@@ -370,6 +437,34 @@ class _Run:
             self.pools = self.state = self.weights = None  # the KV pool and copied weights go with the call
             if self.bar is not None:
                 self.bar.close()
+
+    def _longrope_switch(self) -> int:
+        """LongRoPE: rewrite the cached keys of the rows about to feed their `long_from` token with the long
+        factors (one prefill of each row's sequence so far, into its own pages; the n completions of a prompt,
+        in step, write the same values to the pages they share), then the steps the next chunk may take: up to
+        the next row's rewrite."""
+        size, num_slots = self.e.page_size, self.num_pages * self.e.page_size
+        now, steps = [], self.e.chunk
+        for s in self.running.values():
+            fed = len(s.tokens) - 1  # the index of the token the row feeds next
+            if s.rewrite and fed == s.long_from:
+                now.append(s)
+                s.rewrite = False
+            elif s.rewrite:
+                steps = min(steps, s.long_from - fed)
+        if now:
+            seqs = [self.prompts[s.request] + s.tokens[:-1] for s in now]
+            p_b, s_b = bucket(len(seqs)), bucket(max(len(q) for q in seqs), 16)
+            ids = np.zeros((p_b, s_b), np.int32)
+            slots = np.full((p_b, s_b), num_slots, np.int32)
+            lens = np.zeros((p_b,), np.int32)
+            for i, (s, q) in enumerate(zip(now, seqs)):
+                t = np.arange(len(q))
+                ids[i, :len(q)], lens[i] = q, len(q)
+                slots[i, :len(q)] = np.asarray(s.pages)[t // size] * size + t % size
+            self.pools, _ = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
+                                           jnp.asarray(slots), None, jnp.ones((p_b,), bool), plan=self.plan)
+        return steps
 
     # ------------------------------------------------------------------------------------------ admission
     def _admit(self) -> None:
@@ -445,8 +540,13 @@ class _Run:
             embeds = runner.image_embeddings(self.weights, jnp.asarray(ids), batch.pixel_values, batch.image_kwargs,
                                              plan=self.plan)
             images = runner.PrefillImages(embeds, batch.block_ids, batch.rope_positions)
+        long = None
+        if self.longrope:  # prompts past the original context take the long factors from the start
+            long = np.zeros((p_b,), bool)
+            long[:n_prompts] = [group[0].long_from < 0 for _, group in admitted]
+            long = jnp.asarray(long)
         self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
-                                            jnp.asarray(slots), images, plan=self.plan)
+                                            jnp.asarray(slots), images, long, plan=self.plan)
         if src:
             self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
         new = [(i, s) for i, (_, group) in enumerate(admitted) for s in group]
@@ -461,12 +561,13 @@ class _Run:
         prompt_tokens = np.full((n_b, width), NO_TOKEN, np.int32)
         params = [SamplingParams()] * n_b
         offsets = np.zeros((n_b,), np.int32)
+        long_from = np.zeros((n_b,), np.int32)
         for k, (i, s) in enumerate(new):
             prompt = self.prompts[s.request]
             prompt_of[k], targets[k], plen[k], budgets[k] = i, s.row, len(prompt), s.params.max_tokens
             if self.images[s.request] is not None:
                 offsets[k] = self.images[s.request].position_offset
-            keys[k] = s.key
+            keys[k], long_from[k] = s.key, s.long_from
             stop_ids[k, :len(s.stop_ids)] = s.stop_ids
             if self.flags.penalty:
                 prompt_tokens[k, :len(prompt)] = prompt
@@ -475,7 +576,8 @@ class _Run:
         self.state, first, lps = runner.start_rows(self.state, logits, jnp.asarray(prompt_of), jnp.asarray(targets),
                                                    jnp.asarray(plen), jnp.asarray(budgets), jnp.asarray(keys), rp,
                                                    jnp.asarray(stop_ids), jnp.asarray(prompt_tokens),
-                                                   jnp.asarray(offsets) if self.offsets else None, flags=self.flags)
+                                                   jnp.asarray(offsets) if self.offsets else None,
+                                                   jnp.asarray(long_from) if self.longrope else None, flags=self.flags)
         first, lps = np.asarray(first), np.asarray(lps)
         news = {}
         for k, (_, s) in enumerate(new):

@@ -14,8 +14,10 @@ of up to `steps` tokens that stops early once every row is done; the host reads 
 Row state (`Rows`, arrays [R, ...]): the token to feed next, the tokens already cached (`lengths`, also the next
 token's position), whether the row is active, tokens still allowed (`budget`), tokens generated, the row's PRNG
 key, its sampling parameters, its stop token ids [R, S] (-1 padded), with a repetition penalty the tokens seen
-[R, V], and in a run with M-RoPE prompts (Qwen2.5-VL with images) each row's position offset (a token's rotary
-position is its cache slot + the offset: transformers' rope_deltas).
+[R, V], in a run with M-RoPE prompts (Qwen2.5-VL with images) each row's position offset (a token's rotary
+position is its cache slot + the offset: transformers' rope_deltas), and with LongRoPE (Phi-3) the index of the
+first output token each row feeds with the long factors (`long_from`; the engine rewrites the row's cached keys
+with them at that step when its request says so, as transformers' Phi-3 rebuilds its cache).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Rows(NamedTuple):
     stop_ids: jax.Array  # [R, S] int32, -1 padded
     seen: jax.Array | None  # [R, V] bool, with a repetition penalty
     offsets: jax.Array | None = None  # [R] int32, rotary position - cache slot (runs with M-RoPE prompts)
+    long_from: jax.Array | None = None  # [R] int32, LongRoPE: output tokens from this index on are fed long
 
 
 class PrefillImages(NamedTuple):
@@ -57,12 +60,13 @@ class PrefillImages(NamedTuple):
 
 
 def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool,
-            rope=None):
+            rope=None, long=None):
     """Every layer over x [B, S, D], layer i with the cache `caches(i)` (a PagedPrefill or PagedDecode over its
     page pools) -> (x, new pools tuple). decode: one token per row (projection kernels read in place). rope:
-    ((cos, sin), local) tables to rotate by instead of the text model's at `positions`."""
+    ((cos, sin), local) tables to rotate by instead of the text model's at `positions`. long: LongRoPE's
+    factors per row ([B] bool), or None."""
     cfg = model.config
-    (cos, sin), local = model.model.rope(positions) if rope is None else rope
+    (cos, sin), local = model.model.rope(positions, long) if rope is None else rope
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
     pools = []
@@ -76,11 +80,13 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     return x, tuple(pools)
 
 
-def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: PrefillImages | None = None, *,
-             plan: LayerPlan):
+def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: PrefillImages | None = None,
+             long=None, *, plan: LayerPlan):
     """Prompts ids [P, S] (right padded, lengths [P]) through the model, their keys/values written to the pools
     at slots [P, S] -> (pools, logits of each prompt's last token [P, V] float32). images (PrefillImages, prompts
-    with images): the layers start from its embeddings (ids unused), with its image blocks and M-RoPE positions."""
+    with images): the layers start from its embeddings (ids unused), with its image blocks and M-RoPE positions.
+    long: LongRoPE's factors per prompt ([P] bool; a row's cache rewritten with the long factors is a prefill of
+    its whole sequence so far with long True), or None."""
     model = nnx.merge(plan.graphdef, weights.state)
     p, s = ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
@@ -95,7 +101,7 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
     def caches(i):
         return PagedPrefill(pools[i][0], pools[i][1], slots, lengths, block_ids)
 
-    x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope)
+    x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope, long=long)
     last = jnp.take_along_axis(x, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
     return pools, model.logits_from_hidden(model.model.norm(last))
 
@@ -113,19 +119,19 @@ def _stopped(tokens, stop_ids):
 
 
 def _start_rows(rows: Rows, logits, prompt_of, targets, prompt_lengths, budgets, keys, params: RowParams, stop_ids,
-                prompt_tokens, offsets=None, *, flags: SamplerFlags):
+                prompt_tokens, offsets=None, long_from=None, *, flags: SamplerFlags):
     """Admit new rows: their first token sampled from their prompt's last logits.
 
     logits [P, V]; prompt_of [N] (which prompt each new row continues); targets [N] the row slots; prompt_lengths
     [N]; budgets [N] (max_tokens); keys [N, 2]; params (RowParams of [N]); stop_ids [N, S]; prompt_tokens [N, T]
     (NO_TOKEN padded; for the repetition penalty's seen tokens); offsets [N] (the rows' position offsets; exactly
-    when `rows` has them). Returns (rows, first tokens [N], their log-probs [N])."""
+    when `rows` has them); long_from [N] (LongRoPE; exactly when `rows` has it). Returns (rows, first tokens [N], their log-probs [N])."""
     n = targets.shape[0]
     seen = seen_tokens(prompt_tokens, logits.shape[-1]) if flags.penalty else None
     tokens, logprobs = sample(logits[prompt_of], params, token_keys(keys, jnp.zeros((n,), jnp.int32)), flags, seen)
     active = ~_stopped(tokens, stop_ids) & (budgets > 1)
     new = Rows(tokens, prompt_lengths, active, budgets - 1, jnp.ones((n,), jnp.int32), keys, params, stop_ids,
-               None if seen is None else seen.at[jnp.arange(n), tokens].set(True), offsets)
+               None if seen is None else seen.at[jnp.arange(n), tokens].set(True), offsets, long_from)
     rows = jax.tree.map(lambda old, fresh: old.at[targets].set(fresh.astype(old.dtype)), rows, new)
     return rows, tokens, logprobs
 
@@ -151,7 +157,8 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
             return PagedDecode(pools[i][0], pools[i][1], slots, tables, attend_len)
 
         positions = rows.lengths if rows.offsets is None else rows.lengths + rows.offsets
-        x, pools = _layers(plan, weights, model, x, positions[:, None], caches, None, decode=True)
+        long = None if rows.long_from is None else rows.generated - 1 >= rows.long_from  # the fed token's index
+        x, pools = _layers(plan, weights, model, x, positions[:, None], caches, None, decode=True, long=long)
         logits = model.logits_from_hidden(model.model.norm(x[:, 0]))
         tok, lp = sample(logits, rows.params, token_keys(rows.keys, rows.generated), flags, rows.seen)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))
@@ -187,9 +194,10 @@ decode_chunk = ops.policy_jit(_decode_chunk, static_argnames=("plan", "flags", "
 deactivate = jax.jit(_deactivate, donate_argnums=(0,))
 
 
-def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags, offsets: bool = False) -> Rows:
+def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags, offsets: bool = False,
+               long_from: bool = False) -> Rows:
     """Row state of r idle rows (every field its own buffer: the state is donated); offsets: with position
-    offsets (a run with M-RoPE prompts)."""
+    offsets (a run with M-RoPE prompts); long_from: with LongRoPE switch indices."""
     def ints():
         return jnp.zeros((r,), jnp.int32)
 
@@ -197,7 +205,8 @@ def empty_rows(r: int, stop_width: int, vocab: int, flags: SamplerFlags, offsets
                        jnp.zeros((r,), jnp.float32), jnp.ones((r,), jnp.float32))
     return Rows(ints(), ints(), jnp.zeros((r,), bool), ints(), ints(), jnp.zeros((r, 2), jnp.uint32), params,
                 jnp.full((r, stop_width), -1, jnp.int32),
-                jnp.zeros((r, vocab), bool) if flags.penalty else None, ints() if offsets else None)
+                jnp.zeros((r, vocab), bool) if flags.penalty else None, ints() if offsets else None,
+                ints() if long_from else None)
 
 
 __all__ = ["Rows", "PrefillImages", "prefill", "image_embeddings", "start_rows", "decode_chunk", "deactivate",

@@ -11,6 +11,19 @@ slice in place), which on the H200 doubled the step at 1.5B (BENCHMARKS.md, gene
   "merged"  as "copy", with each projection's LoRA pair folded into its kernel (W + scale A B, in the compute
             dtype): the fastest step, a full copy of the weights, and the LoRA delta rounded into W (16-bit
             bases only).
+  "merged_buffer"  the stacked layout of "shared" with each LoRA projection's kernel replaced by W + scale A B,
+            written by one jitted merge per rollout into a buffer of the base kernel's shape that the caller
+            keeps (`MergeBuffers`) and donates to the next merge: the decode step of "merged" without its
+            LoRA reads, one extra copy of the projection kernels held across rollouts, not one more per rollout
+            (16-bit bases only).
+  "fp8"     the stacked layout of "shared" with each dense projection kernel replaced by an e4m3 copy
+            (per-output-channel scales: pallas_kernels.fp8.quantize_fp8_weight, the load_in_fp8 format) made
+            once per base kernel and kept by the caller (`FP8Copies`; the base is frozen), LoRA unmerged in the
+            compute dtype: decoding reads half the bytes of a 16-bit base; the tokens are the FP8 model's, close
+            to the 16-bit ones (tests/test_fp8_rollouts.py measures how close).
+  "auto"    "merged_buffer" when the model has LoRA on a 16-bit base and the merged copy fits in MERGE_FRACTION
+            of the free device memory, else "shared" (`choose_layout`; the engine resolves it once and prints
+            its choice in one line).
 
 `DecodeWeights` holds the arrays (a pytree the compiled functions take); `LayerPlan` the static side.
 """
@@ -24,10 +37,11 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.backend import commit_to_devices
-from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.fp8 import FP8Weight, quantize_fp8_weight
 from pallas_kernels.nf4_format import NF4Weight
 
-WEIGHT_MODES = ("shared", "copy", "merged")
+WEIGHT_MODES = ("shared", "copy", "merged", "merged_buffer", "fp8", "auto")
+MERGE_FRACTION = 0.25  # "auto" merges when the merged kernels take at most this share of the free device memory
 
 
 class LayerPlan(NamedTuple):
@@ -78,10 +92,29 @@ def _projections(layer_module):
             yield lin
 
 
-def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
-    """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES)."""
-    if mode not in WEIGHT_MODES:
-        raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES}")
+class MergeBuffers:
+    """The merged kernels of "merged_buffer" between rollouts: one array per LoRA projection, in the order of
+    the layer stack's projections, each donated to the next rollout's merge (so it is rewritten in place)."""
+
+    def __init__(self):
+        self.kernels: list[jax.Array] = []
+
+
+class FP8Copies:
+    """The e4m3 copies of "fp8", one per projection in the order of the layer stack's projections, each with the
+    base kernel it was made from (remade when that kernel is another array)."""
+
+    def __init__(self):
+        self.copies: list[tuple[jax.Array, FP8Weight]] = []
+
+
+def prepare(model, mode: str = "shared", buffers: MergeBuffers | FP8Copies | None = None
+            ) -> tuple[LayerPlan, DecodeWeights]:
+    """The decode weights of `model` (a CausalLM) in layout `mode` (WEIGHT_MODES other than "auto", which
+    `choose_layout` resolves). buffers: the MergeBuffers "merged_buffer" writes into, or the FP8Copies "fp8"
+    reuses (a fresh one if None or of the other kind)."""
+    if mode not in WEIGHT_MODES or mode == "auto":
+        raise ValueError(f"weights={mode!r}: use one of {WEIGHT_MODES[:-1]} (resolve 'auto' by choose_layout)")
     commit_in_place(model)
     graphdef, state = nnx.split(model)
     layers = model.model.layers
@@ -89,6 +122,12 @@ def prepare(model, mode: str = "shared") -> tuple[LayerPlan, DecodeWeights]:
     dtype = model.dtype
     if mode == "merged":
         return _prepare_merged(model, graphdef, state, layers, n, dtype)
+    if mode == "merged_buffer":
+        keep = buffers if isinstance(buffers, MergeBuffers) else MergeBuffers()
+        return _prepare_merged_buffer(graphdef, state, layers, n, dtype, keep)
+    if mode == "fp8":
+        return _prepare_fp8(graphdef, state, layers, n, dtype, buffers if isinstance(buffers, FP8Copies)
+                            else FP8Copies())
     layer_graphdef, lora_state, base_state = nnx.split(layers, nnx.LoRAParam, ...)
     if mode == "shared":
         per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
@@ -112,15 +151,39 @@ def _merged_kernel(kernel, a, b, scale, dtype):
     return w.astype(dtype)
 
 
+def _quantized_base(layers) -> bool:
+    return any(isinstance(lin.kernel.get_value(), (NF4Weight, FP8Weight)) for lin in _projections(layers))
+
+
+def merged_bytes(model) -> int:
+    """Bytes of the merged kernels "merged_buffer" keeps: every projection with LoRA, in the compute dtype."""
+    itemsize = jnp.dtype(model.dtype).itemsize
+    return sum(int(lin.kernel.get_value().size) * itemsize for lin in _projections(model.model.layers)
+               if lin.lora_a is not None)
+
+
+def choose_layout(model, free_bytes: int | None) -> tuple[str, str]:
+    """Resolve weights="auto" for `model` with free_bytes of free device memory (None: unknown, as on a CPU)
+    -> (layout, the reason in a few words)."""
+    layers = model.model.layers
+    if not any(lin.lora_a is not None for lin in _projections(layers)):
+        return "shared", "no LoRA to merge"
+    if _quantized_base(layers):
+        return "shared", "LoRA read unmerged on the 4-bit / FP8 base"
+    need = merged_bytes(model)
+    if free_bytes is not None and need > MERGE_FRACTION * free_bytes:
+        return "shared", (f"LoRA read unmerged: a merged copy ({need / 2**30:.2f} GiB) exceeds {MERGE_FRACTION:g} of "
+                          f"the free {free_bytes / 2**30:.2f} GiB")
+    return "merged_buffer", f"LoRA merged into a reused {need / 2**30:.2f} GiB buffer once per rollout"
+
+
 def _prepare_merged(model, graphdef, state, layers, n, dtype):
-    for lin in _projections(layers):
-        kernel = lin.kernel.get_value()
-        if isinstance(kernel, (NF4Weight, FP8Weight)):
-            raise ValueError("weights='merged' needs a 16-bit base; this model's projections are 4-bit or FP8 "
-                             "(use weights='shared')")
+    if _quantized_base(layers):
+        raise ValueError("weights='merged' needs a 16-bit base; this model's projections are 4-bit or FP8 "
+                         "(use weights='shared')")
     # A module of the same structure with every LoRA pair folded into its kernel and dropped.
     layer_graphdef, layer_state = nnx.split(layers)
-    clone = nnx.merge(layer_graphdef, layer_state)
+    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables: the model's kernels stay as they are
     merged = {}
     for lin in _projections(clone):
         if lin.lora_a is not None:
@@ -136,7 +199,65 @@ def _prepare_merged(model, graphdef, state, layers, n, dtype):
 
 
 _merged_kernel_jit = jax.jit(_merged_kernel, static_argnums=(3, 4))
+
+
+def _merge_into(buffer, kernel, a, b, scale):
+    """W + scale A B in buffer's dtype, written over `buffer` (donated: same shape and dtype as the result)."""
+    return _merged_kernel(kernel, a, b, scale, buffer.dtype)
+
+
+_merge_into_jit = jax.jit(_merge_into, static_argnums=(4,), donate_argnums=(0,))
+
+
+def _prepare_merged_buffer(graphdef, state, layers, n, dtype, buffers: MergeBuffers):
+    """"merged_buffer": a stacked layer module whose LoRA kernels are the merged buffers (rewritten in place by
+    this rollout's merge; allocated on the first), its LoRA pairs dropped; sliced in the step as "shared"."""
+    if _quantized_base(layers):
+        raise ValueError("weights='merged_buffer' needs a 16-bit base; this model's projections are 4-bit or FP8 "
+                         "(use weights='shared')")
+    layer_graphdef, layer_state = nnx.split(layers)
+    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables (same arrays): the model's stay
+    lora = [lin for lin in _projections(clone) if lin.lora_a is not None]
+    old = buffers.kernels
+    fresh = []
+    for k, lin in enumerate(lora):
+        kernel, a, b = lin.kernel.get_value(), lin.lora_a.get_value(), lin.lora_b.get_value()
+        scale = float(lin.lora_scale)
+        if k < len(old) and old[k].shape == kernel.shape and old[k].dtype == jnp.dtype(dtype):
+            merged = _merge_into_jit(old[k], kernel, a, b, scale)
+        else:
+            merged = _merged_kernel_jit(kernel, a, b, scale, jnp.dtype(dtype))
+        fresh.append(merged)
+        lin.kernel.set_value(merged)
+        lin.lora_a = lin.lora_b = None
+        lin.lora_scale = None
+    buffers.kernels = fresh
+    merged_graphdef, merged_state = nnx.split(clone)
+    return LayerPlan(graphdef, merged_graphdef, True), DecodeWeights(state, merged_state, tuple(() for _ in range(n)))
 _unstack_jit = jax.jit(_unstack, static_argnums=(1,))
+
+
+def _prepare_fp8(graphdef, state, layers, n, dtype, copies: FP8Copies):
+    """"fp8": a stacked layer module whose dense projection kernels are e4m3 copies (made once per base kernel),
+    LoRA unmerged and split per layer as in "shared"."""
+    from unsloth_jax.models.layers import FP8Param
+
+    if _quantized_base(layers):
+        raise ValueError("weights='fp8' needs a 16-bit base; this model's projections are already 4-bit or FP8 "
+                         "(use weights='shared')")
+    layer_graphdef, layer_state = nnx.split(layers)
+    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables: the model keeps its kernels
+    old = copies.copies
+    fresh = []
+    for k, lin in enumerate(_projections(clone)):
+        kernel = lin.kernel.get_value()
+        fp8 = old[k][1] if k < len(old) and old[k][0] is kernel else quantize_fp8_weight(kernel)
+        fresh.append((kernel, fp8))
+        lin.kernel = FP8Param(fp8)
+    copies.copies = fresh
+    layer_graphdef, lora_state, base_state = nnx.split(clone, nnx.LoRAParam, ...)
+    per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
+    return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
 
 
 def _is_projection_kernel(path) -> bool:
@@ -166,4 +287,6 @@ def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: b
     return nnx.merge(plan.layer_graphdef, *parts)
 
 
-__all__ = ["WEIGHT_MODES", "LayerPlan", "DecodeWeights", "prepare", "layer_module", "commit_in_place"]
+__all__ = ["WEIGHT_MODES", "MERGE_FRACTION", "LayerPlan", "DecodeWeights", "MergeBuffers", "FP8Copies", "prepare",
+           "choose_layout",
+           "merged_bytes", "layer_module", "commit_in_place"]

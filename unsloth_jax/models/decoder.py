@@ -130,13 +130,13 @@ class DecoderModel(nnx.Module):
         sliding-window layers when given, (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
         return group_ropes(self.config, cos, sin, local)
 
-    def rope(self, positions: jax.Array):
+    def rope(self, positions: jax.Array, long: jax.Array | None = None):
         """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global
         RoPE, and `local` the (cos, sin) of the sliding-window layers when they have their own base (Gemma 3),
-        else None."""
+        else None. long: LongRoPE's factors per row ([B] bool; rope_tables)."""
         cfg = self.config
         local = rope_tables(cfg, positions, local=True) if cfg.rope_local_theta else None
-        return rope_tables(cfg, positions), local
+        return rope_tables(cfg, positions, long=long), local
 
     def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
                    cache: KVCache | None = None, local_rope=None, router_stats: bool = False):

@@ -41,16 +41,19 @@ def inv_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False
     return inv.astype(f32)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False) -> tuple[jax.Array, jax.Array]:
+def rope_tables(cfg: ModelConfig, positions: jax.Array, *, local: bool = False,
+                long: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, S, rope_dim] in float32 for integer positions [B, S] (HF layout: frequencies repeated twice).
     local=True: the tables of Gemma 3's sliding-window layers. LongRoPE picks the long factors for the whole
     call when its largest position + 1 exceeds the original context, as transformers does per forward call
     from position_ids (positions_from_mask counts real tokens only, so padding never tips the choice; cached
-    keys keep the factors they were computed with: generation rebuilds its cache at the switch). LongRoPE
-    and YaRN scale cos and sin by rope_attention_factor (never on the local tables)."""
+    keys keep the factors they were computed with: generation rewrites them at the switch), or per row by
+    `long` [B] bool when given (the engine's rows, each its own sequence). LongRoPE and YaRN scale cos and
+    sin by rope_attention_factor (never on the local tables)."""
     inv = jnp.asarray(inv_frequencies(cfg, local=local), jnp.float32)
     if cfg.rope_type == "longrope" and not local:
-        use_long = jnp.max(positions) + 1 > cfg.rope_original_max_position
+        use_long = jnp.max(positions) + 1 > cfg.rope_original_max_position if long is None else long
+        use_long = jnp.reshape(use_long, jnp.shape(use_long) + (1,) * (positions.ndim + 1 - jnp.ndim(use_long)))
         inv = jnp.where(use_long, jnp.asarray(inv_frequencies(cfg, long=True), jnp.float32), inv)
     freqs = positions.astype(jnp.float32)[..., None] * inv
     emb = jnp.concatenate([freqs, freqs], axis=-1)

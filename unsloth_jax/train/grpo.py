@@ -586,7 +586,9 @@ class GRPOTrainer(RLTrainerBase):
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
                                  max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids + image_ids,
                                  ignore_eos=True, seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
-        outs = engine_for(self.model).generate(unique, params)  # the g completions of a prompt share its pages
+        # the g completions of a prompt share its pages; a text model's LoRA merged into a reused buffer when it
+        # fits (the vision-language engine path reads its towers' LoRA unmerged)
+        outs = engine_for(self.model, weights="shared" if self.vision else "auto").generate(unique, params)
         prompts = [request_ids(p) for p in unique for _ in range(g)]
         images = [request_images(p) for p in unique for _ in range(g)]
         completions = [list(c.token_ids) for o in outs for c in o.outputs]
