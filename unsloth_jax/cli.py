@@ -917,6 +917,12 @@ def cmd_generate(args) -> int:
         return 0
     print(f"unsloth-jax: chatting with {model_dir} ({fmt} prompts). Empty line or Ctrl-D quits; /reset clears the "
           "conversation.", file=sys.stderr)
+    return _chat_loop(answer)
+
+
+def _chat_loop(answer) -> int:
+    """Read prompts from stdin until an empty line, /exit, /quit or Ctrl-D; /reset clears the conversation.
+    answer(line, history) answers one turn and appends it to history."""
     history: list[dict] = []
     while True:
         try:
@@ -989,19 +995,7 @@ def _generate_vision(args, model_dir: Path) -> int:
         return 0
     print(f"unsloth-jax: chatting with {model_dir} (vision-language, {len(images)} image(s) in the first turn). "
           "Empty line or Ctrl-D quits; /reset clears the conversation.", file=sys.stderr)
-    history: list[dict] = []
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            break
-        if not line.strip() or line.strip() in ("/exit", "/quit"):
-            break
-        if line.strip() == "/reset":
-            history = []
-            continue
-        answer(line, history)
-    return 0
+    return _chat_loop(answer)
 
 
 # ------------------------------------------------------------------------------------------------ export
