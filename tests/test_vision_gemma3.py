@@ -118,12 +118,24 @@ def test_logits_match_transformers_with_images(checkpoint, ours, rng, with_types
     ids, types, mask, pixels = _inputs(rng)
     types = types if with_types else None
     ref = _hf_logits(hf, ids, types, mask, pixels)
+    import pallas_kernels.flash_attention as flash_module
+
+    calls = []
+    real_flash = flash_module.flash_attention
+
+    def spy(*args, **kwargs):  # which masks the flash kernel was given
+        calls.append(sorted(k for k in ("block_ids", "segment_ids") if kwargs.get(k) is not None))
+        return real_flash(*args, **kwargs)
+
     ops.set_impl("attention", attention)
+    flash_module.flash_attention = spy
     try:
         out = np.asarray(ours(ids, attention_mask=mask, pixel_values=pixels, token_type_ids=types))
-        assert attention == "auto" or ops.chosen_impls()["attention"] == "pallas"
     finally:
+        flash_module.flash_attention = real_flash
         ops.set_impl("attention", "auto")
+    if attention == "pallas":  # every language-model layer ran on the kernel, with the image blocks when given
+        assert calls and all(("block_ids" in c) == with_types for c in calls), calls
     real = mask.astype(bool)
     err = rel_err(out[real], ref[real])
     assert err < 1e-5, f"relative error {err:.2e}"

@@ -114,7 +114,8 @@ class VisionEncoder(nnx.Module):
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer_state):
-            h = checkpoint_name(h, "layer_input")
+            if policy.offload != "none":  # the value the host-offload policies send to pinned host memory
+                h = checkpoint_name(h, "layer_input")
             return nnx.merge(graphdef, layer_state)(h), None
 
         return jax.lax.scan(checkpointed(body, policy), x, state)[0]

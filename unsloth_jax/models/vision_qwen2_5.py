@@ -284,7 +284,8 @@ class QwenVisionTower(nnx.Module):
 
         def body(h, xs):
             block_state, is_full = xs
-            h = checkpoint_name(h, "layer_input")
+            if policy.offload != "none":  # the value the host-offload policies send to pinned host memory
+                h = checkpoint_name(h, "layer_input")
             segments = jnp.where(is_full, frames, windows)
             return nnx.merge(graphdef, block_state)(h, cos, sin, segments), None
 
