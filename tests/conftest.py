@@ -28,10 +28,8 @@ def _share_compiled_programs() -> None:
     compiled once is then loaded. The JAX_* variables carry it into the processes tests start (the CLI, notebook
     kernels, the 8-device cases of tests/multidevice_cases.py), except the two-process jax.distributed run,
     which hung at its shutdown barrier sharing it (test_distributed drops the variables for it).
-    Off unless UNSLOTH_JAX_TEST_COMPILE_CACHE=1: with it on, four full runs in a row on 2026-12-06 (jax 0.10.2,
-    CPU) lost an xdist worker to a segfault or abort inside XLA (three in the cache write, put_executable_and_time,
-    of a tiny eager program; one in a compile), at different tests each time; the same tests pass alone."""
-    if os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE", "0") != "1":
+    UNSLOTH_JAX_TEST_COMPILE_CACHE=0 turns it off."""
+    if os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE", "1") == "0":
         return
     path = os.environ.get("UNSLOTH_JAX_TEST_COMPILE_CACHE_DIR")
     if not path:
