@@ -101,6 +101,11 @@ def test_loss_equals_trl_over_micro_batches(loss_type, rng):
     adv = rng.normal(size=(accum, b))
     mask = (rng.uniform(size=(accum, b, t)) < 0.8).astype(np.float32)
     mask[0, 1] = 0.0  # an empty completion
+    # one token clipped high (ratio e^0.5 > 1 + 0.28 with a positive advantage) and one clipped low (ratio e^-0.5
+    # < 1 - 0.2 with a negative advantage), so every seed exercises both clip statistics
+    adv[0, 0], adv[1, 0] = 1.0, -1.0
+    mask[0, 0, 0] = mask[1, 0, 0] = 1.0
+    old[0, 0, 0], old[1, 0, 0] = lp[0, 0, 0] - 0.5, lp[1, 0, 0] + 0.5
     num_items = float(mask.sum())
     kw = dict(beta=0.04, loss_type=loss_type, max_completion_length=t)
 
@@ -129,7 +134,7 @@ def test_loss_equals_trl_over_micro_batches(loss_type, rng):
     assert abs(sum(float(s["kl"]) for s in stats) - kl_sum) < 1e-4
     assert sum(float(s["clip_low"]) for s in stats) == low_sum
     assert sum(float(s["clip_high"]) for s in stats) == high_sum
-    assert low_sum + high_sum > 0  # the fixture exercises the clipping
+    assert low_sum > 0 and high_sum > 0  # the fixture exercises both clippings
     assert sum(float(s["n_tokens"]) for s in stats) == num_items
 
 
