@@ -322,3 +322,37 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
         keep = keep & ((lengths[:, None] - 1) - j < window)
     out = attention(q[:, None], k, v, keep[:, None, :], scale=scale, softcap=softcap, sinks=sinks)[:, 0]
     return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
+
+
+# ---- gated delta rule (Qwen3.5's linear attention; the kernel will be pallas_kernels/gated_delta.py) ----
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale):
+    """The gated delta rule one token at a time (transformers' torch_recurrent_gated_delta_rule, whose query /
+    key L2 normalization the caller does): for each head, S_t = exp(g_t) S_{t-1};
+    S_t += k_t (beta_t (v_t - k_t^T S_t))^T; o_t = scale q_t^T S_t.
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv] with Hv a multiple of Hk (value head h reads query / key head
+    h // (Hv // Hk)); g (log decay, <= 0) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
+    Math in float32. -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32).
+    A segment start (packing) is a g of -1e4 there: exp(g) is 0, so the state restarts."""
+    hi = jax.lax.Precision.HIGHEST
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    f32 = jnp.float32
+    rep = hv // hk
+    qf = jnp.repeat(q.astype(f32), rep, axis=2) * scale
+    kf = jnp.repeat(k.astype(f32), rep, axis=2)
+    state0 = jnp.zeros((b, hv, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
+
+    def step(state, xs):
+        q_t, k_t, v_t, g_t, b_t = xs  # [B, Hv, Dk], [B, Hv, Dk], [B, Hv, Dv], [B, Hv], [B, Hv]
+        state = state * jnp.exp(g_t)[..., None, None]
+        predicted = jnp.einsum("bhk,bhkv->bhv", k_t, state, precision=hi)
+        delta = (v_t - predicted) * b_t[..., None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        return state, jnp.einsum("bhk,bhkv->bhv", q_t, state, precision=hi)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, v.astype(f32), g.astype(f32), beta.astype(f32)))
+    final, out = jax.lax.scan(step, state0, xs)
+    return jnp.moveaxis(out, 0, 1).astype(v.dtype), final

@@ -555,6 +555,17 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
     return fn(x, *whole) if impl is ref else per_batch_shard(fn, (x,), whole)
 
 
+# ------------------------------------------------------------------------------------- gated delta rule
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                     initial_state: jax.Array | None = None, *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Qwen3.5's linear attention (the gated delta rule; see pallas_kernels.reference.gated_delta_rule for the
+    math): q, k [B, T, Hk, Dk] (L2-normalized by the caller), v [B, T, Hv, Dv], g (log decay) and beta
+    [B, T, Hv], initial_state [B, Hv, Dk, Dv] or None -> (o [B, T, Hv, Dv] in v.dtype, final state float32).
+    XLA: the token-by-token scan of the reference."""
+    _note("gated_delta", "xla")
+    return ref.gated_delta_rule(q, k, v, g, beta, initial_state, scale=scale)
+
+
 # ------------------------------------------------------------------------------------------- attention
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """jax.lax.ragged_dot's grouped GEMM: x [N, K] (rows sorted by group), w [E, K, M], group_sizes [E] int32
