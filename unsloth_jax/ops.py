@@ -12,7 +12,8 @@ Inside a trace the active policy is the one `policy_scope` set; code traced outs
 points (a user's own `nnx.jit`) uses the policy current at trace time.
 
 Ops: rms_norm, rope, glu, glu_fp8 (the GLU fused with an FP8 down_proj's row quantization), linear (dense,
-4-bit or FP8, with or without LoRA), grouped_matmul, attention, cross_entropy, and
+4-bit or FP8, with or without LoRA), grouped_matmul, attention, cross_entropy, gated_delta (Qwen3.5's linear
+attention), and
 token_logprobs (per-token log-probabilities for preference and RL losses; XLA only). Two choices are not kernels:
 fp8_gemm, the dtype XLA's FP8 GEMMs write before their scales ("bf16" for 16-bit activations by default, or "f32",
 `fp8_gemm_out`), and nf4_gemm,
@@ -37,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import reference as ref
 from pallas_kernels._common import on_gpu
 from pallas_kernels.fp8 import FP8Weight
+from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
 from pallas_kernels.nf4_format import NF4Weight
 from unsloth_jax.backend import mesh_batch_axes
 
@@ -87,6 +89,7 @@ IMPLS = {
     "decode_gemm": ("xla", "cublas_inplace"),
     "cross_entropy": ("xla", "pallas"),
     "grouped_matmul": ("xla", "pallas"),
+    "gated_delta": ("xla", "pallas"),  # Qwen3.5's linear attention: XLA's chunked form or the Pallas kernel
     "fp8_gemm": ("f32", "bf16"),  # not a kernel: the FP8 GEMMs' output dtype before the scales
     "nf4_gemm": ("dequantized", "fp8"),  # not a kernel: NF4 bases in the compute dtype or as FP8 GEMMs
 }
@@ -316,6 +319,9 @@ PALLAS_WINS = {
     # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
     # work, and an E-times padded copy that does not fit at Qwen3-30B-A3B's shape).
     "grouped_matmul": lambda x: x.dtype in (_BF16, jnp.float16),
+    # The gated delta rule (Qwen3.5's linear attention) has not been timed on a GPU yet: XLA's chunked form until
+    # bench/gated_delta_bench.py says otherwise.
+    "gated_delta": lambda v: False,
 }
 
 
@@ -559,11 +565,22 @@ def _linear_nf4(x: jax.Array, q, lora) -> jax.Array:
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                      initial_state: jax.Array | None = None, *, scale: float) -> tuple[jax.Array, jax.Array]:
     """Qwen3.5's linear attention (the gated delta rule; see pallas_kernels.reference.gated_delta_rule for the
-    math): q, k [B, T, Hk, Dk] (L2-normalized by the caller), v [B, T, Hv, Dv], g (log decay) and beta
-    [B, T, Hv], initial_state [B, Hv, Dk, Dv] or None -> (o [B, T, Hv, Dv] in v.dtype, final state float32).
-    XLA: the token-by-token scan of the reference."""
+    math): q, k [B, T, Hk, Dk] (L2-normalized by the caller), v [B, T, Hv, Dv], g (log decay, <= 0; -1e4 at a
+    packed segment's start) and beta [B, T, Hv], initial_state [B, Hv, Dk, Dv] or None -> (o [B, T, Hv, Dv] in
+    v.dtype, final state [B, Hv, Dk, Dv] float32). XLA: the chunked form (pallas_kernels.gated_delta_chunked);
+    Pallas: pallas_kernels.gated_delta (per batch shard under a mesh)."""
+    if use_pallas("gated_delta", v):
+        from pallas_kernels.gated_delta import gated_delta_rule as kernel
+
+        _note("gated_delta", "pallas")
+        interpret = not active_policy().gpu
+        if initial_state is None:
+            fn = lambda q, k, v, g, beta: kernel(q, k, v, g, beta, None, scale=scale, interpret=interpret)  # noqa: E731
+            return per_batch_shard(fn, (q, k, v, g, beta))
+        fn = lambda q, k, v, g, beta, s: kernel(q, k, v, g, beta, s, scale=scale, interpret=interpret)  # noqa: E731
+        return per_batch_shard(fn, (q, k, v, g, beta, initial_state))
     _note("gated_delta", "xla")
-    return ref.gated_delta_rule(q, k, v, g, beta, initial_state, scale=scale)
+    return chunked_gated_delta_rule(q, k, v, g, beta, initial_state, scale=scale)
 
 
 # ------------------------------------------------------------------------------------------- attention

@@ -1,0 +1,119 @@
+"""The gated delta rule in chunks, in plain jnp: the XLA path of ops.gated_delta_rule (the Pallas kernel is
+pallas_kernels.gated_delta; the token-by-token scan pallas_kernels.reference.gated_delta_rule is the ground truth).
+
+Per head, within a chunk of C tokens with start state S0 [Dk, Dv] (G the cumulative log decay inside the chunk,
+e = exp(G), Gamma_ij = exp(G_i - G_j) for j <= i and 0 above the diagonal):
+    A = strict_lower(Gamma * beta_i k_i.k_j)             (the delta rule's dependence of token i on tokens j < i)
+    (I + A) [W | U~] = [beta e K | beta V]                 (one unit-lower triangular solve: the UT/WY transform)
+    U = U~ - W S0                                         (the chunk's state updates, [C, Dv])
+    O = scale (e Q S0 + lower(Gamma * Q K^T) U)
+    S1 = e_C S0 + (exp(G_C - G) K)^T U
+Everything but the last three lines runs for all chunks at once; a lax.scan over chunks carries the state.
+Every exponent is a difference G_i - G_j with j <= i inside one segment (or G itself), so for g <= 0 no exp sees a
+positive number, in the forward or in the gradient; a segment start (g = -1e4) makes the factors across it exactly 0
+and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients (the triangular solve's included).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DEFAULT_CHUNK = 64
+# A log decay below this is a segment start: its decay is taken as exactly 0 (exp(-60) < 1e-26) and the chunk's
+# cumulative sums restart there, so they never hold -1e4 (whose float32 ulp, 1e-3, would spoil every later
+# difference G_i - G_j of the chunk).
+RESET_BELOW = -60.0
+
+
+def _chunks(x, t_pad: int, chunk: int):
+    """[B, T, H, ...] -> [B, H, N, C, ...] float32, zero-padded along T to t_pad = N * C."""
+    x = x.astype(jnp.float32)
+    t = x.shape[1]
+    if t_pad != t:
+        x = jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))
+    b, _, h = x.shape[:3]
+    x = x.reshape(b, t_pad // chunk, chunk, h, *x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def chunk_decays(g, chunk: int):
+    """The decay factors of chunks of log decays g [..., C] (float32, <= 0) -> (G, gamma, e, r, e_last):
+    G [..., C] the cumulative log decay since the chunk start or the last segment start (see RESET_BELOW; such
+    a token's own g counts as 0), gamma [..., C, C] = exp(G_i - G_j) for j <= i in one segment (else 0),
+    e [..., C] = exp(G) before the chunk's first segment start (else 0: the start state is forgotten),
+    r [..., C] = exp(G_last - G_j) for j in the chunk's last segment (else 0), e_last [...] = e[..., -1]."""
+    reset = g < RESET_BELOW
+    big_g = jnp.cumsum(jnp.where(reset, 0.0, g), axis=-1)
+    seg = jnp.cumsum(reset.astype(jnp.int32), axis=-1)
+    same = (seg[..., :, None] == seg[..., None, :]) & jnp.tril(jnp.ones((chunk, chunk), bool))
+    diff = big_g[..., :, None] - big_g[..., None, :]
+    gamma = jnp.where(same, jnp.exp(jnp.where(same, diff, 0.0)), 0.0)
+    first = seg == 0
+    e = jnp.where(first, jnp.exp(jnp.where(first, big_g, 0.0)), 0.0)
+    last = seg == seg[..., -1:]
+    tail = big_g[..., -1:] - big_g
+    r = jnp.where(last, jnp.exp(jnp.where(last, tail, 0.0)), 0.0)
+    return big_g, gamma, e, r, e[..., -1]
+
+
+def check_inputs(q, k, v, g, beta, initial_state):
+    """Shape checks shared by the chunked path and the kernel: a ValueError naming the argument."""
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"gated_delta_rule: q and k must both be [B, T, Hk, Dk]; got q {q.shape}, k {k.shape}")
+    b, t, hk, dk = q.shape
+    if v.ndim != 4 or v.shape[:2] != (b, t) or v.shape[2] % hk:
+        raise ValueError(f"gated_delta_rule: v must be [B, T, Hv, Dv] with Hv a multiple of Hk={hk} and "
+                         f"B, T = {b}, {t}; got {v.shape}")
+    hv, dv = v.shape[2], v.shape[3]
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, t, hv):
+            raise ValueError(f"gated_delta_rule: {name} must be [B, T, Hv] = {(b, t, hv)}; got {x.shape}")
+    if initial_state is not None and initial_state.shape != (b, hv, dk, dv):
+        raise ValueError(f"gated_delta_rule: initial_state must be [B, Hv, Dk, Dv] = {(b, hv, dk, dv)}; got "
+                         f"{initial_state.shape}")
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chunk: int = DEFAULT_CHUNK):
+    """The gated delta rule computed chunk by chunk (same interface and result as
+    pallas_kernels.reference.gated_delta_rule).
+
+    q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv], Hv a multiple of Hk; g (log decay, <= 0;
+    -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros). Math in float32;
+    T need not be a multiple of `chunk` (zero padding: g = 0, beta = 0 leave the state unchanged).
+    -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32). Differentiable in every input."""
+    check_inputs(q, k, v, g, beta, initial_state)
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    rep = hv // hk
+    n = -(-t // chunk)
+    tp = n * chunk
+    qc = jnp.repeat(_chunks(q, tp, chunk), rep, axis=1) * scale  # [B, Hv, N, C, Dk]
+    kc = jnp.repeat(_chunks(k, tp, chunk), rep, axis=1)
+    vc = _chunks(v, tp, chunk)  # [B, Hv, N, C, Dv]
+    gc = _chunks(g, tp, chunk)  # [B, Hv, N, C]
+    bc = _chunks(beta, tp, chunk)
+
+    big_g, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    a = jnp.where(strict, gamma * bc[..., :, None] * jnp.einsum("...id,...jd->...ij", kc, kc), 0.0)
+    rhs = jnp.concatenate([(bc * e)[..., None] * kc, bc[..., None] * vc], axis=-1)
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    wu = lax.linalg.triangular_solve(a + eye, rhs, left_side=True, lower=True, unit_diagonal=True)
+    w, u_tilde = wu[..., :dk], wu[..., dk:]
+    p = gamma * jnp.einsum("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
+    eq = e[..., None] * qc
+    kr = kr_scale[..., None] * kc
+
+    def step(state, xs):
+        w_n, ut_n, eq_n, p_n, kr_n, el_n = xs
+        u = ut_n - jnp.einsum("bhck,bhkv->bhcv", w_n, state)
+        out = jnp.einsum("bhck,bhkv->bhcv", eq_n, state) + jnp.einsum("bhcj,bhjv->bhcv", p_n, u)
+        state = el_n[..., None, None] * state + jnp.einsum("bhck,bhcv->bhkv", kr_n, u)
+        return state, out
+
+    state0 = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (w, u_tilde, eq, p, kr, e_last))
+    final, out = lax.scan(step, state0, xs)  # out [N, B, Hv, C, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, hv, tp, dv)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2).astype(v.dtype), final
