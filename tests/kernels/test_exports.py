@@ -14,7 +14,7 @@ from tests.helpers import subprocess_env
 KERNELS = ("rms_norm", "rope", "swiglu", "geglu", "lora_linear", "cross_entropy", "flash_attention", "quantize_nf4",
            "dequantize_nf4", "nf4_matmul", "qlora_linear", "NF4Weight", "grouped_matmul", "glu_fp8_matmul", "stacked_linear", "nf4_decode_linear",
            "paged_decode_attention",
-           "nf4_fp8_matmul")
+           "nf4_fp8_matmul", "gated_delta_rule", "chunked_gated_delta_rule")
 
 
 @pytest.mark.parametrize("name", KERNELS)
