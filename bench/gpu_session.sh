@@ -4,7 +4,7 @@
 # with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
 # benchmarks/data/logs/) and updates BENCHMARKS.md.
 # Stages: smoke tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
-# longctx rematmem
+# longctx rematmem gateddelta
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
@@ -16,6 +16,10 @@
 # QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
 # 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
 # process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
+# gateddelta (issue 46: tests/kernels/test_gated_delta.py on the GPU, then bench/gated_delta_bench.py: forward + backward
+# of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
+# XLA form and the token scan, each in its own process: ms and peak memory, gated_delta.jsonl; the test log in
+# pytest_gated_delta.txt)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
@@ -28,7 +32,8 @@
 # LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
 # VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
 # SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
-# SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s).
+# SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
+# bench, default 300 s; its tests get TEST_TIMEOUT).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -96,6 +101,13 @@ for st in $stages; do
         log "bench $b $flags (limit ${t}s)"
         timeout $t $PY bench/$b.py $flags 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_kernels.jsonl" | grep -c .
       done ;;
+    gateddelta)
+      log "gated delta: tests/kernels/test_gated_delta.py"
+      timeout ${TEST_TIMEOUT:-480} $PY -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
+        >"$OUT/pytest_gated_delta.txt" 2>&1
+      tail -3 "$OUT/pytest_gated_delta.txt" | tee -a "$OUT/session.log"
+      log "bench gated_delta"
+      timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py 2>>"$OUT/bench_err.txt" | tee -a "$OUT/gated_delta.jsonl" ;;
     attention)
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;
