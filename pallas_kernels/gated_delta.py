@@ -22,7 +22,7 @@ Kernels (grid (Dv blocks, B, Hv); a value column's recurrence never reads anothe
   per value head: XLA sums them, then over each GQA group), dv and, at the end, d initial_state.
 Ragged T: masked loads read zeros past the end (g = 0, beta = 0 leave the state unchanged) and masked stores skip
 those rows. Dk and Dv are zero-padded to powers of two (at least 16) by the wrapper: exact, padded columns stay 0.
-All math is float32 (on the GPU the dots of float32 tiles are TF32).
+All math is float32; on the GPU the tile products are TF32 for 16-bit inputs and full float32 for float32 inputs.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class _Static:
     scale: float
     has_init: bool
     interpret: bool
+    ieee: bool  # float32 inputs: full-precision float32 dots (else TF32 on the GPU)
     num_warps: int = 4
     num_stages: int = 1
 
@@ -103,8 +104,9 @@ def _unit_lower_inverse(a, c: int):
     return lax.fori_loop(1, c, step, eye)
 
 
-def _dot(a, b, trans_a=False, trans_b=False):
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
+def _dot(a, b, st: _Static, trans_a=False, trans_b=False):
+    """float32 tile product: TF32 on the GPU, or full float32 (IEEE) for float32 inputs."""
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=lax.Precision.HIGHEST if st.ieee else None)
 
 
 class _Chunk:
@@ -112,6 +114,7 @@ class _Chunk:
 
     def __init__(self, q_ref, k_ref, v_ref, g_ref, b_ref, ci, st: _Static, dk: int, bv: int):
         c = st.chunk
+        self.st = st
         self.lo = lo = ci * c
         self.rows = range_mask(lo, c, st.seq_len, st.ragged)
         f32 = jnp.float32
@@ -123,17 +126,17 @@ class _Chunk:
         self.gamma, self.e, self.r, self.e_last, self.reset = _decays(self.g, c)
         row, col = _iota2(c)
         self.strict = row > col
-        self.kk = _dot(self.k, self.k, trans_b=True)
+        self.kk = _dot(self.k, self.k, st, trans_b=True)
         a = jnp.where(self.strict, self.gamma * self.beta[:, None] * self.kk, 0.0)
         self.t = _unit_lower_inverse(a, c)
-        self.w = _dot(self.t, (self.beta * self.e)[:, None] * self.k)  # [C, Dk]
-        self.ut = _dot(self.t, self.beta[:, None] * self.v)  # [C, BV]
-        self.qk = _dot(self.q, self.k, trans_b=True)
+        self.w = _dot(self.t, (self.beta * self.e)[:, None] * self.k, st)  # [C, Dk]
+        self.ut = _dot(self.t, self.beta[:, None] * self.v, st)  # [C, BV]
+        self.qk = _dot(self.q, self.k, st, trans_b=True)
         self.p = self.gamma * self.qk  # lower triangle
 
     def updates(self, state):
         """U = U~ - W S [C, BV]."""
-        return self.ut - _dot(self.w, state)
+        return self.ut - _dot(self.w, state, self.st)
 
 
 # ------------------------------------------------------------------------------------------ forward kernel
@@ -149,9 +152,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, sT_ref, states
         if states_ref is not None:
             store_tile(states_ref, ci * dk, dk, 0, bv, state)
         u = ch.updates(state)
-        o = ch.e[:, None] * _dot(ch.q, state) + _dot(ch.p, u)
+        o = ch.e[:, None] * _dot(ch.q, state, st) + _dot(ch.p, u, st)
         store_tile(o_ref, ch.lo, st.chunk, 0, bv, o.astype(o_ref.dtype), ch.rows)
-        return ch.e_last * state + _dot(ch.r[:, None] * ch.k, u, trans_a=True)
+        return ch.e_last * state + _dot(ch.r[:, None] * ch.k, u, st, trans_a=True)
 
     state = lax.fori_loop(0, st.n_chunks, body, state)
     plgpu.store(sT_ref, state)
@@ -222,26 +225,26 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, states_ref, do_ref, dsT_ref,
         u = ch.updates(s0)
         # S1 = e_last S0 + (r K)^T U
         kr = ch.r[:, None] * ch.k
-        d_u = _dot(kr, ds) + _dot(ch.p, do, trans_a=True)
-        d_kr = _dot(u, ds, trans_b=True)
+        d_u = _dot(kr, ds, st) + _dot(ch.p, do, st, trans_a=True)
+        d_kr = _dot(u, ds, st, trans_b=True)
         d_glast = ch.e_last * jnp.sum(s0 * ds)
         dr = jnp.sum(d_kr * ch.k, axis=1)
         d_k = ch.r[:, None] * d_kr
         d_big_g = -ch.r * dr
         d_glast += jnp.sum(ch.r * dr)
         # O = e Q S0 + P U, P = gamma * (Q K^T)
-        d_p = ch.gamma * _dot(do, u, trans_b=True)
-        d_big_g += ch.e * jnp.sum(do * _dot(ch.q, s0), axis=1)
-        d_q = ch.e[:, None] * _dot(do, s0, trans_b=True) + _dot(d_p, ch.k)
+        d_p = ch.gamma * _dot(do, u, st, trans_b=True)
+        d_big_g += ch.e * jnp.sum(do * _dot(ch.q, s0, st), axis=1)
+        d_q = ch.e[:, None] * _dot(do, s0, st, trans_b=True) + _dot(d_p, ch.k, st)
         z = d_p * ch.qk
         d_big_g += jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
-        d_k += _dot(d_p, ch.q, trans_a=True)
+        d_k += _dot(d_p, ch.q, st, trans_a=True)
         # U = U~ - W S0; [W | U~] = T [beta e K | beta V]
-        d_w = -_dot(d_u, s0, trans_b=True)
-        ds_prev = ch.e_last * ds + _dot(ch.e[:, None] * ch.q, do, trans_a=True) - _dot(ch.w, d_u, trans_a=True)
-        d_kb = _dot(ch.t, d_w, trans_a=True)
-        d_vb = _dot(ch.t, d_u, trans_a=True)
-        d_a = -jnp.where(ch.strict, _dot(d_kb, ch.w, trans_b=True) + _dot(d_vb, ch.ut, trans_b=True), 0.0)
+        d_w = -_dot(d_u, s0, st, trans_b=True)
+        ds_prev = ch.e_last * ds + _dot(ch.e[:, None] * ch.q, do, st, trans_a=True) - _dot(ch.w, d_u, st, trans_a=True)
+        d_kb = _dot(ch.t, d_w, st, trans_a=True)
+        d_vb = _dot(ch.t, d_u, st, trans_a=True)
+        d_a = -jnp.where(ch.strict, _dot(d_kb, ch.w, st, trans_b=True) + _dot(d_vb, ch.ut, st, trans_b=True), 0.0)
         d_v = ch.beta[:, None] * d_vb
         d_beta = jnp.sum(d_vb * ch.v, axis=1)
         d_be = jnp.sum(d_kb * ch.k, axis=1)
@@ -255,7 +258,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, states_ref, do_ref, dsT_ref,
         y = d_ak * ch.beta[:, None]
         d_big_g += jnp.sum(y, axis=1) - jnp.sum(y, axis=0)
         d_kk = d_ag * ch.beta[:, None]
-        d_k += _dot(d_kk, ch.k) + _dot(d_kk, ch.k, trans_a=True)
+        d_k += _dot(d_kk, ch.k, st) + _dot(d_kk, ch.k, st, trans_a=True)
         # G = cumsum(g) within the chunk (a segment start's own g counts as 0)
         d_big_g += jnp.where(col[0] == c - 1, d_glast, 0.0)
         d_g = jnp.sum(jnp.where(row >= col, d_big_g[:, None], 0.0), axis=0)
@@ -350,7 +353,8 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
         raise ValueError(f"gated_delta_rule: block_v must be a power of two >= 16 dividing {pdv} (Dv={dv} padded); "
                          f"got {block_v}")
     st = _Static(seq_len=t, chunk=chunk, block_v=block_v, groups=hv // hk, scale=float(scale),
-                 has_init=initial_state is not None, interpret=resolve_interpret(interpret))
+                 has_init=initial_state is not None, interpret=resolve_interpret(interpret),
+                 ieee=jnp.dtype(v.dtype) == jnp.float32, num_warps=4 if pdk * block_v <= 64 * 64 else 8)
     f32 = jnp.float32
     if initial_state is None:
         s0 = jnp.zeros((b, hv, pdk, pdv), f32)

@@ -15,7 +15,8 @@ and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients
 """
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -81,11 +82,15 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv], Hv a multiple of Hk; g (log decay, <= 0;
     -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros). Math in float32;
     T need not be a multiple of `chunk` (zero padding: g = 0, beta = 0 leave the state unchanged).
-    -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32). Differentiable in every input."""
+    -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32). Differentiable in every input.
+    Products of float32 inputs are full float32, of 16-bit inputs XLA's default (TF32 on the GPU)."""
     check_inputs(q, k, v, g, beta, initial_state)
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     rep = hv // hk
+    # float32 inputs get full-precision float32 products (the GPU's default would be TF32); 16-bit inputs the default
+    prec = lax.Precision.HIGHEST if jnp.dtype(v.dtype) == jnp.float32 else None
+    ein = functools.partial(jnp.einsum, precision=prec)
     n = -(-t // chunk)
     tp = n * chunk
     qc = jnp.repeat(_chunks(q, tp, chunk), rep, axis=1) * scale  # [B, Hv, N, C, Dk]
@@ -96,20 +101,20 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
 
     big_g, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    a = jnp.where(strict, gamma * bc[..., :, None] * jnp.einsum("...id,...jd->...ij", kc, kc), 0.0)
+    a = jnp.where(strict, gamma * bc[..., :, None] * ein("...id,...jd->...ij", kc, kc), 0.0)
     rhs = jnp.concatenate([(bc * e)[..., None] * kc, bc[..., None] * vc], axis=-1)
     eye = jnp.eye(chunk, dtype=jnp.float32)
     wu = lax.linalg.triangular_solve(a + eye, rhs, left_side=True, lower=True, unit_diagonal=True)
     w, u_tilde = wu[..., :dk], wu[..., dk:]
-    p = gamma * jnp.einsum("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
+    p = gamma * ein("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
     eq = e[..., None] * qc
     kr = kr_scale[..., None] * kc
 
     def step(state, xs):
         w_n, ut_n, eq_n, p_n, kr_n, el_n = xs
-        u = ut_n - jnp.einsum("bhck,bhkv->bhcv", w_n, state)
-        out = jnp.einsum("bhck,bhkv->bhcv", eq_n, state) + jnp.einsum("bhcj,bhjv->bhcv", p_n, u)
-        state = el_n[..., None, None] * state + jnp.einsum("bhck,bhcv->bhkv", kr_n, u)
+        u = ut_n - ein("bhck,bhkv->bhcv", w_n, state)
+        out = ein("bhck,bhkv->bhcv", eq_n, state) + ein("bhcj,bhjv->bhcv", p_n, u)
+        state = el_n[..., None, None] * state + ein("bhck,bhcv->bhkv", kr_n, u)
         return state, out
 
     state0 = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
