@@ -339,7 +339,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv] with Hv a multiple of Hk; g (log decay,
     <= 0; -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
     -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32); differentiable in q, k, v, g, beta and
-    initial_state. chunk: tokens per chunk (a power of two >= 16; default 64); block_v: state columns per program
+    initial_state. chunk: tokens per chunk (a power of two >= 16; default 64; at most the power of two >= T); block_v: state columns per program
     (a power of two >= 16 dividing the padded Dv; default all of them); interpret: None = on the CPU."""
     check_inputs(q, k, v, g, beta, initial_state)
     chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
@@ -347,6 +347,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
         raise ValueError(f"gated_delta_rule: chunk must be a power of two >= 16; got {chunk}")
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
+    chunk = min(chunk, max(16, next_pow2(t)))
     pdk, pdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     block_v = pdv if block_v is None else int(block_v)
     if block_v < 16 or block_v & (block_v - 1) or pdv % block_v:

@@ -4,14 +4,14 @@ pallas_kernels.gated_delta; the token-by-token scan pallas_kernels.reference.gat
 Per head, within a chunk of C tokens with start state S0 [Dk, Dv] (G the cumulative log decay inside the chunk,
 e = exp(G), Gamma_ij = exp(G_i - G_j) for j <= i and 0 above the diagonal):
     A = strict_lower(Gamma * beta_i k_i.k_j)             (the delta rule's dependence of token i on tokens j < i)
-    (I + A) [W | U~] = [beta e K | beta V]                 (one unit-lower triangular solve: the UT/WY transform)
+    [W | U~] = (I + A)^-1 [beta e K | beta V]             (the UT/WY transform; the inverse by blocked substitution)
     U = U~ - W S0                                         (the chunk's state updates, [C, Dv])
     O = scale (e Q S0 + lower(Gamma * Q K^T) U)
     S1 = e_C S0 + (exp(G_C - G) K)^T U
 Everything but the last three lines runs for all chunks at once; a lax.scan over chunks carries the state.
 Every exponent is a difference G_i - G_j with j <= i inside one segment (or G itself), so for g <= 0 no exp sees a
 positive number, in the forward or in the gradient; a segment start (g = -1e4) makes the factors across it exactly 0
-and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients (the triangular solve's included).
+and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients.
 """
 from __future__ import annotations
 
@@ -58,6 +58,30 @@ def chunk_decays(g, chunk: int):
     return big_g, gamma, e, r, e[..., -1]
 
 
+def unit_lower_inverse(a, precision=None):
+    """(I + a)^-1 of strictly lower a [..., C, C] (C a power of two), by blocked forward substitution: the inverses
+    of the diagonal blocks of size s give those of size 2s as [[T11, 0], [-T22 A21 T11, T22]] (log2 C rounds of
+    batched products; differentiable, and stable as forward substitution is)."""
+    c = a.shape[-1]
+    lead = a.shape[:-2]
+    blocks = jnp.ones(lead + (c, 1, 1), a.dtype)  # the diagonal blocks of size s = 1
+    s = 1
+    while s < c:
+        nb = c // (2 * s)
+        pairs = blocks.reshape(lead + (nb, 2, s, s))
+        t11, t22 = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        # the (row block 2p + 1, column block 2p) tiles of a: A21 of each pair
+        tiles = a.reshape(lead + (nb, 2, s, nb, 2, s))[..., :, 1, :, :, 0, :]  # [..., nb, s, nb, s]
+        same = (jnp.arange(nb)[:, None] == jnp.arange(nb)[None, :])[:, None, :, None]
+        a21 = jnp.sum(jnp.where(same, tiles, 0.0), axis=-2)  # [..., nb, s, s]: the pair's own tile, exactly
+        x = -jnp.einsum("...ij,...jk,...kl->...il", t22, a21, t11, precision=precision)
+        top = jnp.concatenate([t11, jnp.zeros_like(t11)], axis=-1)
+        bottom = jnp.concatenate([x, t22], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., nb, 2s, 2s]
+        s *= 2
+    return blocks.reshape(lead + (c, c))
+
+
 def check_inputs(q, k, v, g, beta, initial_state):
     """Shape checks shared by the chunked path and the kernel: a ValueError naming the argument."""
     if q.ndim != 4 or k.shape != q.shape:
@@ -81,12 +105,16 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
 
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv], Hv a multiple of Hk; g (log decay, <= 0;
     -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros). Math in float32;
-    T need not be a multiple of `chunk` (zero padding: g = 0, beta = 0 leave the state unchanged).
+    T need not be a multiple of `chunk` (a power of two; zero padding: g = 0, beta = 0 leave the state unchanged;
+    sequences shorter than a chunk use the next power of two above T instead).
     -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32). Differentiable in every input.
     Products of float32 inputs are full float32, of 16-bit inputs XLA's default (TF32 on the GPU)."""
     check_inputs(q, k, v, g, beta, initial_state)
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunked_gated_delta_rule: chunk must be a power of two; got {chunk}")
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
+    chunk = min(chunk, 1 << max(t - 1, 0).bit_length())
     rep = hv // hk
     # float32 inputs get full-precision float32 products (the GPU's default would be TF32); 16-bit inputs the default
     prec = lax.Precision.HIGHEST if jnp.dtype(v.dtype) == jnp.float32 else None
@@ -102,10 +130,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
     big_g, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     a = jnp.where(strict, gamma * bc[..., :, None] * ein("...id,...jd->...ij", kc, kc), 0.0)
-    rhs = jnp.concatenate([(bc * e)[..., None] * kc, bc[..., None] * vc], axis=-1)
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    wu = lax.linalg.triangular_solve(a + eye, rhs, left_side=True, lower=True, unit_diagonal=True)
-    w, u_tilde = wu[..., :dk], wu[..., dk:]
+    t_inv = unit_lower_inverse(a, prec)
+    w = ein("...ij,...jd->...id", t_inv, (bc * e)[..., None] * kc)
+    u_tilde = ein("...ij,...jd->...id", t_inv, bc[..., None] * vc)
     p = gamma * ein("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
     eq = e[..., None] * qc
     kr = kr_scale[..., None] * kc

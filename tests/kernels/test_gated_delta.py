@@ -97,6 +97,17 @@ def test_kernel_matches_reference(rng, case):
     _check(lambda *a, **kw: kernel(*a, chunk=chunk, block_v=block_v, **kw), primals, cts, tol, case)
 
 
+def test_sequences_shorter_than_a_chunk(rng):
+    """T = 5 (the chunk shrinks to the power of two above T: 8, the kernel's 16) and T = 1 (one decode step)."""
+    primals, cts = _inputs(rng, b=1, t=5, hk=1, hv=2, dk=16, dv=16, resets=False)
+    _check(chunked_gated_delta_rule, primals, cts, TOL["float32"], "chunked T=5")
+    _check(kernel, primals, cts, TOL["float32"], "kernel T=5")
+    primals, _ = _inputs(rng, b=2, t=1, hk=1, hv=2, dk=16, dv=16, resets=False)
+    both = jax.jit(lambda *a: (chunked_gated_delta_rule(*a, scale=0.3), ref.gated_delta_rule(*a, scale=0.3)))
+    for got, want in zip(*both(*primals)):
+        assert rel_err(got, want) < 1e-5
+
+
 def test_every_token_a_segment_start_stays_finite(rng):
     """g = -1e4 on every token (each token its own segment): o = scale q.k beta v, gradients finite, and dg = 0."""
     primals, cts = _inputs(rng, b=1, t=20, hk=1, hv=1, dk=16, dv=16, init=True, resets=False)
@@ -114,13 +125,13 @@ def test_ops_dispatch(rng, monkeypatch):
     """ops.gated_delta_rule runs the chunked form by default and the kernel when forced."""
     primals, _ = _inputs(rng, b=1, t=20, hk=1, hv=2, dk=16, dv=16)
     want = ref.gated_delta_rule(*primals, scale=0.25)
-    with ops.recording_choices() as seen:
-        got = ops.gated_delta_rule(*primals, scale=0.25)
+    with ops.recording_choices() as seen:  # a fresh jit each time: traced under the policy then in force
+        got = jax.jit(lambda *a: ops.gated_delta_rule(*a, scale=0.25))(*primals)
     assert seen == {"gated_delta": ["xla"]}
     assert rel_err(got[0], want[0]) < 1e-5
     monkeypatch.setenv(ops.ENV_VAR, "gated_delta=pallas")
     with ops.recording_choices() as seen:
-        got = ops.gated_delta_rule(*primals, scale=0.25)
+        got = jax.jit(lambda *a: ops.gated_delta_rule(*a, scale=0.25))(*primals)
     assert seen == {"gated_delta": ["pallas"]}
     assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
 
@@ -135,6 +146,8 @@ def test_bad_shapes_name_the_argument(rng):
         chunked_gated_delta_rule(q, k, v, g, beta, s0[:, :2], scale=1.0)
     with pytest.raises(ValueError, match="chunk must be"):
         kernel(q, k, v, g, beta, s0, scale=1.0, chunk=24)
+    with pytest.raises(ValueError, match="chunk must be"):
+        chunked_gated_delta_rule(q, k, v, g, beta, s0, scale=1.0, chunk=48)
 
 
 def test_kernels_lower_for_triton(rng):
