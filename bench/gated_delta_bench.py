@@ -11,7 +11,8 @@ Timing: bench/timing.py's device_ms (median). A failure (out of memory, say) is 
 
   python bench/gated_delta_bench.py             # B=4, T=2048, Hk=16, Hv=32, Dk=Dv=128, bf16 inputs
   python bench/gated_delta_bench.py --tiny      # toy shape, interpret mode: checks the script on the CPU
-  python bench/gated_delta_bench.py --impl xla  # one implementation in this process (what the runs above spawn)
+  python bench/gated_delta_bench.py --impl xla_chunked  # one implementation in this process (what the runs above spawn)
+  python bench/gated_delta_bench.py --sweep     # also the kernel's (chunk, block_v) choices, name gated_delta_sweep
 
 what: "fwd_bwd" = o and the gradients of q, k, v, g and beta for a random cotangent of o (no initial state, the
 final state unused: a training step's call).
@@ -28,6 +29,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 
 IMPLS = ("pallas", "xla_chunked", "xla_token_scan")
+SWEEP = ((64, 128), (64, 64), (32, 128), (32, 64), (16, 128), (16, 64))  # the kernel's (chunk, block_v)
 SHAPE = dict(b=4, t=2048, hk=16, hv=32, dk=128, dv=128)
 TINY = dict(b=1, t=40, hk=1, hv=2, dk=16, dv=16)
 
@@ -51,7 +53,7 @@ def _inputs(shape, dtype):
     return q, k, v, g, beta, do
 
 
-def _fn(impl: str, scale: float, interpret):
+def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
     import jax
     import jax.numpy as jnp
 
@@ -59,7 +61,7 @@ def _fn(impl: str, scale: float, interpret):
     from pallas_kernels.gated_delta import gated_delta_rule as kernel
     from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
 
-    rule = {"pallas": lambda *a: kernel(*a, scale=scale, interpret=interpret),
+    rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, interpret=interpret),
             "xla_chunked": lambda *a: chunked_gated_delta_rule(*a, scale=scale),
             "xla_token_scan": lambda *a: reference.gated_delta_rule(*a, scale=scale)}[impl]
 
@@ -70,7 +72,7 @@ def _fn(impl: str, scale: float, interpret):
     return fwd_bwd
 
 
-def run_one(impl: str, tiny: bool, dtype_name: str, runs: int) -> None:
+def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -92,6 +94,16 @@ def run_one(impl: str, tiny: bool, dtype_name: str, runs: int) -> None:
         emit(**record, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         return
     emit(**record, ms=round(ms, 4), peak_bytes=peak)
+    if not (sweep and impl == "pallas"):
+        return
+    for chunk, block_v in ((16, 16), (32, 16)) if tiny else SWEEP:
+        config = dict(chunk=chunk, block_v=block_v)
+        try:
+            ms = device_ms(_fn(impl, shape["dk"] ** -0.5, True if tiny else None, chunk, block_v), *args, **timing)
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile: report it and go on
+            emit(**dict(record, name="gated_delta_sweep"), config=config, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        emit(**dict(record, name="gated_delta_sweep"), config=config, ms=round(ms, 4))
 
 
 def main(argv=None):
@@ -100,14 +112,16 @@ def main(argv=None):
     ap.add_argument("--impl", choices=IMPLS, help="run this implementation here (default: each in its own process)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v (g and beta are float32)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs per measurement (median)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernel's (chunk, block_v) choices")
     a = ap.parse_args(argv)
     if a.impl:
-        run_one(a.impl, a.tiny, a.dtype, a.runs)
+        run_one(a.impl, a.tiny, a.dtype, a.runs, a.sweep)
         return
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     for impl in IMPLS:
         cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--dtype", a.dtype, "--runs", str(a.runs)]
-        run = subprocess.run(cmd + (["--tiny"] if a.tiny else []), env=env, capture_output=True, text=True)
+        cmd += (["--tiny"] if a.tiny else []) + (["--sweep"] if a.sweep else [])
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
         if run.returncode != 0 or not lines:
             print(json.dumps(dict(name="gated_delta", impl=impl, error=f"exit {run.returncode}: "

@@ -33,7 +33,7 @@
 # VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
 # SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
 # SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
-# bench, default 300 s; its tests get TEST_TIMEOUT).
+# bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -107,7 +107,8 @@ for st in $stages; do
         >"$OUT/pytest_gated_delta.txt" 2>&1
       tail -3 "$OUT/pytest_gated_delta.txt" | tee -a "$OUT/session.log"
       log "bench gated_delta"
-      timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py 2>>"$OUT/bench_err.txt" | tee -a "$OUT/gated_delta.jsonl" ;;
+      timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
+        | tee -a "$OUT/gated_delta.jsonl" ;;
     attention)
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;

@@ -98,7 +98,7 @@ def _unit_lower_inverse(a, c: int):
 
     def step(i, t):
         a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C]: row i of a, indexed by column j
-        t_i = jnp.where(col[0] == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
+        t_i = jnp.where(jnp.arange(c, dtype=jnp.int32) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * t, axis=0)
         return jnp.where(row == i, t_i[None, :], t)
 
     return lax.fori_loop(1, c, step, eye)
@@ -260,7 +260,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, states_ref, do_ref, dsT_ref,
         d_kk = d_ag * ch.beta[:, None]
         d_k += _dot(d_kk, ch.k, st) + _dot(d_kk, ch.k, st, trans_a=True)
         # G = cumsum(g) within the chunk (a segment start's own g counts as 0)
-        d_big_g += jnp.where(col[0] == c - 1, d_glast, 0.0)
+        d_big_g += jnp.where(jnp.arange(c, dtype=jnp.int32) == c - 1, d_glast, 0.0)
         d_g = jnp.sum(jnp.where(row >= col, d_big_g[:, None], 0.0), axis=0)
         d_g = jnp.where(ch.reset, 0.0, d_g)
         store_tile(dq_ref, ch.lo, c, 0, dk, d_q * st.scale, ch.rows)

@@ -171,3 +171,15 @@ def test_gpu_qwen35_shape(rng, dtype):
     tol = TOL[dtype]
     _check(kernel, primals, cts, tol, f"kernel {dtype}")
     _check(chunked_gated_delta_rule, primals, cts, tol, f"chunked {dtype}")
+
+
+def test_bench_tiny_prints_a_json_line(capsys):
+    """bench/gated_delta_bench.py --tiny for one implementation in this process (the CPU check of the script)."""
+    import json
+
+    from bench.gated_delta_bench import main
+
+    main(["--tiny", "--impl", "xla_chunked", "--runs", "1"])
+    [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert line["name"] == "gated_delta" and line["impl"] == "xla_chunked" and line["ms"] > 0, line
+    assert {"shape", "dtype", "peak_bytes", "jax_version", "device"} <= set(line), line
