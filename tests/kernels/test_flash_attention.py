@@ -206,13 +206,12 @@ def test_config_table_and_triton_lowering():
 
 # ------------------------------------------------------------------------------------------ image blocks
 def _image_rows(rng, s, rows, pad):
-    """Block ids [B, S] (unsloth_jax.models.vision.image_block_ids) and the segment ids (1 real, 0 right
-    padding; None without `pad`). rows: per batch row (run lengths, at_end): image runs of those lengths at
-    random places, separated by at least one text token; at_end: the last run ends with the row's last real
-    token (the very end of the sequence without padding)."""
-    from unsloth_jax.models.vision import image_block_ids
-
-    types = np.zeros((len(rows), s), np.int32)
+    """Block ids [B, S] (as unsloth_jax.models.vision.image_block_ids numbers them: each image run 0, 1, ... per
+    row, -1 elsewhere; numbered here as the runs are placed, so the kernel tests need no flax) and the segment ids
+    (1 real, 0 right padding; None without `pad`). rows: per batch row (run lengths, at_end): image runs of those
+    lengths at random places, separated by at least one text token; at_end: the last run ends with the row's last
+    real token (the very end of the sequence without padding)."""
+    blk = np.full((len(rows), s), -1, np.int32)
     valid = np.ones((len(rows), s), np.int32)
     for i, (lengths, at_end) in enumerate(rows):
         n_real = s - (int(rng.integers(1, max(2, s // 8))) if pad else 0)
@@ -225,12 +224,11 @@ def _image_rows(rng, s, rows, pad):
         pos = 0
         for j, n in enumerate(lengths):
             pos += int(extra[j]) + (1 if j else 0)
-            types[i, pos:pos + n] = 1
+            blk[i, pos:pos + n] = j
             pos += n
         if at_end and lengths:
             assert pos == n_real
-    blk = image_block_ids(jnp.asarray(types))
-    return blk, (jnp.asarray(valid) if pad else None)
+    return jnp.asarray(blk), (jnp.asarray(valid) if pad else None)
 
 
 def _check_images(rng, *, b, s, hq, hkv, d, dtype, config, rows, pad=False, window=None, softcap=None,
