@@ -113,10 +113,12 @@ def test_logits_right_padded_and_packed(tiny, rng):
 def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     """One SFT step lowers the loss and trains only the LoRA factors (on the attention, MLP and linear-attention
     projections); with every lora_b random, the PEFT adapter (no keys for the mixer a layer lacks) loads in PEFT
-    on transformers' model with our logits, and the merged checkpoint loads in transformers (Qwen3_5ForCausalLM,
-    no missing or unexpected keys) with our logits."""
+    on transformers' model with our logits and in FastLanguageModel with our factors, and the merged checkpoint
+    loads in transformers (Qwen3_5ForCausalLM, no missing or unexpected keys) with our logits."""
     from safetensors import safe_open
 
+    from unsloth_jax.hf.mapping import layer_has
+    from unsloth_jax.models.decoder import PROJ_PARENT
     from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
 
     path, _, _ = tiny
@@ -151,6 +153,13 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     assert not any(".layers.0.self_attn." in k or ".layers.3.linear_attn." in k for k in keys)
     pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
     assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    back = _load(tmp_path / "adapter")  # our loader reads the adapter back onto the base
+    assert set(back.lora.target_modules) == set(ALL)
+    for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)
+        have = [i for i in range(5) if layer_has(model.config, PROJ_PARENT[name], i)]
+        for leaf in ("lora_a", "lora_b"):
+            np.testing.assert_array_equal(np.asarray(getattr(lin, leaf)[...])[have],
+                                          np.asarray(getattr(model.projections()[name], leaf)[...])[have])
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     merged, info = _hf(tmp_path / "merged", output_loading_info=True)
