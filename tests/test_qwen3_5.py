@@ -172,13 +172,21 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
 def test_greedy_generation_with_admissions_matches_transformers(tiny, rng):
     """Greedy completions on the engine equal transformers' generate for each prompt: five prompts of different
     lengths, two completions each, on 8 rows with 2-token decode chunks, so the last prompt's rows are admitted
-    (their recurrent states set from its prefill) while other rows decode, into rows a finished sequence left."""
+    (their recurrent states set from its prefill) while other rows decode, into rows a finished sequence left.
+    The rows' recurrent states count against the KV cache cap."""
     from unsloth_jax.inference.engine import Engine
     from unsloth_jax.inference.sampling import SamplingParams
 
     _, hf, model = tiny
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (9, 4, 12, 6, 5)]
     budgets = [2, 7, 5, 7, 6]
+    from unsloth_jax.inference import pages
+
+    # the rows' recurrent states count against the KV cap: 40 pages of 16 tokens hold 8 rows of 2 pages + 2
+    # pages of state each (16 rows without the states), and leave 16 pages for the KV pool
+    per_page = pages.page_bytes(model.config, 16, model.dtype)
+    assert -(-pages.state_bytes(model.config, model.dtype) // per_page) == 2
+    assert Engine(model, kv_cache_gib=40 * per_page / 2**30)._sizes(300, 2) == (8, 16)
     engine = Engine(model, max_rows=8, chunk=2)
     outs = engine.generate(prompts, [SamplingParams(n=2, temperature=0.0, max_tokens=m) for m in budgets])
     assert engine.last_stats["rows"] == 8 and engine.last_stats["chunks"] >= 3

@@ -301,11 +301,16 @@ class Engine:
         length (rounded down to a power of two); the pool every page those rows can use, up to the cap."""
         cap = self._page_cap(max_pages)
         rows = min(bucket(sequences, MIN_ROWS), bucket(self.max_rows, MIN_ROWS))
+        # a linear-attention model's rows also hold recurrent states (counted in pages of the same cap)
+        cfg = self.model.config
+        per_page = paging.page_bytes(cfg, self.page_size, self.model.dtype)
+        row_pages = -(-paging.state_bytes(cfg, self.model.dtype) // per_page)
         if cap is not None:
-            fit = 1 << (max(cap // max_pages, 1).bit_length() - 1)  # the largest power of two <= cap // max_pages
+            fit = max(cap // (max_pages + row_pages), 1)
+            fit = 1 << (fit.bit_length() - 1)  # the largest power of two <= cap // (max_pages + row_pages)
             rows = min(rows, max(fit, MIN_ROWS))
         need = rows * max_pages
-        return rows, need if cap is None else min(need, cap)
+        return rows, need if cap is None else max(min(need, cap - rows * row_pages), max_pages)
 
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -61,6 +61,17 @@ def page_bytes(cfg, page_size: int, dtype) -> int:
     return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
+def state_bytes(cfg, dtype) -> int:
+    """Bytes of one row's recurrent state across the linear-attention layers (Qwen3.5; 0 for other models):
+    the conv window [C, K-1] in `dtype` and the float32 delta-rule state [Hv, Dk, Dv]."""
+    layers = sum(cfg.layer_linear)
+    if not layers:
+        return 0
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) * jnp.dtype(dtype).itemsize
+    delta = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return layers * (conv + delta)
+
+
 def make_pools(cfg, num_pages: int, page_size: int, dtype, rows: int = 0) -> tuple:
     """Zeroed pools: a tuple over layers of (k_pages, v_pages), each [num_pages, page_size, Hkv, hd]; a
     linear-attention layer (Qwen3.5) holds its `rows` rows' RecurrentState instead."""
@@ -84,4 +95,5 @@ copy_pages = jax.jit(_copy_pages, donate_argnums=(0,))
 copy_pages.__doc__ = "pools with pages src [N] copied onto pages dst [N] in every layer (the pools are donated)."
 
 
-__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages", "attention_pool"]
+__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages", "attention_pool",
+           "state_bytes"]
