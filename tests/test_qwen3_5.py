@@ -197,6 +197,31 @@ def test_greedy_generation_with_admissions_matches_transformers(tiny, rng):
         assert [c.token_ids for c in out.outputs] == [ref, ref], (prompt, budget)
 
 
+def test_checkpoint_extras_skipped_and_missing_tensor_named(tiny, tmp_path):
+    """As transformers' Qwen3_5ForCausalLM, a checkpoint's multi-token-prediction head (mtp.*) is skipped; a
+    missing linear-attention tensor is named."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from unsloth_jax.errors import MissingTensorError
+
+    path, _, model = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, extra in (("with_mtp", {"mtp.fc.weight": np.ones((4, 4), np.float32)}), ("missing", None)):
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copy(path / "config.json", out / "config.json")
+        kept = dict(tensors, **extra) if extra else {k: v for k, v in tensors.items()
+                                                       if k != "model.layers.4.linear_attn.A_log"}
+        save_file(kept, str(out / "model.safetensors"))
+    back = _load(tmp_path / "with_mtp")
+    np.testing.assert_array_equal(np.asarray(back.model.layers.linear_attn.A_log[...]),
+                                  np.asarray(model.model.layers.linear_attn.A_log[...]))
+    with pytest.raises(MissingTensorError, match="model.layers.4.linear_attn.A_log"):
+        _load(tmp_path / "missing")
+
+
 def test_gguf_export_refused(tiny, tmp_path):
     """llama.cpp's GGUF architectures have no Qwen3.5 text model here: save_pretrained_gguf refuses it by name."""
     _, _, model = tiny

@@ -136,6 +136,12 @@ def layer_has(cfg: ModelConfig, parent: str, layer: int) -> bool:
     return parent != "self_attn" or not cfg.layer_linear[layer]
 
 
+def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one transformers skips on load for this family (Qwen3_5ForCausalLM:
+    the multi-token-prediction head `mtp.*` and a vision tower `model.visual.*`)."""
+    return cfg.has_linear_layers and name.startswith(("mtp.", "model.visual."))
+
+
 def _linear_attn_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """HF shape of a copied linear-attention tensor (Qwen3.5)."""
     return {"conv1d": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel), "A_log": (cfg.linear_num_value_heads,),
