@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.inference.pages import attention_pool
 from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens, token_keys
 from unsloth_jax.inference.weights import DecodeWeights, LayerPlan, layer_module
-from unsloth_jax.inference.pages import attention_pool
 from unsloth_jax.models.attention import Batch, PagedDecode, PagedPrefill
 from unsloth_jax.models.linear_attention import RecurrentDecode, RecurrentPrefill
 from unsloth_jax.models.rope import mrope_tables

@@ -203,7 +203,7 @@ class CausalLM(nnx.Module):
 
     def projections(self) -> dict:
         """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj (the
-        dense MLP ones only where the model has dense MLP layers)."""
+        dense MLP ones only where the model has dense MLP layers; Qwen3.5's in_proj_* / out_proj too)."""
         layers = self.model.layers
         found = {name: getattr(getattr(layers, parent, None), name, None) for name, parent in PROJ_PARENT.items()}
         return {name: lin for name, lin in found.items() if lin is not None}
