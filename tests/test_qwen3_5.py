@@ -2,7 +2,7 @@
 full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, logits of
 right-padded and packed rows, one LoRA step (linear-attention projections included), the PEFT adapter and the
 merged checkpoint in PEFT / transformers, greedy generation on the engine with rows admitted while others decode,
-and the GGUF refusal."""
+checkpoint extras transformers skips, and the GGUF refusal."""
 from __future__ import annotations
 
 import json
@@ -223,7 +223,8 @@ def test_checkpoint_extras_skipped_and_missing_tensor_named(tiny, tmp_path):
 
 
 def test_gguf_export_refused(tiny, tmp_path):
-    """llama.cpp's GGUF architectures have no Qwen3.5 text model here: save_pretrained_gguf refuses it by name."""
+    """The GGUF exporter has no Qwen3.5 mapping (the gguf package names llama.cpp's qwen35 architecture, but its
+    tensor transforms are not written here): save_pretrained_gguf refuses the model type by name."""
     _, _, model = tiny
     with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
         model.save_pretrained_gguf(tmp_path / "gguf", None, quantization_method="f32")
