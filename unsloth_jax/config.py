@@ -21,6 +21,7 @@ log = logging.getLogger("unsloth_jax")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")  # mixture-of-experts families (see _moe_fields)
 SUPPORTED_MODEL_TYPES += ("smollm3",)  # SmolLM3: Llama's layer with NoPE layers (_smollm3_fields, layer_rope)
+SUPPORTED_MODEL_TYPES += ("qwen3_5_text",)  # Qwen3.5: gated DeltaNet + gated attention layers (_qwen3_5_fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,17 @@ class ModelConfig:
     router_fp32: bool = False  # router weight and score bias held, loaded and written in float32 (transformers'
     #   _keep_in_fp32_modules_strict), whatever the model's dtype
     # ---- end GLM-4.5 MoE ----
+    # ---- Qwen3.5 (qwen3_5_text): hybrid layers ----
+    # per layer: True where the token mixer is gated DeltaNet linear attention (`linear_attn`) instead of
+    # self-attention; () means every layer attends
+    layer_linear: tuple[bool, ...] = ()
+    attn_output_gate: bool = False  # q_proj gives each head's query and a gate: output * sigmoid(gate) per head
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # the depthwise causal conv1d's kernel size
+    # ---- end Qwen3.5 ----
 
     @property
     def scale(self) -> float:
@@ -116,12 +128,13 @@ class ModelConfig:
 
     @property
     def layer_period(self) -> int:
-        """Smallest p such that layer_windows, layer_sparse and layer_rope repeat with period p (layer i has the
-        window, the MLP kind and the RoPE choice of layer i % p). p need not divide num_hidden_layers: Gemma 3's
+        """Smallest p such that layer_windows, layer_sparse, layer_rope and layer_linear repeat with period p (layer
+        i has the window, the MLP kind, the RoPE choice and the token mixer of layer i % p). p need not divide num_hidden_layers: Gemma 3's
         26 layers are 4 groups of 6 and a tail of 2. A pattern that never repeats gives p = L (one group)."""
         n = self.num_hidden_layers
         windows = self.layer_windows or (None,) * n
-        kinds = list(zip(windows, self.layer_sparse or (False,) * n, self.layer_rope or (True,) * n))
+        kinds = list(zip(windows, self.layer_sparse or (False,) * n, self.layer_rope or (True,) * n,
+                         self.layer_linear or (False,) * n))
         for p in range(1, n + 1):
             if all(kinds[i] == kinds[i % p] for i in range(n)):
                 return p
@@ -131,6 +144,17 @@ class ModelConfig:
     def has_nope_layers(self) -> bool:
         """Whether some decoder layer applies no RoPE (SmolLM3's NoPE layers)."""
         return not all(self.layer_rope or (True,))
+
+    @property
+    def has_linear_layers(self) -> bool:
+        """Whether some decoder layer mixes tokens by linear attention (Qwen3.5's gated DeltaNet)."""
+        return any(self.layer_linear)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the linear-attention conv1d: q and k (Hk * Dk each) and v (Hv * Dv)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def is_moe(self) -> bool:
@@ -199,6 +223,8 @@ def _rope(raw: dict, source: str) -> dict:
 def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
     if model_type == "smollm3":  # _smollm3_fields reads its windows (SmolLM3Attention's rule)
         return (None,) * n_layers
+    if model_type == "qwen3_5_text":  # layer_types names token mixers (_qwen3_5_fields); no sliding windows
+        return (None,) * n_layers
     window = raw.get("sliding_window")
     types = raw.get("layer_types")
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
@@ -241,6 +267,12 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
 
 def _parse(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "qwen3_5":
+        raise UnsupportedArchitectureError(
+            f"{source}: model_type 'qwen3_5' (Qwen3_5ForConditionalGeneration, a vision-language checkpoint) is not "
+            "supported; the text-only Qwen3.5 checkpoints (model_type 'qwen3_5_text', Qwen3_5ForCausalLM) are")
+    if model_type in _RAW_DEFAULTS:
+        raw = _RAW_DEFAULTS[model_type] | raw
     if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
@@ -582,6 +614,81 @@ def _smollm3_fields(raw: dict, source: str) -> dict:
 
 
 _FAMILY_FIELDS["smollm3"] = _smollm3_fields
+
+
+# ------------------------------------------------------------------------------------------------ Qwen3.5
+# config.json fields a model_type's transformers config class defaults when they are absent (read before parsing)
+_RAW_DEFAULTS: dict[str, dict] = {
+    "qwen3_5_text": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                         num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
+                         tie_word_embeddings=False),
+}
+_QWEN3_5_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32)
+
+
+def _positive_int(raw: dict, key: str, default: int, source: str) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _qwen3_5_fields(raw: dict, source: str) -> dict:
+    """Qwen3.5 text (Qwen3_5ForCausalLM, Qwen3_5TextConfig): `layer_types` (default: every
+    `full_attention_interval`-th layer, 4, "full_attention", the others "linear_attention") picks each layer's
+    token mixer: gated DeltaNet linear attention (linear_* sizes, a depthwise causal conv1d of
+    linear_conv_kernel_dim) or self-attention with q/k norms and an output gate (q_proj is twice as wide: each
+    head's query then its gate). Every RMSNorm but the linear attention's gated one is (1 + w); RoPE on the
+    first partial_rotary_factor (default 0.25) of each head's dims (the M-RoPE sections of the vision-language
+    model reduce to plain RoPE for text positions)."""
+    n = int(_need(raw, "num_hidden_layers", source))
+    types = raw.get("layer_types")
+    if types is None:
+        interval = _positive_int(raw, "full_attention_interval", 4, source)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
+    bad = sorted({str(t) for t in types if t not in ("full_attention", "linear_attention")})
+    if bad:
+        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, linear_attention)")
+    if "full_attention" not in types:
+        raise ConfigError(f"{source}: layer_types has no full_attention layer; a model of linear-attention layers "
+                          "only is not supported")
+    if raw.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias=true is not supported for qwen3_5_text")
+    if _activation(raw, "qwen3_5_text", source) != "silu":
+        raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported for qwen3_5_text (only "
+                          "silu: the linear attention's conv1d and gate use it too)")
+    sizes = {k: _positive_int(raw, k, d, source) for k, d in _QWEN3_5_LINEAR.items()}
+    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+        raise ConfigError(f"{source}: linear_num_value_heads={sizes['linear_num_value_heads']} is not a multiple of "
+                          f"linear_num_key_heads={sizes['linear_num_key_heads']}")
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    for key in ("mrope_section", "mrope_interleaved"):  # text positions are equal on the M-RoPE axes
+        params.pop(key, None)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type != "default":
+        raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported for qwen3_5_text "
+                          "(only default)")
+    head_dim = int(raw["head_dim"])
+    rotary = int(head_dim * float(partial))
+    if rotary <= 0 or rotary > head_dim or rotary % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
+                          "head; it must be even and between 2 and head_dim")
+    out = _rope({"rope_parameters": params}, source)
+    out.update(layer_linear=tuple(t == "linear_attention" for t in types), attn_output_gate=True, qk_norm=True,
+               norm_offset=1.0, rotary_dim=0 if rotary == head_dim else rotary,
+               linear_num_key_heads=sizes["linear_num_key_heads"],
+               linear_num_value_heads=sizes["linear_num_value_heads"],
+               linear_key_head_dim=sizes["linear_key_head_dim"], linear_value_head_dim=sizes["linear_value_head_dim"],
+               linear_conv_kernel=sizes["linear_conv_kernel_dim"])
+    return out
+
+
+_FAMILY_FIELDS["qwen3_5_text"] = _qwen3_5_fields
 
 
 # --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)

@@ -28,12 +28,15 @@ from flax import nnx
 
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Linear, value_of
+from unsloth_jax.models.linear_attention import LINEAR_PROJS
 from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.quant import dense_kernel, is_quantized
 
 log = logging.getLogger("unsloth_jax")
 
 ALL_TARGETS = ATTN_PROJS + MLP_PROJS
+# every projection name LoRA may target: the seven above and Qwen3.5's linear-attention projections (PEFT's names)
+KNOWN_TARGETS = ALL_TARGETS + LINEAR_PROJS
 BIAS_MODES = ("none", "all", "lora_only")
 
 
@@ -60,9 +63,10 @@ class LoraSettings:
 
 def expand_targets(target_modules) -> tuple[str, ...]:
     """target_modules as a tuple of projection names: a name, a list of names, or PEFT's "all-linear" (every
-    projection of the decoder layers, not the output head). Raises ValueError naming unknown entries."""
+    projection of the decoder layers, not the output head; add_lora keeps those the model has). Raises
+    ValueError naming unknown entries."""
     if isinstance(target_modules, str):
-        targets = ALL_TARGETS if target_modules == "all-linear" else (target_modules,)
+        targets = KNOWN_TARGETS if target_modules == "all-linear" else (target_modules,)
     else:
         try:
             targets = tuple(target_modules)
@@ -71,9 +75,9 @@ def expand_targets(target_modules) -> tuple[str, ...]:
                             f"{target_modules!r}") from None
     if not targets:
         raise ValueError("target_modules is empty; name at least one projection or use 'all-linear'")
-    unknown = [t for t in targets if t not in ALL_TARGETS]
+    unknown = [t for t in targets if t not in KNOWN_TARGETS]
     if unknown:
-        raise ValueError(f"unknown target module(s) {unknown}; choose from {list(ALL_TARGETS)} or 'all-linear'")
+        raise ValueError(f"unknown target module(s) {unknown}; choose from {list(KNOWN_TARGETS)} or 'all-linear'")
     return tuple(dict.fromkeys(targets))
 
 
@@ -122,6 +126,10 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
                          "expert biases have no PEFT adapter form; use bias='none'")
     n_layers = model.config.num_hidden_layers
     projs = model.projections()
+    no_linear = [t for t in targets if t in LINEAR_PROJS and t not in projs]
+    if no_linear:  # Qwen3.5's linear-attention projections ("all-linear" names them for every model)
+        log.debug("unsloth_jax: target_modules %s: this model has no linear-attention layers", no_linear)
+        targets = tuple(t for t in targets if t not in no_linear)
     absent = [t for t in targets if t not in projs]
     if absent:
         log.warning("unsloth_jax: target_modules %s match no module of this %s model (it has no dense MLP layers); "
@@ -295,5 +303,5 @@ def merged_expert_kernel(grouped, layer: int) -> np.ndarray:
     return w
 
 
-__all__ = ["ALL_TARGETS", "LoraSettings", "expand_targets", "expand_target_parameters", "add_lora",
+__all__ = ["ALL_TARGETS", "KNOWN_TARGETS", "LoraSettings", "expand_targets", "expand_target_parameters", "add_lora",
            "enable_full_finetuning", "trainable_filter", "split", "count", "merged_kernel", "merged_expert_kernel"]

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from unsloth_jax.hf.mapping import (TensorSpec, detect_expert_layout, fused_parts, mtp_layer_tensor, stack_shape,
-                                     tensor_specs)
+from unsloth_jax.hf.mapping import (TensorSpec, detect_expert_layout, fused_parts, ignored_tensor, mtp_layer_tensor,
+                                     stack_shape, tensor_specs)
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.state import fill
@@ -222,6 +222,8 @@ def load_params(
                         continue  # older checkpoints store the RoPE table; it is derived from the config
                     if mtp_layer_tensor(cfg, name):
                         continue  # GLM-4.5's multi-token-prediction layers: not part of the causal LM
+                    if ignored_tensor(cfg, name):
+                        continue  # Qwen3.5's mtp.* / model.visual.*, which transformers' causal LM skips too
                     unexpected.append(f"{name} (in {path.name})")
                     continue
                 if name in seen:

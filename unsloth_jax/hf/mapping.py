@@ -75,6 +75,15 @@ FAMILY_LAYER_TENSORS["smollm3"] = _LLAMA  # SmolLM3: Llama's tensors (its NoPE l
 _ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
 FAMILY_LAYER_TENSORS.update({"qwen3_moe": _ATTN_NORMS + _QK_NORM, "mixtral": _ATTN_NORMS, "gpt_oss": _ATTN_NORMS})
 FAMILY_LAYER_TENSORS["glm4_moe"] = _ATTN_NORMS  # GLM-4.5 MoE: q/k norms (use_qk_norm) and biases by switch
+# Qwen3.5: Llama's tensors and q/k norms on the full-attention layers, the gated DeltaNet's on the linear ones
+# (`layer_has` picks a layer's); conv1d weight [C, 1, K], A_log / dt_bias [Hv], norm.weight [Dv] copied as they are
+_LINEAR_ATTN = [
+    *[(f"linear_attn.{p}.weight", ("linear_attn", p, "kernel"), "kernel")
+      for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")],
+    *[(f"linear_attn.{name}", ("linear_attn", *name.split(".")), "copy")
+      for name in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")],
+]
+FAMILY_LAYER_TENSORS["qwen3_5_text"] = _LLAMA + _QK_NORM + _LINEAR_ATTN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +115,37 @@ def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF [out, in] shape of each projection."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {
-        "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+    shapes = {
+        "q_proj": (q * (2 if cfg.attn_output_gate else 1), d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
         "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
     }
+    if cfg.has_linear_layers:  # Qwen3.5's gated DeltaNet
+        hv, value = cfg.linear_num_value_heads, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        shapes.update(in_proj_qkv=(cfg.linear_conv_dim, d), in_proj_z=(value, d), in_proj_b=(hv, d),
+                      in_proj_a=(hv, d), out_proj=(d, value))
+    return shapes
+
+
+def layer_has(cfg: ModelConfig, parent: str, layer: int) -> bool:
+    """Whether decoder layer `layer` has the tensors of module `parent` (Qwen3.5: self_attn on its full-attention
+    layers only, linear_attn on its linear-attention layers only; every layer has every other module)."""
+    if not cfg.layer_linear:
+        return parent != "linear_attn"
+    if parent == "linear_attn":
+        return cfg.layer_linear[layer]
+    return parent != "self_attn" or not cfg.layer_linear[layer]
+
+
+def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one transformers skips on load for this family (Qwen3_5ForCausalLM:
+    the multi-token-prediction head `mtp.*` and a vision tower `model.visual.*`)."""
+    return cfg.has_linear_layers and name.startswith(("mtp.", "model.visual."))
+
+
+def _linear_attn_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """HF shape of a copied linear-attention tensor (Qwen3.5)."""
+    return {"conv1d": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel), "A_log": (cfg.linear_num_value_heads,),
+            "dt_bias": (cfg.linear_num_value_heads,), "norm": (cfg.linear_value_head_dim,)}[name]
 
 
 def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
@@ -141,6 +177,8 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
             name = f"model.layers.{i}.{suffix}"
+            if not layer_has(cfg, sub[0], i):
+                continue
             if kind == "fused":
                 specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
                 continue
@@ -148,6 +186,8 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
                 shape = shapes[sub[1]]
             elif kind == "bias":
                 shape = (shapes[sub[1]][0],)
+            elif sub[0] == "linear_attn":
+                shape = _linear_attn_shape(cfg, sub[1])
             elif sub[1] in ("q_norm", "k_norm"):
                 shape = (hd,)
             else:

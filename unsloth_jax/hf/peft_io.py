@@ -30,7 +30,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups, layer_has
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -38,6 +38,7 @@ from unsloth_jax.models.state import variable_at
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ALL_TARGETS = ATTN_PROJS + MLP_PROJS
+LINEAR_TARGETS = tuple(p for p, parent in PROJ_MODULE.items() if parent == "linear_attn")  # Qwen3.5's
 
 # modules_to_save entries this package can train, with the PEFT key each is saved under and the module path
 # of the weight in this package's model.
@@ -50,7 +51,7 @@ SAVED_MODULE_PATHS = {"lm_head": ("lm_head", "weight"), "embed_tokens": ("model"
                       "norm": ("model", "norm", "weight")}
 
 _LAYER_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\."
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+?)\."
     r"(lora_A(?:\.[\w-]+)?\.weight|lora_B(?:\.[\w-]+)?\.weight|base_layer\.bias|bias)$")
 
 # PEFT LoraConfig fields whose non-default value changes the math or the trained set in a way unsloth_jax
@@ -135,23 +136,29 @@ def _check_supported(raw: dict, path: Path) -> None:
         raise ConfigError(f"{path}: task_type {task!r} is not supported (only CAUSAL_LM decoders)")
 
 
-def _module_names(num_layers: int) -> list[str]:
-    """Every LoRA-able module name of the HF model, as PEFT matches them."""
-    return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
+def _module_names(num_layers: int, cfg=None) -> list[str]:
+    """Every LoRA-able module name of the HF model, as PEFT matches them (with `cfg`, a Qwen3.5 layer's own
+    mixer only; without, the seven projections of every layer)."""
+    if cfg is None:
+        return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
+    return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS + LINEAR_TARGETS
+            if layer_has(cfg, PROJ_MODULE[p], i)]
 
 
-def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None) -> tuple[str, ...]:
+def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None,
+                    cfg=None) -> tuple[str, ...]:
     """PEFT's target_modules -> projection short names. Accepts a list of names (matched as PEFT does: equal to,
     or a '.'-separated suffix of, the module name), a regex string (full match), or "all-linear". `present`:
-    the projections the model has (a MoE model may lack the dense MLP ones); default all."""
+    the projections the model has (a MoE model may lack the dense MLP ones); default all. `cfg`: the model's
+    ModelConfig, whose layers may lack some modules (Qwen3.5: each layer has one of two token mixers)."""
     if target_modules is None:
         raise ConfigError(f"{source}: target_modules is missing")
-    names = _module_names(num_layers)
+    names = _module_names(num_layers, cfg)
     if present is not None:
         names = [n for n in names if n.rsplit(".", 1)[1] in present]
     if isinstance(target_modules, str):
         if target_modules == "all-linear":
-            return ALL_TARGETS
+            return ALL_TARGETS + tuple(p for p in LINEAR_TARGETS if present is not None and p in present)
         try:
             pattern = re.compile(target_modules)
         except re.error as e:
@@ -169,11 +176,12 @@ def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, 
     projs = {n.rsplit(".", 1)[1] for n in hit}
     for p in projs:
         layers = {int(n.split(".")[2]) for n in hit if n.endswith("." + p)}
-        if len(layers) != num_layers:
-            missing = sorted(set(range(num_layers)) - layers)
+        having = {int(n.split(".")[2]) for n in names if n.endswith("." + p)}
+        if layers != having:
+            missing = sorted(having - layers)
             raise ConfigError(f"{source}: target_modules {target_modules!r} adapt {p} in only some layers "
                               f"(not in {missing}); unsloth_jax applies LoRA to every layer of a projection")
-    return tuple(p for p in ALL_TARGETS if p in projs)
+    return tuple(p for p in ALL_TARGETS + LINEAR_TARGETS if p in projs)
 
 
 def _embedding_layer_key(key: str) -> tuple[str, str | None]:
@@ -258,7 +266,8 @@ def load_adapter(model, adapter_dir):
     if expert_targets and not cfg.is_moe:
         raise ConfigError(f"{cfg_path}: adapter uses PEFT feature(s) unsloth_jax does not support: LoRA on raw "
                           f"parameters (target_parameters) of a {cfg.model_type} model")
-    targets = (resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path), present=model.projections())
+    targets = (resolve_targets(raw.get("target_modules"), n_layers, str(cfg_path), present=model.projections(),
+                               cfg=cfg)
                if raw.get("target_modules") or not expert_targets else ())
     bias = raw.get("bias", "none") or "none"
     if bias not in ("none", "all", "lora_only"):
@@ -308,7 +317,8 @@ def load_adapter(model, adapter_dir):
                     unexpected.append(key)
                 continue
             i, module, proj, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-            if proj not in PROJ_MODULE or PROJ_MODULE[proj] != module or i >= n_layers:
+            if proj not in PROJ_MODULE or PROJ_MODULE[proj] != module or i >= n_layers \
+                    or not layer_has(cfg, module, i):
                 unexpected.append(key)
                 continue
             arr = f.get(key)
@@ -337,7 +347,7 @@ def load_adapter(model, adapter_dir):
                                     f"{list(targets)}, bias={bias!r}, modules_to_save={list(saved or [])}) or this "
                                     f"{cfg.model_type} model: {shown}")
     missing = [f"layers.{i}.{PROJ_MODULE[p]}.{p}.lora_{w}" for p in targets for i in range(n_layers) for w in "AB"
-               if (p, i, w) not in seen]
+               if (p, i, w) not in seen and layer_has(cfg, PROJ_MODULE[p], i)]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")

@@ -14,6 +14,9 @@ rows for the next admissions. The KV pool is allocated for the call and released
 (`gpu_memory_utilization` of the free device memory, or `kv_cache_gib`); a sequence is admitted only when pages
 for its whole length are free, and one that could never fit is refused with the numbers.
 
+A linear-attention model (Qwen3.5) keeps each row's recurrent state beside the pages of its attention layers;
+admission overwrites the row's state with its prompt's final one from the prefill.
+
 Prompts with images (a vision-language model; image_inputs.ImageInputs) are prefilled in their own batch of an
 admission: the vision tower's features written into their embeddings (`runner.image_embeddings`), Gemma 3's image
 blocks attending both ways, Qwen2.5-VL's M-RoPE positions, whose rows then decode at their cache slot plus a
@@ -298,11 +301,16 @@ class Engine:
         length (rounded down to a power of two); the pool every page those rows can use, up to the cap."""
         cap = self._page_cap(max_pages)
         rows = min(bucket(sequences, MIN_ROWS), bucket(self.max_rows, MIN_ROWS))
+        # a linear-attention model's rows also hold recurrent states (counted in pages of the same cap)
+        cfg = self.model.config
+        per_page = paging.page_bytes(cfg, self.page_size, self.model.dtype)
+        row_pages = -(-paging.state_bytes(cfg, self.model.dtype) // per_page)
         if cap is not None:
-            fit = 1 << (max(cap // max_pages, 1).bit_length() - 1)  # the largest power of two <= cap // max_pages
+            fit = max(cap // (max_pages + row_pages), 1)
+            fit = 1 << (fit.bit_length() - 1)  # the largest power of two <= cap // (max_pages + row_pages)
             rows = min(rows, max(fit, MIN_ROWS))
         need = rows * max_pages
-        return rows, need if cap is None else min(need, cap)
+        return rows, need if cap is None else max(min(need, cap - rows * row_pages), max_pages)
 
     # --------------------------------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -411,7 +419,7 @@ class _Run:
         e.summary(self.rows, self.num_pages, self.flags, len(self.seqs))
         stats = e.last_stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0, "chunks": 0,
                                 "rows": self.rows, "pool_pages": self.num_pages}
-        self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype)
+        self.pools = paging.make_pools(cfg, self.num_pages, e.page_size, e.model.dtype, self.rows)
         self.state = runner.empty_rows(self.rows, self.stop_width, cfg.vocab_size, self.flags, self.offsets,
                                        self.longrope)
         jax.block_until_ready((self.weights, self.pools))
@@ -545,14 +553,18 @@ class _Run:
             long = np.zeros((p_b,), bool)
             long[:n_prompts] = [group[0].long_from < 0 for _, group in admitted]
             long = jnp.asarray(long)
-        self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
-                                            jnp.asarray(slots), images, long, plan=self.plan)
-        if src:
-            self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
         new = [(i, s) for i, (_, group) in enumerate(admitted) for s in group]
         n_b = bucket(len(new))
         prompt_of = np.zeros((n_b,), np.int32)
         targets = np.full((n_b,), self.rows, np.int32)  # padding entries: out of range, dropped
+        for k, (i, s) in enumerate(new):
+            prompt_of[k], targets[k] = i, s.row
+        # linear-attention layers (Qwen3.5): each admitted row starts from its prompt's final recurrent state
+        state_rows = (jnp.asarray(prompt_of), jnp.asarray(targets)) if self.e.model.config.layer_linear else None
+        self.pools, logits = runner.prefill(self.weights, self.pools, jnp.asarray(ids), jnp.asarray(lens),
+                                            jnp.asarray(slots), images, long, state_rows, plan=self.plan)
+        if src:
+            self.pools = paging.copy_pages(self.pools, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
         plen = np.zeros((n_b,), np.int32)
         budgets = np.ones((n_b,), np.int32)
         keys = np.zeros((n_b, 2), np.uint32)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unsloth_jax.models.linear_attention import RecurrentState, make_state
+
 
 class PageAllocator:
     """Free list and reference counts of `num_pages` pages (host side)."""
@@ -54,22 +56,44 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def page_bytes(cfg, page_size: int, dtype) -> int:
-    """Bytes of one page across every layer, keys and values."""
-    return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Bytes of one page across every attention layer, keys and values."""
+    layers = cfg.num_hidden_layers - sum(cfg.layer_linear)
+    return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def make_pools(cfg, num_pages: int, page_size: int, dtype) -> tuple:
-    """Zeroed pools: a tuple over layers of (k_pages, v_pages), each [num_pages, page_size, Hkv, hd]."""
+def state_bytes(cfg, dtype) -> int:
+    """Bytes of one row's recurrent state across the linear-attention layers (Qwen3.5; 0 for other models):
+    the conv window [C, K-1] in `dtype` and the float32 delta-rule state [Hv, Dk, Dv]."""
+    layers = sum(cfg.layer_linear)
+    if not layers:
+        return 0
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) * jnp.dtype(dtype).itemsize
+    delta = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return layers * (conv + delta)
+
+
+def make_pools(cfg, num_pages: int, page_size: int, dtype, rows: int = 0) -> tuple:
+    """Zeroed pools: a tuple over layers of (k_pages, v_pages), each [num_pages, page_size, Hkv, hd]; a
+    linear-attention layer (Qwen3.5) holds its `rows` rows' RecurrentState instead."""
     shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers))
+    linear = cfg.layer_linear or (False,) * cfg.num_hidden_layers
+    return tuple(make_state(cfg, rows, dtype) if lin else (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for lin in linear)
+
+
+def attention_pool(pools) -> tuple:
+    """The (k_pages, v_pages) of the first attention layer (the pools' page count and size)."""
+    return next(p for p in pools if not isinstance(p, RecurrentState))
 
 
 def _copy_pages(pools, src, dst):
-    return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in pools)
+    return tuple(p if isinstance(p, RecurrentState) else (p[0].at[dst].set(p[0][src]), p[1].at[dst].set(p[1][src]))
+                 for p in pools)
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=(0,))
 copy_pages.__doc__ = "pools with pages src [N] copied onto pages dst [N] in every layer (the pools are donated)."
 
 
-__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages"]
+__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages", "attention_pool",
+           "state_bytes"]

@@ -7,6 +7,11 @@
     pools, rows, tokens, logprobs, taken = decode_chunk(weights, pools, rows, tables, steps, plan=plan,
                                                         flags=flags, cap=cap)
 
+A linear-attention layer (Qwen3.5) keeps each row's recurrent state (conv window and delta-rule state,
+`models.linear_attention.RecurrentState`) where an attention layer keeps its page pools: a prefill computes the
+prompts' final states and writes them into the admitted rows (a row's state restarts there), decode steps
+advance the live rows' states.
+
 Every layer runs unrolled in Python (no scan: no per-step copy of the cache through a scan, and each layer's
 page pool is its own array, updated in place as a donated loop carry). The decode loop is one `lax.while_loop`
 of up to `steps` tokens that stops early once every row is done; the host reads its [R, cap] output once.
@@ -28,9 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
+from unsloth_jax.inference.pages import attention_pool
 from unsloth_jax.inference.sampling import RowParams, SamplerFlags, sample, seen_tokens, token_keys
 from unsloth_jax.inference.weights import DecodeWeights, LayerPlan, layer_module
 from unsloth_jax.models.attention import Batch, PagedDecode, PagedPrefill
+from unsloth_jax.models.linear_attention import RecurrentDecode, RecurrentPrefill
 from unsloth_jax.models.rope import mrope_tables
 
 
@@ -68,6 +75,7 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     cfg = model.config
     (cos, sin), local = model.model.rope(positions, long) if rope is None else rope
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
+    linear = model.model.layer_linear()  # Qwen3.5: caches(i) of a linear layer is its RecurrentPrefill / Decode
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
     pools = []
     ropes = model.model.layer_ropes(cos, sin, local)  # per group layer; (None, None) on NoPE layers
@@ -75,18 +83,20 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
         j = i % cfg.layer_period
         rope = ropes[j]
         layer = layer_module(plan, weights, i, in_place=decode)
-        x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j])
+        x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j], linear=linear[j])
         pools.append(kv)
     return x, tuple(pools)
 
 
 def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: PrefillImages | None = None,
-             long=None, *, plan: LayerPlan):
+             long=None, state_rows=None, *, plan: LayerPlan):
     """Prompts ids [P, S] (right padded, lengths [P]) through the model, their keys/values written to the pools
     at slots [P, S] -> (pools, logits of each prompt's last token [P, V] float32). images (PrefillImages, prompts
     with images): the layers start from its embeddings (ids unused), with its image blocks and M-RoPE positions.
     long: LongRoPE's factors per prompt ([P] bool; a row's cache rewritten with the long factors is a prefill of
-    its whole sequence so far with long True), or None."""
+    its whole sequence so far with long True), or None. state_rows (linear-attention layers, Qwen3.5): (prompt_of
+    [N], targets [N]): row targets[n] starts from the final recurrent state of prompt prompt_of[n] (targets out
+    of range are dropped); the other rows keep theirs."""
     model = nnx.merge(plan.graphdef, weights.state)
     p, s = ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
@@ -99,6 +109,8 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
             rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section), None)
 
     def caches(i):
+        if model.config.layer_linear and model.config.layer_linear[i]:
+            return RecurrentPrefill(pools[i].conv, pools[i].state, lengths, *state_rows)
         return PagedPrefill(pools[i][0], pools[i][1], slots, lengths, block_ids)
 
     x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope, long=long)
@@ -142,8 +154,9 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
     produced nothing), log-probs [R, cap], steps taken)."""
     model = nnx.merge(plan.graphdef, weights.state)
     r = rows.tokens.shape[0]
-    page_size = pools[0][0].shape[1]
-    num_slots = pools[0][0].shape[0] * page_size
+    k_pages = attention_pool(pools)[0]
+    page_size = k_pages.shape[1]
+    num_slots = k_pages.shape[0] * page_size
 
     def body(carry):
         step, pools, rows, out_tok, out_lp = carry
@@ -154,6 +167,8 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
         x = model.model.embed(rows.tokens[:, None], model.dtype)
 
         def caches(i):
+            if model.config.layer_linear and model.config.layer_linear[i]:
+                return RecurrentDecode(pools[i].conv, pools[i].state, live)
             return PagedDecode(pools[i][0], pools[i][1], slots, tables, attend_len)
 
         positions = rows.lengths if rows.offsets is None else rows.lengths + rows.offsets

@@ -87,7 +87,7 @@ def _projections(layer_module):
     from unsloth_jax.models.decoder import PROJ_PARENT
 
     for name, parent in PROJ_PARENT.items():
-        lin = getattr(getattr(layer_module, parent), name, None)
+        lin = getattr(getattr(layer_module, parent, None), name, None)
         if lin is not None:
             yield lin
 

@@ -1,6 +1,7 @@
 """Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
 first rotary_dim dims of each head: Phi-3's partial rotary; none in SmolLM3's NoPE layers, given cos = None),
-GQA attention, optional attention sinks (gpt-oss)."""
+GQA attention, optional attention sinks (gpt-oss), optional output gate (Qwen3.5: q_proj gives each head's query
+then its gate, and the attention output is multiplied by sigmoid(gate) before o_proj)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -108,7 +109,8 @@ class Attention(nnx.Module):
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
         common = dict(stack=stack, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(d, hq * hd, use_bias=cfg.qkv_bias, **common)
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = Linear(d, hq * hd * (2 if cfg.attn_output_gate else 1), use_bias=cfg.qkv_bias, **common)
         self.k_proj = Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common)
         self.v_proj = Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common)
         self.o_proj = Linear(hq * hd, d, use_bias=cfg.o_bias, **common)
@@ -127,7 +129,11 @@ class Attention(nnx.Module):
         attention (`cache.attend`); the second item is then the cache's new arrays.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:  # Qwen3.5: per head [query (hd), gate (hd)]
+            q, gate = jnp.split(self.q_proj(x).reshape(b, s, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        else:
+            q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -146,7 +152,10 @@ class Attention(nnx.Module):
             out = checkpoint_name(out, "attn_out")
         else:  # KVCache, PagedPrefill or PagedDecode: the cache writes this call's keys/values and attends
             out, new_cache = cache.attend(q, k, v, scale=self.scale, window=window, softcap=self.softcap, sinks=sinks)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), new_cache
+        out = out.reshape(b, s, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(out.shape)).astype(out.dtype)
+        return self.o_proj(out), new_cache
 
     def rotate(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE on q [B, S, Hq, hd] and k [B, S, Hkv, hd] with cos/sin [B, S, rotary_dim]; the dims past

@@ -12,6 +12,7 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.layers.mlp.{gate,up,down}_proj.kernel [L, in, out]
     model.layers.mlp.{gate|router,experts.*}                       (MoE families: see unsloth_jax.models.moe)
     model.layers.self_attn.sinks [L, Hq]                           (gpt-oss)
+    model.layers.linear_attn.*                                     (Qwen3.5: see unsloth_jax.models.linear_attention)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
 runs them (unsloth_jax.models.layer_stack: a `lax.scan` over groups of `cfg.layer_period` layers) under the
@@ -29,9 +30,10 @@ from flax import nnx
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_ropes, group_sparse, group_windows,
-                                            run_layers)
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_linear, group_ropes, group_sparse,
+                                            group_windows, run_layers)
 from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.linear_attention import LINEAR_PROJS, GatedDeltaNet
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
@@ -40,6 +42,7 @@ from unsloth_jax.models.rope import positions_from_mask, rope_tables
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJS}
+PROJ_PARENT |= {p: "linear_attn" for p in LINEAR_PROJS}  # Qwen3.5's linear-attention layers
 
 
 class DecoderLayer(nnx.Module):
@@ -55,14 +58,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
         self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
+        if cfg.has_linear_layers:  # Qwen3.5: every layer holds both mixers; each layer runs its own (layer_linear)
+            self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
-                 cache: KVCache | None = None, sparse: bool = False):
+                 cache: KVCache | None = None, sparse: bool = False, linear: bool = False):
         """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None).
 
         sparse (static): this layer's MLP is the routed experts block (MoE families); its router statistics
-        are returned."""
-        h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
+        are returned. linear (static): this layer mixes tokens by linear attention (`linear_attn`, Qwen3.5); its
+        cache is then a RecurrentPrefill / RecurrentDecode and the second item its new RecurrentState."""
+        if linear:
+            h, new_cache = self.linear_attn(self.input_layernorm(x), batch, cache)
+        else:
+            h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
         stats = None
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
@@ -124,6 +133,10 @@ class DecoderModel(nnx.Module):
     def layer_sparse(self) -> tuple[bool, ...]:
         """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
         return group_sparse(self.config)
+
+    def layer_linear(self) -> tuple[bool, ...]:
+        """Whether each layer of one scan group mixes tokens by linear attention (length cfg.layer_period)."""
+        return group_linear(self.config)
 
     def layer_ropes(self, cos, sin, local=None) -> tuple:
         """The (cos, sin) each layer of one scan group rotates by (length cfg.layer_period): `local` on the
@@ -190,9 +203,9 @@ class CausalLM(nnx.Module):
 
     def projections(self) -> dict:
         """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj (the
-        dense MLP ones only where the model has dense MLP layers)."""
+        dense MLP ones only where the model has dense MLP layers; Qwen3.5's in_proj_* / out_proj too)."""
         layers = self.model.layers
-        found = {name: getattr(getattr(layers, parent), name, None) for name, parent in PROJ_PARENT.items()}
+        found = {name: getattr(getattr(layers, parent, None), name, None) for name, parent in PROJ_PARENT.items()}
         return {name: lin for name, lin in found.items() if lin is not None}
 
     def expert_projections(self) -> dict:

@@ -298,6 +298,11 @@ def group_sparse(cfg: ModelConfig) -> tuple[bool, ...]:
     return (cfg.layer_sparse or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
 
 
+def group_linear(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether each layer of one scan group mixes tokens by linear attention (Qwen3.5; length cfg.layer_period)."""
+    return (cfg.layer_linear or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
+
+
 def group_rope(cfg: ModelConfig) -> tuple[bool, ...]:
     """Whether each layer of one scan group applies RoPE (length cfg.layer_period; False: a NoPE layer)."""
     return (cfg.layer_rope or (True,) * cfg.num_hidden_layers)[:cfg.layer_period]
@@ -333,6 +338,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     groups, tail = divmod(cfg.num_hidden_layers, period)
     windows = group_windows(cfg)
     sparse = group_sparse(cfg)
+    linear = group_linear(cfg)
     ropes = group_ropes(cfg, cos, sin, local_rope)
     graphdef, state = nnx.split(layers)
 
@@ -346,7 +352,8 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
             layer_cache = None
             if cache is not None:
                 layer_cache = cache._replace(k=xs_group[1][j], v=xs_group[2][j])  # KVCache or a variant
-            h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j])
+            h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j],
+                                       linear=linear[j])
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -428,4 +435,5 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
 
 
 __all__ = ["LayerStackPolicy", "NO_REMAT", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
-           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse", "group_rope", "group_ropes"]
+           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse", "group_rope", "group_ropes",
+           "group_linear"]

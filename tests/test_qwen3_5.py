@@ -1,0 +1,230 @@
+"""Qwen3.5 text (model_type qwen3_5_text): gated DeltaNet linear-attention layers (three of four) and gated
+full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, logits of
+right-padded and packed rows, one LoRA step (linear-attention projections included), the PEFT adapter and the
+merged checkpoint in PEFT / transformers, greedy generation on the engine with rows admitted while others decode,
+checkpoint extras transformers skips, and the GGUF refusal."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from tests.conftest import fresh_seed  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+from tests.hf_models import save_hf_model  # noqa: E402
+from unsloth_jax import FastLanguageModel, lora  # noqa: E402
+from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+       "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+BASE = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(source dir, transformers model, our model) of the tiny "qwen35" family (5 layers: linear x3, full,
+    linear: one scan group of 4 and a tail of 1), built once per module."""
+    path = tmp_path_factory.mktemp("qwen35")
+    hf = save_hf_model("qwen35", path, seed=fresh_seed("qwen35 model") % (1 << 31))
+    return path, hf, _load(path)
+
+
+def _load(path, **kw):
+    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
+    return model
+
+
+def _hf(path, **kw):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             attn_implementation="eager", **kw)
+
+
+def _torch_logits(m, ids, mask=None):
+    with torch.no_grad():
+        kw = {} if mask is None else {"attention_mask": torch.tensor(np.asarray(mask), dtype=torch.long)}
+        return m(torch.tensor(np.asarray(ids), dtype=torch.long), **kw).logits.float().numpy()
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_config_layer_pattern_and_refusals():
+    """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch and the scan period
+    (6 layers: period 4, a tail of 2); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
+    values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is refused by name."""
+    cfg = ModelConfig.from_dict(BASE)
+    assert cfg.layer_linear == (True, True, True, False, True, True) and cfg.layer_period == 4
+    assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_offset == 1.0 and cfg.rope_dim == 4
+    assert cfg.linear_conv_dim == 2 * 2 * 8 + 4 * 8 and cfg.linear_conv_kernel == 4 and not cfg.tie_word_embeddings
+    alt = ModelConfig.from_dict(BASE | {"layer_types": ["linear_attention", "full_attention"] * 3})
+    assert alt.layer_period == 2 and alt.layer_windows == (None,) * 6
+    assert ModelConfig.from_dict(BASE | {"full_attention_interval": 3}).layer_linear == (True, True, False) * 2
+    assert ModelConfig.from_dict(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                                             "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2],
+                                                             "mrope_interleaved": True}}).rope_dim == 8
+    for bad, key in [({"layer_types": ["linear_attention"] * 6}, "layer_types"),
+                     ({"layer_types": ["sliding_attention"] * 6}, "layer_types"),
+                     ({"layer_types": ["full_attention"] * 5}, "layer_types"),
+                     ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+                     ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+                     ({"attention_bias": True}, "attention_bias"),
+                     ({"hidden_act": "gelu"}, "hidden_act"),
+                     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type")]:
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_dict(BASE | bad)
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
+        ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": BASE})
+
+
+# ------------------------------------------------------------------------------------------------ logits
+def test_logits_right_padded_and_packed(tiny, rng):
+    """One call over three rows: a full row, a right-padded row (13 of 20 tokens) and a packed row of two
+    sequences (7 + 9 tokens, positions restarting, then padding). Logits of every real token equal transformers'
+    on each sequence alone: padding leaves the real tokens alone, and a segment start restarts the recurrent
+    state and the causal conv."""
+    _, hf, model = tiny
+    assert model.config.layer_period == 4 and model.config.num_hidden_layers == 5
+    seqs = [rng.integers(3, 256, size=n) for n in (20, 13, 7, 9)]
+    ids = np.zeros((3, 20), np.int64)
+    mask = np.zeros_like(ids)
+    seg = np.zeros_like(ids)
+    pos = np.zeros_like(ids)
+    ids[0], ids[1, :13], ids[2, :7], ids[2, 7:16] = seqs
+    mask[0], mask[1, :13], mask[2, :16] = 1, 1, 1
+    seg[0], seg[1, :13], seg[2, :7], seg[2, 7:16] = 1, 1, 1, 2
+    pos[0], pos[1, :13], pos[2, :7], pos[2, 7:16] = np.arange(20), np.arange(13), np.arange(7), np.arange(9)
+    ours = np.asarray(model(ids, mask, positions=pos, segment_ids=seg))
+    spans = [(0, slice(0, 20)), (1, slice(0, 13)), (2, slice(0, 7)), (2, slice(7, 16))]
+    for (row, span), seq in zip(spans, seqs):
+        assert rel_err(ours[row, span], _torch_logits(hf, seq[None])[0]) < 1e-5, (row, span)
+    # right padding alone, as transformers takes it (attention_mask, no segments)
+    padded = np.asarray(model(ids[:2], mask[:2]))
+    assert rel_err(padded[1, :13], _torch_logits(hf, ids[:2], mask[:2])[1, :13]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
+    """One SFT step lowers the loss and trains only the LoRA factors (on the attention, MLP and linear-attention
+    projections); with every lora_b random, the PEFT adapter (no keys for the mixer a layer lacks) loads in PEFT
+    on transformers' model with our logits and in FastLanguageModel with our factors, and the merged checkpoint
+    loads in transformers (Qwen3_5ForCausalLM, no missing or unexpected keys) with our logits."""
+    from safetensors import safe_open
+
+    from unsloth_jax.hf.mapping import layer_has
+    from unsloth_jax.models.decoder import PROJ_PARENT
+    from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
+
+    path, _, _ = tiny
+    model = FastLanguageModel.get_peft_model(_load(path), r=4, lora_alpha=8, target_modules=ALL,
+                                             use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
+    assert set(model.lora.target_modules) == set(ALL)
+    g, t, f = lora.split(model)
+    assert {p[-1] for p, _ in nnx.to_flat_state(t)} == {"lora_a", "lora_b"}
+    ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[:, -1, -4:] = 0
+    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-2, 10, 0))
+    state = opt.init(t)
+    step = make_train_step(g, opt, remat="full", donate=False)
+    t1, state, m1 = step(t, f, state, batch)
+    _, _, m2 = step(t1, f, state, batch)
+    assert float(m2["loss"]) < float(m1["loss"])
+    model = nnx.merge(g, t1, f)
+    for lin in model.projections().values():
+        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
+    ids = np.zeros((2, 18), np.int64)
+    mask = np.zeros_like(ids)
+    ids[0], ids[1, :11] = rng.integers(3, 256, size=18), rng.integers(3, 256, size=11)
+    mask[0], mask[1, :11] = 1, 1
+    real = mask.astype(bool)
+    ours = np.asarray(model(ids, mask))
+    model.save_pretrained(tmp_path / "adapter")
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "np") as fh:
+        keys = set(fh.keys())
+    assert any(".layers.0.linear_attn.in_proj_qkv.lora_A" in k for k in keys)
+    assert not any(".layers.0.self_attn." in k or ".layers.3.linear_attn." in k for k in keys)
+    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
+    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    back = _load(tmp_path / "adapter")  # our loader reads the adapter back onto the base
+    assert set(back.lora.target_modules) == set(ALL)
+    for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)
+        have = [i for i in range(5) if layer_has(model.config, PROJ_PARENT[name], i)]
+        for leaf in ("lora_a", "lora_b"):
+            np.testing.assert_array_equal(np.asarray(getattr(lin, leaf)[...])[have],
+                                          np.asarray(getattr(model.projections()[name], leaf)[...])[have])
+    model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    merged, info = _hf(tmp_path / "merged", output_loading_info=True)
+    assert type(merged).__name__ == "Qwen3_5ForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert rel_err(ours[real], _torch_logits(merged, ids, mask)[real]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ generation
+def test_greedy_generation_with_admissions_matches_transformers(tiny, rng):
+    """Greedy completions on the engine equal transformers' generate for each prompt: five prompts of different
+    lengths, two completions each, on 8 rows with 2-token decode chunks, so the last prompt's rows are admitted
+    (their recurrent states set from its prefill) while other rows decode, into rows a finished sequence left.
+    The rows' recurrent states count against the KV cache cap."""
+    from unsloth_jax.inference.engine import Engine
+    from unsloth_jax.inference.sampling import SamplingParams
+
+    _, hf, model = tiny
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (9, 4, 12, 6, 5)]
+    budgets = [2, 7, 5, 7, 6]
+    from unsloth_jax.inference import pages
+
+    # the rows' recurrent states count against the KV cap: 40 pages of 16 tokens hold 8 rows of 2 pages + 2
+    # pages of state each (16 rows without the states), and leave 16 pages for the KV pool
+    per_page = pages.page_bytes(model.config, 16, model.dtype)
+    assert -(-pages.state_bytes(model.config, model.dtype) // per_page) == 2
+    assert Engine(model, kv_cache_gib=40 * per_page / 2**30)._sizes(300, 2) == (8, 16)
+    engine = Engine(model, max_rows=8, chunk=2)
+    outs = engine.generate(prompts, [SamplingParams(n=2, temperature=0.0, max_tokens=m) for m in budgets])
+    assert engine.last_stats["rows"] == 8 and engine.last_stats["chunks"] >= 3
+    for prompt, budget, out in zip(prompts, budgets, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=budget, do_sample=False, eos_token_id=[2],
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert [c.token_ids for c in out.outputs] == [ref, ref], (prompt, budget)
+
+
+def test_checkpoint_extras_skipped_and_missing_tensor_named(tiny, tmp_path):
+    """As transformers' Qwen3_5ForCausalLM, a checkpoint's multi-token-prediction head (mtp.*) is skipped; a
+    missing linear-attention tensor is named."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from unsloth_jax.errors import MissingTensorError
+
+    path, _, model = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, extra in (("with_mtp", {"mtp.fc.weight": np.ones((4, 4), np.float32)}), ("missing", None)):
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copy(path / "config.json", out / "config.json")
+        kept = dict(tensors, **extra) if extra else {k: v for k, v in tensors.items()
+                                                       if k != "model.layers.4.linear_attn.A_log"}
+        save_file(kept, str(out / "model.safetensors"))
+    back = _load(tmp_path / "with_mtp")
+    np.testing.assert_array_equal(np.asarray(back.model.layers.linear_attn.A_log[...]),
+                                  np.asarray(model.model.layers.linear_attn.A_log[...]))
+    with pytest.raises(MissingTensorError, match="model.layers.4.linear_attn.A_log"):
+        _load(tmp_path / "missing")
+
+
+def test_gguf_export_refused(tiny, tmp_path):
+    """The GGUF exporter has no Qwen3.5 mapping (the gguf package names llama.cpp's qwen35 architecture, but its
+    tensor transforms are not written here): save_pretrained_gguf refuses the model type by name."""
+    _, _, model = tiny
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
+        model.save_pretrained_gguf(tmp_path / "gguf", None, quantization_method="f32")
