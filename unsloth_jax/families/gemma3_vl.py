@@ -20,7 +20,8 @@ _LAYER_TENSORS = (  # (HF suffix after vision_tower.encoder.layers.{i}., module 
     *[(f"layer_norm{j}.{w}", (f"layer_norm{j}", w)) for j in (1, 2) for w in ("weight", "bias")],
     *[(f"self_attn.{p}.{w}", ("self_attn", p, "kernel" if w == "weight" else w))
       for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")],
-    *[(f"mlp.{p}.{w}", ("mlp", p, "kernel" if w == "weight" else w)) for p in ("fc1", "fc2") for w in ("weight", "bias")],
+    *[(f"mlp.{p}.{w}", ("mlp", p, "kernel" if w == "weight" else w)) for p in ("fc1", "fc2")
+      for w in ("weight", "bias")],
 )
 
 

@@ -84,8 +84,8 @@ def read_vl_checkpoint(model_dir: str | os.PathLike, specs: dict[str, TensorSpec
         for f in handles.values():
             f.close()
     if unexpected:
-        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a {family.name} model with this config.json "
-                                    f"does not use: {first_names(unexpected)}")
+        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a {family.name} model with this "
+                                    f"config.json does not use: {first_names(unexpected)}")
     missing = [n for n in specs if n not in seen]
     if missing:
         raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s) (canonical names; "

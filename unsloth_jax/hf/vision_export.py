@@ -50,7 +50,8 @@ def _lora_modules(model) -> list[tuple[str, object, int]]:
 def target_modules_regex(model) -> str:
     """adapter_config.json's target_modules: one alternative per tower, matching its adapted modules only."""
     lo = model.lora
-    return family_of(model).adapter.target_modules_regex(tuple(lo.target_modules), tuple(lo.vision_target_modules or ()))
+    return family_of(model).adapter.target_modules_regex(tuple(lo.target_modules),
+                                                         tuple(lo.vision_target_modules or ()))
 
 
 def check_exportable(model, what: str) -> None:
