@@ -88,6 +88,11 @@ def test_prepare_inputs_per_family(rng):
              "vision_window_index": window}
     qwen = QWEN2_5_VL.prepare_inputs(batch)
     assert qwen.vision_layout == {"window_index": window} and qwen.mrope_positions is mrope
+    # the fields the trainers pad and plan by: every image field prepare_inputs read is the family's, text is not
+    assert [k for k in batch if QWEN2_5_VL.is_image_field(k)] == ["pixel_values", "mrope_positions",
+                                                                  "vision_window_index"]
+    assert GEMMA3_VL.is_image_field("token_type_ids") and not TEXT.is_image_field("pixel_values")
+    assert QWEN2_5_VL.row_fields == ("mrope_positions",) and GEMMA3_VL.row_fields == ("token_type_ids",)
     with pytest.raises(TypeError, match="mrope_positions"):
         QWEN2_5_VL.prepare_inputs({"input_ids": ids, "pixel_values": pixels})
 

@@ -114,6 +114,12 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     module_class: type
+    row_fields: tuple[str, ...] = ()  # image batch fields laid out along the rows' sequence axis (last)
+
+    def is_image_field(self, key: str) -> bool:
+        """Whether batch field `key` is one of this family's image fields (what prepare_inputs reads besides the
+        text fields)."""
+        return False
 
     def parse_config(self, raw: dict, source: str = "config.json"):
         """config.json's dict -> this family's frozen config (ConfigError naming `source` and the key)."""
@@ -195,6 +201,7 @@ class VisionFamily(Family):
     tower_roots       module-path roots of the tower and projector
     adapter           the PEFT AdapterLayout
     vision_attention / vision_mlp: the tower's projection names FastVisionModel's switches adapt
+    image_fields      the batch fields of its images (row_fields: those along the sequence axis)
     """
 
     text_prefix: str = ""
@@ -205,6 +212,10 @@ class VisionFamily(Family):
     adapter: AdapterLayout | None = None
     vision_attention: tuple[str, ...] = ()
     vision_mlp: tuple[str, ...] = ()
+    image_fields: tuple[str, ...] = ()
+
+    def is_image_field(self, key: str) -> bool:
+        return key in self.image_fields
 
     def canonical_name(self, name: str) -> str:
         """A checkpoint tensor name in the canonical spelling (the first matching rename)."""

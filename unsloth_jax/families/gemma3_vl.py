@@ -208,4 +208,5 @@ GEMMA3_VL = Gemma3VisionFamily(
         vision_module=gemma_vision_module,
         target_patterns={"language": (r"language_model(?:\.model)?\.layers", "self_attn|mlp"),
                          "vision": (r"vision_tower(?:\.vision_model)?\.encoder\.layers", "self_attn|mlp")}),
-    vision_attention=("q_proj", "k_proj", "v_proj", "out_proj"), vision_mlp=("fc1", "fc2"))
+    vision_attention=("q_proj", "k_proj", "v_proj", "out_proj"), vision_mlp=("fc1", "fc2"),
+    image_fields=("pixel_values", "token_type_ids"), row_fields=("token_type_ids",))

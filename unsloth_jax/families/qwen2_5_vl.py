@@ -58,6 +58,9 @@ class QwenVisionFamily(VisionFamily):
             rows.append((f"visual.merger.mlp.{j}.bias", merger + ("bias",), None, "bias", (out,)))
         return rows
 
+    def is_image_field(self, key: str) -> bool:
+        return key in self.image_fields or key.startswith(LAYOUT_PREFIX)
+
     def prepare_inputs(self, batch: dict) -> ModelInputs:
         """input_ids etc., and with images pixel_values [P, C*T*p*p], mrope_positions [3, B, S] and the tower's
         padded layout (the vision_* fields, data.vision_loader.pad_patches)."""
@@ -205,4 +208,5 @@ QWEN2_5_VL = QwenVisionFamily(
                           vision_paths=("model.visual.blocks", "visual.blocks"), vision_module=qwen_vision_module,
                           target_patterns={"language": (r"language_model\.layers", "self_attn|mlp"),
                                            "vision": (r"visual\.blocks", "attn|mlp")}),
-    vision_attention=("qkv", "proj"), vision_mlp=("gate_proj", "up_proj", "down_proj"))
+    vision_attention=("qkv", "proj"), vision_mlp=("gate_proj", "up_proj", "down_proj"),
+    image_fields=("pixel_values", "mrope_positions"), row_fields=("mrope_positions",))

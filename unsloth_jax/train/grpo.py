@@ -798,7 +798,7 @@ class GRPOTrainer(RLTrainerBase):
             arrays = arrays if accum == spg else {k: v[first:first + accum] for k, v in arrays.items()}
             arrays["num_items"] = jnp.full((accum,), buf["num_items"], jnp.float32)
         else:
-            arrays = _stack_micro_batches(pieces, self.pad_id)
+            arrays = _stack_micro_batches(pieces, self.pad_id, family_of(self.model))
         if not made:
             metrics = {**self._gen_metrics, "time/generation": 0.0, "time/rewards": 0.0}
         elif len(made) == 1:
@@ -894,12 +894,13 @@ class GRPOTrainer(RLTrainerBase):
         return out
 
 
-_ROW_FIELDS = ("input_ids", "attention_mask", "completion_mask", "token_type_ids", "old_logps", "ref_logps")
+_ROW_FIELDS = ("input_ids", "attention_mask", "completion_mask", "old_logps", "ref_logps")
 
 
-def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
+def _stack_micro_batches(pieces: list, pad_id: int, family) -> dict:
     """One step's [A, B, S] arrays from (generation buffer, slice index) pairs of buffers of different lengths:
-    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere; mrope_positions [3, B, S] too),
+    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere; the family's row_fields too:
+    Gemma 3's token_type_ids, Qwen2.5-VL's mrope_positions [3, B, S]),
     num_items [A] per slice. Image fields: Gemma 3's pixel_values [N, C, H, W] padded with zero images to the
     largest N; Qwen2.5-VL's patch arrays must agree (the same patch bucket), else a TrainingError."""
     length = max(buf["input_ids"].shape[-1] for buf, _ in pieces)
@@ -912,7 +913,7 @@ def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
         for buf, i in pieces:
             x = buf[key][i]
             width = length - buf["input_ids"].shape[-1]
-            if key in _ROW_FIELDS or key == "mrope_positions":  # [B, S], [B, S-1] or [3, B, S]: the sequence axis
+            if key in _ROW_FIELDS or key in family.row_fields:  # [B, S], [B, S-1] or [3, B, S]: the sequence axis
                 pad = [(0, 0)] * (x.ndim - 1) + [(0, width)]
                 x = jnp.pad(x, pad, constant_values=pad_id if key == "input_ids" else 0)
             elif key == "pixel_values" and x.ndim == 4:  # Gemma 3's images: trailing zero images are never read
