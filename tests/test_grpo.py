@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from tests.helpers import ASSETS, TINY_MODEL, rel_err  # noqa: E402
 from unsloth_jax import FastLanguageModel, GRPOConfig, GRPOTrainer, lora  # noqa: E402
 from unsloth_jax.train import grpo as G  # noqa: E402
+from unsloth_jax.families import ModelInputs  # noqa: E402
 from unsloth_jax.train.logprobs import token_logps  # noqa: E402
 
 
@@ -425,8 +426,8 @@ def test_steps_per_generation_reuses_one_rollout_with_its_old_logps(tmp_path, mo
 
     def logps(trainable, b):
         nnx.update(model, trainable)
-        return np.asarray(token_logps(model, jnp.asarray(b["input_ids"][0]), jnp.asarray(b["attention_mask"][0]),
-                                      temperature=0.9), np.float64)
+        rows = ModelInputs(jnp.asarray(b["input_ids"][0]), jnp.asarray(b["attention_mask"][0]))
+        return np.asarray(token_logps(model, rows, temperature=0.9), np.float64)
 
     rollout_weights = seen[0][0]
     tokens = sum(float(b["completion_mask"][0].sum()) for _, b in seen[:2])  # the generation's (TRL's normalizer)

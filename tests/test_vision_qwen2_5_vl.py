@@ -16,7 +16,7 @@ from tests.vl_qwen_models import GRIDS, IMAGE, hf_qwen_vl, image_tokens, inputs 
 from tests import vl_qwen_models as qm  # noqa: E402
 from unsloth_jax.config import QwenVLConfig  # noqa: E402
 from unsloth_jax.errors import MissingTensorError  # noqa: E402
-from unsloth_jax.hf.vision_qwen_io import load_qwen_vl_model  # noqa: E402
+from unsloth_jax.hf.vision_io import load_vision_language_model  # noqa: E402
 from unsloth_jax.models.vision_qwen2_5 import vision_layout  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    return load_qwen_vl_model(checkpoint[0], dtype="float32")
+    return load_vision_language_model(checkpoint[0], dtype="float32")
 
 
 def test_window_layout_has_several_windows(ours):
@@ -194,14 +194,14 @@ def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):
                 "model." + k if k.startswith("visual.") else k): v for k, v in tensors.items()}
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    other = load_qwen_vl_model(tmp_path)
+    other = load_vision_language_model(tmp_path)
     np.testing.assert_array_equal(other.visual.blocks.attn.qkv.kernel[...], ours.visual.blocks.attn.qkv.kernel[...])
     np.testing.assert_array_equal(other.model.layers.self_attn.q_proj.bias[...],
                                   ours.model.layers.self_attn.q_proj.bias[...])
     del renamed["model.visual.merger.ln_q.weight"]
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(MissingTensorError, match="visual.merger.ln_q.weight"):
-        load_qwen_vl_model(tmp_path)
+        load_vision_language_model(tmp_path)
 
 
 # ---- LoRA through FastVisionModel (Unsloth's switches) against transformers + PEFT ----
@@ -218,7 +218,7 @@ def fast(checkpoint):
 
 def _peft_regex(language, vision, attention=True, mlp=True) -> str:
     """PEFT's target_modules for Unsloth's switches, one alternative per tower (written independently of
-    hf.vision_qwen_export)."""
+    hf.vision_export)."""
     parts = []
     if language:
         mods = (["q_proj", "k_proj", "v_proj", "o_proj"] if attention else []) + (

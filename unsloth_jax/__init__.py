@@ -33,6 +33,7 @@ _EXPORTS = {
     "FastModel": "unsloth_jax.api",
     "VisionModel": "unsloth_jax.api",
     "QwenVisionModel": "unsloth_jax.api",
+    "VisionLanguageModel": "unsloth_jax.api",
     "is_bfloat16_supported": "unsloth_jax.api",
     "ModelConfig": "unsloth_jax.config",
     "UnslothVisionDataCollator": "unsloth_jax.data.vision",

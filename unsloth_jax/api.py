@@ -22,11 +22,10 @@ from unsloth_jax import lora as lora_lib
 from unsloth_jax.backend import device_memory_gib, is_bfloat16_supported, resolve_dtype
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.families import family_of, vision_family_for
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
-from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
-from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
 log = logging.getLogger("unsloth_jax")
@@ -39,7 +38,38 @@ _FROM_PRETRAINED_IGNORED = ("token", "device_map", "trust_remote_code", "fix_tok
 _CONFIG_OVERRIDES = {"output_router_logits": bool, "router_aux_loss_coef": float}
 
 
-class Model(CausalLM):
+class _PeftMethods:
+    """PEFT's and Unsloth's methods every loaded model class has (Model, VisionLanguageModel); each class brings its
+    own save_pretrained / save_pretrained_merged, which the push_to_hub* methods upload."""
+
+    def trainable_filter(self):
+        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
+        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+
+    def print_trainable_parameters(self) -> None:
+        """PEFT's line: trainable params: N || all params: M || trainable%: X."""
+        _print_trainable(self)
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """PEFT's (trainable parameters, all parameters)."""
+        return _trainable_counts(self)
+
+    def push_to_hub(self, repo_id: str, tokenizer=None, *, token=None, private=None,
+                    commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained (the adapter; after full fine-tuning, the model; with the tokenizer or processor when
+        given) into a temporary directory, uploaded to the Hub repository repo_id (created if needed) with
+        huggingface_hub; returns the repository's URL."""
+        return _push_to_hub(lambda d: self.save_pretrained(d, tokenizer=tokenizer, **kwargs), repo_id, token,
+                            private, commit_message, "save_pretrained")
+
+    def push_to_hub_merged(self, repo_id: str, tokenizer=None, save_method: str = "merged_16bit", *, token=None,
+                           private=None, commit_message: str | None = None, **kwargs) -> str:
+        """save_pretrained_merged into a temporary directory, uploaded to the Hub repository repo_id."""
+        return _push_to_hub(lambda d: self.save_pretrained_merged(d, tokenizer, save_method=save_method, **kwargs),
+                            repo_id, token, private, commit_message, "save_pretrained_merged")
+
+
+class Model(_PeftMethods, CausalLM):
     """A loaded decoder with Unsloth's methods. Besides CausalLM's `config`, `dtype`, `lora` and `model_dir`:
     `max_seq_length`, `gradient_checkpointing` (the layer-stack policy get_peft_model chose, an
     unsloth_jax.models.layer_stack.LayerStackPolicy that prints as, and compares equal to, its remat mode: "none",
@@ -51,10 +81,6 @@ class Model(CausalLM):
         self.max_seq_length = 2048
         self.gradient_checkpointing = NO_REMAT
         self.gpu_memory_utilization: float | None = None  # the generation engine's KV pool cap (from_pretrained)
-
-    def trainable_filter(self):
-        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
-        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
 
     # ---- export (implemented in unsloth_jax.hf.export / gguf_export) ----
     def save_pretrained(self, save_directory, **kwargs) -> str:
@@ -141,27 +167,6 @@ class Model(CausalLM):
         from unsloth_jax.generation import fast_generate
 
         return fast_generate(self, prompts, sampling_params, lora_request=lora_request, **kwargs)
-
-    def print_trainable_parameters(self) -> None:
-        """PEFT's line: trainable params: N || all params: M || trainable%: X."""
-        _print_trainable(self)
-
-    def get_nb_trainable_parameters(self) -> tuple[int, int]:
-        """PEFT's (trainable parameters, all parameters)."""
-        return _trainable_counts(self)
-
-    def push_to_hub(self, repo_id: str, tokenizer=None, *, token=None, private=None,
-                    commit_message: str | None = None, **kwargs) -> str:
-        """save_pretrained (the adapter; after full fine-tuning, the model) into a temporary directory, uploaded
-        to the Hub repository repo_id (created if needed) with huggingface_hub; returns the repository's URL."""
-        return _push_to_hub(lambda d: self.save_pretrained(d, tokenizer=tokenizer, **kwargs), repo_id, token,
-                            private, commit_message, "save_pretrained")
-
-    def push_to_hub_merged(self, repo_id: str, tokenizer=None, save_method: str = "merged_16bit", *, token=None,
-                           private=None, commit_message: str | None = None, **kwargs) -> str:
-        """save_pretrained_merged into a temporary directory, uploaded to the Hub repository repo_id."""
-        return _push_to_hub(lambda d: self.save_pretrained_merged(d, tokenizer, save_method=save_method, **kwargs),
-                            repo_id, token, private, commit_message, "save_pretrained_merged")
 
     def __repr__(self) -> str:
         c = self.config
@@ -535,7 +540,7 @@ class FastLanguageModel:
                                          modules_to_save=saved, target_parameters=expert_targets or None,
                                          vision_target_modules=vision_targets or None)
         lora_lib.add_lora(model, settings, jax.random.PRNGKey(random_state))
-        if isinstance(model, (Model, VisionModel, QwenVisionModel)):
+        if isinstance(model, (Model, VisionLanguageModel)):
             model.gradient_checkpointing = gradient_checkpointing
             if max_seq_length:
                 model.max_seq_length = max_seq_length
@@ -561,39 +566,36 @@ def _given(**kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-class _LoadedVisionModel:
-    """What FastVisionModel adds to both vision-language NNX modules (mixed in before the module class):
-    `max_seq_length`, `gradient_checkpointing` (as `Model`) and the trainers' `trainable_filter`."""
+class VisionLanguageModel(_PeftMethods):
+    """A loaded vision-language model (FastVisionModel.from_pretrained) of any family (unsloth_jax.families:
+    Gemma 3, Qwen2.5-VL): the family's NNX module class (models.vision / models.vision_qwen2_5) with this class
+    mixed in before it (`loaded_vision_class`), adding `max_seq_length` and `gradient_checkpointing` (as `Model`).
+    Calling it takes input_ids, attention_mask, pixel_values and the family's image fields (Gemma 3:
+    token_type_ids; Qwen2.5-VL: image_grid_thw) and gives logits [B, S, V] float32. SFTTrainer trains it with
+    data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md); save_pretrained /
+    save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers (hf.vision_export);
+    generate and fast_generate continue prompts with images."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.max_seq_length = 2048
         self.gradient_checkpointing = NO_REMAT
 
-    def trainable_filter(self):
-        """The nnx filter of the variables that train (see unsloth_jax.lora.trainable_filter)."""
-        return lora_lib.trainable_filter(self.lora, self.full_finetuning)
+    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> str:
+        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers' model class
+        of the family, with the processor or tokenizer when given; returns the directory's path."""
+        from unsloth_jax.hf.vision_export import save_vision_adapter
 
-    def print_trainable_parameters(self) -> None:
-        """PEFT's line: trainable params: N || all params: M || trainable%: X."""
-        _print_trainable(self)
+        return save_vision_adapter(self, save_directory, tokenizer, **kwargs)
 
-    def get_nb_trainable_parameters(self) -> tuple[int, int]:
-        """PEFT's (trainable parameters, all parameters)."""
-        return _trainable_counts(self)
+    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
+                               max_shard_size="5GB", dtype=None) -> str:
+        """Write the merged model (W + scale * A @ B) as a 16-bit transformers checkpoint with the processor
+        (save_method="merged_16bit"), or the adapter ("lora"); returns the directory's path."""
+        from unsloth_jax.hf.vision_export import save_vision_merged
 
-    def push_to_hub(self, repo_id: str, tokenizer=None, *, token=None, private=None,
-                    commit_message: str | None = None, **kwargs) -> str:
-        """save_pretrained (the PEFT adapter, with the processor or tokenizer when given) into a temporary
-        directory, uploaded to the Hub repository repo_id (created if needed); returns the repository's URL."""
-        return _push_to_hub(lambda d: self.save_pretrained(d, tokenizer, **kwargs), repo_id, token, private,
-                            commit_message, "save_pretrained")
-
-    def push_to_hub_merged(self, repo_id: str, tokenizer=None, save_method: str = "merged_16bit", *, token=None,
-                           private=None, commit_message: str | None = None, **kwargs) -> str:
-        """save_pretrained_merged into a temporary directory, uploaded to the Hub repository repo_id."""
-        return _push_to_hub(lambda d: self.save_pretrained_merged(d, tokenizer, save_method=save_method, **kwargs),
-                            repo_id, token, private, commit_message, "save_pretrained_merged")
+        return save_vision_merged(self, save_directory, tokenizer, save_method=save_method,
+                                  max_shard_size=max_shard_size, dtype=dtype)
 
     def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16", **kwargs):
         """Not available for vision-language models: NotImplementedError saying what to use."""
@@ -602,6 +604,23 @@ class _LoadedVisionModel:
     def push_to_hub_gguf(self, repo_id: str, tokenizer=None, quantization_method="f16", **kwargs):
         """Not available for vision-language models: NotImplementedError saying what to use."""
         raise NotImplementedError(_VISION_GGUF)
+
+    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None,
+                 image_grid_thw=None, **kwargs):
+        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
+        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
+        [B, P], pixel_values (the images of the rows' image tokens, in order: Gemma 3 [N, C, H, W] with
+        token_type_ids [B, P] (1 = image token) or None; Qwen2.5-VL [patches, C*T*p*p] with image_grid_thw
+        [images, 3]). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature, top_p, top_k,
+        min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id, pad_token_id, seed,
+        streamer). Returns [B * n, P + new] numpy int64 (generation.generate_vision)."""
+        from unsloth_jax.generation import generate_vision
+
+        images = _given(attention_mask=attention_mask, pixel_values=pixel_values, token_type_ids=token_type_ids,
+                        image_grid_thw=image_grid_thw)
+        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
+            return self.generate(**{**input_ids, **images}, **kwargs)
+        return generate_vision(self, input_ids, **images, **kwargs)
 
     def fast_generate(self, prompts, sampling_params=None, *, processor=None, use_tqdm: bool = False):
         """vLLM's `LLM.generate` for prompts with images (unsloth_jax.generation.fast_generate_vision): each prompt
@@ -612,58 +631,31 @@ class _LoadedVisionModel:
 
         return fast_generate_vision(self, prompts, sampling_params, processor=processor, use_tqdm=use_tqdm)
 
+    def __repr__(self) -> str:
+        lora = f", lora r={self.lora.r}" if self.lora else ""
+        return f"VisionLanguageModel({family_of(self).describe(self)}, dtype={self.dtype.name}{lora})"
+
+
+# The names the docs and notebooks use (both families load as VisionLanguageModel)
+VisionModel = QwenVisionModel = VisionLanguageModel
 
 _VISION_GGUF = ("GGUF export of vision-language models is not supported here: write the merged 16-bit checkpoint "
                 "with model.save_pretrained_merged(dir, processor), then convert it with llama.cpp's "
                 "convert_hf_to_gguf.py dir (the language model) and convert_hf_to_gguf.py dir --mmproj (the vision "
                 "tower and projector)")
+_LOADED_CLASSES: dict[str, type] = {}
 
 
-class VisionModel(_LoadedVisionModel, Gemma3ForConditionalGeneration):
-    """A loaded Gemma 3 vision-language model (FastVisionModel.from_pretrained): the NNX module of
-    unsloth_jax.models.vision with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it takes
-    input_ids, attention_mask, pixel_values [N, C, H, W] and token_type_ids and gives logits [B, S, V] float32.
-    SFTTrainer trains it with data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md);
-    save_pretrained / save_pretrained_merged write a PEFT adapter / a merged 16-bit checkpoint for transformers;
-    generate continues prompts with images."""
-
-    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> str:
-        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
-        Gemma3ForConditionalGeneration, with the processor or tokenizer when given (hf.vision_export); returns
-        the directory's path."""
-        from unsloth_jax.hf.vision_export import save_vision_adapter
-
-        return save_vision_adapter(self, save_directory, tokenizer, **kwargs)
-
-    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
-                               max_shard_size="5GB", dtype=None) -> str:
-        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Gemma3ForConditionalGeneration
-        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora"); returns the
-        directory's path."""
-        from unsloth_jax.hf.vision_export import save_vision_merged
-
-        return save_vision_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
-                           dtype=dtype)
-
-    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, token_type_ids=None, **kwargs):
-        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
-        [B, P], pixel_values [N, C, H, W] (the images of the rows' image tokens, in order), token_type_ids [B, P]
-        (1 = image token). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature, top_p,
-        top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id, pad_token_id,
-        seed, streamer). Returns [B * n, P + new] numpy int64 (unsloth_jax.generation.generate_vision)."""
-        from unsloth_jax.generation import generate_vision
-
-        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
-            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
-                                                          token_type_ids=token_type_ids)}, **kwargs)
-        return generate_vision(self, input_ids, attention_mask, pixel_values, token_type_ids, **kwargs)
-
-    def __repr__(self) -> str:
-        c, v = self.config, self.vl_config.vision
-        lora = f", lora r={self.lora.r}" if self.lora else ""
-        return (f"VisionModel(gemma3, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision layers="
-                f"{v.num_hidden_layers}, image {v.image_size}px / patch {v.patch_size}, dtype={self.dtype.name}{lora})")
+def loaded_vision_class(family) -> type:
+    """The class FastVisionModel loads `family`'s checkpoints as: VisionLanguageModel mixed into the family's
+    module class (one class per family, so jit caches keyed by the module's graph stay warm)."""
+    cls = _LOADED_CLASSES.get(family.name)
+    if cls is None:
+        base = family.module_class
+        cls = type(f"VisionLanguageModel_{base.__name__}", (VisionLanguageModel, base),
+                   {"__module__": __name__, "__doc__": VisionLanguageModel.__doc__})
+        _LOADED_CLASSES[family.name] = cls
+    return cls
 
 
 def _remember_processor(model, processor):
@@ -698,70 +690,6 @@ def _load_processor(model_dir: Path):
     return None
 
 
-# ---- Qwen2.5-VL (models.vision_qwen2_5, hf.vision_qwen_io, hf.vision_qwen_export) ----
-class QwenVisionModel(_LoadedVisionModel, Qwen2_5_VLForConditionalGeneration):
-    """A loaded Qwen2.5-VL model (FastVisionModel.from_pretrained: in `dtype`, or the language model's projections
-    in NF4 with load_in_4bit=True; from an adapter directory, its base plus the saved LoRA pairs): the NNX module of
-    unsloth_jax.models.vision_qwen2_5 with `max_seq_length` and `gradient_checkpointing` (as `Model`). Calling it
-    takes input_ids, attention_mask, pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3] (what
-    transformers' Qwen2-VL image processor gives) and returns logits [B, S, V] float32. SFTTrainer trains it with
-    data_collator=UnslothVisionDataCollator(model, processor) (docs/VISION.md); save_pretrained writes the PEFT
-    adapter, save_pretrained_merged the merged checkpoint; generate continues prompts with images."""
-
-    def save_pretrained(self, save_directory, tokenizer=None, **kwargs) -> str:
-        """Write the PEFT adapter (language and vision LoRA pairs) that PEFT loads onto transformers'
-        Qwen2_5_VLForConditionalGeneration, with the processor or tokenizer when given; returns the directory's
-        path."""
-        from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_adapter
-
-        return save_qwen_vl_adapter(self, save_directory, tokenizer, **kwargs)
-
-    def save_pretrained_merged(self, save_directory, tokenizer=None, save_method: str = "merged_16bit",
-                               max_shard_size="5GB", dtype=None) -> str:
-        """Write the merged model (W + scale * A @ B) as a 16-bit transformers Qwen2_5_VLForConditionalGeneration
-        checkpoint with the processor (save_method="merged_16bit"), or the adapter ("lora"); returns the
-        directory's path."""
-        from unsloth_jax.hf.vision_qwen_export import save_qwen_vl_merged
-
-        return save_qwen_vl_merged(self, save_directory, tokenizer, save_method=save_method, max_shard_size=max_shard_size,
-                            dtype=dtype)
-
-    def generate(self, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, **kwargs):
-        """Greedy or sampled continuations of prompts with images (transformers' names; the processor's output
-        works as `**inputs` or as input_ids=inputs): input_ids [B, P] (padded left or right), attention_mask
-        [B, P], pixel_values [patches, C*T*p*p] float with image_grid_thw [images, 3] (the images of the rows'
-        image-token runs, in order). kwargs as Model.generate (max_new_tokens, max_length, do_sample, temperature,
-        top_p, top_k, min_p, repetition_penalty, num_return_sequences, generation_config, eos_token_id,
-        pad_token_id, seed, streamer). Returns [B * n, P + new] numpy int64 (generation.generate_vision)."""
-        from unsloth_jax.generation import generate_vision
-
-        if isinstance(input_ids, Mapping):  # the processor's output passed as input_ids=
-            return self.generate(**{**input_ids, **_given(attention_mask=attention_mask, pixel_values=pixel_values,
-                                                          image_grid_thw=image_grid_thw)}, **kwargs)
-        return generate_vision(self, input_ids, attention_mask, pixel_values, image_grid_thw=image_grid_thw,
-                               **kwargs)
-
-    def __repr__(self) -> str:
-        c, v = self.config, self.vl_config.vision
-        lora = f", lora r={self.lora.r}" if self.lora else ""
-        return (f"QwenVisionModel(qwen2_5_vl, text layers={c.num_hidden_layers}, hidden={c.hidden_size}, vision "
-                f"blocks={v.depth}, patch {v.patch_size}, dtype={self.dtype.name}{lora})")
-
-
-def _vision_model_class(model_dir: Path):
-    """(config class, loader, model class) for the vision-language checkpoint in model_dir, by model_type."""
-    from unsloth_jax.config import QWEN_VL_MODEL_TYPES, QwenVLConfig, VisionLanguageConfig, read_config_json
-
-    if read_config_json(model_dir)[0].get("model_type") in QWEN_VL_MODEL_TYPES:
-        from unsloth_jax.hf.vision_qwen_io import load_qwen_vl_model
-
-        return QwenVLConfig, load_qwen_vl_model, QwenVisionModel
-    from unsloth_jax.hf.vision_io import load_vision_language_model
-
-    return VisionLanguageConfig, load_vision_language_model, VisionModel
-# ---- end Qwen2.5-VL ----
-
-
 class FastVisionModel:
     """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) and Qwen2.5-VL
     (Qwen2_5_VLForConditionalGeneration): loading (16 / 32 bits or NF4), saved adapters, LoRA, SFT, generation."""
@@ -770,16 +698,16 @@ class FastVisionModel:
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
         """Load a local Gemma 3 or Qwen2.5-VL directory (config.json model_type "gemma3" / "qwen2_5_vl"), or a
-        PEFT adapter directory of either family (a VisionModel's or QwenVisionModel's save_pretrained, or PEFT on
+        PEFT adapter directory of either family (a VisionLanguageModel's save_pretrained, or PEFT on
         transformers' model: its base_model_name_or_path is loaded, then the adapter's LoRA pairs on both towers:
-        hf.vision_io.load_vision_adapter). Returns (VisionModel or QwenVisionModel, processor): transformers'
+        hf.vision_io.load_vision_adapter). Returns (VisionLanguageModel, processor): transformers'
         AutoProcessor of the directory (an adapter's own, else its base's), or None where it has none (no
         preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
         FastLanguageModel.from_pretrained. load_in_4bit=True (both families, also under an adapter): the language
         model's projections in NF4 (QLoRA; the vision tower and projector / merger stay in `dtype`, as Unsloth's
         default)."""
         from unsloth_jax.hf import peft_io
-        from unsloth_jax.hf.vision_io import load_vision_adapter
+        from unsloth_jax.hf.vision_io import checkpoint_family, load_vision_adapter, load_vision_language_model
 
         for key in kwargs:
             if key not in _FROM_PRETRAINED_IGNORED and key not in ("use_gradient_checkpointing", "load_in_8bit"):
@@ -807,12 +735,11 @@ class FastVisionModel:
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
-        config_class, load, model_class = _vision_model_class(model_dir)  # Gemma 3 or Qwen2.5-VL
-        cfg = config_class.from_pretrained(model_dir)
+        family, cfg = checkpoint_family(model_dir)  # Gemma 3 or Qwen2.5-VL
         from unsloth_jax.quant import nf4_placer
 
-        model = load(model_dir, cfg, compute_dtype, model_class=model_class,
-                     placer=nf4_placer if load_in_4bit else None)
+        model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=loaded_vision_class(family),
+                                           placer=nf4_placer if load_in_4bit else None)
         jax.block_until_ready(nnx.state(model))
         model.max_seq_length = max_seq_length
         processor = _load_processor(model_dir) if require_bool("load_processor", load_processor) else None
@@ -823,7 +750,7 @@ class FastVisionModel:
         return model, _remember_processor(model, processor)
 
     @staticmethod
-    def get_peft_model(model: VisionModel, r: int = 16, *, finetune_vision_layers: bool = False,
+    def get_peft_model(model: VisionLanguageModel, r: int = 16, *, finetune_vision_layers: bool = False,
                        finetune_language_layers: bool = True, finetune_attention_modules: bool = True,
                        finetune_mlp_modules: bool = True, target_modules=None, **kwargs):
         """LoRA with Unsloth's switches (FastLanguageModel.get_peft_model's arguments in kwargs): on the language
@@ -832,7 +759,7 @@ class FastVisionModel:
         and MLP projections (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
         replaces the language choice (the vision choice still follows the switches). The projector stays frozen,
         as in Unsloth."""
-        if not isinstance(model, (VisionModel, QwenVisionModel)):
+        if not isinstance(model, VisionLanguageModel):
             raise TypeError(f"FastVisionModel.get_peft_model needs a model from FastVisionModel.from_pretrained, got "
                             f"{type(model).__name__}")
         vision = require_bool("finetune_vision_layers", finetune_vision_layers)
@@ -846,10 +773,8 @@ class FastVisionModel:
                               + (("gate_proj", "up_proj", "down_proj") if mlp else ())) if language else ()
         elif not language:
             raise ValueError("target_modules names language projections, but finetune_language_layers=False")
-        if isinstance(model, QwenVisionModel):  # Qwen2.5-VL's vision blocks: attn.qkv / attn.proj, a SwiGLU MLP
-            vision_attn, vision_mlp = ("qkv", "proj"), ("gate_proj", "up_proj", "down_proj")
-        else:
-            vision_attn, vision_mlp = ("q_proj", "k_proj", "v_proj", "out_proj"), ("fc1", "fc2")
+        family = family_of(model)
+        vision_attn, vision_mlp = family.vision_attention, family.vision_mlp
         vision_targets = ((vision_attn if attention else ()) + (vision_mlp if mlp else ())) if vision else ()
         if not target_modules and not vision_targets:
             raise ValueError("finetune_language_layers=False and finetune_vision_layers=False: nothing to adapt")
@@ -857,12 +782,12 @@ class FastVisionModel:
                                                 vision_target_modules=vision_targets, **kwargs)
 
     @staticmethod
-    def for_inference(model: VisionModel) -> VisionModel:
-        """Unsloth's switch to inference: returns `model` unchanged (VisionModel.generate needs no switch)."""
+    def for_inference(model: VisionLanguageModel) -> VisionLanguageModel:
+        """Unsloth's switch to inference: returns `model` unchanged (generate needs no switch)."""
         return model
 
     @staticmethod
-    def for_training(model: VisionModel, use_gradient_checkpointing=True) -> VisionModel:
+    def for_training(model: VisionLanguageModel, use_gradient_checkpointing=True) -> VisionLanguageModel:
         """Unsloth's switch back to training: returns `model` unchanged (as FastLanguageModel.for_training)."""
         return model
 
@@ -870,7 +795,7 @@ class FastVisionModel:
 def _is_vision_checkpoint(model_name) -> bool:
     """Whether model_name is a directory (or an adapter directory whose base is one) with the config.json of a
     vision-language model FastVisionModel loads: Gemma 3 with a vision_config, or Qwen2.5-VL."""
-    from unsloth_jax.config import QWEN_VL_MODEL_TYPES, read_config_json
+    from unsloth_jax.config import read_config_json
     from unsloth_jax.hf import peft_io
 
     path = _check_model_name(model_name)
@@ -879,7 +804,7 @@ def _is_vision_checkpoint(model_name) -> bool:
     if not (path / "config.json").is_file():
         return False  # a GGUF file, or a path from_pretrained reports as missing
     cfg, _ = read_config_json(path)
-    return (cfg.get("model_type") == "gemma3" and "vision_config" in cfg) or cfg.get("model_type") in QWEN_VL_MODEL_TYPES
+    return vision_family_for(cfg) is not None
 
 
 class FastModel:
@@ -900,7 +825,7 @@ class FastModel:
         FastLanguageModel.get_peft_model, where the switches pick target_modules when it is not given
         (finetune_attention_modules: q/k/v/o_proj, finetune_mlp_modules: gate/up/down_proj; finetune_vision_layers
         is ignored, as Unsloth does for a text model)."""
-        if isinstance(model, (VisionModel, QwenVisionModel)):
+        if isinstance(model, VisionLanguageModel):
             return FastVisionModel.get_peft_model(model, r, **kwargs)
         switches = {k: require_bool(k, kwargs.pop(k)) for k in ("finetune_vision_layers", "finetune_language_layers",
                                                                  "finetune_attention_modules", "finetune_mlp_modules")
@@ -927,4 +852,5 @@ class FastModel:
         return model
 
 
-__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "LoRARequest", "Model", "QwenVisionModel", "VisionModel", "is_bfloat16_supported"]
+__all__ = ["FastLanguageModel", "FastModel", "FastVisionModel", "LoRARequest", "Model", "QwenVisionModel",
+           "VisionLanguageModel", "VisionModel", "is_bfloat16_supported"]

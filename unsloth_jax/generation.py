@@ -22,11 +22,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.inference.engine import Engine
 from unsloth_jax.inference.eos import default_eos_ids, id_tuple
 from unsloth_jax.inference.eos import generation_config as generation_config_json
 from unsloth_jax.data.vision import multimodal_messages
+from unsloth_jax.families import family_of
+from unsloth_jax.families.base import as_id_rows
 from unsloth_jax.inference.image_inputs import batch_image_prompts, chat_request
 from unsloth_jax.inference.sampling import SamplingParams
 from unsloth_jax.validation import require_bool, require_int, require_real
@@ -83,7 +84,7 @@ def _is_chat(prompt) -> bool:
 
 def fast_generate_vision(model, prompts, sampling_params: SamplingParams | None = None, *, processor=None,
                          use_tqdm: bool = False):
-    """`fast_generate` for a vision-language model (VisionModel / QwenVisionModel.fast_generate): prompts with
+    """`fast_generate` for a vision-language model (VisionLanguageModel.fast_generate): prompts with
     their images -> a list of RequestOutput, one per prompt. A prompt is an engine request ({"prompt_token_ids":
     ids, "images": ImageInputs(...)}, image tokens expanded as the processor gives them), token ids, text, a chat
     (a list of messages whose image parts carry their images: {"type": "image", "image": img}) or
@@ -142,20 +143,6 @@ def _model_tokenizer(model):
                      "tokenizer=... or token ids")
 
 
-def _numpy(x) -> np.ndarray:
-    """x (numpy, torch tensor or nested lists) as a numpy array."""
-    return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
-
-
-def _as_ids(x, name: str) -> np.ndarray:
-    arr = _numpy(x)
-    if arr.ndim == 1:
-        arr = arr[None]
-    if arr.ndim != 2:
-        raise ValueError(f"generate: {name} must be [batch, length], got shape {arr.shape}")
-    return arr
-
-
 def _longrope_plan(cfg, mask: np.ndarray) -> list[tuple[int, bool]] | None:
     """The engine's LongRoPE plan (Engine.generate's `longrope`) for the left-padded batch of mask [B, P], as
     transformers' Phi-3 generates that batch: a forward call takes the long factors once its largest position + 1
@@ -177,13 +164,13 @@ def _prompt_arrays(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray, n
     order), the padding columns first and in their order, so row i's new tokens start at column P in every row."""
     if input_ids is None:
         raise ValueError("generate: input_ids is required")
-    ids = _as_ids(input_ids, "input_ids").astype(np.int32)
+    ids = as_id_rows(input_ids, "input_ids").astype(np.int32)
     if ids.shape[1] == 0:
         raise ValueError("generate: input_ids is empty; give at least one prompt token (e.g. the BOS token)")
     if attention_mask is None:
         mask = np.ones_like(ids)
     else:
-        mask = _as_ids(attention_mask, "attention_mask").astype(np.int32)
+        mask = as_id_rows(attention_mask, "attention_mask").astype(np.int32)
         if mask.shape != ids.shape:
             raise ValueError(f"generate: attention_mask shape {mask.shape} differs from input_ids shape {ids.shape}")
     real = mask > 0
@@ -348,6 +335,16 @@ def _unpack(input_ids, attention_mask):
     return input_ids, attention_mask
 
 
+def _preamble(model, input_ids, attention_mask, generation_config, call: dict
+              ) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray]:
+    """What generate and generate_vision do first: (settings (`_settings` of the call's non-None arguments),
+    ids [B, P] left padded, mask [B, P], order: the columns the rows were reordered by (`_prompt_arrays`))."""
+    input_ids, attention_mask = _unpack(input_ids, attention_mask)
+    ids, mask, order = _prompt_arrays(input_ids, attention_mask)
+    settings = _settings(model, {k: v for k, v in call.items() if v is not None}, generation_config, "generate")
+    return settings, ids, mask, order
+
+
 def generate(model, input_ids=None, attention_mask=None, max_new_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None, do_sample: bool | None = None,
              eos_token_id=None, seed: int = 0, streamer=None, pad_token_id: int | None = None,
@@ -371,13 +368,12 @@ def generate(model, input_ids=None, attention_mask=None, max_new_tokens: int | N
     put(ids)/end() such as transformers.TextStreamer (put first receives the prompt [B, P], then each step's new
     tokens [B]), or a callable that receives each step's new tokens [B].
     """
-    input_ids, attention_mask = _unpack(input_ids, attention_mask)
-    ids, mask, _ = _prompt_arrays(input_ids, attention_mask)
-    call = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, do_sample=do_sample,
-                eos_token_id=eos_token_id, pad_token_id=pad_token_id, top_k=top_k, min_p=min_p,
-                repetition_penalty=repetition_penalty, max_length=max_length,
-                num_return_sequences=num_return_sequences, **kwargs)
-    settings = _settings(model, {k: v for k, v in call.items() if v is not None}, generation_config, "generate")
+    settings, ids, mask, _ = _preamble(
+        model, input_ids, attention_mask, generation_config,
+        dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, do_sample=do_sample,
+             eos_token_id=eos_token_id, pad_token_id=pad_token_id, top_k=top_k, min_p=min_p,
+             repetition_penalty=repetition_penalty, max_length=max_length,
+             num_return_sequences=num_return_sequences, **kwargs))
     n = settings["num_return_sequences"]
     ids, mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)  # rows p0 x n, p1 x n, ... (transformers')
     b, p = ids.shape
@@ -412,14 +408,11 @@ def _run_engine(model, ids: np.ndarray, prompts: list, params: list, streamer, p
 
 
 def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, token_type_ids=None,
-                    image_grid_thw=None, max_new_tokens: int | None = None, temperature: float | None = None,
-                    top_p: float | None = None, do_sample: bool | None = None, eos_token_id=None, seed: int = 0,
-                    streamer=None, pad_token_id: int | None = None, top_k: int | None = None,
-                    min_p: float | None = None, repetition_penalty: float | None = None, *,
-                    max_length: int | None = None, num_return_sequences: int | None = None, generation_config=None,
-                    mm_token_type_ids=None, **kwargs) -> np.ndarray:
+                    image_grid_thw=None, *, seed: int = 0, streamer=None, generation_config=None,
+                    mm_token_type_ids=None, **settings) -> np.ndarray:
     """`generate` for a vision-language model with images: input_ids [B, P] (padded left or right, attention_mask
-    [B, P]) whose image tokens take the images of pixel_values, in order (None: text only).
+    [B, P]) whose image tokens take the images of pixel_values, in order (None: text only), checked by the model's
+    family (generation_images).
 
     Gemma 3 (models.vision.Gemma3ForConditionalGeneration): pixel_values [N, C, H, W], mm_tokens_per_image
     image tokens each; token_type_ids [B, P] (1 = image token: each image's tokens attend to each other both
@@ -428,32 +421,14 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     with image_grid_thw [I, 3] (each image's t, h, w patch grid, t*h*w / merge^2 image tokens), as transformers'
     Qwen2-VL image processor gives them (its mm_token_type_ids are accepted and not needed); M-RoPE positions.
 
-    The other arguments as `generate` (max_length, num_return_sequences, generation_config and the model's
-    generation_config.json too; temperature, top_p, top_k, min_p, repetition_penalty: the engine's sampler). Each
-    row is one engine request with its own images (image_inputs.batch_image_prompts), so the rows are prefilled
-    together and decode with continuous batching on the paged cache. Returns [B * n, P + new] numpy int64."""
-    call = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, do_sample=do_sample,
-                eos_token_id=eos_token_id, pad_token_id=pad_token_id, top_k=top_k, min_p=min_p,
-                repetition_penalty=repetition_penalty, max_length=max_length,
-                num_return_sequences=num_return_sequences, **kwargs)
-    settings = _settings(model, {k: v for k, v in call.items() if v is not None}, generation_config, "generate")
-    input_ids, attention_mask = _unpack(input_ids, attention_mask)
-    ids, mask, order = _prompt_arrays(input_ids, attention_mask)
-    grid = types = None
-    if isinstance(model.vl_config, QwenVLConfig):
-        if token_type_ids is not None:
-            raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
-        pixels, grid = _qwen_images(model, ids, mask, pixel_values, image_grid_thw)
-    else:
-        if image_grid_thw is not None:
-            raise ValueError("generate: image_grid_thw is Qwen2.5-VL's; Gemma 3 takes pixel_values [N, C, H, W]")
-        if token_type_ids is not None:
-            types = _as_ids(token_type_ids, "token_type_ids")
-            if types.shape != ids.shape:
-                raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape "
-                                 f"{ids.shape}")
-            token_type_ids = np.take_along_axis(types, order, axis=1)
-        pixels, types = _gemma_images(model.vl_config, ids, pixel_values, token_type_ids)
+    settings: `generate`'s (max_new_tokens, temperature, top_p, do_sample, eos_token_id, pad_token_id, top_k,
+    min_p, repetition_penalty, max_length, num_return_sequences, ...), with generation_config and the model's
+    generation_config.json as there (the engine's sampler). Each row is one engine request with its own images
+    (image_inputs.batch_image_prompts), so the rows are prefilled together and decode with continuous batching on
+    the paged cache. Returns [B * n, P + new] numpy int64."""
+    settings, ids, mask, order = _preamble(model, input_ids, attention_mask, generation_config, settings)
+    pixels, grid, types = family_of(model).generation_images(model, ids, mask, order, pixel_values, token_type_ids,
+                                                             image_grid_thw)
     max_new_tokens = _new_tokens(settings, ids.shape[1])
     n = settings["num_return_sequences"]
     if max_new_tokens <= 0:
@@ -464,75 +439,6 @@ def generate_vision(model, input_ids, attention_mask=None, pixel_values=None, to
     ids = np.repeat(ids, n, axis=0)  # rows p0 x n, p1 x n, ... (transformers' order)
     params, eos, pad_token_id = _sampling(model, ids.shape[0], max_new_tokens, settings, seed)
     return _run_engine(model, ids, prompts, params, streamer, pad_token_id)
-
-
-def _pixels(pixel_values, shape: str, ndim: int) -> np.ndarray:
-    """pixel_values (numpy or torch) as float32 numpy with `ndim` dimensions (ValueError naming `shape`)."""
-    pixels = _numpy(pixel_values).astype(np.float32)
-    if pixels.ndim != ndim:
-        raise ValueError(f"generate: pixel_values must be {shape}, got shape {pixels.shape}")
-    return pixels
-
-
-def _check_no_image_tokens(n_image_tokens: int) -> None:
-    """pixel_values is None: ValueError if input_ids hold image tokens."""
-    if n_image_tokens:
-        raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens but pixel_values is None")
-
-
-def _gemma_images(cfg, ids: np.ndarray, pixel_values, token_type_ids
-                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Gemma 3's checked (pixel_values [N, C, H, W] float32 or None, token_type_ids [B, P] int32 or None): N *
-    mm_tokens_per_image image tokens in ids [B, P]."""
-    n_image_tokens = int(np.sum(ids == cfg.image_token_index))
-    pixels = None
-    if pixel_values is None:
-        _check_no_image_tokens(n_image_tokens)
-    else:
-        pixels = _pixels(pixel_values, "[N, C, H, W]", 4)
-        if n_image_tokens != pixels.shape[0] * cfg.mm_tokens_per_image:
-            raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but pixel_values' "
-                             f"{pixels.shape[0]} images need {pixels.shape[0] * cfg.mm_tokens_per_image} "
-                             f"({cfg.mm_tokens_per_image} each)")
-    types = None
-    if token_type_ids is not None:
-        types = _as_ids(token_type_ids, "token_type_ids").astype(np.int32)
-        if types.shape != ids.shape:
-            raise ValueError(f"generate: token_type_ids shape {types.shape} differs from input_ids shape {ids.shape}")
-    return pixels, types
-
-
-def _qwen_images(model, ids: np.ndarray, mask: np.ndarray, pixel_values, image_grid_thw
-                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Qwen2.5-VL's checked (pixel_values [patches, C*T*p*p] float32, image_grid_thw [I, 3] int64), or (None,
-    None): the t*h*w / merge^2 tokens of each image fill ids' [B, P] runs of image_token_id in order."""
-    cfg = model.vl_config
-    if np.any(ids == cfg.video_token_id):
-        raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
-    n_image_tokens = int(np.sum(ids == cfg.image_token_id))
-    if pixel_values is None:
-        if image_grid_thw is not None:
-            raise ValueError("generate: image_grid_thw is given but pixel_values is None")
-        _check_no_image_tokens(n_image_tokens)
-        return None, None
-    if image_grid_thw is None:
-        raise ValueError("generate: pixel_values needs image_grid_thw [images, 3] (each image's t, h, w patches, "
-                         "as the image processor gives it)")
-    grid = _numpy(image_grid_thw).astype(np.int64)
-    if grid.ndim != 2 or grid.shape[1] != 3:
-        raise ValueError(f"generate: image_grid_thw must be [images, 3], got shape {grid.shape}")
-    vision = cfg.vision
-    pixels = _pixels(pixel_values, f"[patches, {vision.patch_dim}]", 2)
-    patches = int(grid.prod(-1).sum())
-    if pixels.shape != (patches, vision.patch_dim):
-        raise ValueError(f"generate: pixel_values shape {pixels.shape}, but image_grid_thw {grid.tolist()} needs "
-                         f"[{patches}, {vision.patch_dim}] (C*T*p*p values per patch)")
-    needed = int((grid.prod(-1) // vision.merge_unit).sum())
-    if n_image_tokens != needed:
-        raise ValueError(f"generate: input_ids hold {n_image_tokens} image tokens, but image_grid_thw's "
-                         f"{len(grid)} images need {needed} (t*h*w / {vision.merge_unit} each)")
-    model.rope_positions(ids, mask, grid)  # ValueError when a run of image tokens does not match its grid
-    return pixels, grid
 
 
 def _step_streamer(streamer, rows: int, pad: int):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig, VisionLanguageConfig
+from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
@@ -329,75 +329,3 @@ def stack_shape(cfg: ModelConfig, spec: TensorSpec) -> tuple[int, ...]:
         return (n, *spec.param_shape)
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     return (n, e, d, 2 * f) if spec.path[-2] == "gate_up_proj" else (n, e, f, d)
-
-
-# ---------------------------------------------------------------- Gemma 3 vision-language (Gemma3ForConditionalGeneration)
-# Canonical names are what transformers 5's save_pretrained writes: language_model.model.*, vision_tower.*,
-# multi_modal_projector.*, lm_head.weight (untied only). Other spellings seen in checkpoints are renamed to them.
-VL_RENAMES = (
-    ("model.language_model.", "language_model.model."),  # transformers 5's module names
-    ("language_model.lm_head.", "lm_head."),  # older writers
-    ("model.vision_tower.vision_model.", "vision_tower."),
-    ("model.vision_tower.", "vision_tower."),
-    ("vision_tower.vision_model.", "vision_tower."),  # the Hub's Gemma 3 checkpoints (transformers 4)
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-VL_IGNORED_PREFIXES = ("vision_tower.head.",)  # SigLIP's attention-pooling head: Gemma 3 never runs it
-VISION_LAYERS = ("vision_tower", "encoder", "layers")  # module path of the stacked vision layers
-_VISION_LAYER_TENSORS = (  # (HF suffix after vision_tower.encoder.layers.{i}., module path under VISION_LAYERS)
-    *[(f"layer_norm{j}.{w}", (f"layer_norm{j}", w)) for j in (1, 2) for w in ("weight", "bias")],
-    *[(f"self_attn.{p}.{w}", ("self_attn", p, "kernel" if w == "weight" else w))
-      for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")],
-    *[(f"mlp.{p}.{w}", ("mlp", p, "kernel" if w == "weight" else w)) for p in ("fc1", "fc2") for w in ("weight", "bias")],
-)
-
-
-def vl_canonical_name(name: str) -> str:
-    """A Gemma 3 vision-language checkpoint tensor name in the canonical spelling (see VL_RENAMES)."""
-    for old, new in VL_RENAMES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
-
-
-def vision_language_specs(cfg: VisionLanguageConfig) -> dict[str, TensorSpec]:
-    """Every tensor a Gemma 3 vision-language checkpoint (`cfg`: config.VisionLanguageConfig) must hold, keyed by
-    canonical name. Text tensors keep the text decoder's specs (module paths under `model` / `lm_head`); vision
-    kinds: "patch" (the conv weight [Dv, C, p, p] -> kernel [C*p*p, Dv]), "kernel" (transposed), "norm"/"bias"/
-    "embed" (copied), "copy" (mm_input_projection_weight, already [Dv, D])."""
-    specs = {}
-    for name, spec in tensor_specs(cfg.text).items():
-        canon = "language_model." + name if name.startswith("model.") else name
-        specs[canon] = dataclasses.replace(spec, hf_name=canon)
-    v = cfg.vision
-    dv, fv = v.hidden_size, v.intermediate_size
-    shapes = {"q_proj": (dv, dv), "k_proj": (dv, dv), "v_proj": (dv, dv), "out_proj": (dv, dv),
-              "fc1": (fv, dv), "fc2": (dv, fv)}
-
-    def add(name, path, layer, kind, shape):
-        specs[name] = TensorSpec(name, path, layer, kind, tuple(shape))
-
-    emb = ("vision_tower", "embeddings")
-    add("vision_tower.embeddings.patch_embedding.weight", emb + ("patch_embedding", "kernel"), None, "patch",
-        (dv, v.num_channels, v.patch_size, v.patch_size))
-    add("vision_tower.embeddings.patch_embedding.bias", emb + ("patch_embedding", "bias"), None, "bias", (dv,))
-    add("vision_tower.embeddings.position_embedding.weight", emb + ("position_embedding", "weight"), None, "embed",
-        (v.num_patches, dv))
-    for i in range(v.num_hidden_layers):
-        for suffix, sub in _VISION_LAYER_TENSORS:
-            module = sub[-2]
-            if sub[-1] == "kernel":
-                kind, shape = "kernel", shapes[module]
-            elif module in shapes:
-                kind, shape = "bias", (shapes[module][0],)
-            else:
-                kind, shape = ("norm" if sub[-1] == "weight" else "bias"), (dv,)
-            add(f"vision_tower.encoder.layers.{i}.{suffix}", VISION_LAYERS + sub, i, kind, shape)
-    for w in ("weight", "bias"):
-        add(f"vision_tower.post_layernorm.{w}", ("vision_tower", "post_layernorm", w), None,
-            "norm" if w == "weight" else "bias", (dv,))
-    add("multi_modal_projector.mm_soft_emb_norm.weight", ("multi_modal_projector", "mm_soft_emb_norm", "weight"),
-        None, "norm", (dv,))
-    add("multi_modal_projector.mm_input_projection_weight", ("multi_modal_projector", "mm_input_projection",
-                                                              "kernel"), None, "copy", (dv, cfg.text.hidden_size))
-    return specs

@@ -1,9 +1,10 @@
-"""The checkpoint-tensor loop both vision-language loaders share (hf.vision_io: Gemma 3, hf.vision_qwen_io:
-Qwen2.5-VL).
+"""A vision-language family's checkpoint tensors (its Family's data as TensorSpecs) and the checkpoint-tensor loop
+the one loader (hf.vision_io) runs for every family.
 
+    specs = vision_language_specs(family, cfg)
     params = {}
-    read_vl_checkpoint(model_dir, specs, canonical_name, vl_tensor_placer(params, cfg, dtype, placer),
-                       tied_lm_head=cfg.text.tie_word_embeddings, family="Qwen2.5-VL", also_read_as="model.visual.*")
+    read_vl_checkpoint(model_dir, specs, family, vl_tensor_placer(params, cfg, dtype, placer),
+                       tied_lm_head=cfg.text.tie_word_embeddings)
 
 Every tensor of the directory's safetensors files is read under its canonical name, checked against the family's
 TensorSpecs (shape, one file giving it once) and handed to a place callback; unexpected and missing tensors are
@@ -12,6 +13,7 @@ named. `vl_tensor_placer` is the callback both families use: the text decoder's 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -20,7 +22,8 @@ import numpy as np
 
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from unsloth_jax.hf.loading import Params, Placer, _into_stack, default_placer, place, set_path
-from unsloth_jax.hf.mapping import TensorSpec
+from unsloth_jax.families import VisionFamily
+from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 
 # place_tensor(spec, array in HF layout (numpy, spec.hf_shape), where: "file: tensor 'name'" for errors)
@@ -34,15 +37,27 @@ def first_names(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def read_vl_checkpoint(model_dir: str | os.PathLike, specs: dict[str, TensorSpec],
-                       canonical_name: Callable[[str], str], place_tensor: PlaceTensor, *, tied_lm_head: bool,
-                       family: str, also_read_as: str, ignored_prefixes: tuple[str, ...] = ()) -> None:
+def vision_language_specs(family: VisionFamily, cfg) -> dict[str, TensorSpec]:
+    """Every tensor a checkpoint of `family` with config `cfg` must hold, keyed by canonical name: the text
+    decoder's specs (module paths under `model` / `lm_head`; "model." names carry family.text_prefix), then the
+    tower's rows (family.tower_tensors)."""
+    specs = {}
+    for name, spec in tensor_specs(cfg.text).items():
+        canon = family.text_prefix + name if name.startswith("model.") else name
+        specs[canon] = dataclasses.replace(spec, hf_name=canon) if canon != name else spec
+    for name, path, layer, kind, shape in family.tower_tensors(cfg):
+        specs[name] = TensorSpec(name, path, layer, kind, tuple(shape))
+    return specs
+
+
+def read_vl_checkpoint(model_dir: str | os.PathLike, specs: dict[str, TensorSpec], family: VisionFamily,
+                       place_tensor: PlaceTensor, *, tied_lm_head: bool) -> None:
     """Hand every tensor of the checkpoint in `model_dir` to `place_tensor`, by its spec in `specs` (keyed by
-    canonical name, what `canonical_name` makes of a stored name). Canonical names starting with one of
-    `ignored_prefixes` are skipped, as is lm_head.weight when `tied_lm_head`. Raises UnexpectedTensorError (a tensor
-    no spec has, or a canonical name given twice), ShapeMismatchError (naming the tensor and file) and
-    MissingTensorError (the canonical names absent); `family` ("Gemma 3 vision-language", "Qwen2.5-VL") and
-    `also_read_as` (the other spellings read) word the messages."""
+    canonical name, what family.canonical_name makes of a stored name). Canonical names starting with one of
+    family.ignored_prefixes are skipped, as is lm_head.weight when `tied_lm_head`. Raises UnexpectedTensorError (a
+    tensor no spec has, or a canonical name given twice), ShapeMismatchError (naming the tensor and file) and
+    MissingTensorError (the canonical names absent, and the other spellings read)."""
+    canonical_name, ignored_prefixes = family.canonical_name, family.ignored_prefixes
     seen: dict[str, str] = {}
     unexpected: list[str] = []
     handles = {path: SafetensorsFile(path) for path in checkpoint_files(model_dir)}
@@ -69,19 +84,19 @@ def read_vl_checkpoint(model_dir: str | os.PathLike, specs: dict[str, TensorSpec
         for f in handles.values():
             f.close()
     if unexpected:
-        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a {family} model with this config.json "
-                                    f"does not use: {first_names(unexpected)}")
+        raise UnexpectedTensorError(f"{model_dir}: checkpoint has tensors a {family.name} model with this "
+                                    f"config.json does not use: {first_names(unexpected)}")
     missing = [n for n in specs if n not in seen]
     if missing:
         raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s) (canonical names; "
-                                 f"also read as {also_read_as}): {first_names(missing)}")
+                                 f"also read as {family.also_read_as}): {first_names(missing)}")
 
 
-def skipped_tensors(model_dir: str | os.PathLike, canonical_name: Callable[[str], str],
-                    prefixes: tuple[str, ...]) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """The tensors of the checkpoint in `model_dir` that read_vl_checkpoint skips by `ignored_prefixes` (Gemma 3's
-    SigLIP head), for an export to write through unchanged: (canonical name, shape, a function reading the tensor
-    from its file as float32 when called). Nothing is read now."""
+def skipped_tensors(model_dir: str | os.PathLike, family: VisionFamily
+                    ) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """The tensors of the checkpoint in `model_dir` that read_vl_checkpoint skips by family.ignored_prefixes
+    (Gemma 3's SigLIP head), for an export to write through unchanged: (canonical name, shape, a function reading
+    the tensor from its file as float32 when called). Nothing is read now."""
     def reader(path, name):
         def read() -> np.ndarray:
             with SafetensorsFile(path) as f:
@@ -92,8 +107,8 @@ def skipped_tensors(model_dir: str | os.PathLike, canonical_name: Callable[[str]
     for path in checkpoint_files(model_dir):
         with SafetensorsFile(path) as f:
             for name in f.keys():
-                canon = canonical_name(name)
-                if canon.startswith(prefixes):
+                canon = family.canonical_name(name)
+                if canon.startswith(family.ignored_prefixes):
                     found.append((canon, tuple(f.shape(name)), reader(path, name)))
     return found
 
@@ -116,7 +131,7 @@ def _place_vision(params: Params, spec: TensorSpec, array: np.ndarray, dtype, vi
 
 def vl_tensor_placer(params: Params, cfg, dtype, placer: Placer | None = None) -> PlaceTensor:
     """The place callback writing into `params` (a nested dict by module path) for a vision-language config `cfg`
-    (its .text ModelConfig and .vision config): the text decoder's tensors (module paths under model / lm_head)
+    (its .text ModelConfig and .vision config): the text decoder's tensors (module paths under TEXT_ROOTS)
     through the text loader's `place` with `placer` (default: dense in `dtype`; quant.nf4_placer: the Linears in
     NF4), every other tensor dense in `dtype`."""
     def place_tensor(spec: TensorSpec, array: np.ndarray, where: str) -> None:

@@ -1,17 +1,20 @@
-"""Export a Gemma 3 vision-language model (api.VisionModel) to transformers / PEFT.
+"""The one exporter of vision-language models (Gemma 3, Qwen2.5-VL; api.VisionLanguageModel) to transformers /
+PEFT, driven by the model's Family (unsloth_jax.families).
 
-    save_vision_adapter(model, "lora_model", processor)     # PEFT adapter for Gemma3ForConditionalGeneration
+    save_vision_adapter(model, "lora_model", processor)     # PEFT adapter for transformers' model class
     save_vision_merged(model, "merged", processor)          # W + scale * A @ B in 16 bits, a transformers checkpoint
 
-The adapter's keys are PEFT's for transformers' Gemma3ForConditionalGeneration module names
-(`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`,
-`base_model.model.model.vision_tower.encoder.layers.{i}.mlp.fc1.lora_B.weight`), and adapter_config.json's
-target_modules is a regex naming exactly the adapted modules of each tower (a plain list would also catch the
-other tower's q/k/v_proj). The merged checkpoint uses the tensor names transformers' save_pretrained writes
-(`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`): the text decoder's tensors come from
-export.merged_entries (the text export), the vision tower's and projector's from mapping.vision_language_specs, in
-the layouts the loader (hf.vision_io) reads back, and SigLIP's pooling head (unused by Gemma 3, skipped by the
-loader) copied from the source checkpoint. Both are written through export's atomic directory.
+The adapter's keys are PEFT's for transformers 5's module names, the first path of each tower in the family's
+AdapterLayout (`base_model.model.model.language_model.layers.{i}.self_attn.q_proj.lora_A.weight`,
+`base_model.model.model.vision_tower.encoder.layers.{i}.mlp.fc1.lora_B.weight`,
+`base_model.model.model.visual.blocks.{i}.attn.qkv.lora_B.weight`), and adapter_config.json's target_modules is a
+regex naming exactly the adapted modules of each tower (a plain list would also catch the other tower's
+projections of the same name). The merged checkpoint uses the tensor names transformers' save_pretrained writes
+(the canonical names of hf.vision_checkpoint.vision_language_specs): the text decoder's tensors come from
+export.merged_entries (the text export, "model." names under the family's text_prefix), the tower's and projector's
+from the family's tower rows, in the layouts the loader (hf.vision_io) reads back, and the source checkpoint's
+tensors under the family's ignored_prefixes (Gemma 3's unused SigLIP pooling head) copied through. Both are
+written through export's atomic directory.
 """
 from __future__ import annotations
 
@@ -23,9 +26,8 @@ import numpy as np
 
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
-from unsloth_jax.hf.mapping import VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
-from unsloth_jax.hf.vision_checkpoint import skipped_tensors
-from unsloth_jax.hf.vision_adapters import adapter_layout
+from unsloth_jax.families import family_of
+from unsloth_jax.hf.vision_checkpoint import skipped_tensors, vision_language_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -37,7 +39,7 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 def _lora_modules(model) -> list[tuple[str, object, int]]:
     """(module path with {i}, Linear, layers) of every projection carrying a LoRA pair, under transformers 5's
     module names (the family's AdapterLayout)."""
-    layout, lo = adapter_layout(model), model.lora
+    layout, lo = family_of(model).adapter, model.lora
     towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
               ("vision", lo.vision_target_modules or (), model.vision_projections(),
                model.vl_config.vision.num_hidden_layers))
@@ -48,7 +50,8 @@ def _lora_modules(model) -> list[tuple[str, object, int]]:
 def target_modules_regex(model) -> str:
     """adapter_config.json's target_modules: one alternative per tower, matching its adapted modules only."""
     lo = model.lora
-    return adapter_layout(model).target_modules_regex(tuple(lo.target_modules), tuple(lo.vision_target_modules or ()))
+    return family_of(model).adapter.target_modules_regex(tuple(lo.target_modules),
+                                                         tuple(lo.vision_target_modules or ()))
 
 
 def check_exportable(model, what: str) -> None:
@@ -90,14 +93,15 @@ def _save_processor(model, directory: Path, processor) -> None:
 
 
 def save_vision_adapter(model, out_dir, processor=None, *, base_model_name_or_path=None) -> str:
-    """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(Gemma3ForConditionalGeneration, out_dir)`
+    """Write a PEFT adapter directory that `peft.PeftModel.from_pretrained(<transformers' model class>, out_dir)`
     loads: adapter_config.json (target_modules a regex, module docstring) and adapter_model.safetensors, plus the
     processor when given."""
-    check_exportable(model, "vision-language")
+    name = family_of(model).name
+    check_exportable(model, name)
     config = export._adapter_config(model, base_model_name_or_path or export._base_model_name(model))
     config["target_modules"] = target_modules_regex(model)
     write_adapter_dir(out_dir, config, adapter_entries(model), processor)
-    export.announce("unsloth_jax: saved the vision-language LoRA adapter to %s", out_dir)
+    export.announce("unsloth_jax: saved the %s LoRA adapter to %s", name, out_dir)
     return str(out_dir)
 
 
@@ -112,39 +116,43 @@ def write_adapter_dir(out_dir, config: dict, entries: list, processor) -> None:
 
 
 def _vision_make(model, spec, out_dtype):
-    """A maker of one vision-tower / projector tensor in HF layout, LoRA folded into the adapted Linears."""
-    if spec.kind == "kernel":  # a stacked vision Linear: [in, out] -> HF [out, in]
+    """A maker of one tower / projector tensor in HF layout, LoRA folded into the adapted stacked Linears."""
+    if spec.kind == "kernel" and spec.layer is not None:  # a stacked tower Linear: [in, out] -> HF [out, in]
         lin = export.variable_parent(model, spec.path)
         return lambda: np.ascontiguousarray(merged_kernel(lin, spec.layer).T).astype(out_dtype)
     leaf = variable_at(model, spec.path)[...]
-    if spec.kind == "patch":  # kernel [C*p*p, Dv] -> conv weight [Dv, C, p, p]
-        return lambda: np.asarray(leaf, np.float32).T.reshape(spec.hf_shape).astype(out_dtype)
-    return lambda: np.asarray(np.asarray(leaf if spec.layer is None else leaf[spec.layer], np.float32)
-                              ).astype(out_dtype)
+    if spec.kind in ("kernel", "patch"):  # a projector Linear; a patch kernel [C*(T*)p*p, Dv] -> conv weight
+        return lambda: np.ascontiguousarray(np.asarray(leaf, np.float32).T).reshape(spec.hf_shape).astype(out_dtype)
+    return lambda: np.asarray(leaf if spec.layer is None else leaf[spec.layer], np.float32).astype(out_dtype)
 
 
 def _source_entries(model, out_dtype: np.dtype) -> list:
-    """The source checkpoint's tensors the loader skipped (SigLIP's pooling head, which Gemma 3 never runs but
-    transformers' model holds), read from model.model_dir at write time and cast to out_dtype, so transformers
-    finds none missing. A source that is gone is warned about."""
+    """The source checkpoint's tensors the loader skipped by the family's ignored_prefixes (SigLIP's pooling head,
+    which Gemma 3 never runs but transformers' model holds), read from model.model_dir at write time and cast to
+    out_dtype, so transformers finds none missing. A source that is gone is warned about."""
+    family = family_of(model)
+    if not family.ignored_prefixes:
+        return []
     source = getattr(model, "model_dir", None)
     if source is None or not Path(source).is_dir():
         log.warning("unsloth_jax: the source checkpoint %s is not there any more: the merged model lacks its "
-                    "SigLIP head tensors (unused by Gemma 3; transformers will report them missing)", source)
+                    "tensors under %s (unused by %s; transformers will report them missing)", source,
+                    ", ".join(family.ignored_prefixes), family.name)
         return []
     return [export._Entry(name, shape, out_dtype, lambda read=read: read().astype(out_dtype))
-            for name, shape, read in skipped_tensors(source, vl_canonical_name, VL_IGNORED_PREFIXES)]
+            for name, shape, read in skipped_tensors(source, family)]
 
 
 def merged_entries(model, out_dtype: np.dtype) -> list:
-    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then vision, then the
-    source's tensors the model does not hold (SigLIP's head), unchanged."""
+    """Every tensor of the merged checkpoint (transformers' save_pretrained names), text then the tower and
+    projector, then the source's tensors the model does not hold (Gemma 3's SigLIP head), unchanged."""
+    family = family_of(model)
     entries = []
     for e in export.merged_entries(model, out_dtype):
-        name = "language_model." + e.name if e.name.startswith("model.") else e.name
+        name = family.text_prefix + e.name if e.name.startswith("model.") else e.name
         entries.append(export._Entry(name, e.shape, e.dtype, e.make))
-    for name, spec in vision_language_specs(model.vl_config).items():
-        if not name.startswith(("language_model.", "lm_head.")):
+    for name, spec in vision_language_specs(family, model.vl_config).items():
+        if spec.path[0] in family.tower_roots:
             entries.append(export._Entry(name, spec.hf_shape, out_dtype, _vision_make(model, spec, out_dtype)))
     return entries + _source_entries(model, out_dtype)
 
@@ -174,28 +182,20 @@ def write_merged_checkpoint(model, out_dir, entries: list, config: dict, process
         _save_processor(model, tmp, processor)
 
 
-def save_merged_or_adapter(model, out_dir, processor, save_method: str, max_shard_size, dtype, *, entries_of,
-                           save_adapter, label: str) -> str:
-    """What both vision-language families' save_pretrained_merged do: save_method "lora" writes the adapter
-    (save_adapter), a merged method writes entries_of(model, out_dtype) with the source's config.json in out_dtype
-    (write_merged_checkpoint); another save_method is a ConfigError."""
+def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
+                       max_shard_size="5GB", dtype=None) -> str:
+    """Write the merged model as a transformers checkpoint of the family's model class (save_method
+    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
+    the source says float16), with config.json from the source and the processor (given, else the source's
+    files); save_method "lora": the adapter only; another save_method is a ConfigError."""
     if save_method == "lora":
-        return save_adapter(model, out_dir, processor)
+        return save_vision_adapter(model, out_dir, processor)
     if save_method not in export.SAVE_METHODS:
         raise ConfigError(f"save_method={save_method!r} is not supported for vision-language models; use one of "
                           f"{', '.join(export.SAVE_METHODS)}")
     out_dtype = export._resolve_out_dtype(model, dtype)
-    write_merged_checkpoint(model, out_dir, entries_of(model, out_dtype), _merged_config(model, out_dtype),
+    write_merged_checkpoint(model, out_dir, merged_entries(model, out_dtype), _merged_config(model, out_dtype),
                             processor, max_shard_size)
-    export.announce("unsloth_jax: saved the merged %s %s model to %s", export._dtype_name(out_dtype), label, out_dir)
+    export.announce("unsloth_jax: saved the merged %s %s model to %s", export._dtype_name(out_dtype),
+                    family_of(model).name, out_dir)
     return str(out_dir)
-
-
-def save_vision_merged(model, out_dir, processor=None, *, save_method: str = "merged_16bit",
-                       max_shard_size="5GB", dtype=None) -> str:
-    """Write the merged model as a transformers Gemma3ForConditionalGeneration checkpoint (save_method
-    "merged_16bit": W + scale * A @ B in float32, cast to `dtype`, default as export.save_merged: bfloat16 unless
-    the source says float16), with config.json from the source and the processor (given, else the source's
-    files); save_method "lora": the adapter only."""
-    return save_merged_or_adapter(model, out_dir, processor, save_method, max_shard_size, dtype,
-                                  entries_of=merged_entries, save_adapter=save_vision_adapter, label="vision-language")

@@ -1,15 +1,17 @@
-"""Load a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, config.json model_type "gemma3"), and
-a saved vision-language PEFT adapter onto a Gemma 3 or Qwen2.5-VL model.
+"""The one loader of vision-language checkpoints (Gemma 3: Gemma3ForConditionalGeneration, model_type "gemma3";
+Qwen2.5-VL: Qwen2_5_VLForConditionalGeneration, "qwen2_5_vl"), driven by the checkpoint's Family
+(unsloth_jax.families), and of a saved vision-language PEFT adapter onto such a model.
 
-    model = load_vision_language_model(model_dir, dtype=jnp.float32)   # a models.vision.Gemma3ForConditionalGeneration
+    model = load_vision_language_model(model_dir, dtype=jnp.float32)   # the family's module class
+    model = load_vision_language_model(model_dir, placer=quant.nf4_placer)  # the language model's Linears in NF4
     load_vision_adapter(model, "lora_model")                          # + a saved PEFT adapter's LoRA pairs
 
-Tensor names are read in any of the spellings of `mapping.VL_RENAMES` (transformers 5's save_pretrained, the Hub's
+Tensor names are read in every spelling of the family's `renames` (transformers 5's save_pretrained, the Hub's
 transformers 4 checkpoints, transformers 5's module names), through hf.vision_checkpoint's tensor loop: the text
 decoder's tensors go through the text loader's `place` (stacked layers, transposed kernels; NF4 with
-quant.nf4_placer); the vision layers are stacked the same way, dense. SigLIP's pooling head
-(`vision_tower.head.*`), which Gemma 3 never runs, is skipped. Adapter keys are read by the family's
-AdapterLayout (hf.vision_adapters: GEMMA3_ADAPTER, QWEN_VL_ADAPTER).
+quant.nf4_placer); the tower's layers are stacked the same way, dense. Tensors under the family's
+`ignored_prefixes` (Gemma 3's unused SigLIP pooling head) are skipped. Adapter keys are read by the family's
+AdapterLayout.
 """
 from __future__ import annotations
 
@@ -21,39 +23,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from unsloth_jax.config import VisionLanguageConfig
+from unsloth_jax.config import read_config_json
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
-                                UnexpectedTensorError)
+                                UnexpectedTensorError, UnsupportedArchitectureError)
+from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, family_of, vision_family_for
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
-from unsloth_jax.hf.mapping import VL_IGNORED_PREFIXES, vision_language_specs, vl_canonical_name
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
-from unsloth_jax.hf.vision_adapters import AdapterLayout, adapter_layout
-from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vl_tensor_placer
+from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vision_language_specs, vl_tensor_placer
 from unsloth_jax.lora import LoraSettings, add_lora
-from unsloth_jax.models.vision import Gemma3ForConditionalGeneration
 
-def load_vision_language_params(model_dir: str | os.PathLike, cfg: VisionLanguageConfig, dtype=jnp.float32, *,
-                                placer=None) -> Params:
-    """Every tensor of the Gemma 3 vision-language checkpoint in `model_dir` as a nested dict by module path,
-    in `dtype`. placer: the text loader's Placer for the language model's tensors (quant.nf4_placer: its Linears
-    in NF4); the vision tower and projector are always placed dense. Raises MissingTensorError (naming the
-    canonical names absent), UnexpectedTensorError and ShapeMismatchError (naming the tensor and file)."""
+
+def checkpoint_family(model_dir: str | os.PathLike) -> tuple[VisionFamily, object]:
+    """(Family, its parsed config) of the vision-language checkpoint in `model_dir`; UnsupportedArchitectureError
+    naming the config.json when no vision-language family reads it."""
+    raw, path = read_config_json(model_dir)
+    family = vision_family_for(raw)
+    if family is None:
+        raise UnsupportedArchitectureError(f"{path}: model_type {raw.get('model_type')!r} is not a supported "
+                                           f"vision-language model ({', '.join(VISION_FAMILIES)}; Gemma 3 with a "
+                                           "vision_config)")
+    return family, family.parse_config(raw, str(path))
+
+
+def load_vision_language_params(model_dir: str | os.PathLike, cfg, dtype=jnp.float32, *, placer=None) -> Params:
+    """Every tensor of the vision-language checkpoint in `model_dir` (config `cfg`, which names the family) as a
+    nested dict by module path, in `dtype`. placer: the text loader's Placer for the language model's tensors
+    (quant.nf4_placer: its Linears in NF4); the tower and projector are always placed dense. Raises
+    MissingTensorError (naming the canonical names absent), UnexpectedTensorError and ShapeMismatchError (naming
+    the tensor and file)."""
+    family = family_of(cfg)
     params: Params = {}
-    read_vl_checkpoint(model_dir, vision_language_specs(cfg), vl_canonical_name,
-                       vl_tensor_placer(params, cfg, dtype, placer), tied_lm_head=cfg.text.tie_word_embeddings,
-                       family="Gemma 3 vision-language", ignored_prefixes=VL_IGNORED_PREFIXES,
-                       also_read_as="model.language_model.*, vision_tower.vision_model.*")
+    read_vl_checkpoint(model_dir, vision_language_specs(family, cfg), family,
+                       vl_tensor_placer(params, cfg, dtype, placer), tied_lm_head=cfg.text.tie_word_embeddings)
     return params
 
 
-def load_vision_language_model(model_dir: str | os.PathLike, cfg: VisionLanguageConfig | None = None,
-                               dtype=jnp.float32, *, model_class=Gemma3ForConditionalGeneration, placer=None):
-    """A `model_class` (Gemma3ForConditionalGeneration or a subclass) computing in `dtype`, holding the checkpoint
-    in `model_dir` (config from its config.json unless `cfg` is given); placer as load_vision_language_params."""
-    cfg = cfg or VisionLanguageConfig.from_pretrained(model_dir)
+def load_vision_language_model(model_dir: str | os.PathLike, cfg=None, dtype=jnp.float32, *, model_class=None,
+                               placer=None):
+    """A `model_class` (default: the family's module class, or a subclass of it) computing in `dtype`, holding
+    the checkpoint in `model_dir` (config from its config.json unless `cfg` is given); placer as
+    load_vision_language_params."""
+    if cfg is None:
+        family, cfg = checkpoint_family(model_dir)
+    else:
+        family = family_of(cfg)
     values = load_vision_language_params(model_dir, cfg, dtype, placer=placer)
-    return model_from_params(values, cfg, dtype, model_class, model_dir)
+    return model_from_params(values, cfg, dtype, model_class or family.module_class, model_dir)
 
 
 # ------------------------------------------------------------------------------- PEFT adapters (LoRA)
@@ -80,7 +96,8 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
                                                 and all(isinstance(t, str) for t in target_modules))):
         raise ConfigError(f"{source}: target_modules must be a regex string or a list of module names, got "
                           f"{target_modules!r}")
-    layout = adapter_layout(model)
+    family = family_of(model)
+    layout = family.adapter
     out = {}
     for tower, (projs, layers) in _tower_projections(model).items():
         chosen = []
@@ -97,7 +114,7 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
     if not out["language"] and not out["vision"]:
         names = {tower: ", ".join(projs) for tower, (projs, _) in _tower_projections(model).items()}
         raise ConfigError(f"{source}: target_modules {target_modules!r} matches no projection of this "
-                          f"{layout.family} model (language {names['language']}; vision {names['vision']})")
+                          f"{family.name} model (language {names['language']}; vision {names['vision']})")
     return out["language"], out["vision"]
 
 
@@ -156,8 +173,8 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
 
 def load_vision_adapter(model, adapter_dir):
     """Add the LoRA pairs of the PEFT adapter in `adapter_dir` to `model`, a Gemma3ForConditionalGeneration or
-    Qwen2_5_VLForConditionalGeneration without LoRA (as hf.vision_export / hf.vision_qwen_export write it, or PEFT
-    on transformers' model of that name, in either transformers spelling: adapter_layout), and set `model.lora`
+    Qwen2_5_VLForConditionalGeneration without LoRA (as hf.vision_export writes it, or PEFT on transformers'
+    model of that name, in any transformers spelling of the family's AdapterLayout), and set `model.lora`
     from adapter_config.json (r, lora_alpha, use_rslora, target_modules for each tower). lora_A [r, in] / lora_B
     [out, r] become lora_a [L, in, r] / lora_b [L, r, out] float32. Raises ConfigError (unsupported settings:
     trained biases, modules_to_save, PEFT features peft_io rejects), UnexpectedTensorError / MissingTensorError /
@@ -168,8 +185,8 @@ def load_vision_adapter(model, adapter_dir):
     peft_io._check_supported(raw, cfg_path)
     if model.lora is not None:
         raise ConfigError(f"load_vision_adapter({adapter_dir}): the model already has a LoRA adapter")
-    layout = adapter_layout(model)
-    r, alpha = _adapter_rank_alpha(raw, cfg_path, layout.family)
+    family = family_of(model)
+    r, alpha = _adapter_rank_alpha(raw, cfg_path, family.name)
     language, vision = resolve_vision_targets(raw.get("target_modules"), model, str(cfg_path))
     weights = adapter_dir / peft_io.WEIGHTS_NAME
     if not weights.is_file():
@@ -178,7 +195,7 @@ def load_vision_adapter(model, adapter_dir):
     towers = _tower_projections(model)
     lins = {(tower, p): towers[tower][0][p] for tower, names in (("language", language), ("vision", vision))
             for p in names}
-    factors = _read_lora_factors(weights, layout, lins, {t: n for t, (_, n) in towers.items()}, r)
+    factors = _read_lora_factors(weights, family.adapter, lins, {t: n for t, (_, n) in towers.items()}, r)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=language,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                             use_rslora=bool(raw.get("use_rslora", False)), vision_target_modules=vision or None)

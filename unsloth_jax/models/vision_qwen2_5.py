@@ -1,7 +1,7 @@
 """Qwen2.5-VL: its vision transformer (window attention, 2D RoPE, patch merger) and the Qwen2 text decoder with
 multimodal RoPE (M-RoPE).
 
-    model = Qwen2_5_VLForConditionalGeneration(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))  # or hf.vision_qwen_io
+    model = Qwen2_5_VLForConditionalGeneration(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))  # checkpoints: hf.vision_io
     logits = model(input_ids, attention_mask, pixel_values=pixels, image_grid_thw=grid)   # [B, S, V] float32
 
 Module tree (HF names with the layer index dropped; the vision blocks are stacked on axis 0):

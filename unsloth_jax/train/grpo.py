@@ -54,11 +54,11 @@ from flax import nnx
 from unsloth_jax import distributed, ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.generation import default_eos_ids, engine_for
-from unsloth_jax.config import QwenVLConfig
+from unsloth_jax.families import family_of
 from unsloth_jax.inference import SamplingParams
 from unsloth_jax.inference.image_inputs import chat_request
 from unsloth_jax.train.base import RunPlan
-from unsloth_jax.train.logprobs import image_fields, reference_model, token_logps
+from unsloth_jax.train.logprobs import reference_model, token_logps
 from unsloth_jax.train.rl_images import (column_images, dataset_has_images, image_micro_batches, prompt_has_images,
                                          request_ids, request_images, row_prompt)
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
@@ -301,8 +301,8 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
 
     def micro(trainable, frozen, mb):
         model = nnx.merge(graphdef, trainable, frozen)
-        lp = token_logps(model, mb["input_ids"], mb["attention_mask"], remat=remat, temperature=cfg.temperature,
-                         chunk=chunk, images=image_fields(mb))
+        lp = token_logps(model, family_of(model).prepare_inputs(mb), remat=remat, temperature=cfg.temperature,
+                         chunk=chunk)
         old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(lp)
         return grpo_loss(lp, old, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"][:, 1:],
                          beta=cfg.beta, epsilon_low=cfg.epsilon_low,
@@ -333,19 +333,20 @@ def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool,
     (the ones asked for), computed once per generation batch without gradients."""
 
     def score(trainable, frozen, ref_trainable, batch):
+        # [A, ...] per field; lax.map takes one micro-batch at a time
+        inputs = family_of(nnx.merge(graphdef, trainable, frozen)).prepare_inputs(batch)
+
         def one(mb):
-            out, images = {}, image_fields(mb)
+            out = {}
             if want_old:
-                out["old_logps"] = token_logps(nnx.merge(graphdef, trainable, frozen), mb["input_ids"],
-                                               mb["attention_mask"], temperature=cfg.temperature, chunk=chunk,
-                                               images=images)
+                out["old_logps"] = token_logps(nnx.merge(graphdef, trainable, frozen), mb,
+                                               temperature=cfg.temperature, chunk=chunk)
             if want_ref:
-                out["ref_logps"] = token_logps(reference_model(graphdef, trainable, frozen, ref_trainable),
-                                               mb["input_ids"], mb["attention_mask"], temperature=cfg.temperature,
-                                               chunk=chunk, images=images)
+                out["ref_logps"] = token_logps(reference_model(graphdef, trainable, frozen, ref_trainable), mb,
+                                               temperature=cfg.temperature, chunk=chunk)
             return out
 
-        return jax.lax.map(one, {**{k: batch[k] for k in ("input_ids", "attention_mask")}, **image_fields(batch)})
+        return jax.lax.map(one, inputs)
 
     return ops.policy_jit(score)
 
@@ -567,10 +568,7 @@ class GRPOTrainer(RLTrainerBase):
         """The ids whose embeddings a vision-language model replaces by image features (none for text models)."""
         if not self.vision:
             return []
-        cfg = self.model.vl_config
-        if isinstance(cfg, QwenVLConfig):
-            return [int(cfg.image_token_id), int(cfg.video_token_id)]
-        return [int(cfg.image_token_index)]
+        return family_of(self.model).image_token_ids(self.model.vl_config)
 
     def _sample(self, unique: list, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool], list]:
         """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags, the prompts'
@@ -800,7 +798,7 @@ class GRPOTrainer(RLTrainerBase):
             arrays = arrays if accum == spg else {k: v[first:first + accum] for k, v in arrays.items()}
             arrays["num_items"] = jnp.full((accum,), buf["num_items"], jnp.float32)
         else:
-            arrays = _stack_micro_batches(pieces, self.pad_id)
+            arrays = _stack_micro_batches(pieces, self.pad_id, family_of(self.model))
         if not made:
             metrics = {**self._gen_metrics, "time/generation": 0.0, "time/rewards": 0.0}
         elif len(made) == 1:
@@ -896,12 +894,13 @@ class GRPOTrainer(RLTrainerBase):
         return out
 
 
-_ROW_FIELDS = ("input_ids", "attention_mask", "completion_mask", "token_type_ids", "old_logps", "ref_logps")
+_ROW_FIELDS = ("input_ids", "attention_mask", "completion_mask", "old_logps", "ref_logps")
 
 
-def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
+def _stack_micro_batches(pieces: list, pad_id: int, family) -> dict:
     """One step's [A, B, S] arrays from (generation buffer, slice index) pairs of buffers of different lengths:
-    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere; mrope_positions [3, B, S] too),
+    each slice right padded to the longest (pad_id for input_ids, 0 elsewhere; the family's row_fields too:
+    Gemma 3's token_type_ids, Qwen2.5-VL's mrope_positions [3, B, S]),
     num_items [A] per slice. Image fields: Gemma 3's pixel_values [N, C, H, W] padded with zero images to the
     largest N; Qwen2.5-VL's patch arrays must agree (the same patch bucket), else a TrainingError."""
     length = max(buf["input_ids"].shape[-1] for buf, _ in pieces)
@@ -914,7 +913,7 @@ def _stack_micro_batches(pieces: list, pad_id: int) -> dict:
         for buf, i in pieces:
             x = buf[key][i]
             width = length - buf["input_ids"].shape[-1]
-            if key in _ROW_FIELDS or key == "mrope_positions":  # [B, S], [B, S-1] or [3, B, S]: the sequence axis
+            if key in _ROW_FIELDS or key in family.row_fields:  # [B, S], [B, S-1] or [3, B, S]: the sequence axis
                 pad = [(0, 0)] * (x.ndim - 1) + [(0, width)]
                 x = jnp.pad(x, pad, constant_values=pad_id if key == "input_ids" else 0)
             elif key == "pixel_values" and x.ndim == 4:  # Gemma 3's images: trailing zero images are never read

@@ -1,6 +1,6 @@
 """Per-token log-probabilities of a model on its own token ids, and the reference model of a LoRA policy.
 
-    lp = token_logps(model, input_ids, attention_mask)            # [B, S-1] f32: log p(ids[:, t+1] | ids[:, :t+1])
+    lp = token_logps(model, ModelInputs(input_ids, attention_mask))  # [B, S-1] f32: log p(ids[:, t+1] | ids[:, :t+1])
     seq = masked_sum(lp, loss_mask)                               # [B]: summed over the completion tokens
     ref = reference_model(graphdef, trainable, frozen)            # the same weights with the adapters switched off
 
@@ -19,26 +19,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.models.decoder import CausalLM, make_batch
-from unsloth_jax.train.step import vision_hidden_states
+from unsloth_jax.families import ModelInputs, family_of
+from unsloth_jax.models.decoder import CausalLM
 
 
-def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array, *, remat: str = "none",
-                temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False, images: dict | None = None):
+def token_logps(model: CausalLM, inputs: ModelInputs, *, remat: str = "none", temperature: float = 1.0,
+                chunk: int = 1024, mean_logits: bool = False):
     """[B, S-1] float32: entry t is log p(input_ids[:, t+1]) given the tokens up to t (logits / temperature).
 
-    input_ids, attention_mask: int32 [B, S], right padded. Entries whose target is padding hold log-probs of
-    the padding token and must be masked by the caller (`masked_sum`). mean_logits=True: also each position's
-    logits averaged over the vocabulary, [B, S-1] (no gradient), as a second item. images: a vision-language
-    model's image fields of the rows (`image_fields`: pixel_values and token_type_ids, or Qwen2.5-VL's
-    pixel_values, mrope_positions and vision_*), run as the SFT step runs them (step.vision_hidden_states).
+    inputs: the rows (the family's prepare_inputs of a batch): input_ids, attention_mask int32 [B, S], right
+    padded, and a vision-language model's image fields, run as the SFT step runs them. Entries whose target is
+    padding hold log-probs of the padding token and must be masked by the caller (`masked_sum`).
+    mean_logits=True: also each position's logits averaged over the vocabulary, [B, S-1] (no gradient), as a
+    second item.
     """
-    side = make_batch(input_ids, attention_mask, right_padded=True)
-    if images:
-        h = vision_hidden_states(model, input_ids, side, images, remat)
-    else:
-        h = model.hidden_states(input_ids, side, remat_mode=remat)
+    h = family_of(model).hidden_states(model, inputs, remat=remat)
     b, s, d = h.shape
+    input_ids = inputs.input_ids
     targets = input_ids[:, 1:].reshape(-1)
     flat = h[:, :-1].reshape(-1, d)
     softcap = model.config.final_softcap
@@ -47,14 +44,6 @@ def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array
     if not mean_logits:
         return lp
     return lp, ops.token_mean_logits(flat, model.head_weight(), softcap=softcap, chunk=chunk).reshape(b, s - 1)
-
-
-IMAGE_FIELDS = ("pixel_values", "token_type_ids", "mrope_positions")  # and Qwen2.5-VL's vision_* layout arrays
-
-
-def image_fields(batch: dict) -> dict:
-    """The image fields of a batch (IMAGE_FIELDS and vision_*), for token_logps(images=...); {} for text."""
-    return {k: v for k, v in batch.items() if k in IMAGE_FIELDS or k.startswith("vision_")}
 
 
 def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -87,5 +76,5 @@ def trains_beyond_lora(model: CausalLM) -> bool:
     return bool(settings is not None and (settings.modules_to_save or settings.bias != "none"))
 
 
-__all__ = ["IMAGE_FIELDS", "image_fields", "token_logps", "masked_sum", "drop_adapters", "reference_model",
+__all__ = ["token_logps", "masked_sum", "drop_adapters", "reference_model",
            "trains_beyond_lora"]

@@ -31,6 +31,7 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
+from unsloth_jax.families import ModelInputs
 from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
 from unsloth_jax.train.base import RunPlan
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
@@ -210,8 +211,8 @@ def orpo_objective(cfg: ORPOConfig):
 def sequence_stats(model, batch: dict, *, remat: str = "none", chunk: int = 1024) -> dict:
     """Per-row sums over rows [R, S]: logps / lengths over completion tokens (completion_mask), all_logps /
     all_lengths over every real token after the first (attention_mask), all f32 [R]."""
-    lp, mean_logits = token_logps(model, batch["input_ids"], batch["attention_mask"], remat=remat, chunk=chunk,
-                                  mean_logits=True)
+    lp, mean_logits = token_logps(model, ModelInputs(batch["input_ids"], batch["attention_mask"]), remat=remat,
+                                  chunk=chunk, mean_logits=True)
     completion = batch["completion_mask"][:, 1:]
     real = batch["attention_mask"][:, 1:]
     return {"logps": masked_sum(lp, completion), "lengths": jnp.sum(completion, axis=-1).astype(jnp.float32),

@@ -9,7 +9,7 @@ inference.image_inputs.chat_request turns the result into an engine request {"pr
 preprocessed lazily, never all at once).
 
 `image_micro_batches` gives the image fields of a batch of right-padded rows (prompt + completion) split into
-micro-batches, in the layout of the vision SFT step (train.step.vision_hidden_states):
+micro-batches, in the layout of the vision SFT step (the family's prepare_inputs reads them):
 
     Gemma 3      pixel_values [A, N, C, H, W] (the rows' images in row order, zero images padding N to a multiple
                  of B), token_type_ids [A, B, S] (the processor's, 1 on the prompt's image tokens, 0 elsewhere)
@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.data.vision import multimodal_messages
-from unsloth_jax.data.vision_loader import pad_images, pad_patches, patch_bucket
 from unsloth_jax.errors import DatasetFormatError
+from unsloth_jax.families import family_of
 
 
 def column_images(record: dict) -> list | None:
@@ -80,41 +79,8 @@ def request_images(request):
 def image_micro_batches(model, ids: np.ndarray, mask: np.ndarray, images: list, micro_batches: int) -> dict:
     """The image fields (module docstring) of rows ids, mask [A * B, S] (right padded, rows in micro-batch order)
     whose prompts hold the images `images` (one ImageInputs or None per row; a row's images fill its image
-    tokens, which all lie in its prompt)."""
-    cfg = model.vl_config
-    n, s = ids.shape
-    a = int(micro_batches)
-    b = n // a
-    groups = [range(k * b, (k + 1) * b) for k in range(a)]
-    if isinstance(cfg, QwenVLConfig):
-        from unsloth_jax.models.vision_qwen2_5 import mrope_positions
-
-        micro = []
-        for rows in groups:
-            given = [images[r] for r in rows if images[r] is not None]
-            grid = np.concatenate([np.asarray(g.image_grid_thw, np.int64) for g in given]) if given else None
-            pixels = (np.concatenate([np.asarray(g.pixel_values, np.float32) for g in given]) if given
-                      else np.zeros((0, cfg.vision.patch_dim), np.float32))
-            positions = mrope_positions(cfg, ids[rows.start:rows.stop], mask[rows.start:rows.stop], grid)
-            micro.append({"pixel_values": pixels, "image_grid_thw": grid, "mrope_positions": positions})
-        patches = patch_bucket(max(m["pixel_values"].shape[0] for m in micro), cfg.vision.merge_unit)
-        padded = [pad_patches(m, cfg.vision, patches) for m in micro]
-        return {k: np.stack([np.asarray(m[k]) for m in padded]) for k in padded[0] if k != "image_grid_thw"}
-    vision = cfg.vision
-    shape = (vision.num_channels, vision.image_size, vision.image_size)
-    types = np.zeros((n, s), np.int32)
-    pixels = []
-    for rows in groups:
-        given = [images[r] for r in rows if images[r] is not None]
-        pixels.append(np.concatenate([np.asarray(g.pixel_values, np.float32) for g in given]) if given else None)
-    for r, g in enumerate(images):
-        if g is not None and g.token_type_ids is not None:
-            t = np.asarray(g.token_type_ids, np.int32)
-            types[r, :t.shape[0]] = t
-    count = max(0 if p is None else p.shape[0] for p in pixels)
-    slots = max(b, -(-count // b) * b)
-    return {"pixel_values": np.stack([pad_images(p, slots, shape) for p in pixels]),
-            "token_type_ids": types.reshape(a, b, s)}
+    tokens, which all lie in its prompt): the model's family builds them (rl_image_fields)."""
+    return family_of(model).rl_image_fields(model.vl_config, ids, mask, images, micro_batches)
 
 
 __all__ = ["column_images", "dataset_has_images", "image_micro_batches", "prompt_has_images", "request_ids",

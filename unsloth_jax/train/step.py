@@ -8,9 +8,9 @@
 `batch` holds int32 arrays [A, B, S] (A micro-batches for gradient accumulation; A may be 1): input_ids,
 labels (HF convention: aligned with input_ids, -100 ignored; the loss predicts labels[t+1] from position t),
 attention_mask (padding on the right), and optionally positions, and segment_ids for packed rows. A
-vision-language model's batch adds pixel_values float32 [A, N, C, H, W] and token_type_ids [A, B, S]
-(unsloth_jax.data.vision); Qwen2.5-VL's instead pixel_values [A, P, C*T*p*p] (P padded patches),
-mrope_positions [A, 3, B, S] and the tower's window layout vision_* [A, P, ...] (data.vision_loader.pad_patches).
+vision-language model's batch adds its family's image fields (families.<family>.prepare_inputs: Gemma 3's
+pixel_values float32 [A, N, C, H, W] and token_type_ids [A, B, S]; Qwen2.5-VL's pixel_values [A, P, C*T*p*p],
+mrope_positions [A, 3, B, S] and the tower's window layout vision_* [A, P, ...]), read into ModelInputs.
 Gradients are taken with respect to
 `trainable` only; `frozen` enters the loss as a constant. The loss over the accumulated micro-batches equals
 the loss of one big batch (each micro-batch's mean is weighted by its count of target tokens).
@@ -37,7 +37,8 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.families import family_of
+from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT, OFFLOAD_SETTINGS, LayerStackPolicy
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
@@ -91,39 +92,19 @@ def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = 
     """(mean next-token loss over target tokens, number of target tokens, load-balancing loss or None) of
     `model` on one micro-batch [B, S]; the aux loss only when aux_loss_enabled(model). remat: the layer-stack
     policy (a LayerStackPolicy, or what LayerStackPolicy.parse reads)."""
-    ids = batch["input_ids"]
-    segments = batch.get("segment_ids")
-    side = make_batch(ids, batch.get("attention_mask"), batch.get("positions"), segments,
-                      right_padded=segments is None)
+    family = family_of(model)
+    inputs = family.prepare_inputs(batch)
+    ids, side = inputs.input_ids, inputs.side()
     aux = None
     if aux_loss_enabled(model):
         h, stats = model.hidden_states(ids, side, remat_mode=remat, router_stats=True)
         aux = load_balancing_loss(stats, model.config.num_experts)
-    elif "pixel_values" in batch:  # a vision-language batch (unsloth_jax.data.vision): images at the image tokens
-        h = vision_hidden_states(model, ids, side, batch, remat)
-    else:
-        h = model.hidden_states(ids, side, remat_mode=remat)
+    else:  # a vision-language batch's images go in at its image tokens (the family's ModelInputs fields)
+        h = family.hidden_states(model, inputs, remat=remat)
     targets = batch["labels"][:, 1:].reshape(-1)
     h = h[:, :-1].reshape(-1, h.shape[-1])
     loss = ops.cross_entropy(h, model.head_weight(), targets, softcap=model.config.final_softcap, chunk=loss_chunk)
     return loss, jnp.sum(targets != -100), aux
-
-
-def vision_hidden_states(model, ids: jax.Array, side, batch: dict, remat) -> jax.Array:
-    """Hidden states [B, S, D] of a vision-language model on a micro-batch with pixel_values [N, C, H, W] (the
-    images of its rows in order; trailing all-zero padding images, which no image token reads, are allowed) and
-    token_type_ids [B, S] (1 = image token: bidirectional within each image block); or, for Qwen2.5-VL, with
-    pixel_values [P, C*T*p*p], mrope_positions [3, B, S] and vision_* (the padded tower layout; causal text)."""
-    from unsloth_jax.models.vision import image_block_ids
-
-    if not hasattr(model, "vl_config"):
-        raise TypeError(f"the batch holds pixel_values, but {type(model).__name__} is not a vision-language model")
-    if "mrope_positions" in batch:  # Qwen2.5-VL: patches [P, C*T*p*p], M-RoPE [3, B, S], the tower's vision_*
-        layout = {k[len("vision_"):]: v for k, v in batch.items() if k.startswith("vision_")}
-        return model.hidden_states(ids, side, remat_mode=remat, pixel_values=batch["pixel_values"],
-                                   mrope_positions=batch["mrope_positions"], vision_layout=layout)
-    side = side._replace(block_ids=image_block_ids(batch["token_type_ids"]))
-    return model.hidden_states(ids, side, remat_mode=remat, pixel_values=batch["pixel_values"])
 
 
 def loss_and_count(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,

@@ -34,6 +34,7 @@ from unsloth_jax.data.vision import UnslothVisionDataCollator
 from unsloth_jax.data.vision_loader import VisionLoader
 from unsloth_jax.data.pretokenized import is_pretokenized, pretokenized_examples
 from unsloth_jax.errors import TrainingError
+from unsloth_jax.families import TEXT, Family, family_of
 from unsloth_jax.train.base import RunPlan, TrainerBase, as_records
 from unsloth_jax.train.reporting import resolve_report_to
 from unsloth_jax.train.state import planned_train_samples
@@ -137,15 +138,16 @@ class StepMemoryPlan(str):
     limit_bytes: int | None
 
 
-def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_length: int) -> StepMemoryPlan:
+def plan_step_memory(step_fn, state: tuple, batch: dict, longest: int, max_seq_length: int,
+                     family: Family = TEXT) -> StepMemoryPlan:
     """Compile the train step for the largest batch the loader yields (sequence length `longest`) and read XLA's
     memory analysis of it, before step 1. Raises TrainingError when the step needs more device memory than the
     device has, naming the largest max_seq_length that would fit (estimated from the step's temporaries, which
     grow linearly with the tokens). The jit cache keeps the compiled step, so step 1 does not compile again."""
-    # the [A, B, S] fields (and Qwen2.5-VL's mrope_positions [A, 3, B, S]) at the longest length; the image
-    # fields (pixel_values, vision_*) as they are
+    # the [A, B, S] text fields and the family's image fields along the rows (Qwen2.5-VL's mrope_positions
+    # [A, 3, B, S]) at the longest length; its other image fields (pixel_values, layouts) as they are
     def at_longest(k, v):
-        seq = k == "mrope_positions" or (v.ndim == 3 and k != "pixel_values" and not k.startswith("vision_"))
+        seq = k in family.row_fields or (v.ndim == 3 and not family.is_image_field(k))
         return jax.ShapeDtypeStruct((*v.shape[:-1], longest) if seq else v.shape, v.dtype)
 
     shapes = {k: at_longest(k, v) for k, v in batch.items()}
@@ -370,7 +372,8 @@ class SFTTrainer(TrainerBase):
         loader, s = self._train_loader, self.train_state
         with ops.recording_choices() as seen:  # this step's choices, not those of other models traced before
             plan = plan_step_memory(self._step_fn, (s["trainable"], self._frozen, s["opt_state"]),
-                                    self._step_batch(loader, start), loader.longest_bucket, self.max_seq_length)
+                                    self._step_batch(loader, start), loader.longest_bucket, self.max_seq_length,
+                                    family_of(self.model))
         self.kernel_choices = ops.format_choices(seen)
         return [f"unsloth_jax: kernels: {self.kernel_choices} | {plan}" + (" (per device)" if self.mesh else "")]
 
