@@ -20,10 +20,12 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.models.decoder import CausalLM, make_batch
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.train.step import vision_hidden_states
 
 
-def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array, *, remat: str = "none",
+def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array, *,
+                remat: LayerStackPolicy = NO_REMAT,
                 temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False, images: dict | None = None):
     """[B, S-1] float32: entry t is log p(input_ids[:, t+1]) given the tokens up to t (logits / temperature).
 
@@ -32,6 +34,7 @@ def token_logps(model: CausalLM, input_ids: jax.Array, attention_mask: jax.Array
     logits averaged over the vocabulary, [B, S-1] (no gradient), as a second item. images: a vision-language
     model's image fields of the rows (`image_fields`: pixel_values and token_type_ids, or Qwen2.5-VL's
     pixel_values, mrope_positions and vision_*), run as the SFT step runs them (step.vision_hidden_states).
+    remat: the layer-stack policy (typed: the step factory parsed it).
     """
     side = make_batch(input_ids, attention_mask, right_padded=True)
     if images:
