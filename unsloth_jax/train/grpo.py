@@ -480,6 +480,7 @@ class GRPOTrainer(RLTrainerBase):
         self.eos_ids = sorted(eos)
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._compiled = None
+        self._requests = None  # (rows, their engine requests) of the generation round under way
         self._reset_stream()
 
     def _check_vision(self, model) -> bool:
@@ -592,9 +593,9 @@ class GRPOTrainer(RLTrainerBase):
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
                                  max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids + image_ids,
                                  ignore_eos=True, seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
-        # the g completions of a prompt share its pages; a text model's LoRA merged into a reused buffer when it
-        # fits (the vision-language engine path reads its towers' LoRA unmerged)
-        outs = engine_for(self.model, weights="shared" if self.vision else "auto").generate(unique, params)
+        # the g completions of a prompt share its pages; LoRA merged into a reused buffer where the layout chooser
+        # finds that it fits (inference.weights.choose_layout)
+        outs = engine_for(self.model, weights="auto").generate(unique, params)
         prompts = [request_ids(p) for p in unique for _ in range(g)]
         images = [request_images(p) for p in unique for _ in range(g)]
         completions = [list(c.token_ids) for o in outs for c in o.outputs]
@@ -607,13 +608,21 @@ class GRPOTrainer(RLTrainerBase):
     def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the train
         dataset's rows, each repeated num_generations times, sampled with the model's current weights."""
-        return self._sample([self._request(int(r)) for r in rows], seed)[:3]
+        return self._sample(self._round_requests(rows), seed)[:3]
+
+    def _round_requests(self, rows: np.ndarray) -> list:
+        """The engine requests of the train dataset's rows' prompts, made once per generation round (the processor
+        runs once per prompt with images): generate_completions samples them and _row_images reads their images."""
+        key = tuple(int(r) for r in rows)
+        if self._requests is None or self._requests[0] != key:
+            self._requests = (key, [self._request(r) for r in key])
+        return self._requests[1]
 
     def _row_images(self, rows: np.ndarray) -> list:
         """The ImageInputs (or None) of the train dataset's rows' prompts, each num_generations times (the order of
         generate_completions' rows)."""
         g = self.args.num_generations
-        return [request_images(self._request(int(r))) for r in rows for _ in range(g)]
+        return [request_images(request) for request in self._round_requests(rows) for _ in range(g)]
 
     def _score(self, records: list[dict], completion_ids: list[list[int]], messages: list | None = None
                ) -> np.ndarray:
@@ -718,6 +727,7 @@ class GRPOTrainer(RLTrainerBase):
         sample_seed = (args.seed * 1000003 + generation) % 2**31
         prompts, completions, truncated = self.generate_completions(rows, sample_seed)
         images = self._row_images(rows) if self.with_images else None
+        self._requests = None  # this round's requests (their pixels) are not kept past it
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
         advantages, _, _ = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
