@@ -243,14 +243,13 @@ def test_moe_sharded_step_equals_single_device(cases):
 
 def test_dpo_and_grpo_steps_on_a_mesh_equal_single_device(cases):
     """The preference and RL steps come from the same step factory as SFT's, so they run on a mesh too: a DPO
-    step (reference = the base) and a GRPO step (clipped ratio, KL) of two micro-batches on a data=2 and an
-    fsdp=2 mesh give the single-device metrics and updated LoRA leaves (SGD: the update is the gradient)."""
+    step (reference = the base) on a data=2 mesh and a GRPO step (clipped ratio, KL) on an fsdp=2 mesh, two
+    micro-batches each, give the single-device metrics and updated LoRA leaves (SGD: the update is the gradient)."""
     result = cases("rl_steps")
     for kind in ("dpo", "grpo"):
-        assert result[kind]["param_change"] > 100 * TOL, result[kind]  # the step moved every leaf
-        for mesh in ("data=2,fsdp=1", "data=1,fsdp=2"):
-            r = result[kind][mesh]
-            assert r["metric_relerr"] < 1e-4 and r["param_relerr"] < TOL, (kind, mesh, r)
+        r = result[kind]
+        assert r["param_change"] > 100 * TOL, r  # the step moved every leaf
+        assert r["metric_relerr"] < 1e-4 and r["param_relerr"] < TOL, (kind, r)
 
 
 def test_dpo_trainer_on_a_mesh_equals_single_device(cases):
