@@ -68,6 +68,7 @@ from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.layers import gathered
 from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, offloaded_layer_scan
 
+
 class Checkpoint(enum.StrEnum):
     """What each layer keeps for its backward pass (module docstring)."""
     NONE = "none"

@@ -26,7 +26,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from unsloth_jax import backend, distributed, lora, ops
 from unsloth_jax.data import DataLoader, build_examples
