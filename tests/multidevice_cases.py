@@ -176,6 +176,92 @@ def case_moe_equal_steps(seed: int):
     return out
 
 
+# ------------------------------------------------------------------------------------ DPO and GRPO
+def _rl_batches(seed: int) -> tuple[dict, dict]:
+    """A DPO batch [A=2, 2B=4, S=16] (chosen rows first; a prompt of 4 to 6 tokens, then the completion) and a
+    GRPO batch [A=2, B=4, S=16] (prompt + completion, random advantages, stale old log-probabilities, reference
+    log-probabilities: every term of the loss), with right padding of random lengths."""
+    rng = np.random.default_rng(seed)
+    base = random_batch(rng, 2, 4, 16, SMALL["vocab_size"])
+    ids, mask = base["input_ids"], base["attention_mask"]
+    prompt = rng.integers(4, 7, (2, 4))
+    completion = (mask == 1) & (np.arange(16)[None, None, :] >= prompt[..., None])
+    pairs = {"input_ids": ids, "attention_mask": mask, "completion_mask": completion.astype(np.int32)}
+    grpo = dict(pairs, advantages=rng.normal(0, 1, (2, 4)).astype(np.float32),
+                old_logps=rng.normal(-6, 0.3, (2, 4, 15)).astype(np.float32),
+                ref_logps=rng.normal(-6, 0.3, (2, 4, 15)).astype(np.float32),
+                num_items=np.float32(completion.sum()))
+    return pairs, grpo
+
+
+def _rl_step(kind: str, seed: int, mesh):
+    """(metrics, updated trainable leaves) of one DPO or GRPO step (SGD: the update is the gradient times 10;
+    "full" remat) on `mesh` or one device."""
+    import optax
+
+    from unsloth_jax.train.grpo import GRPOConfig, make_grpo_step
+    from unsloth_jax.train.preference import DPOConfig, dpo_objective, make_preference_step
+
+    graphdef, trainable, frozen = lora.split(tiny_lora_model(seed, False))
+    optimizer = optax.sgd(10.0)  # large enough that every leaf moves far beyond the tolerance
+    opt_state = optimizer.init(trainable)
+    dpo_batch, grpo_batch = _rl_batches(seed)
+    if kind == "dpo":
+        step = make_preference_step(graphdef, optimizer, dpo_objective(DPOConfig(beta=0.1)), needs_reference=True,
+                                    remat="full", mesh=mesh)
+        trainable, _, metrics = step(trainable, frozen, opt_state, None, dpo_batch)
+    else:
+        cfg = GRPOConfig(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                         max_completion_length=12, beta=0.04)
+        step = make_grpo_step(graphdef, optimizer, cfg, remat="full", mesh=mesh)
+        trainable, _, metrics = step(trainable, frozen, opt_state, grpo_batch)
+    return {k: float(v) for k, v in metrics.items()}, [np.asarray(x) for x in jax.tree.leaves(trainable)]
+
+
+def case_rl_equal_steps(seed: int):
+    """A DPO step on a data=2 mesh and a GRPO step on an fsdp=2 mesh (two micro-batches each; the DPO trainer case
+    runs on fsdp=2) against one device: the largest relative error of their metrics and of the updated LoRA
+    leaves, and how far the leaves moved."""
+    out = {}
+    initial = jax.tree.leaves(lora.split(tiny_lora_model(seed, False))[1])
+    for kind, (data, fsdp) in (("dpo", (2, 1)), ("grpo", (1, 2))):
+        ref_metrics, ref_leaves = _rl_step(kind, seed, None)
+        metrics, leaves = _rl_step(kind, seed, distributed.make_mesh(data, fsdp))
+        out[kind] = {"mesh": f"data={data},fsdp={fsdp}", "loss": ref_metrics["loss"],
+                     "param_change": min(_rel(a, b) for a, b in zip(ref_leaves, initial)),
+                     "metric_relerr": max(abs(metrics[k] - v) / max(abs(v), 1e-3) for k, v in ref_metrics.items()),
+                     "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves))}
+    return out
+
+
+def _dpo_trainer_run(seed: int, output_dir: str, mesh: str | None, per_device: int) -> dict:
+    """DPOTrainer (ORPO shares its code) for 3 steps of 2 accumulated micro-batches on the bundled tiny Llama:
+    its logged losses and margins, and how many devices hold the trained LoRA leaves."""
+    from tests.helpers import TINY_MODEL
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.train.preference import DPOConfig, DPOTrainer
+
+    model, tok = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=True,
+                                             random_state=seed)
+    pairs = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" It is {2 * i}.",
+              "rejected": f" Maybe {2 * i + 3}, or something else."} for i in range(12)]
+    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+                     max_steps=3, logging_steps=1, learning_rate=5e-3, beta=0.1, seed=seed, save_steps=0, mesh=mesh)
+    trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=pairs, processing_class=tok)
+    trainer.train()
+    hist = [e for e in trainer.state.log_history if "rewards/margins" in e]
+    return {"losses": [e["loss"] for e in hist], "margins": [e["rewards/margins"] for e in hist],
+            "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(lora.split(model)[1])})}
+
+
+def case_dpo_trainer(seed: int, output_dir: str):
+    """DPOTrainer with mesh="data=1,fsdp=2" and 2 pairs per device against one device with 4 pairs: the same
+    pairs per step (the order is seeded by the global batch), so the same logged losses and margins."""
+    return {"mesh": _dpo_trainer_run(seed, f"{output_dir}/dpo-mesh", "data=1,fsdp=2", 2),
+            "single": _dpo_trainer_run(seed, f"{output_dir}/dpo-single", None, 4)}
+
+
 # ------------------------------------------------------------------------------------------- HLO
 def _computations(hlo: str) -> dict[str, str]:
     """HLO module text -> {computation name: its text}."""
@@ -359,7 +445,8 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
 
 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
-         "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps}
+         "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps,
+         "rl_equal_steps": case_rl_equal_steps, "dpo_trainer": case_dpo_trainer}
 
 
 

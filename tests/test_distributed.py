@@ -57,6 +57,8 @@ def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
     """batch name -> (devices, {case name: [case, kwargs]}), in the order they run."""
     trainer = dict(output_dir=out, max_steps=4, shard_trainable=True)
     return {
+        "2 devices, DPO and GRPO": (2, {"rl_steps": ["rl_equal_steps", {}],
+                                        "dpo_trainer": ["dpo_trainer", dict(output_dir=out)]}),
         "8 devices": (8, {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
                           "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
                           "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
@@ -237,6 +239,28 @@ def test_moe_sharded_step_equals_single_device(cases):
     for mesh in ("data=4,fsdp=1", "data=2,fsdp=2"):
         r = result[mesh]
         assert r["loss_relerr"] < TOL and r["aux_relerr"] < TOL and r["param_relerr"] < TOL, (mesh, r)
+
+
+def test_dpo_and_grpo_steps_on_a_mesh_equal_single_device(cases):
+    """The preference and RL steps come from the same step factory as SFT's, so they run on a mesh too: a DPO
+    step (reference = the base) on a data=2 mesh and a GRPO step (clipped ratio, KL) on an fsdp=2 mesh, two
+    micro-batches each, give the single-device metrics and updated LoRA leaves (SGD: the update is the gradient)."""
+    result = cases("rl_steps")
+    for kind in ("dpo", "grpo"):
+        r = result[kind]
+        assert r["param_change"] > 100 * TOL, r  # the step moved every leaf
+        assert r["metric_relerr"] < 1e-4 and r["param_relerr"] < TOL, (kind, r)
+
+
+def test_dpo_trainer_on_a_mesh_equals_single_device(cases):
+    """DPOTrainer(args=DPOConfig(mesh="data=1,fsdp=2")) with 2 pairs per device logs the losses and margins of
+    4 pairs per step on one device, and its LoRA leaves live on both devices."""
+    result = cases("dpo_trainer")
+    mesh, single = result["mesh"], result["single"]
+    assert len(mesh["losses"]) == 3 and mesh["devices"] == [2] and single["devices"] == [1], result
+    np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4)
+    np.testing.assert_allclose(mesh["margins"], single["margins"], rtol=1e-3, atol=1e-6)
+    assert abs(single["margins"][-1]) > 1e-3, result  # the steps moved the policy away from the reference
 
 
 def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(cases):

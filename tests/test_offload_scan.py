@@ -199,14 +199,17 @@ def test_step_compiler_options_only_for_the_prefetched_offload_on_gpu(monkeypatc
     import unsloth_jax.train.step as step_mod
     from unsloth_jax.models.layer_stack import LayerStackPolicy
 
+    parse = LayerStackPolicy.parse  # the steps pass the parsed policy
     monkeypatch.delenv(ops.ENV_VAR, raising=False)
-    assert step_mod.step_compiler_options("offload") is None  # the CPU
+    assert step_mod.step_compiler_options(parse("offload")) is None  # the CPU
     monkeypatch.setattr(step_mod, "on_gpu", lambda: True)
-    assert step_mod.step_compiler_options("offload") == OFFLOAD_COMPILER_OPTIONS
-    assert step_mod.step_compiler_options("offload_attention") == OFFLOAD_COMPILER_OPTIONS
+    assert step_mod.step_compiler_options(parse("offload")) == OFFLOAD_COMPILER_OPTIONS
+    assert step_mod.step_compiler_options(parse("offload_attention")) == OFFLOAD_COMPILER_OPTIONS
     for mode in ("none", "full", "offload_every_4", "save_attention"):
-        assert step_mod.step_compiler_options(mode) is None, mode
-    assert step_mod.step_compiler_options("offload_attention,offload_attention=policy") is None
+        assert step_mod.step_compiler_options(parse(mode)) is None, mode
+    assert step_mod.step_compiler_options(parse("offload_attention,offload_attention=policy")) is None
+    with pytest.raises(TypeError, match="remat must be a LayerStackPolicy"):
+        step_mod.step_compiler_options("offload")  # below the API the policy is typed
     # the layer-stack policy alone decides; the ops policy policy_jit passes holds kernel choices only
     policy = LayerStackPolicy.parse("offload_attention")
     assert step_mod.step_compiler_options(policy, ops.Policy()) == OFFLOAD_COMPILER_OPTIONS

@@ -165,6 +165,8 @@ def merged_bytes(model) -> int:
 def choose_layout(model, free_bytes: int | None) -> tuple[str, str]:
     """Resolve weights="auto" for `model` with free_bytes of free device memory (None: unknown, as on a CPU)
     -> (layout, the reason in a few words)."""
+    if hasattr(model, "vl_config"):  # the vision-language engine path reads the LoRA (its towers' too) unmerged
+        return "shared", "a vision-language model's LoRA read unmerged"
     layers = model.model.layers
     if not any(lin.lora_a is not None for lin in _projections(layers)):
         return "shared", "no LoRA to merge"

@@ -31,7 +31,7 @@ from flax import nnx
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_linear, group_ropes, group_sparse,
-                                            group_windows, run_layers)
+                                            group_windows, require_policy, run_layers)
 from unsloth_jax.models.layers import Embedding, RMSNorm
 from unsloth_jax.models.linear_attention import LINEAR_PROJS, GatedDeltaNet
 from unsloth_jax.models.mlp import MLP
@@ -151,24 +151,23 @@ class DecoderModel(nnx.Module):
         local = rope_tables(cfg, positions, local=True) if cfg.rope_local_theta else None
         return rope_tables(cfg, positions, long=long), local
 
-    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
+    def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: LayerStackPolicy = NO_REMAT,
                    cache: KVCache | None = None, local_rope=None, router_stats: bool = False):
-        """Every decoder layer over x [B, S, D] under the layer-stack policy `remat_mode` (a LayerStackPolicy, or
-        what LayerStackPolicy.parse reads): unsloth_jax.models.layer_stack.run_layers, which says what cos/sin,
+        """Every decoder layer over x [B, S, D] under the layer-stack policy `remat_mode` (a LayerStackPolicy,
+        parsed where the user gave it): unsloth_jax.models.layer_stack.run_layers, which says what cos/sin,
         cache, local_rope and router_stats are and what it returns: (x, None), (x, (k, v)) with a cache, and
         the RouterStats third with router_stats=True."""
         return run_layers(self.layers, self.config, x, cos, sin, batch,
-                          policy=LayerStackPolicy.parse(remat_mode, argument="remat_mode"), cache=cache,
+                          policy=require_policy(remat_mode, "remat_mode"), cache=cache,
                           local_rope=local_rope, router_stats=router_stats)
 
     def __call__(self, input_ids: jax.Array | None, batch: Batch, *,
-                 remat_mode: LayerStackPolicy | str = NO_REMAT, dtype=None, router_stats: bool = False,
+                 remat_mode: LayerStackPolicy = NO_REMAT, dtype=None, router_stats: bool = False,
                  inputs_embeds: jax.Array | None = None):
         """Final-normed hidden states [B, S, D] for input_ids [B, S] under the layer-stack policy `remat_mode`
         (run_layers); with router_stats=True (MoE families) (hidden states, RouterStats of the MoE layers).
         inputs_embeds [B, S, D], when given, replaces the embedding of input_ids (already scaled: the caller's
         `embed` output, e.g. with image features written in)."""
-        remat_mode = LayerStackPolicy.parse(remat_mode, argument="remat_mode")
         if inputs_embeds is not None:
             x = inputs_embeds.astype(dtype or inputs_embeds.dtype)
         else:
@@ -232,11 +231,10 @@ class CausalLM(nnx.Module):
             logits = cap * jnp.tanh(logits / cap)
         return logits
 
-    def hidden_states(self, input_ids: jax.Array, batch: Batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
+    def hidden_states(self, input_ids: jax.Array, batch: Batch, *, remat_mode: LayerStackPolicy = NO_REMAT,
                       router_stats: bool = False):
         """Final-normed hidden states [B, S, D] in the compute dtype, the layers run under the layer-stack policy
-        `remat_mode` (a LayerStackPolicy, or a name LayerStackPolicy.parse reads: model.gradient_checkpointing,
-        "none"); with router_stats=True (MoE families)
+        `remat_mode` (a LayerStackPolicy: model.gradient_checkpointing, NO_REMAT); with router_stats=True (MoE families)
         (hidden states, RouterStats [MoE layers, E] for unsloth_jax.models.moe.load_balancing_loss)."""
         return self.model(input_ids, batch, remat_mode=remat_mode, dtype=self.dtype, router_stats=router_stats)
 

@@ -5,10 +5,13 @@
 
 `LayerStackPolicy` is the one value that says how the stack saves, recomputes and offloads (frozen, hashable,
 compared by value; traced code holds it as a static Python value: a train step closes over its own, and it is part of
-the model's graphdef, so another policy is another compiled program, never a stale one). It is parsed once,
-where the user gives it (get_peft_model / from_pretrained's use_gradient_checkpointing and layers_per_checkpoint,
-the CLI's --use_gradient_checkpointing, make_train_step's remat), stored on the model as
-`model.gradient_checkpointing`, and read here:
+the model's graphdef, so another policy is another compiled program, never a stale one). Its fields are enums
+(Checkpoint, Offload, LayerLoop, OffloadAttention, OffloadWeights, OffloadCopies; StrEnums, so a member also
+equals its string). `LayerStackPolicy.parse` is the one function that reads what users type; it runs where the
+user gives the value (get_peft_model / from_pretrained's use_gradient_checkpointing and layers_per_checkpoint,
+the CLI's --use_gradient_checkpointing, the step factory's remat: unsloth_jax.train.step.make_step), the policy
+is stored on the model as `model.gradient_checkpointing`, and everything below (the steps' losses, the decoder,
+`run_layers`) takes the typed value. Its fields:
 
     checkpoint             what each layer keeps for its backward pass: "none" (everything: no recomputation),
                            "full" (its input only; the layer is recomputed), "save_attention" (its input, and q, k,
@@ -45,13 +48,14 @@ inner scan of per-layer "full" remat: the backward pass recomputes one checkpoin
 it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
 
 Adding a remat mode: a row of MODES (its name -> (checkpoint, offload)), and, for a new checkpoint or offload
-value, that value in CHECKPOINTS / OFFLOADS and its jax.checkpoint policy in `_jax_policy` (or its own path in
-`run_layers`); parsing, naming, the API, the CLI and the steps follow. A new setting: a row of SETTINGS and a
-field of that name (default first in its row), read in `run_layers`.
+value, a member of Checkpoint / Offload and its jax.checkpoint policy in `_jax_policy` (or its own path in
+`run_layers`); parsing, naming, the API, the CLI and the steps follow. A new setting: an enum (default member
+first), a row of SETTINGS and a field of that name, read in `run_layers`.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import jax
@@ -64,27 +68,66 @@ from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.layers import gathered
 from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, offloaded_layer_scan
 
+
+class Checkpoint(enum.StrEnum):
+    """What each layer keeps for its backward pass (module docstring)."""
+    NONE = "none"
+    FULL = "full"
+    SAVE_ATTENTION = "save_attention"
+
+
+class Offload(enum.StrEnum):
+    """What goes to pinned host memory instead of staying on the device."""
+    NONE = "none"
+    INPUTS = "inputs"
+    INPUTS_AND_ATTENTION = "inputs_and_attention"
+
+
+class LayerLoop(enum.StrEnum):
+    """How the stack loops over its layers: one lax.scan, or unrolled straight-line code."""
+    SCAN = "scan"
+    UNROLLED = "unrolled"
+
+
+class OffloadAttention(enum.StrEnum):
+    """How "inputs_and_attention" runs: the prefetched custom-VJP scan, or jax's offload policy."""
+    SCAN = "scan"
+    POLICY = "policy"
+
+
+class OffloadWeights(enum.StrEnum):
+    """When the prefetched scan slices each layer's weights."""
+    AUTO = "auto"
+    PREFETCH = "prefetch"
+    IN_STEP = "in_step"
+
+
+class OffloadCopies(enum.StrEnum):
+    """The prefetched scan's host copies: in row blocks, or whole."""
+    BLOCKS = "blocks"
+    WHOLE = "whole"
+
+
 # The per-layer remat modes by name: (what each layer keeps, what goes to pinned host memory).
 MODES = {
-    "none": ("none", "none"),
-    "full": ("full", "none"),
-    "offload": ("full", "inputs"),
-    "offload_attention": ("full", "inputs_and_attention"),
-    "save_attention": ("save_attention", "none"),
+    "none": (Checkpoint.NONE, Offload.NONE),
+    "full": (Checkpoint.FULL, Offload.NONE),
+    "offload": (Checkpoint.FULL, Offload.INPUTS),
+    "offload_attention": (Checkpoint.FULL, Offload.INPUTS_AND_ATTENTION),
+    "save_attention": (Checkpoint.SAVE_ATTENTION, Offload.NONE),
 }
 REMAT_MODES = tuple(MODES)
 TWO_LEVEL_BASES = ("full", "offload")  # the per-layer modes a two-level mode "<base>_every_<K>" builds on
 # Unsloth's use_gradient_checkpointing values (parse takes them besides the names) and the mode each means
 UNSLOTH_VALUES = {False: "none", None: "none", True: "full", "unsloth": "offload"}
-CHECKPOINTS = ("none", "full", "save_attention")
-OFFLOADS = ("none", "inputs", "inputs_and_attention")
-# The settings that are not the mode itself: their choices, the default first.
+# The settings that are not the mode itself: field name -> its enum (the first member is the default).
 SETTINGS = {
-    "layer_loop": ("scan", "unrolled"),
-    "offload_attention": ("scan", "policy"),
-    "offload_weights": ("auto", "prefetch", "in_step"),
-    "offload_copies": ("blocks", "whole"),
+    "layer_loop": LayerLoop,
+    "offload_attention": OffloadAttention,
+    "offload_weights": OffloadWeights,
+    "offload_copies": OffloadCopies,
 }
+FIELDS = {"checkpoint": Checkpoint, "offload": Offload, **SETTINGS}  # every enum field and its type
 OFFLOAD_SETTINGS = ("offload_attention", "offload_weights", "offload_copies")  # read under host offload only
 
 ATTENTION_NAMES = ("attn_q", "attn_k", "attn_v", "attn_out")  # the values "save_attention" keeps
@@ -95,9 +138,12 @@ CUDNN_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_att
 FLASH_RESIDUAL_NAMES = ("flash_out", "flash_lse")  # pallas_kernels.flash_attention names them
 
 
-def _choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"LayerStackPolicy: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+def _member(name: str, value, kind: type[enum.StrEnum]) -> enum.StrEnum:
+    """`value` (a member of `kind` or its string) as the member; ValueError naming the field otherwise."""
+    if isinstance(value, str) and value in kind._value2member_map_:
+        return kind(value)
+    raise ValueError(f"LayerStackPolicy: {name} must be one of {', '.join(repr(m.value) for m in kind)}, "
+                     f"got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,21 +151,20 @@ class LayerStackPolicy:
     """How the layer stack saves, recomputes and offloads (module docstring). Frozen and hashable; equal to
     another policy with the same fields, and to its name (`str(policy)`, which `parse` reads back)."""
 
-    checkpoint: str = "none"
-    offload: str = "none"
+    checkpoint: Checkpoint = Checkpoint.NONE
+    offload: Offload = Offload.NONE
     layers_per_checkpoint: int = 1
-    layer_loop: str = "scan"
-    offload_attention: str = "scan"
-    offload_weights: str = "auto"
-    offload_copies: str = "blocks"
+    layer_loop: LayerLoop = LayerLoop.SCAN
+    offload_attention: OffloadAttention = OffloadAttention.SCAN
+    offload_weights: OffloadWeights = OffloadWeights.AUTO
+    offload_copies: OffloadCopies = OffloadCopies.BLOCKS
 
     def __post_init__(self):
-        _choice("checkpoint", self.checkpoint, CHECKPOINTS)
-        _choice("offload", self.offload, OFFLOADS)
-        for name, choices in SETTINGS.items():
-            _choice(name, getattr(self, name), choices)
+        for name, kind in FIELDS.items():  # strings of the members are taken as the members
+            object.__setattr__(self, name, _member(name, getattr(self, name), kind))
         if (self.checkpoint, self.offload) not in MODES.values():
-            raise ValueError(f"LayerStackPolicy: checkpoint={self.checkpoint!r} with offload={self.offload!r} is "
+            raise ValueError(f"LayerStackPolicy: checkpoint={self.checkpoint.value!r} with "
+                             f"offload={self.offload.value!r} is "
                              f"not a remat mode; the modes: "
                              + ", ".join(f"{m} = ({c}, {o})" for m, (c, o) in MODES.items()))
         k = self.layers_per_checkpoint
@@ -140,8 +185,8 @@ class LayerStackPolicy:
         """"offload", "full_every_4", "offload,layer_loop=unrolled": the mode, then the non-default settings."""
         k = self.layers_per_checkpoint
         head = self.mode if k == 1 else f"{self.mode}_every_{k}"
-        return ",".join([head] + [f"{s}={getattr(self, s)}" for s, choices in SETTINGS.items()
-                                  if getattr(self, s) != choices[0]])
+        return ",".join([head] + [f"{s}={getattr(self, s)}" for s, kind in SETTINGS.items()
+                                  if getattr(self, s) is not next(iter(kind))])
 
     def __str__(self) -> str:
         return self.name
@@ -183,42 +228,63 @@ class LayerStackPolicy:
             settings = {}
             for item in items:
                 key, eq, choice = (s.strip() for s in item.partition("="))
-                if not eq or key not in SETTINGS or choice not in SETTINGS[key]:
+                if not eq or key not in SETTINGS or choice not in SETTINGS[key]._value2member_map_:
                     raise ValueError(f"{argument}: {item!r} in {value!r} is not a layer-stack setting; "
-                                     + "; ".join(f"{s}: {'|'.join(c)}" for s, c in SETTINGS.items()))
+                                     + "; ".join(f"{s}: {'|'.join(m.value for m in c)}" for s, c in SETTINGS.items()))
                 settings[key] = choice
             checkpoint, offload = MODES[base]
             policy = cls(checkpoint, offload, k, **settings)
-        if layers_per_checkpoint != 1:
-            if isinstance(layers_per_checkpoint, bool) or not isinstance(layers_per_checkpoint, int) \
-                    or layers_per_checkpoint < 1:
-                raise ValueError(f"layers_per_checkpoint must be an integer >= 1, got {layers_per_checkpoint!r}")
-            if policy.layers_per_checkpoint not in (1, layers_per_checkpoint):
-                raise ValueError(f"{argument}={value!r} already keeps every {policy.layers_per_checkpoint}-th "
-                                 f"layer input; layers_per_checkpoint={layers_per_checkpoint} contradicts it")
-            policy = dataclasses.replace(policy, layers_per_checkpoint=layers_per_checkpoint)
-        return policy
+        return policy.with_layers_per_checkpoint(layers_per_checkpoint, f"{argument}={value!r}")
+
+    def with_layers_per_checkpoint(self, k: int, given: str | None = None) -> "LayerStackPolicy":
+        """The policy made two-level with every k-th layer input kept (k = 1: as it is); a ValueError if it
+        already keeps another K (`given`: how the user wrote the policy, for the message)."""
+        if k == 1:
+            return self
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"layers_per_checkpoint must be an integer >= 1, got {k!r}")
+        if self.layers_per_checkpoint not in (1, k):
+            raise ValueError(f"{given or repr(self)} already keeps every {self.layers_per_checkpoint}-th "
+                             f"layer input; layers_per_checkpoint={k} contradicts it")
+        return dataclasses.replace(self, layers_per_checkpoint=k)
+
+    def without_host_offload(self) -> "LayerStackPolicy":
+        """The same policy with its host offload dropped (plain remat on the device; the offload-only settings
+        back to their defaults): the fallback where the backend has no pinned host memory."""
+        if self.offload is Offload.NONE:
+            return self
+        return dataclasses.replace(self, offload=Offload.NONE,
+                                   **{k: next(iter(SETTINGS[k])) for k in OFFLOAD_SETTINGS})
 
     # ---- what the layer stack reads
     @property
     def offload_scan(self) -> bool:
         """Whether the host offload runs as models.offload's prefetched custom-VJP scan (for one checkpointed
         layer group at a time; run_layers uses it in training without router statistics)."""
-        return self.offload == "inputs" or (self.offload == "inputs_and_attention"
-                                            and self.offload_attention == "scan")
+        return self.offload is Offload.INPUTS or (self.offload is Offload.INPUTS_AND_ATTENTION
+                                                  and self.offload_attention is OffloadAttention.SCAN)
 
     @property
     def prefetch_weights(self) -> bool:
         """Whether that scan slices each layer's weights one iteration ahead (auto: with attention's residuals
         kept, where it measured faster)."""
-        if self.offload_weights == "auto":
-            return self.offload == "inputs_and_attention"
-        return self.offload_weights == "prefetch"
+        if self.offload_weights is OffloadWeights.AUTO:
+            return self.offload is Offload.INPUTS_AND_ATTENTION
+        return self.offload_weights is OffloadWeights.PREFETCH
 
     @property
     def copy_chunk_bytes(self) -> int | None:
         """The largest piece of that scan's host copies (None: whole arrays)."""
-        return OFFLOAD_CHUNK_BYTES if self.offload_copies == "blocks" else None
+        return OFFLOAD_CHUNK_BYTES if self.offload_copies is OffloadCopies.BLOCKS else None
+
+
+def require_policy(value, argument: str) -> LayerStackPolicy:
+    """`value` if it is a LayerStackPolicy; a TypeError naming `argument` otherwise (code below the API takes the
+    parsed value: LayerStackPolicy.parse runs where the user gives it)."""
+    if not isinstance(value, LayerStackPolicy):
+        raise TypeError(f"{argument} must be a LayerStackPolicy (LayerStackPolicy.parse reads what users type), "
+                        f"got {value!r}")
+    return value
 
 
 _SYNTAX = (f"use one of {', '.join(REMAT_MODES)}, a two-level mode (\"full_every_K\", \"offload_every_K\", K >= 1), "
@@ -253,13 +319,13 @@ def attention_residuals_saveable(prim, *_, **params) -> bool:
 def _jax_policy(policy: LayerStackPolicy, offloaded: str):
     """The jax.checkpoint policy of one checkpointed unit under `policy`'s checkpoint and offload; the value
     named `offloaded` (the unit's input) is what "inputs" sends to pinned host memory."""
-    if policy.checkpoint == "save_attention":
+    if policy.checkpoint is Checkpoint.SAVE_ATTENTION:
         return jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES)
-    if policy.offload == "inputs":
+    if policy.offload is Offload.INPUTS:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
             offload_src="device", offload_dst="pinned_host")
-    if policy.offload == "inputs_and_attention":
+    if policy.offload is Offload.INPUTS_AND_ATTENTION:
         return OffloadWithAttention(offloaded)
     return jax.checkpoint_policies.nothing_saveable
 
@@ -267,7 +333,7 @@ def _jax_policy(policy: LayerStackPolicy, offloaded: str):
 def checkpointed(fn, policy: LayerStackPolicy, *, offloaded: str = "layer_input"):
     """`fn` under `policy`'s per-layer rematerialisation (its layers_per_checkpoint is not read): as it is for
     checkpoint "none", else under jax.checkpoint with `_jax_policy`."""
-    if policy.checkpoint == "none":
+    if policy.checkpoint is Checkpoint.NONE:
         return fn
     return jax.checkpoint(fn, policy=_jax_policy(policy, offloaded))
 
@@ -366,7 +432,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     def group_body(h, xs_group):
         return run_group(h, xs_group, ropes, batch)
 
-    unroll = policy.layer_loop == "unrolled"  # True: no while loop, every layer's weights a static slice
+    unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice
     inner = -(-policy.layers_per_checkpoint // period)  # scan groups per checkpointed group (two-level)
     two_level = inner > 1
     body = checkpointed(group_body, FULL if two_level else policy)
@@ -374,7 +440,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     # (models.offload); with attention's forward residuals kept beside each layer's input under
     # "inputs_and_attention"
     prefetched = policy.offload_scan and not two_level and cache is None and not router_stats
-    keep = attention_residuals_saveable if policy.offload == "inputs_and_attention" else None
+    keep = attention_residuals_saveable if policy.offload is Offload.INPUTS_AND_ATTENTION else None
 
     def outer_body(h, xs_outer):
         """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
@@ -434,6 +500,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     return (x, kv, stats) if router_stats else (x, kv)
 
 
-__all__ = ["LayerStackPolicy", "NO_REMAT", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
+__all__ = ["LayerStackPolicy", "Checkpoint", "Offload", "LayerLoop", "OffloadAttention", "OffloadWeights",
+           "OffloadCopies", "NO_REMAT", "require_policy", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
            "checkpointed", "remat", "run_layers", "group_windows", "group_sparse", "group_rope", "group_ropes",
            "group_linear"]

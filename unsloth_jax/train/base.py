@@ -123,7 +123,7 @@ class TrainerBase:
 
     name = ""  # the trainer in the summary line and progress bar ("DPO", "GRPO"); "" for SFT
     nonfinite_hint = "Lower the learning rate or check the data"
-    mesh = None  # a jax.sharding.Mesh when the trainer runs its steps on several devices (SFT)
+    mesh = None  # a jax.sharding.Mesh when the trainer runs its steps on several devices (args.mesh)
 
     def __init__(self, model, args, callbacks=None):
         self.model, self.args = model, args
@@ -250,6 +250,13 @@ class TrainerBase:
         return (f"{label} {run.summary}, batch {a.per_device_train_batch_size} x {a.gradient_accumulation_steps} "
                 f"accumulation{mesh_note(self.mesh)}, {model.dtype.name}{base_label(model)}, "
                 f"{trained_what(model, n_train, a.optim)}, remat={model.gradient_checkpointing}")
+
+    def state_on_mesh(self, mesh, trainable, frozen, opt_state):
+        """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
+        replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
+        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+        nnx.update(self.model, frozen)
+        return trainable, frozen, opt_state
 
     # --------------------------------------------------------------------------------- checkpoints
     def _state_record(self, step: int) -> dict:

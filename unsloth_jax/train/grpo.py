@@ -38,7 +38,6 @@ rows carry the prompt's image fields (train/rl_images.py; docs/VISION.md, "GRPO 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 import math
@@ -61,10 +60,10 @@ from unsloth_jax.train.base import RunPlan
 from unsloth_jax.train.logprobs import reference_model, token_logps
 from unsloth_jax.train.rl_images import (column_images, dataset_has_images, image_micro_batches, prompt_has_images,
                                          request_ids, request_images, row_prompt)
-from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
+from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up
 from unsloth_jax.train.preference import encode_prompt, is_conversational
 from unsloth_jax.backend import commit_to_devices
-from unsloth_jax.train.step import apply_gradients, step_compiler_options
+from unsloth_jax.train.step import StepLoss, make_step
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 
@@ -288,20 +287,15 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta: float, eps
     return value, stats
 
 
-def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat: str = "full",
-                   chunk: int = 1024):
-    """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
-    micro-batches: input_ids, attention_mask, completion_mask (int32), advantages [A, B] f32, and when needed
-    old_logps / ref_logps [A, B, S-1] f32; num_items f32 [A] or a scalar: "dapo"'s normalizer of each micro-batch,
-    the completion tokens of the generation batch it came from (TRL's num_items_in_batch). A vision-language
-    model's rows with images add their image fields (rl_images.image_micro_batches: pixel_values and
-    token_type_ids, or Qwen2.5-VL's pixel_values, vision_* and mrope_positions), which the log-probabilities
-    read as the SFT step does."""
+def grpo_step_loss(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, chunk: int = 1024) -> StepLoss:
+    """GRPO's StepLoss: grpo_loss of each micro-batch (already normalized per loss_type and accumulation, so the
+    micro-batches' values and gradients are summed as they are), plus TRL's clip ratios and kl over the
+    completion tokens, and tokens (real tokens of the batch). Its prepare gives num_items its [A] axis."""
     accum = cfg.gradient_accumulation_steps
 
-    def micro(trainable, frozen, mb):
+    def micro(trainable, frozen, _ref_state, mb, policy):
         model = nnx.merge(graphdef, trainable, frozen)
-        lp = token_logps(model, family_of(model).prepare_inputs(mb), remat=remat, temperature=cfg.temperature,
+        lp = token_logps(model, family_of(model).prepare_inputs(mb), remat=policy, temperature=cfg.temperature,
                          chunk=chunk)
         old = mb["old_logps"] if "old_logps" in mb else jax.lax.stop_gradient(lp)
         return grpo_loss(lp, old, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"][:, 1:],
@@ -311,20 +305,32 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat:
                          num_items=mb["num_items"], accumulation_steps=accum, delta=cfg.delta,
                          importance_sampling_level=cfg.importance_sampling_level)
 
-    def step(trainable, frozen, opt_state, batch):
-        batch = dict(batch, num_items=jnp.broadcast_to(batch["num_items"], batch["advantages"].shape[:1]))
-        fn = lambda params, mb: micro(params, frozen, mb)  # noqa: E731
-        loss, sums, grads = scan_micro_batches(fn, trainable, batch, with_grad=True)
-        new_params, new_opt, upd = apply_gradients(optimizer, trainable, opt_state, grads, loss)
-        n = jnp.maximum(sums.pop("n_tokens"), 1.0)
-        metrics = {"loss": loss, "tokens": jnp.sum(batch["attention_mask"]), **upd,
+    def prepare(batch):
+        return dict(batch, num_items=jnp.broadcast_to(batch["num_items"], batch["advantages"].shape[:1]))
+
+    def finish(value, sums, batch):
+        n = jnp.maximum(sums["n_tokens"], 1.0)
+        metrics = {"loss": value, "tokens": jnp.sum(batch["attention_mask"]),
                    "clip_ratio/low_mean": sums["clip_low"] / n, "clip_ratio/high_mean": sums["clip_high"] / n,
                    "clip_ratio/region_mean": sums["clip_region"] / n}
         if "kl" in sums:
             metrics["kl"] = sums["kl"] / n
-        return new_params, new_opt, metrics
+        return metrics, None
 
-    return ops.policy_jit(step, donate_argnums=(0, 2), compiler_options=functools.partial(step_compiler_options, remat))
+    return StepLoss(micro, finish, prepare)
+
+
+def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat="full", chunk: int = 1024,
+                   mesh=None):
+    """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
+    micro-batches (train.step.make_step with `grpo_step_loss`): input_ids, attention_mask, completion_mask
+    (int32), advantages [A, B] f32, and when needed old_logps / ref_logps [A, B, S-1] f32; num_items f32 [A] or
+    a scalar: "dapo"'s normalizer of each micro-batch, the completion tokens of the generation batch it came
+    from (TRL's num_items_in_batch). A vision-language model's rows with images add their image fields
+    (rl_images.image_micro_batches: pixel_values and token_type_ids, or Qwen2.5-VL's pixel_values, vision_* and
+    mrope_positions), which the log-probabilities read as the SFT step does. remat: the layer-stack policy
+    (make_step parses it); mesh: make_step's."""
+    return make_step(graphdef, optimizer, grpo_step_loss(graphdef, cfg, chunk=chunk), remat=remat, mesh=mesh)
 
 
 def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool, want_ref: bool,
@@ -475,6 +481,7 @@ class GRPOTrainer(RLTrainerBase):
         self.eos_ids = sorted(eos)
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._compiled = None
+        self._requests = None  # (rows, their engine requests) of the generation round under way
         self._reset_stream()
 
     def _check_vision(self, model) -> bool:
@@ -584,9 +591,9 @@ class GRPOTrainer(RLTrainerBase):
                                  min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
                                  max_tokens=a.max_completion_length, stop_token_ids=self.eos_ids + image_ids,
                                  ignore_eos=True, seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(unique))]
-        # the g completions of a prompt share its pages; a text model's LoRA merged into a reused buffer when it
-        # fits (the vision-language engine path reads its towers' LoRA unmerged)
-        outs = engine_for(self.model, weights="shared" if self.vision else "auto").generate(unique, params)
+        # the g completions of a prompt share its pages; LoRA merged into a reused buffer where the layout chooser
+        # finds that it fits (inference.weights.choose_layout)
+        outs = engine_for(self.model, weights="auto").generate(unique, params)
         prompts = [request_ids(p) for p in unique for _ in range(g)]
         images = [request_images(p) for p in unique for _ in range(g)]
         completions = [list(c.token_ids) for o in outs for c in o.outputs]
@@ -599,13 +606,21 @@ class GRPOTrainer(RLTrainerBase):
     def generate_completions(self, rows: np.ndarray, seed: int) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(prompt ids, completion ids (cut after the first eos, which stays), truncated flags) for the train
         dataset's rows, each repeated num_generations times, sampled with the model's current weights."""
-        return self._sample([self._request(int(r)) for r in rows], seed)[:3]
+        return self._sample(self._round_requests(rows), seed)[:3]
+
+    def _round_requests(self, rows: np.ndarray) -> list:
+        """The engine requests of the train dataset's rows' prompts, made once per generation round (the processor
+        runs once per prompt with images): generate_completions samples them and _row_images reads their images."""
+        key = tuple(int(r) for r in rows)
+        if self._requests is None or self._requests[0] != key:
+            self._requests = (key, [self._request(r) for r in key])
+        return self._requests[1]
 
     def _row_images(self, rows: np.ndarray) -> list:
         """The ImageInputs (or None) of the train dataset's rows' prompts, each num_generations times (the order of
         generate_completions' rows)."""
         g = self.args.num_generations
-        return [request_images(self._request(int(r))) for r in rows for _ in range(g)]
+        return [request_images(request) for request in self._round_requests(rows) for _ in range(g)]
 
     def _score(self, records: list[dict], completion_ids: list[list[int]], messages: list | None = None
                ) -> np.ndarray:
@@ -710,6 +725,7 @@ class GRPOTrainer(RLTrainerBase):
         sample_seed = (args.seed * 1000003 + generation) % 2**31
         prompts, completions, truncated = self.generate_completions(rows, sample_seed)
         images = self._row_images(rows) if self.with_images else None
+        self._requests = None  # this round's requests (their pixels) are not kept past it
         t1 = time.perf_counter()
         rewards_per_func = self.score_completions(rows, completions)
         advantages, _, _ = grpo_advantages(rewards_per_func, self.reward_weights, args.num_generations,
@@ -738,6 +754,10 @@ class GRPOTrainer(RLTrainerBase):
     # ------------------------------------------------------------------------ for the trainer base
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
+        if args.mesh is not None:
+            raise TrainingError("GRPOConfig.mesh: GRPOTrainer generates and trains on one device for now (its "
+                                "rollouts run the generation engine on the model's weights); leave mesh unset. "
+                                "make_grpo_step(..., mesh=...) runs the step itself on a mesh")
         total = self._steps()
         want_ref = args.beta != 0.0
         want_old = args.needs_old_logps

@@ -21,17 +21,18 @@ from flax import nnx
 from unsloth_jax import ops
 from unsloth_jax.families import ModelInputs, family_of
 from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 
 
-def token_logps(model: CausalLM, inputs: ModelInputs, *, remat: str = "none", temperature: float = 1.0,
-                chunk: int = 1024, mean_logits: bool = False):
+def token_logps(model: CausalLM, inputs: ModelInputs, *, remat: LayerStackPolicy = NO_REMAT,
+                temperature: float = 1.0, chunk: int = 1024, mean_logits: bool = False):
     """[B, S-1] float32: entry t is log p(input_ids[:, t+1]) given the tokens up to t (logits / temperature).
 
     inputs: the rows (the family's prepare_inputs of a batch): input_ids, attention_mask int32 [B, S], right
     padded, and a vision-language model's image fields, run as the SFT step runs them. Entries whose target is
     padding hold log-probs of the padding token and must be masked by the caller (`masked_sum`).
     mean_logits=True: also each position's logits averaged over the vocabulary, [B, S-1] (no gradient), as a
-    second item.
+    second item. remat: the layer-stack policy (typed: the step factory parsed it).
     """
     h = family_of(model).hidden_states(model, inputs, remat=remat)
     b, s, d = h.shape

@@ -1,7 +1,7 @@
 """What the preference and RL trainers (DPO, ORPO, GRPO) share beyond the trainer base
 (unsloth_jax.train.base, which runs their loop, logging, checkpoints and evaluation): the LoRA checks, the
-optimizer from the arguments, the split state with the reference weights, padding, and the micro-batch scan
-inside their jitted steps.
+optimizer from the arguments, the split state with the reference weights, and padding. Their jitted steps come
+from the one step factory, unsloth_jax.train.step.make_step.
 """
 from __future__ import annotations
 
@@ -37,29 +37,6 @@ def round_up(n: int, multiple: int = SEQUENCE_MULTIPLE) -> int:
     return max(multiple, -(-int(n) // multiple) * multiple)
 
 
-def scan_micro_batches(fn, trainable, batch, *, with_grad: bool):
-    """Inside a jitted step: sum `fn(trainable, micro) -> (value, aux dict)` over the micro-batches of `batch`
-    (every leaf [A, ...]) with lax.scan -> (value sum, aux sums, gradient sum w.r.t. trainable in float32, or
-    None without with_grad). Callers scale the sums (mean over micro-batches, or token-weighted)."""
-    grad_fn = jax.value_and_grad(fn, has_aux=True)
-
-    def body(carry, micro):
-        g_sum, v_sum, aux_sum = carry
-        if with_grad:
-            (value, aux), g = grad_fn(trainable, micro)
-            g_sum = jax.tree.map(lambda s, x: s + x.astype(jnp.float32), g_sum, g)
-        else:
-            value, aux = fn(trainable, micro)
-        return (g_sum, v_sum + value, jax.tree.map(jnp.add, aux_sum, aux)), None
-
-    first = jax.tree.map(lambda a: a[0], batch)
-    aux_shape = jax.eval_shape(lambda: fn(trainable, first)[1])
-    init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable) if with_grad else None,
-            jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape))
-    (g_sum, v_sum, aux_sum), _ = jax.lax.scan(body, init, batch)
-    return v_sum, aux_sum, g_sum
-
-
 class RLTrainerBase(TrainerBase):
     """What DPOTrainer, ORPOTrainer and GRPOTrainer add to the trainer base: the LoRA and tokenizer checks, their
     optimizer from the arguments, and the split state with the reference weights."""
@@ -93,4 +70,4 @@ class RLTrainerBase(TrainerBase):
         return graphdef, trainable, frozen, ref_trainable
 
 
-__all__ = ["RLTrainerBase", "SEQUENCE_MULTIPLE", "records_of", "pad_token_id", "round_up", "scan_micro_batches"]
+__all__ = ["RLTrainerBase", "SEQUENCE_MULTIPLE", "records_of", "pad_token_id", "round_up"]

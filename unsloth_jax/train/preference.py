@@ -16,11 +16,12 @@ One jitted step per optimizer step: chosen and rejected rows of A micro-batches 
 first), per-token log-probabilities through the chunked `ops.token_logprobs` (no [B, S, V] logits), summed over
 completion tokens, the reference's computed in the same program from the same frozen weights with the adapters
 dropped (`ref_model=None`, TRL's PEFT behaviour; no second copy of the base), then the loss and TRL's log keys.
+The step comes from the trainers' one step factory (unsloth_jax.train.step.make_step), so `mesh` in the config
+("data=2,fsdp=4", see unsloth_jax.distributed) runs it sharded, per_device_train_batch_size pairs per device.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 
@@ -29,14 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unsloth_jax import ops
+from unsloth_jax import distributed
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.families import ModelInputs
 from unsloth_jax.train.logprobs import masked_sum, reference_model, token_logps
 from unsloth_jax.train.base import RunPlan
-from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up, scan_micro_batches
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
+from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up
 from unsloth_jax.backend import commit_to_devices
-from unsloth_jax.train.step import apply_gradients, step_compiler_options
+from unsloth_jax.train.step import StepLoss, make_step
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 
@@ -208,7 +210,7 @@ def orpo_objective(cfg: ORPOConfig):
 
 
 # ------------------------------------------------------------------------------------------------ step
-def sequence_stats(model, batch: dict, *, remat: str = "none", chunk: int = 1024) -> dict:
+def sequence_stats(model, batch: dict, *, remat: LayerStackPolicy = NO_REMAT, chunk: int = 1024) -> dict:
     """Per-row sums over rows [R, S]: logps / lengths over completion tokens (completion_mask), all_logps /
     all_lengths over every real token after the first (attention_mask), all f32 [R]."""
     lp, mean_logits = token_logps(model, ModelInputs(batch["input_ids"], batch["attention_mask"]), remat=remat,
@@ -229,21 +231,15 @@ def logit_metrics(pol: dict) -> dict:
             "logits/rejected": jnp.sum(sums[b:]) / jnp.maximum(jnp.sum(lengths[b:]), 1)}
 
 
-def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_reference: bool,
-                         ref_graphdef: nnx.GraphDef | None = None, remat: str = "full", chunk: int = 1024,
-                         train: bool = True):
-    """A jitted step(trainable, frozen, opt_state, ref_state, batch) -> (trainable, opt_state, metrics).
+def preference_loss(graphdef: nnx.GraphDef, pair_loss, *, needs_reference: bool,
+                    ref_graphdef: nnx.GraphDef | None = None, chunk: int = 1024) -> StepLoss:
+    """The preference trainers' StepLoss: `pair_loss(policy stats, reference stats or None) -> (loss, metrics)`
+    of each micro-batch, averaged over the micro-batches (TRL/transformers' accumulation: the gradient divided
+    by A), plus tokens (real tokens of the batch)."""
 
-    batch: int32 [A, 2B, S] input_ids / attention_mask / completion_mask, chosen rows first in each
-    micro-batch. ref_state: None or the pre-training non-LoRA trainable state (reference = the policy's base,
-    from `frozen` with adapters dropped), or, with ref_graphdef, the full state of a separate reference model.
-    The loss is the mean of the micro-batches' losses (TRL/transformers' accumulation); metrics are their means
-    plus grad_norm, skipped and tokens. train=False gives eval(trainable, frozen, ref_state, batch) -> metrics.
-    """
-
-    def micro(trainable, frozen, ref_state, mb):
+    def micro(trainable, frozen, ref_state, mb, policy):
         model = nnx.merge(graphdef, trainable, frozen)
-        pol = sequence_stats(model, mb, remat=remat, chunk=chunk)
+        pol = sequence_stats(model, mb, remat=policy, chunk=chunk)
         ref = None
         if needs_reference:
             if ref_graphdef is None:
@@ -253,28 +249,32 @@ def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_
             ref = jax.lax.stop_gradient(sequence_stats(ref_model, mb, chunk=chunk))
         return pair_loss(pol, ref)
 
-    def forward(trainable, frozen, ref_state, batch, with_grad: bool):
-        fn = lambda params, mb: micro(params, frozen, ref_state, mb)  # noqa: E731
-        l_sum, m_sum, g_sum = scan_micro_batches(fn, trainable, batch, with_grad=with_grad)
+    def finish(value, stats, batch):
         a = batch["input_ids"].shape[0]
-        metrics = {k: v / a for k, v in m_sum.items()}
-        metrics["tokens"] = jnp.sum(batch["attention_mask"])
-        grads = None if g_sum is None else jax.tree.map(lambda g: g / a, g_sum)
-        return l_sum / a, metrics, grads
+        metrics = {"loss": value / a, **{k: v / a for k, v in stats.items()},
+                   "tokens": jnp.sum(batch["attention_mask"])}
+        return metrics, jnp.float32(a)
 
-    def step(trainable, frozen, opt_state, ref_state, batch):
-        loss, metrics, grads = forward(trainable, frozen, ref_state, batch, True)
-        new_params, new_opt, upd = apply_gradients(optimizer, trainable, opt_state, grads, loss)
-        return new_params, new_opt, {"loss": loss, **metrics, **upd}
+    return StepLoss(micro, finish)
 
-    def evaluate(trainable, frozen, ref_state, batch):
-        loss, metrics, _ = forward(trainable, frozen, ref_state, batch, False)
-        return {"loss": loss, **metrics}
 
-    if train:
-        return ops.policy_jit(step, donate_argnums=(0, 2),
-                              compiler_options=functools.partial(step_compiler_options, remat))
-    return ops.policy_jit(evaluate)
+def make_preference_step(graphdef: nnx.GraphDef, optimizer, pair_loss, *, needs_reference: bool,
+                         ref_graphdef: nnx.GraphDef | None = None, remat="full", chunk: int = 1024,
+                         train: bool = True, mesh=None):
+    """A jitted step(trainable, frozen, opt_state, ref_state, batch) -> (trainable, opt_state, metrics)
+    (train.step.make_step with `preference_loss`).
+
+    batch: int32 [A, 2B, S] input_ids / attention_mask / completion_mask, chosen rows first in each
+    micro-batch. ref_state: None or the pre-training non-LoRA trainable state (reference = the policy's base,
+    from `frozen` with adapters dropped), or, with ref_graphdef, the full state of a separate reference model.
+    The loss is the mean of the micro-batches' losses (TRL/transformers' accumulation); metrics are their means
+    plus grad_norm, skipped and tokens. train=False gives eval(trainable, frozen, ref_state, batch) -> metrics.
+    remat: the layer-stack policy (make_step parses it); mesh: make_step's (the rows of a pair's chosen and
+    rejected halves may sit on different devices: the loss reads them as one global batch).
+    """
+    loss = preference_loss(graphdef, pair_loss, needs_reference=needs_reference, ref_graphdef=ref_graphdef,
+                           chunk=chunk)
+    return make_step(graphdef, optimizer, loss, remat=remat, mesh=mesh, reference=True, train=train)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -481,26 +481,32 @@ class _PairTrainer(RLTrainerBase):
     # ------------------------------------------------------------------------ for the trainer base
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
-        self._order = order = _PairOrder(len(self.train_pairs), args.per_device_train_batch_size, args.seed,
-                                         args.dataloader_drop_last)
+        self.mesh = mesh = distributed.resolve_mesh(args.mesh, f"{type(args).__name__}.mesh")
+        shards = distributed.batch_shards(mesh) if mesh is not None else 1  # a step sees the global batch
+        self._order = order = _PairOrder(len(self.train_pairs), args.per_device_train_batch_size * shards,
+                                         args.seed, args.dataloader_drop_last)
         total = self._steps(order)
         needs_ref = self._needs_reference()
         graphdef, trainable, frozen, ref_trainable = self.split_state(needs_ref and self.ref_model is None)
         ref_graphdef, self._ref_state = self._reference_parts(ref_trainable)
-        self._frozen = frozen
         # The jitted step is kept for a later train() with the same model structure, step count and arguments
         # (the seed aside: it only orders the pairs), so training again does not compile again.
-        key = (graphdef, ref_graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)))
+        key = (graphdef, ref_graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)),
+               mesh)
         if self._compiled is None or self._compiled[0] != key:
             schedule, optimizer = self.make_optimizer(total)
             step_fn = make_preference_step(graphdef, optimizer, self.objective(), needs_reference=needs_ref,
-                                           ref_graphdef=ref_graphdef, remat=model.gradient_checkpointing)
+                                           ref_graphdef=ref_graphdef, remat=model.gradient_checkpointing, mesh=mesh)
             self._compiled = (key, schedule, optimizer, step_fn)
         _, schedule, optimizer, self._step_fn = self._compiled
         opt_state = commit_to_devices(optimizer.init(trainable))  # committed, like the step's outputs: one compile
+        if mesh is not None:  # placed once, as the step's shardings have them
+            trainable, frozen, opt_state = self.state_on_mesh(mesh, trainable, frozen, opt_state)
+            self._ref_state = distributed.put(self._ref_state, distributed.state_shardings(mesh, self._ref_state))
+        self._frozen = frozen
         accum = args.gradient_accumulation_steps
         return RunPlan(total=total, schedule=schedule, epoch_at=lambda done: done * accum / order.per_epoch,
-                       planned_samples=total * accum * args.per_device_train_batch_size,
+                       planned_samples=total * accum * order.b,
                        summary=f"{len(self.train_pairs)} pairs, {total} steps, beta={args.beta}",
                        train_state={"trainable": trainable, "opt_state": opt_state})
 

@@ -1,4 +1,6 @@
-"""The jit-compiled LoRA train step over the NNX model's split state.
+"""The jit-compiled train steps over the NNX model's split state: `make_step`, the one factory every trainer's
+step comes from (SFT here, DPO/ORPO in preference.py, GRPO in grpo.py: each brings only its `StepLoss`), and SFT's
+`make_train_step`.
 
     graphdef, trainable, frozen = unsloth_jax.lora.split(model)       # nnx.split(model, nnx.LoRAParam, ...)
     step = make_train_step(graphdef, optimizer, remat="full")
@@ -25,9 +27,9 @@ micro-batches) in the metrics.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,7 @@ from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
 from unsloth_jax.families import family_of
 from unsloth_jax.models.decoder import CausalLM
-from unsloth_jax.models.layer_stack import NO_REMAT, OFFLOAD_SETTINGS, LayerStackPolicy
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, Offload, require_policy
 from unsloth_jax.models.moe import load_balancing_loss
 from unsloth_jax.models.offload import OFFLOAD_COMPILER_OPTIONS
 from unsloth_jax.train.optim import FusedAdamW, global_norm, scale_gradient
@@ -52,34 +54,36 @@ def host_offload_supported() -> bool:
     return on_gpu()
 
 
-def step_compiler_options(remat, policy: ops.Policy | None = None) -> dict | None:
-    """XLA options for a train step under the layer-stack policy `remat` (a LayerStackPolicy, or what
-    LayerStackPolicy.parse reads): on the GPU, a per-layer host offload that runs as the prefetched layer scan
-    (unsloth_jax.models.offload: "offload", and "offload_attention" unless its setting offload_attention=policy)
-    gets OFFLOAD_COMPILER_OPTIONS, which put its host copies on their own streams beside the compute; else None
-    (the policy-based offload modes measured no gain from them). The train steps pass it to ops.policy_jit, which
-    calls it with the ops `policy` of each call; the ops policy holds kernel choices only, so it is not read."""
+def step_compiler_options(remat: LayerStackPolicy, policy: ops.Policy | None = None) -> dict | None:
+    """XLA options for a train step under the layer-stack policy `remat`: on the GPU, a per-layer host offload
+    that runs as the prefetched layer scan (unsloth_jax.models.offload: "offload", and "offload_attention" unless
+    its setting offload_attention=policy) gets OFFLOAD_COMPILER_OPTIONS, which put its host copies on their own
+    streams beside the compute; else None (the policy-based offload modes measured no gain from them). The
+    steps pass it to ops.policy_jit, which calls it with the ops `policy` of each call; the ops policy holds
+    kernel choices only, so it is not read."""
     if not on_gpu():
         return None
-    stack = LayerStackPolicy.parse(remat)
+    stack = require_policy(remat, "remat")
     return OFFLOAD_COMPILER_OPTIONS if stack.offload_scan and stack.layers_per_checkpoint == 1 else None
 
 
 def resolve_remat(use_gradient_checkpointing, layers_per_checkpoint: int = 1) -> LayerStackPolicy:
     """The LayerStackPolicy of get_peft_model's (and from_pretrained's) use_gradient_checkpointing: Unsloth's
-    False / True / "unsloth", a remat mode name (unsloth_jax.models.layer_stack) or a LayerStackPolicy, with the
-    offload fallback (plain remat, one notice) where the backend has no pinned host memory.
+    False / True / "unsloth", a remat mode name (unsloth_jax.models.layer_stack) or a LayerStackPolicy, parsed
+    by LayerStackPolicy.parse, with the offload fallback (plain remat, one notice) where the backend has no
+    pinned host memory.
 
     layers_per_checkpoint > 1 (long sequences, with True or "unsloth"): two-level checkpointing, only every
     layers_per_checkpoint-th layer input is kept across the stack (on the device for True, in pinned host
     memory for "unsloth") and the layers between are recomputed group by group in the backward pass
     ("full_every_K" / "offload_every_K", see unsloth_jax.models.layer_stack)."""
-    policy = LayerStackPolicy.parse(use_gradient_checkpointing, argument="use_gradient_checkpointing")
-    if policy.offload != "none" and not host_offload_supported():
+    argument = "use_gradient_checkpointing"
+    policy = LayerStackPolicy.parse(use_gradient_checkpointing, argument=argument)
+    if policy.offload is not Offload.NONE and not host_offload_supported():
         log.warning("unsloth_jax: host offload of checkpointed activations needs a GPU; using plain "
                     "per-layer rematerialisation on %s", jax.default_backend())
-        policy = dataclasses.replace(policy, offload="none", **{k: getattr(NO_REMAT, k) for k in OFFLOAD_SETTINGS})
-    return LayerStackPolicy.parse(policy, layers_per_checkpoint, argument="use_gradient_checkpointing")
+        policy = policy.without_host_offload()  # before K: "offload_attention" has no two-level form, "full" has
+    return policy.with_layers_per_checkpoint(layers_per_checkpoint, f"{argument}={use_gradient_checkpointing!r}")
 
 
 def aux_loss_enabled(model: CausalLM) -> bool:
@@ -87,11 +91,11 @@ def aux_loss_enabled(model: CausalLM) -> bool:
     return model.config.is_moe and model.config.output_router_logits
 
 
-def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,
+def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy = NO_REMAT,
                loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """(mean next-token loss over target tokens, number of target tokens, load-balancing loss or None) of
     `model` on one micro-batch [B, S]; the aux loss only when aux_loss_enabled(model). remat: the layer-stack
-    policy (a LayerStackPolicy, or what LayerStackPolicy.parse reads)."""
+    policy (parsed where the user gave it)."""
     family = family_of(model)
     inputs = family.prepare_inputs(batch)
     ids, side = inputs.input_ids, inputs.side()
@@ -110,98 +114,185 @@ def loss_terms(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = 
 def loss_and_count(model: CausalLM, batch: dict, *, remat: LayerStackPolicy | str = NO_REMAT,
                    loss_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
     """(mean next-token loss over target tokens, number of target tokens) of `model` on one micro-batch [B, S];
-    plus router_aux_loss_coef * the load-balancing loss where aux_loss_enabled(model), as transformers adds it."""
+    plus router_aux_loss_coef * the load-balancing loss where aux_loss_enabled(model), as transformers adds it.
+    A functional-core entry point: remat is what users type there (LayerStackPolicy.parse reads it)."""
+    remat = LayerStackPolicy.parse(remat, argument="remat")
     loss, n, aux = loss_terms(model, batch, remat=remat, loss_chunk=loss_chunk)
     if aux is not None:
         loss = loss + model.config.router_aux_loss_coef * aux
     return loss, n
 
 
+class StepLoss(NamedTuple):
+    """What a trainer brings to `make_step`: its loss, in two parts around the accumulation scan.
+
+    micro(trainable, frozen, ref_state, micro_batch, policy) -> (value, stats): one micro-batch's contribution
+        to the summed loss (a float32 scalar) and a dict of scalars to sum over the micro-batches; `policy` is
+        the step's LayerStackPolicy, ref_state the step's reference argument (None without one).
+    finish(value_sum, stats_sums, batch) -> (metrics, grad_divisor): metrics with "loss" (the loss the update
+        is guarded on) and the rest of the step's metrics; grad_divisor: a float32 scalar the summed gradient
+        is divided by (the target tokens for a token-weighted mean, A for a mean over micro-batches) or None.
+    prepare(batch) -> batch (optional): run first, e.g. to give every leaf the leading micro-batch axis A."""
+
+    micro: Callable
+    finish: Callable
+    prepare: Callable | None = None
+
+
+def accumulate(fn, trainable, batch, *, with_grad: bool):
+    """Inside a jitted step: sum `fn(trainable, micro) -> (value, stats dict)` over the micro-batches of `batch`
+    (every leaf [A, ...]) -> (value sum, stats sums, gradient sum w.r.t. trainable or None without with_grad).
+    A > 1: a lax.scan, the gradients summed in float32 (the stats in their own dtypes); A = 1: the one
+    micro-batch as it is, its gradients in each parameter's dtype (summing them into float32 zeros would be
+    exact and only cost a float32 copy of every gradient)."""
+    grad_fn = jax.value_and_grad(fn, has_aux=True)
+
+    def one(micro):
+        if with_grad:
+            (value, stats), g = grad_fn(trainable, micro)
+            return value, stats, g
+        value, stats = fn(trainable, micro)
+        return value, stats, None
+
+    if jax.tree.leaves(batch)[0].shape[0] == 1:
+        return one(jax.tree.map(lambda x: x[0], batch))
+
+    def body(carry, micro):
+        g_sum, v_sum, s_sum = carry
+        value, stats, g = one(micro)
+        if with_grad:
+            g_sum = jax.tree.map(lambda t, x: t + x.astype(jnp.float32), g_sum, g)
+        return (g_sum, v_sum + value, jax.tree.map(jnp.add, s_sum, stats)), None
+
+    first = jax.tree.map(lambda a: a[0], batch)
+    stats_shape = jax.eval_shape(lambda: fn(trainable, first)[1])
+    init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable) if with_grad else None,
+            jnp.zeros((), jnp.float32), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), stats_shape))
+    (g_sum, v_sum, s_sum), _ = jax.lax.scan(body, init, batch)
+    return v_sum, s_sum, g_sum
+
+
+def make_step(graphdef: nnx.GraphDef, optimizer, loss: StepLoss, *, remat, mesh=None, donate: bool = True,
+              reference: bool = False, train: bool = True):
+    """The one factory of the jitted steps (SFT, DPO, ORPO, GRPO): `loss` is what each trainer brings.
+
+    train=True: step(trainable, frozen, opt_state, [ref_state,] batch) -> (trainable, opt_state, metrics): the
+    micro-batches of `batch` (every leaf [A, ...]) accumulated by `accumulate`, `loss.finish`'s metrics, then
+    one guarded optimizer update (`apply_gradients`: plus grad_norm and skipped). train=False (optimizer
+    unused): evaluate(trainable, frozen, [ref_state,] batch) -> metrics, without gradients. ref_state is an
+    argument only with reference=True.
+    remat: the layer-stack policy, a LayerStackPolicy or what LayerStackPolicy.parse reads (parsed here, once;
+    a ValueError naming `remat` for anything else); loss.micro gets it typed. donate: the step donates
+    trainable and opt_state. The op policy in force at each call is a static argument (ops.policy_jit).
+    mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh): the step then has
+    in/out shardings from `unsloth_jax.distributed`'s rules (batch rows, axis 1, split over both axes; large
+    frozen weights, and a reference state, over fsdp; the rest replicated) and places its arguments there (a
+    no-op for arguments already placed). `batch` is the global batch.
+    """
+    policy = LayerStackPolicy.parse(remat, argument="remat")
+    unsharded = mesh is None or mesh.shape["fsdp"] == 1  # the fused update splits only leaves not sharded
+
+    def forward(trainable, frozen, ref_state, batch, with_grad):
+        if loss.prepare is not None:
+            batch = loss.prepare(batch)
+        fn = lambda params, micro: loss.micro(params, frozen, ref_state, micro, policy)  # noqa: E731
+        value, stats, grads = accumulate(fn, trainable, batch, with_grad=with_grad)
+        metrics, divisor = loss.finish(value, stats, batch)
+        return metrics, divisor, grads
+
+    def train_step(trainable, frozen, opt_state, ref_state, batch):
+        metrics, divisor, grads = forward(trainable, frozen, ref_state, batch, True)
+        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, grads,
+                                                              metrics["loss"], grad_divisor=divisor,
+                                                              in_chunks=unsharded)
+        return new_params, new_opt, {**metrics, **update_metrics}
+
+    def eval_step(trainable, frozen, ref_state, batch):
+        return forward(trainable, frozen, ref_state, batch, False)[0]
+
+    if train:
+        fn = train_step if reference else (lambda t, f, o, batch: train_step(t, f, o, None, batch))
+        kinds = ("trainable", "frozen", "trainable") + (("frozen",) if reference else ())
+        donate_argnums = (0, 2) if donate else ()
+        options = functools.partial(step_compiler_options, policy)
+    else:
+        fn = eval_step if reference else (lambda t, f, batch: eval_step(t, f, None, batch))
+        kinds = ("trainable", "frozen") + (("frozen",) if reference else ())
+        donate_argnums, options = (), None
+    if mesh is None:
+        return ops.policy_jit(fn, donate_argnums=donate_argnums, compiler_options=options)
+    return _on_mesh(fn, mesh, kinds, train, donate_argnums, options)
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat="full",
                     loss_chunk: int = 1024, donate: bool = True, mesh=None):
-    """A jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)`.
+    """SFT's jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)` (make_step
+    with `sft_loss`).
 
     graphdef, trainable, frozen: the three parts of `nnx.split(model, <trainable filter>, ...)`; trainable and
     frozen are nnx.State pytrees, and gradients exist for `trainable` only. opt_state: optimizer.init(trainable).
     metrics: loss (f32, mean over target tokens of all micro-batches), grad_norm, tokens (target tokens),
-    skipped (1 when the update was dropped for a non-finite loss or gradient). The op policy in force at each
-    call is a static argument (see unsloth_jax.ops.policy_jit).
+    skipped (1 when the update was dropped for a non-finite loss or gradient), aux_loss (MoE with
+    output_router_logits). The op policy in force at each call is a static argument (see unsloth_jax.ops.policy_jit).
     remat: how the layer stack saves, recomputes and offloads: a LayerStackPolicy (model.gradient_checkpointing,
     which get_peft_model sets), a name LayerStackPolicy.parse reads ("none", "full", "offload",
     "offload_attention", "save_attention", "full_every_K" / "offload_every_K", with settings after commas:
-    "offload,layer_loop=unrolled"), or Unsloth's False / True / "unsloth"; parsed here once, a ValueError naming
-    `remat` for anything else. Unlike get_peft_model, an offload mode is kept on a backend without pinned host
-    memory (its copies are no-ops on the CPU).
+    "offload,layer_loop=unrolled"), or Unsloth's False / True / "unsloth"; parsed once by make_step, a
+    ValueError naming `remat` for anything else. Unlike get_peft_model, an offload mode is kept on a backend
+    without pinned host memory (its copies are no-ops on the CPU).
     Pass the state through `backend.commit_to_devices` before the first call: with remat="offload" the step returns
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 
     mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several
-    devices: the step then has in/out shardings from `unsloth_jax.distributed`'s rules (batch rows split over
-    both axes, large frozen weights over fsdp, the rest replicated) and places its arguments there (a no-op
-    for arguments already placed, e.g. by `distributed.shard_state`). `batch` is the global batch.
+    devices (make_step): a no-op placement for arguments already placed, e.g. by `distributed.shard_state`.
     """
-    remat = LayerStackPolicy.parse(remat, argument="remat")
+    return make_step(graphdef, optimizer, sft_loss(graphdef, loss_chunk), remat=remat, mesh=mesh, donate=donate)
 
-    def micro_loss(trainable, frozen, micro):
+
+def sft_loss(graphdef: nnx.GraphDef, loss_chunk: int = 1024) -> StepLoss:
+    """The next-token loss, token-weighted over the micro-batches: each micro-batch adds its mean loss times its
+    target tokens (plus router_aux_loss_coef x the load-balancing loss where aux_loss_enabled), and the sum is
+    divided by all target tokens, so the accumulated loss equals one big batch's."""
+
+    def micro(trainable, frozen, _ref_state, batch, policy):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss, n, aux = loss_terms(model, micro, remat=remat, loss_chunk=loss_chunk)
-        if aux is None:
-            aux = jnp.zeros((), jnp.float32)
-        else:
+        loss, n, aux = loss_terms(model, batch, remat=policy, loss_chunk=loss_chunk)
+        stats = {"tokens": n}
+        if aux is not None:
             loss = loss + model.config.router_aux_loss_coef * aux
-        return loss * n, (n, aux * n)
+            stats["aux_loss"] = aux * n
+        return loss * n, stats
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    unsharded = mesh is None or mesh.shape["fsdp"] == 1  # the fused update splits only leaves not sharded
+    def finish(value, stats, _batch):
+        denom = jnp.maximum(stats["tokens"], 1).astype(jnp.float32)
+        metrics = {"loss": value / denom, "tokens": stats["tokens"]}
+        if "aux_loss" in stats:
+            metrics["aux_loss"] = stats["aux_loss"] / denom
+        return metrics, denom
 
-    def step(trainable, frozen, opt_state, batch):
-        def accumulate(carry, micro):
-            g_sum, l_sum, n_sum, a_sum = carry
-            (l, (n, a)), g = grad_fn(trainable, frozen, micro)
-            return (jax.tree.map(jnp.add, g_sum, g), l_sum + l, n_sum + n, a_sum + a), None
-
-        if jax.tree.leaves(batch)[0].shape[0] == 1:
-            # one micro-batch: its gradients as the backward pass gives them (each param's dtype); summing them
-            # into float32 zeros would be exact and only cost a float32 copy of every gradient
-            (l_sum, (n_sum, a_sum)), g_sum = grad_fn(trainable, frozen, jax.tree.map(lambda x: x[0], batch))
-        else:
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
-            (g_sum, l_sum, n_sum, a_sum), _ = jax.lax.scan(accumulate, init, batch)
-        denom = jnp.maximum(n_sum, 1).astype(jnp.float32)
-        loss = l_sum / denom
-        new_params, new_opt, update_metrics = apply_gradients(optimizer, trainable, opt_state, g_sum, loss,
-                                                              grad_divisor=denom, in_chunks=unsharded)
-        metrics = {"loss": loss, "tokens": n_sum, **update_metrics}
-        if aux_loss_enabled(nnx.merge(graphdef, trainable, frozen)):
-            metrics["aux_loss"] = a_sum / denom
-        return new_params, new_opt, metrics
-
-    donate_argnums = (0, 2) if donate else ()
-    options = functools.partial(step_compiler_options, remat)
-    if mesh is None:
-        return ops.policy_jit(step, donate_argnums=donate_argnums, compiler_options=options)
-    return _on_mesh(step, mesh, donate_argnums, options)
+    return StepLoss(micro, finish)
 
 
-def _on_mesh(step, mesh, donate_argnums, compiler_options):
+def _on_mesh(step, mesh, kinds: tuple[str, ...], train: bool, donate_argnums, compiler_options):
     """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
     the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
-    the kernels' per-shard calls read it there."""
+    the kernels' per-shard calls read it there. kinds: per state argument (all but the last, the batch),
+    "trainable" (trainable params and their optimizer state) or "frozen"; train: the step returns
+    (trainable, opt_state, metrics), else metrics."""
     from unsloth_jax import distributed
 
     built: dict = {}
 
-    def shardings(trainable, frozen, opt_state, batch):
-        t = distributed.state_shardings(mesh, trainable, trainable=True)
-        o = distributed.state_shardings(mesh, opt_state, trainable=True)
-        ins = (t, distributed.state_shardings(mesh, frozen), o,
-               jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), batch))
-        return ins, (t, o, distributed.replicated(mesh))
+    def shardings(*args):
+        states = tuple(distributed.state_shardings(mesh, a, trainable=kind == "trainable")
+                       for kind, a in zip(kinds, args[:-1]))
+        batch = jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), args[-1])
+        outs = (states[0], states[2], distributed.replicated(mesh)) if train else distributed.replicated(mesh)
+        return states + (batch,), outs
 
     def jitted_for(args):
-        key = (jax.tree.structure(args), tuple(np.shape(x) for x in jax.tree.leaves(args[:3])),
-               tuple(np.ndim(x) for x in jax.tree.leaves(args[3])))
+        key = (jax.tree.structure(args), tuple(np.shape(x) for x in jax.tree.leaves(args[:-1])),
+               tuple(np.ndim(x) for x in jax.tree.leaves(args[-1])))
         if key not in built:
             ins, outs = shardings(*args)
             built[key] = (ops.policy_jit(step, donate_argnums=donate_argnums, in_shardings=ins,
@@ -210,7 +301,7 @@ def _on_mesh(step, mesh, donate_argnums, compiler_options):
 
     def placed(args):
         fn, ins = jitted_for(args)
-        return fn, distributed.put(args[:3], ins[:3]) + (args[3],)
+        return fn, distributed.put(args, ins)
 
     def call(*args):
         fn, args = placed(args)
@@ -259,7 +350,7 @@ def apply_gradients(optimizer: optax.GradientTransformation | FusedAdamW, traina
 def _eval_loss(trainable, frozen, batch, *, graphdef, loss_chunk):
     def one(carry, micro):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss, n = loss_and_count(model, micro, remat="none", loss_chunk=loss_chunk)
+        loss, n = loss_and_count(model, micro, remat=NO_REMAT, loss_chunk=loss_chunk)
         return (carry[0] + loss * n, carry[1] + n), None
 
     (total, n), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), batch)

@@ -26,7 +26,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from unsloth_jax import backend, distributed, lora, ops
 from unsloth_jax.data import DataLoader, build_examples
@@ -314,13 +313,6 @@ class SFTTrainer(TrainerBase):
         rows = distributed.host_rows(mesh, loader.batch_size)
         return distributed.global_batch(mesh, self._step_batch(loader, step, rows), loader.batch_size)
 
-    def _to_mesh(self, mesh, trainable, frozen, opt_state):
-        """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
-        replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
-        trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
-        nnx.update(self.model, frozen)
-        return trainable, frozen, opt_state
-
     # ----------------------------------------------------------------------------------------- train
     def make_optimizer(self, total: int, warmup: int, embedding_learning_rate: float | None = None):
         """(optax optimizer, learning-rate schedule) of a run of `total` steps with `warmup` warmup steps; with
@@ -351,7 +343,7 @@ class SFTTrainer(TrainerBase):
         # written back into the model when train() returns or raises)
         opt_state = optimizer.init(trainable)
         if mesh is not None:
-            trainable, frozen, opt_state = self._to_mesh(mesh, trainable, frozen, opt_state)
+            trainable, frozen, opt_state = self.state_on_mesh(mesh, trainable, frozen, opt_state)
         else:
             # Commit the step's state to its device(s) before the first call. A step that offloads to pinned
             # host memory returns committed arrays; uncommitted inputs on step 1 then meant a second, full
