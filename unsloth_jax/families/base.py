@@ -21,6 +21,7 @@ import numpy as np
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.decoder import PROJ_PARENT, make_batch
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Family:
         """A batch dict (the data pipeline's names) -> ModelInputs; TypeError for fields this family cannot read."""
         raise NotImplementedError
 
-    def hidden_states(self, model, inputs: ModelInputs, *, remat="none"):
+    def hidden_states(self, model, inputs: ModelInputs, *, remat: LayerStackPolicy = NO_REMAT):
         """Final-normed hidden states [B, S, D] of `model` (this family's module) on `inputs`."""
         return model.hidden_states(inputs.input_ids, inputs.side(), remat_mode=remat)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsloth_jax.config import VisionLanguageConfig
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.data.vision_loader import pad_images
 from unsloth_jax.families.base import (AdapterLayout, ImageInputs, ModelInputs, TowerTensor, VisionFamily, as_id_rows,
                                        as_numpy, check_no_image_tokens, checked_pixels)
@@ -74,7 +75,7 @@ class Gemma3VisionFamily(VisionFamily):
                             "them; UnslothVisionDataCollator writes both)")
         return self._inputs(batch, pixel_values=batch.get("pixel_values"), token_type_ids=batch.get("token_type_ids"))
 
-    def hidden_states(self, model, inputs: ModelInputs, *, remat="none"):
+    def hidden_states(self, model, inputs: ModelInputs, *, remat: LayerStackPolicy = NO_REMAT):
         """With images: their features at the image tokens, each image's tokens attending to each other both ways
         (token_type_ids -> Batch.block_ids); trailing all-zero padding images, read by no token, are allowed."""
         if not inputs.has_images:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsloth_jax.config import QwenVLConfig
+from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.data.vision_loader import pad_patches, patch_bucket
 from unsloth_jax.families.base import (AdapterLayout, ImageInputs, ModelInputs, TowerTensor, VisionFamily, as_numpy,
                                        check_no_image_tokens, checked_pixels)
@@ -73,7 +74,7 @@ class QwenVisionFamily(VisionFamily):
         return self._inputs(batch, pixel_values=batch["pixel_values"], mrope_positions=batch["mrope_positions"],
                             vision_layout=layout)
 
-    def hidden_states(self, model, inputs: ModelInputs, *, remat="none"):
+    def hidden_states(self, model, inputs: ModelInputs, *, remat: LayerStackPolicy = NO_REMAT):
         """With images: their features at the image tokens, RoPE by mrope_positions; causal text."""
         if not inputs.has_images:
             return super().hidden_states(model, inputs, remat=remat)
