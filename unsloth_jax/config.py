@@ -8,6 +8,7 @@ Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -115,17 +116,29 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
-    def layer_period(self) -> int:
-        """Smallest p such that layer_windows, layer_sparse and layer_rope repeat with period p (layer i has the
-        window, the MLP kind and the RoPE choice of layer i % p). p need not divide num_hidden_layers: Gemma 3's
-        26 layers are 4 groups of 6 and a tail of 2. A pattern that never repeats gives p = L (one group)."""
+    def layer_kinds(self) -> tuple[tuple, ...]:
+        """Per layer, what makes layers differ in the layer scan: (window, sparse MLP, applies RoPE). Layers of
+        equal kinds run the same code, so runs of a repeating pattern of kinds are scanned (layer_segments)."""
         n = self.num_hidden_layers
-        windows = self.layer_windows or (None,) * n
-        kinds = list(zip(windows, self.layer_sparse or (False,) * n, self.layer_rope or (True,) * n))
-        for p in range(1, n + 1):
-            if all(kinds[i] == kinds[i % p] for i in range(n)):
-                return p
-        return n
+        return tuple(zip(self.layer_windows or (None,) * n, self.layer_sparse or (False,) * n,
+                         self.layer_rope or (True,) * n))
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest p such that layer_kinds repeat with period p over the whole stack (layer i has the kind of
+        layer i % p); p need not divide num_hidden_layers (Gemma 3: 26 layers = 4 x 6 + 2). A pattern that never
+        repeats gives p = L. The layer scan runs per segment (layer_segments), not by this period."""
+        kinds = self.layer_kinds
+        n = len(kinds)
+        return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+    @property
+    def layer_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """The layer stack as consecutive segments (first layer, period, groups): each segment is `groups`
+        repeats of a group of `period` layers with equal kinds, scanned over its groups (models.layer_stack).
+        Chosen to keep the unrolled code (the sum of the periods) and the number of scans small: GLM-4.5's
+        [dense, dense, sparse x 58] is (0, 1, 2), (2, 1, 58); Gemma 3's 26 layers (0, 6, 4), (24, 1, 2)."""
+        return periodic_segments(self.layer_kinds)
 
     @property
     def has_nope_layers(self) -> bool:
@@ -150,6 +163,35 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
         raw, path = read_config_json(model_dir)
         return _parse(raw, str(path))
+
+
+SEGMENT_COST = 2  # periodic_segments: one more scan costs as much compile as this many more unrolled layers
+
+
+@functools.lru_cache(maxsize=256)
+def periodic_segments(kinds: tuple) -> tuple[tuple[int, int, int], ...]:
+    """Split a per-layer pattern of hashable kinds into consecutive segments (first, period, groups), where
+    kinds[first + g * period + j] == kinds[first + j] for every group g < groups, minimising the unrolled layers
+    (sum of periods) plus SEGMENT_COST per segment, then the number of segments, then preferring longer early
+    segments (dynamic programming, O(L^3))."""
+    n = len(kinds)
+    best: list = [(0, 0, 0, None)] + [None] * n  # best[j]: (cost, segments, -start, last segment) for kinds[:j]
+    for i in range(n):
+        for p in range(1, n - i + 1):
+            end = i + p  # kinds[i:end] repeat with period p
+            while end < n and kinds[end] == kinds[end - p]:
+                end += 1
+            for c in range(1, (end - i) // p + 1):
+                j = i + c * p
+                cand = (best[i][0] + p + SEGMENT_COST, best[i][1] + 1, -i, (i, p, c))  # ties: longer first runs
+                if best[j] is None or cand[:3] < best[j][:3]:
+                    best[j] = cand
+    out, j = [], n
+    while j:
+        seg = best[j][3]
+        out.append(seg)
+        j = seg[0]
+    return tuple(reversed(out))
 
 
 def read_config_json(model_dir: str | os.PathLike) -> tuple[dict, Path]:

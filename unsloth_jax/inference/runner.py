@@ -70,12 +70,10 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
     pools = []
-    ropes = model.model.layer_ropes(cos, sin, local)  # per group layer; (None, None) on NoPE layers
+    ropes = model.model.layer_ropes(cos, sin, local)  # per layer; (None, None) on NoPE layers
     for i in range(cfg.num_hidden_layers):
-        j = i % cfg.layer_period
-        rope = ropes[j]
         layer = layer_module(plan, weights, i, in_place=decode)
-        x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j])
+        x, kv, _ = layer(x, *ropes[i], batch, windows[i], caches(i), sparse=sparse[i])
         pools.append(kv)
     return x, tuple(pools)
 

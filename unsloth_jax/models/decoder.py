@@ -14,7 +14,7 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.layers.self_attn.sinks [L, Hq]                           (gpt-oss)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
-runs them (unsloth_jax.models.layer_stack: a `lax.scan` over groups of `cfg.layer_period` layers) under the
+runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
 `LayerStackPolicy` it is given: what each layer keeps for the backward pass, what goes to pinned host memory,
 two-level checkpointing, the loop's settings.
 
@@ -29,7 +29,7 @@ from flax import nnx
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_ropes, group_sparse, group_windows,
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_ropes, layer_sparse, layer_windows,
                                             run_layers)
 from unsloth_jax.models.layers import Embedding, RMSNorm
 from unsloth_jax.models.mlp import MLP
@@ -118,17 +118,17 @@ class DecoderModel(nnx.Module):
         return x
 
     def layer_windows(self) -> tuple[int | None, ...]:
-        """The attention window of each layer of one scan group (length cfg.layer_period)."""
-        return group_windows(self.config)
+        """The attention window of every layer (length L)."""
+        return layer_windows(self.config)
 
     def layer_sparse(self) -> tuple[bool, ...]:
-        """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
-        return group_sparse(self.config)
+        """Whether every layer routes to experts (length L)."""
+        return layer_sparse(self.config)
 
     def layer_ropes(self, cos, sin, local=None) -> tuple:
-        """The (cos, sin) each layer of one scan group rotates by (length cfg.layer_period): `local` on the
-        sliding-window layers when given, (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
-        return group_ropes(self.config, cos, sin, local)
+        """The (cos, sin) every layer rotates by (length L): `local` on the sliding-window layers when given,
+        (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
+        return layer_ropes(self.config, cos, sin, local)
 
     def rope(self, positions: jax.Array, long: jax.Array | None = None):
         """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global
