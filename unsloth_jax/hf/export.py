@@ -505,6 +505,11 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
 
             def make(lin=lin, i=spec.layer):
                 return np.ascontiguousarray(kernel_of(lin, i).T).astype(out_dtype)
+        elif spec.kind == "matrix":  # an unstacked weight kept transposed (Gemma 4's per_layer_model_projection)
+            leaf = variable_at(model, spec.path)[...]
+
+            def make(leaf=leaf):
+                return np.ascontiguousarray(np.asarray(leaf, np.float32).T).astype(out_dtype)
         else:
             leaf = variable_at(model, spec.path)[...]
 

@@ -75,6 +75,34 @@ FAMILY_LAYER_TENSORS["smollm3"] = _LLAMA  # SmolLM3: Llama's tensors (its NoPE l
 _ATTN_NORMS = [e for e in _LLAMA if e[1][0] != "mlp"]
 FAMILY_LAYER_TENSORS.update({"qwen3_moe": _ATTN_NORMS + _QK_NORM, "mixtral": _ATTN_NORMS, "gpt_oss": _ATTN_NORMS})
 FAMILY_LAYER_TENSORS["glm4_moe"] = _ATTN_NORMS  # GLM-4.5 MoE: q/k norms (use_qk_norm) and biases by switch
+# Gemma 4 text: Gemma 3's tensors, the layer's scalar, and (with per-layer inputs) the per-layer input block;
+# KV-shared layers have no k_proj / v_proj / k_norm (`gemma4_layer_skips`)
+_GEMMA4_PLE = [
+    ("per_layer_input_gate.weight", ("per_layer_input_gate", "kernel"), "kernel"),
+    ("per_layer_projection.weight", ("per_layer_projection", "kernel"), "kernel"),
+    ("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "weight"), "norm"),
+]
+FAMILY_LAYER_TENSORS["gemma4_text"] = _LLAMA + _SANDWICH + _QK_NORM + [("layer_scalar", ("layer_scalar",), "norm")]
+KV_SHARED_SKIPS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")  # HF suffix prefixes
+
+
+def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
+    """Whether layer `layer` of the checkpoint holds the per-layer tensor (or PEFT module) `suffix` (e.g.
+    "self_attn.k_proj.weight"): a Gemma 4 KV-shared layer has no key/value projections or key norm."""
+    return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
+
+
+def _gemma4_model_specs(cfg: ModelConfig) -> dict[str, "TensorSpec"]:
+    """Gemma 4's per-layer input tensors outside the layers: the [Vp, L * P] table, the [L * P, D] projection
+    (kind "matrix": an unstacked weight stored transposed) and the [P] norm."""
+    if not cfg.per_layer_input_size:
+        return {}
+    width, d = cfg.num_hidden_layers * cfg.per_layer_input_size, cfg.hidden_size
+    rows = [("model.embed_tokens_per_layer.weight", "embed", (cfg.per_layer_vocab_size, width)),
+            ("model.per_layer_model_projection.weight", "matrix", (width, d)),
+            ("model.per_layer_projection_norm.weight", "norm", (cfg.per_layer_input_size,))]
+    return {name: TensorSpec(name, tuple(name.split(".")[:-1]) + ("kernel" if kind == "matrix" else "weight",),
+                             None, kind, shape) for name, kind, shape in rows}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +113,8 @@ class TensorSpec:
     hf_name: str
     path: tuple[str, ...]
     layer: int | None
-    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused", and for MoE families MOE_KINDS
+    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused" | "matrix" (an unstacked, never quantized weight
+    #   stored transposed: Gemma 4's per_layer_model_projection), and for MoE families MOE_KINDS
     hf_shape: tuple[int, ...]
     parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
     expert: int | None = None  # kind "expert": the expert this tensor is
@@ -95,7 +124,7 @@ class TensorSpec:
     @property
     def param_shape(self) -> tuple[int, ...]:
         """The shape of this tensor's slot in param layout (one layer; for kind "expert" one expert's part)."""
-        if self.kind in ("kernel", "router", "expert"):
+        if self.kind in ("kernel", "router", "expert", "matrix"):
             return tuple(reversed(self.hf_shape))
         if self.kind == "experts":
             return (self.hf_shape[0], self.hf_shape[2], self.hf_shape[1])
@@ -123,6 +152,8 @@ def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
         entries += _O_BIAS
     if cfg.mlp_bias:
         entries += _MLP_BIAS
+    if cfg.per_layer_input_size:
+        entries += _GEMMA4_PLE
     return entries
 
 
@@ -140,11 +171,18 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head", "weight"), None, "embed", (cfg.vocab_size, d))
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
+            if not layer_has(cfg, i, suffix):
+                continue
             name = f"model.layers.{i}.{suffix}"
             if kind == "fused":
                 specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
                 continue
-            if kind == "kernel":
+            if sub[0] == "layer_scalar":
+                shape = (1,)
+            elif sub[0] in ("per_layer_input_gate", "per_layer_projection"):
+                p = cfg.per_layer_input_size
+                shape = (p, d) if sub[0] == "per_layer_input_gate" else (d, p)
+            elif kind == "kernel":
                 shape = shapes[sub[1]]
             elif kind == "bias":
                 shape = (shapes[sub[1]][0],)
@@ -155,6 +193,7 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
             specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
     if cfg.is_moe:
         specs.update(moe_specs(cfg, expert_layout))
+    specs.update(_gemma4_model_specs(cfg))
     return specs
 
 

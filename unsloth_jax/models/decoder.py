@@ -31,7 +31,8 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_ropes, layer_sparse, layer_windows,
                                             run_layers)
-from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax import ops
+from unsloth_jax.models.layers import Embedding, Linear, RMSNorm
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
 from unsloth_jax.models.rope import positions_from_mask, rope_tables
@@ -43,7 +44,8 @@ PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJ
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm decoder layer (Gemma 2, Gemma 3: with sandwich norms around attention and the MLP)."""
+    """One pre-norm decoder layer (Gemma 2, 3, 4: with sandwich norms around attention and the MLP; Gemma 4: then
+    the per-layer input block and the layer's scalar)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
@@ -55,14 +57,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
         self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
+        # Gemma 4: the per-layer input block (gate D -> P, times the layer's input, projection P -> D, norm)
+        p = cfg.per_layer_input_size
+        self.activation = cfg.activation
+        self.per_layer_input_gate = nnx.data(Linear(cfg.hidden_size, p, stack=stack, dtype=dtype, rngs=rngs)
+                                             if p else None)
+        self.per_layer_projection = nnx.data(Linear(p, cfg.hidden_size, stack=stack, dtype=dtype, rngs=rngs)
+                                             if p else None)
+        self.post_per_layer_input_norm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if p else None)
+        # Gemma 4: the layer's output scale [*stack, 1] (a checkpoint buffer in transformers: never trained here)
+        self.layer_scalar = nnx.data(nnx.Param(jnp.ones((*stack, 1), dtype)) if cfg.layer_scalar else None)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
-                 cache: KVCache | None = None, sparse: bool = False):
-        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None).
+                 cache: KVCache | None = None, sparse: bool = False, *, per_layer_input: jax.Array | None = None,
+                 shared: tuple | None = None, return_kv: bool = False):
+        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None), and with
+        return_kv=True a fourth item: this layer's keys/values (Attention's third output) for KV-shared layers.
 
         sparse (static): this layer's MLP is the routed experts block (MoE families); its router statistics
-        are returned."""
-        h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
+        are returned. per_layer_input [B, S, P]: this layer's slice of the per-layer inputs (Gemma 4).
+        shared: what a KV-shared layer attends over (Attention's `shared`)."""
+        h, new_cache, kv = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache, shared)
         stats = None
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
@@ -73,7 +88,13 @@ class DecoderLayer(nnx.Module):
                 h, stats = self.mlp(self.post_attention_layernorm(x), sparse=sparse, valid=batch.kv_valid)
             else:
                 h = self.mlp(self.post_attention_layernorm(x))
-        return x + h, new_cache, stats
+        x = x + h
+        if self.per_layer_input_gate is not None:
+            g = ops.glu(self.per_layer_input_gate(x), per_layer_input.astype(x.dtype), self.activation)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        if self.layer_scalar is not None:
+            x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
+        return (x, new_cache, stats, kv) if return_kv else (x, new_cache, stats)
 
 
 def call_inputs(input_ids, attention_mask=None, positions=None, segment_ids=None) -> tuple[jax.Array, Batch]:
@@ -109,6 +130,15 @@ class DecoderModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        # Gemma 4's per-layer inputs (PLE): a [Vp, L * P] table and a D -> L * P projection of the embeddings
+        width = cfg.num_hidden_layers * cfg.per_layer_input_size
+        self.embed_tokens_per_layer = nnx.data(
+            Embedding(cfg.per_layer_vocab_size, width, dtype=dtype, rngs=rngs) if width else None)
+        self.per_layer_model_projection = nnx.data(
+            Linear(cfg.hidden_size, width, dtype=dtype, rngs=rngs) if width else None)
+        self.per_layer_projection_norm = nnx.data(
+            RMSNorm(cfg.per_layer_input_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            if width else None)
 
     def embed(self, input_ids: jax.Array, dtype) -> jax.Array:
         """input_ids [B, S] -> [B, S, D] in `dtype` (Gemma: times sqrt(D), rounded to `dtype` first as HF does)."""
@@ -116,6 +146,23 @@ class DecoderModel(nnx.Module):
         if self.config.embed_scale:
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, dtype)
         return x
+
+    def per_layer_inputs(self, input_ids: jax.Array, x: jax.Array) -> jax.Array | None:
+        """Gemma 4's per-layer inputs [L, B, S, P] in x's dtype for input_ids [B, S] and their embeddings x
+        [B, S, D] (`embed`'s output): (RMSNorm(x @ projection / sqrt(D)) + table[ids] * sqrt(P)) / sqrt(2), layer
+        i's slice feeding layer i; None for families without them."""
+        cfg = self.config
+        if self.embed_tokens_per_layer is None:
+            return None
+        if input_ids is None:
+            raise ValueError(f"{cfg.model_type}: the per-layer input embeddings need input_ids (inputs_embeds alone "
+                             "cannot give them)")
+        p, dt = cfg.per_layer_input_size, x.dtype
+        table = self.embed_tokens_per_layer(input_ids).astype(dt) * jnp.asarray(p ** 0.5, dt)
+        proj = self.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size ** -0.5, dt)
+        proj = self.per_layer_projection_norm(proj.reshape(*x.shape[:-1], cfg.num_hidden_layers, p))
+        out = (proj + table.reshape(proj.shape)) * jnp.asarray(2.0 ** -0.5, dt)
+        return jnp.moveaxis(out, -2, 0)
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """The attention window of every layer (length L)."""
@@ -139,14 +186,15 @@ class DecoderModel(nnx.Module):
         return rope_tables(cfg, positions, long=long), local
 
     def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: LayerStackPolicy | str = NO_REMAT,
-                   cache: KVCache | None = None, local_rope=None, router_stats: bool = False):
+                   cache: KVCache | None = None, local_rope=None, router_stats: bool = False,
+                   per_layer_inputs: jax.Array | None = None):
         """Every decoder layer over x [B, S, D] under the layer-stack policy `remat_mode` (a LayerStackPolicy, or
         what LayerStackPolicy.parse reads): unsloth_jax.models.layer_stack.run_layers, which says what cos/sin,
-        cache, local_rope and router_stats are and what it returns: (x, None), (x, (k, v)) with a cache, and
-        the RouterStats third with router_stats=True."""
+        cache, local_rope, router_stats and per_layer_inputs are and what it returns: (x, None), (x, (k, v))
+        with a cache, and the RouterStats third with router_stats=True."""
         return run_layers(self.layers, self.config, x, cos, sin, batch,
                           policy=LayerStackPolicy.parse(remat_mode, argument="remat_mode"), cache=cache,
-                          local_rope=local_rope, router_stats=router_stats)
+                          local_rope=local_rope, router_stats=router_stats, per_layer_inputs=per_layer_inputs)
 
     def __call__(self, input_ids: jax.Array | None, batch: Batch, *,
                  remat_mode: LayerStackPolicy | str = NO_REMAT, dtype=None, router_stats: bool = False,
@@ -161,11 +209,12 @@ class DecoderModel(nnx.Module):
         else:
             x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
         (cos, sin), local = self.rope(batch.positions)
+        ple = self.per_layer_inputs(input_ids, x)
         if router_stats:
             x, _, stats = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local,
-                                          router_stats=True)
+                                          router_stats=True, per_layer_inputs=ple)
             return self.norm(x), stats
-        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local)
+        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local, per_layer_inputs=ple)
         return self.norm(x)
 
 

@@ -310,7 +310,7 @@ def layer_ropes(cfg: ModelConfig, cos, sin, local_rope=None) -> tuple:
 
 def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
                policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
-               router_stats: bool = False):
+               router_stats: bool = False, per_layer_inputs: jax.Array | None = None):
     """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
     x [B, S, D], segment by segment (cfg.layer_segments: consecutive runs of a repeating group of layer kinds),
     each segment a scan over its groups, whose body runs the group's layers with their static windows, MLP kinds
@@ -323,28 +323,45 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     (Gemma 3, from `DecoderModel.rope`), or None; NoPE layers (cfg.layer_rope False) get neither.
     cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
     a NamedTuple with k and v fields and an `attend` as KVCache's).
+    per_layer_inputs: [L, B, S, P] (Gemma 4's per-layer inputs, DecoderModel.per_layer_inputs), layer i's slice
+    fed to layer i; None for other families.
+    KV-shared layers (Gemma 4, cfg.kv_source) attend over the keys/values of their source layer, which runs in an
+    earlier segment (its kind is unique, so its segment is one group) and hands them on; a KV-shared layer's own
+    cache slot is left as it is.
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
     router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
     """
     windows, sparse = layer_windows(cfg), layer_sparse(cfg)
+    sources = cfg.kv_shared_sources
+    shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment
     ropes = layer_ropes(cfg, cos, sin, local_rope)
     graphdef, state = nnx.split(layers)
     unroll = policy.layer_loop == "unrolled"  # True: no while loop, every layer's weights a static slice
     keep = attention_residuals_saveable if policy.offload == "inputs_and_attention" else None
 
     def run_group(first, h, xs_group, group_ropes, batch):
-        """One group of layers, the first with the kinds of layer `first` (static)."""
+        """One group of layers, the first with the kinds of layer `first` (static). xs_group: {"layers": the
+        group's stacked state, and "ple" (per-layer inputs), "k", "v" (cache slots) where given}."""
         h = checkpoint_name(h, "layer_input")
-        layer_states = xs_group if cache is None else xs_group[0]
+        layer_states = xs_group["layers"]
         size = jax.tree.leaves(layer_states)[0].shape[0]
-        new_k, new_v, stats = [], [], []
+        new_k, new_v, stats, handed = [], [], [], {}
         for j in range(size):
+            i = first + j
             layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
             layer_cache = None
             if cache is not None:
-                layer_cache = cache._replace(k=xs_group[1][j], v=xs_group[2][j])  # KVCache or a variant
-            h, kv, layer_stats = layer(h, *group_ropes[j], batch, windows[first + j], layer_cache,
-                                       sparse=sparse[first + j])
+                layer_cache = cache._replace(k=xs_group["k"][j], v=xs_group["v"][j])  # KVCache or a variant
+            extra = {}
+            if "ple" in xs_group:
+                extra["per_layer_input"] = xs_group["ple"][j]
+            if cfg.kv_source(i) != i:
+                src = cfg.kv_source(i)
+                extra["shared"] = handed[src] if src in handed else shared[src]  # this group's, or an earlier one's
+            h, kv, layer_stats, fresh = layer(h, *group_ropes[j], batch, windows[i], layer_cache, sparse=sparse[i],
+                                              return_kv=True, **extra)
+            if i in sources:
+                handed[i] = (fresh, kv)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -352,21 +369,22 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
                 stats.append(layer_stats)
         kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
         stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
-        return h, (kv_out, stats_out)
+        return h, (kv_out, stats_out, handed)
 
     def scan_segment(h, first, period, groups):
         """The segment of `groups` groups of `period` layers from layer `first` -> (h, (kv, stats)), kv and stats
-        with one leading layer axis (or None)."""
+        with one leading layer axis (or None); the keys/values of source layers go to `shared`."""
         group_ropes = ropes[first:first + period]
         inner = -(-policy.layers_per_checkpoint // period)  # scan groups per checkpointed group (two-level)
         two_level = inner > 1
         body = checkpointed(lambda h, xs: run_group(first, h, xs, group_ropes, batch),
                             FULL if two_level else policy)
-        if policy.offload_scan and not two_level and cache is None and not router_stats:
+        if (policy.offload_scan and not two_level and cache is None and not router_stats
+                and per_layer_inputs is None and not sources):
             # the host-offload modes in training: the hand-written VJP that prefetches the offloaded inputs
             # (models.offload), with attention's forward residuals kept under "inputs_and_attention"
             xs = jax.tree.map(lambda a: a[first:first + period * groups].reshape((groups, period) + a.shape[1:]),
-                              state)
+                              {"layers": state})
             h = offloaded_layer_scan(lambda h, xs_group, side: run_group(first, h, xs_group, *side)[0], h, xs,
                                      (group_ropes, batch), keep=keep, unroll=unroll,
                                      chunk_bytes=policy.copy_chunk_bytes, prefetch_weights=policy.prefetch_weights)
@@ -394,11 +412,16 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
             def grouped(a):
                 return a[start:start + n].reshape(shape + a.shape[1:])
 
-            xs = jax.tree.map(grouped, state)
+            xs = {"layers": jax.tree.map(grouped, state)}
+            if per_layer_inputs is not None:
+                xs["ple"] = grouped(per_layer_inputs)
             if cache is not None:
-                xs = (xs, grouped(cache.k), grouped(cache.v))
-            h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
-            ys_parts.append(jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), ys))
+                xs.update(k=grouped(cache.k), v=grouped(cache.v))
+            h, (kv, stats, handed) = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
+            for i, value in handed.items():  # a source layer's segment is one group: its one output
+                assert math.prod(shape[:-1]) == 1, (i, shape)
+                shared[i] = jax.tree.map(lambda y: y.reshape(y.shape[len(shape) - 1:]), value)
+            ys_parts.append(jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), (kv, stats)))
         return h, _concat(ys_parts)
 
     parts = []
