@@ -264,7 +264,7 @@ def _rope(raw: dict, source: str) -> dict:
 
 
 def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
-    if model_type == "smollm3":  # _smollm3_fields reads its windows (SmolLM3Attention's rule)
+    if model_type in ("smollm3", "gemma4_text"):  # their family fields read their windows
         return (None,) * n_layers
     window = raw.get("sliding_window")
     types = raw.get("layer_types")

@@ -46,7 +46,7 @@ import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.file_modes import chmod_like_new
-from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
+from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, layer_has, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.layers import value_of
@@ -322,6 +322,8 @@ def _adapter_entries(model) -> list[_Entry]:
         a, b = lin.lora_a[...], lin.lora_b[...]
         prefix = f"base_model.model.model.layers.{{i}}.{PROJ_MODULE[proj]}.{proj}"
         for i in range(n):
+            if not layer_has(model.config, i, f"{PROJ_MODULE[proj]}.{proj}."):
+                continue  # Gemma 4's KV-shared layers have no k/v projections (their LoRA pairs stay unused)
             p = prefix.format(i=i)
             entries.append(_Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
                                   lambda a=a, i=i: np.asarray(a[i], np.float32).T))

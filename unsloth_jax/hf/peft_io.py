@@ -30,7 +30,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups, layer_has
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -337,7 +337,7 @@ def load_adapter(model, adapter_dir):
                                     f"{list(targets)}, bias={bias!r}, modules_to_save={list(saved or [])}) or this "
                                     f"{cfg.model_type} model: {shown}")
     missing = [f"layers.{i}.{PROJ_MODULE[p]}.{p}.lora_{w}" for p in targets for i in range(n_layers) for w in "AB"
-               if (p, i, w) not in seen]
+               if (p, i, w) not in seen and layer_has(cfg, i, f"{PROJ_MODULE[p]}.{p}.")]  # Gemma 4: KV-shared
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")
