@@ -12,6 +12,9 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.layers.mlp.{gate,up,down}_proj.kernel [L, in, out]
     model.layers.mlp.{gate|router,experts.*}                       (MoE families: see unsloth_jax.models.moe)
     model.layers.self_attn.sinks [L, Hq]                           (gpt-oss)
+    model.embed_tokens_per_layer.weight [Vp, L*P], model.per_layer_model_projection.kernel [D, L*P],
+    model.per_layer_projection_norm.weight [P], model.layers.per_layer_input_gate / per_layer_projection,
+    model.layers.post_per_layer_input_norm.weight [L, D], model.layers.layer_scalar [L, 1]   (Gemma 4)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
 runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
