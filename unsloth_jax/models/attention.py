@@ -102,8 +102,8 @@ class PagedDecode(NamedTuple):
 
 
 def _own_arrays(cache):
-    """A cache's arrays as its `attend` returns them updated: (k, v) of a KVCache, the page pools of the others."""
-    return (cache.k, cache.v) if isinstance(cache, KVCache) else (cache.k_pages, cache.v_pages)
+    """A cache's arrays as its `attend` returns them updated: the page pools of a paged cache, else (k, v)."""
+    return (cache.k_pages, cache.v_pages) if hasattr(cache, "k_pages") else (cache.k, cache.v)
 
 
 def _weightless_rms_norm(x: jax.Array, eps: float) -> jax.Array:
