@@ -154,6 +154,47 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     assert rel_err(ours[real], _torch_logits(merged, ids, mask)[real]) < 1e-5
 
 
+@pytest.mark.slow
+def test_lora_gradients_match_peft(tiny, tmp_path, rng):
+    """The loss and every LoRA gradient of a right-padded batch equal PEFT's on transformers' model (float32):
+    the backward pass through the per-layer inputs and into the source layers' k/v projections from the
+    KV-shared layers that read them. (test_lora_step_peft_adapter_and_merged_export is the fast guard.)"""
+    import jax
+    import jax.numpy as jnp
+
+    path, _, _ = tiny
+    model = FastLanguageModel.get_peft_model(_load(path), r=4, lora_alpha=8, target_modules=ALL,
+                                             random_state=int(rng.integers(1 << 30)))
+    for lin in model.projections().values():
+        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
+    model.save_pretrained(tmp_path / "adapter")
+    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"), is_trainable=True)
+    ids, mask = _right_padded(rng, [14, 10])
+    labels = np.where(mask == 1, ids, -100)
+    out = pm(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    want = {n: p.grad.numpy() for n, p in pm.named_parameters() if p.grad is not None}
+    g, t, f = lora.split(model)
+
+    def loss(t):
+        logp = jax.nn.log_softmax(nnx.merge(g, t, f)(ids, mask)[:, :-1], -1)
+        lab = jnp.asarray(labels[:, 1:])
+        nll = -jnp.take_along_axis(logp, jnp.maximum(lab, 0)[..., None], -1)[..., 0]
+        return jnp.sum(nll * (lab >= 0)) / jnp.sum(lab >= 0)
+
+    value, grads = jax.value_and_grad(loss)(t)
+    assert abs(float(value) - float(out.loss)) < 1e-5 * abs(float(out.loss))
+    checked = 0
+    for p, v in nnx.to_flat_state(grads):
+        parent, proj, kind = p[-3:]
+        for i in range(model.config.num_hidden_layers):
+            key = (f"base_model.model.model.layers.{i}.{parent}.{proj}.lora_{kind[-1].upper()}.default.weight")
+            if key in want:
+                assert rel_err(np.asarray(v[...])[i], want[key].T) < 2e-4, key
+                checked += 1
+    assert checked == len(want) == 2 * (8 * 7 - 2 * 2)  # the KV-shared layers 6, 7 have no k/v projections
+
+
 def test_gguf_export_and_vocabulary_growth_are_refused(tiny, tmp_path):
     """No GGUF writer for Gemma 4 (the gguf package here names no Gemma 4 architecture, when installed at all):
     save_pretrained_gguf refuses it by model_type; growing the vocabulary is refused naming the per-layer
