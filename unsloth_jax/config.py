@@ -1,7 +1,8 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
 One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
-Gemma 3 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 MoE).
+Gemma 3 text, Gemma 4 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral, gpt-oss and
+GLM-4.5 MoE).
 Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
 `rope_parameters`.
 """
