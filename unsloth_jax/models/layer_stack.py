@@ -41,10 +41,10 @@ Gemma 2's groups are 2 (sliding, global), Gemma 3's 6 with a tail segment (26 = 
 `models.offload.offloaded_layer_scan` (the prefetched custom-VJP scan) instead, one per segment.
 
 Two-level checkpointing (layers_per_checkpoint = K > 1, for long sequences): the scan groups are themselves
-grouped K layers at a time (K rounded up to a multiple of the segment's group size), an outer scan runs over those checkpointed
-groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and each runs an
-inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra forward of
-it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
+grouped K layers at a time (K rounded up to a multiple of the segment's group size), an outer scan runs over those
+checkpointed groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and
+each runs an inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra
+forward of it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
 
 Adding a remat mode: a row of MODES (its name -> (checkpoint, offload)), and, for a new checkpoint or offload
 value, that value in CHECKPOINTS / OFFLOADS and its jax.checkpoint policy in `_jax_policy` (or its own path in
