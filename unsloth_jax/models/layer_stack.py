@@ -38,7 +38,8 @@ keeps a static attention window, RoPE table and MLP kind. Most families are one 
 Gemma 2's groups are 2 (sliding, global), Gemma 3's 6 with a tail segment (26 = 4 x 6 + 2); GLM-4.5's
 [dense, dense, MoE x 58] is two segments of 1-layer groups, not 60 unrolled layers. Each group runs under
 `jax.checkpoint` (`checkpointed`), except that the host-offload modes in training go through
-`models.offload.offloaded_layer_scan` (the prefetched custom-VJP scan) instead, one per segment.
+`models.offload.offloaded_layer_scan` (the prefetched custom-VJP scan) instead, one per segment (except for
+Gemma 4's per-layer inputs and KV-shared layers, whose values cross segments: jax's offload policy runs those).
 
 Two-level checkpointing (layers_per_checkpoint = K > 1, for long sequences): the scan groups are themselves
 grouped K layers at a time (K rounded up to a multiple of the segment's group size), an outer scan runs over those
