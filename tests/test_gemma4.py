@@ -2,7 +2,8 @@
 (proportional RoPE on the full ones), per-layer input embeddings, KV-shared tail layers reading an earlier layer's
 keys/values, the value norm and each layer's scalar. Against transformers in float32: config parsing and its
 refusals, logits on right-padded rows past the window, a LoRA step, the PEFT adapter and the merged checkpoint
-(loaded by PEFT / transformers with our logits), and greedy generation on the engine."""
+(loaded by PEFT / transformers with our logits), PEFT's own adapter loaded here, LoRA gradients (slow), and greedy
+generation on the engine."""
 from __future__ import annotations
 
 import json
@@ -152,6 +153,22 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     assert type(merged).__name__ == "Gemma4ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert rel_err(ours[real], _torch_logits(merged, ids, mask)[real]) < 1e-5
+
+
+def test_peft_made_adapter_loads(tiny, tmp_path, rng):
+    """An adapter PEFT makes on transformers' model (random A and B; no k/v modules in the KV-shared layers)
+    loads here with PEFT's logits."""
+    from unsloth_jax.hf.peft_io import load_adapter
+
+    path, _, _ = tiny
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    pm = peft.get_peft_model(_hf(path), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL,
+                                                         init_lora_weights=False))
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    model = load_adapter(_load(path), tmp_path / "adapter")
+    ids, mask = _right_padded(rng, [12, 7])
+    real = mask.astype(bool)
+    assert rel_err(np.asarray(model(ids, mask))[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
 
 
 @pytest.mark.slow
