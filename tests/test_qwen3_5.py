@@ -56,15 +56,16 @@ def _torch_logits(m, ids, mask=None):
 
 # ------------------------------------------------------------------------------------------------ config
 def test_config_layer_pattern_and_refusals():
-    """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch and the scan period
-    (6 layers: period 4, a tail of 2); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
+    """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch, a layer kind the
+    layer scan groups on (8 layers: one segment of 2 groups of 4); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
     values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is refused by name."""
     cfg = ModelConfig.from_dict(BASE)
     assert cfg.layer_linear == (True, True, True, False, True, True) and cfg.layer_period == 4
+    assert ModelConfig.from_dict(BASE | {"num_hidden_layers": 8}).layer_segments == ((0, 4, 2),)
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_offset == 1.0 and cfg.rope_dim == 4
     assert cfg.linear_conv_dim == 2 * 2 * 8 + 4 * 8 and cfg.linear_conv_kernel == 4 and not cfg.tie_word_embeddings
     alt = ModelConfig.from_dict(BASE | {"layer_types": ["linear_attention", "full_attention"] * 3})
-    assert alt.layer_period == 2 and alt.layer_windows == (None,) * 6
+    assert alt.layer_period == 2 and alt.layer_segments == ((0, 2, 3),) and alt.layer_windows == (None,) * 6
     assert ModelConfig.from_dict(BASE | {"full_attention_interval": 3}).layer_linear == (True, True, False) * 2
     assert ModelConfig.from_dict(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                                              "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2],
@@ -156,7 +157,7 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     back = _load(tmp_path / "adapter")  # our loader reads the adapter back onto the base
     assert set(back.lora.target_modules) == set(ALL)
     for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)
-        have = [i for i in range(5) if layer_has(model.config, PROJ_PARENT[name], i)]
+        have = [i for i in range(5) if layer_has(model.config, i, f"{PROJ_PARENT[name]}.{name}.")]
         for leaf in ("lora_a", "lora_b"):
             np.testing.assert_array_equal(np.asarray(getattr(lin, leaf)[...])[have],
                                           np.asarray(getattr(model.projections()[name], leaf)[...])[have])
