@@ -49,8 +49,8 @@ FAMILIES.update({
 
 # ---- Qwen3.5 (tests/test_qwen3_5.py) ----
 # "qwen35": qwen3_5_text with its default pattern (every 4th layer full attention, the others linear), GQA in
-# both mixers (4 value heads on 2 key heads), partial rotary 0.25 of a 16-dim head; 5 layers: a scan group of 4
-# and a tail of 1
+# both mixers (4 value heads on 2 key heads), partial rotary 0.25 of a 16-dim head; 5 layers
+# (one layer segment: a group of 5)
 FAMILIES.update({
     "qwen35": dict(num_hidden_layers=5, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                    linear_key_head_dim=8, linear_value_head_dim=8, bos_token_id=1, eos_token_id=2, pad_token_id=0),

@@ -1,8 +1,9 @@
 """Qwen3.5 text (model_type qwen3_5_text): gated DeltaNet linear-attention layers (three of four) and gated
-full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, logits of
-right-padded and packed rows, one LoRA step (linear-attention projections included), the PEFT adapter and the
-merged checkpoint in PEFT / transformers, greedy generation on the engine with rows admitted while others decode,
-checkpoint extras transformers skips, and the GGUF refusal."""
+full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, the 3:1
+pattern as one layer segment under the remat / offload policies, logits of right-padded and packed rows, one LoRA
+step (linear-attention projections included), the PEFT adapter and the merged checkpoint in PEFT / transformers,
+greedy generation on the engine with rows admitted while others decode, checkpoint extras transformers skips, and
+the GGUF refusal."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ BASE = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermedi
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(source dir, transformers model, our model) of the tiny "qwen35" family (5 layers: linear x3, full,
-    linear: one scan group of 4 and a tail of 1), built once per module."""
+    linear: layer_segments makes them one group of 5), built once per module."""
     path = tmp_path_factory.mktemp("qwen35")
     hf = save_hf_model("qwen35", path, seed=fresh_seed("qwen35 model") % (1 << 31))
     return path, hf, _load(path)
@@ -82,6 +83,34 @@ def test_config_layer_pattern_and_refusals():
             ModelConfig.from_dict(BASE | bad)
     with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
         ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": BASE})
+
+
+# ------------------------------------------------------------------------------------------------ layer stack
+def test_segment_scan_policies_equal_the_plain_stack(seed):
+    """8 layers of the 3:1 pattern are one segment of 2 groups of 4 (the mixer is a layer kind of the scan); the
+    loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
+    checkpointing equal those of the plain scan."""
+    import jax
+    import jax.numpy as jnp
+
+    from unsloth_jax.models.decoder import CausalLM, make_batch
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
+
+    cfg = ModelConfig.from_dict(BASE | {"num_hidden_layers": 8})
+    assert cfg.layer_segments == ((0, 4, 2),)
+    graphdef, state = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed % (1 << 30))))
+    ids = jnp.asarray(np.random.default_rng(seed).integers(3, 256, size=(2, 12)), jnp.int32)
+
+    def loss(state, policy):
+        m = nnx.merge(graphdef, state)
+        return jnp.mean(m.logits_from_hidden(m.hidden_states(ids, make_batch(ids), remat_mode=policy)) ** 2)
+
+    want = jax.value_and_grad(loss)(state, LayerStackPolicy.parse("none"))
+    for mode in ("offload", "full_every_2"):
+        got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
+        assert rel_err(got[0], want[0]) < 1e-6, mode
+        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            assert rel_err(g, w) < 1e-5, mode
 
 
 # ------------------------------------------------------------------------------------------------ logits
