@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from tests.family_checks import load_f32, hf_f32, torch_logits  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_moe_models import GLM4_MOE, make_hf_glm4_moe  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
@@ -35,14 +36,8 @@ def glm(tmp_path_factory):
     return path, hf
 
 
-def _load(path, **kw):
-    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
-    return model
 
 
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager")
 
 
 def _right_padded(rng, b=3, s=24):
@@ -51,9 +46,6 @@ def _right_padded(rng, b=3, s=24):
     return ids, (np.arange(s)[None] < lengths[:, None]).astype(np.int64)
 
 
-def _torch_logits(m, ids, mask):
-    with torch.no_grad():
-        return m(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
 
 
 def test_config_and_logits_match_transformers(glm, rng):
@@ -62,11 +54,11 @@ def test_config_and_logits_match_transformers(glm, rng):
     assert cfg.layer_sparse == (False, True, True) and cfg.layer_period == 3
     assert (cfg.router, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == ("sigmoid_group", 4, 2, 2.5)
     assert cfg.shared_expert_size == 24 and cfg.rotary_dim == 8 and cfg.qk_norm and cfg.qkv_bias and not cfg.o_bias
-    model = _load(path)
+    model = load_f32(path)
     ids, mask = _right_padded(rng)
     real = mask.astype(bool)
     ours = np.asarray(model(ids, attention_mask=mask))
-    ref = _torch_logits(hf, ids, mask)
+    ref = torch_logits(hf, ids, mask)
     assert rel_err(ours[real], ref[real]) < 1e-5
     # the routing switches matter at this config: without the correction bias / the groups, other logits
     for change in ({"n_group": 1, "topk_group": 1}, "bias"):
@@ -76,7 +68,7 @@ def test_config_and_logits_match_transformers(glm, rng):
             with torch.no_grad():
                 for layer in other.model.layers[1:]:
                     layer.mlp.gate.e_score_correction_bias.zero_()
-        assert rel_err(_torch_logits(other, ids, mask)[real], ref[real]) > 1e-3, change
+        assert rel_err(torch_logits(other, ids, mask)[real], ref[real]) > 1e-3, change
 
 
 def test_config_errors_name_the_key():
@@ -97,7 +89,7 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
     only; the adapter loads in PEFT onto transformers' model with our logits, the merged checkpoint in
     transformers, and our own import of the adapter too."""
     path, _ = glm
-    model = _load(path)
+    model = load_f32(path)
     FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                      target_parameters=EXPERTS, use_gradient_checkpointing=False,
                                      random_state=int(rng.integers(1 << 30)))
@@ -124,12 +116,12 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
     model.save_pretrained(tmp_path / "adapter", base_model_name_or_path=str(path))
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(cfg["target_parameters"]) == sorted(EXPERTS)
-    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
     assert type(pm.base_model.model.model.layers[1].mlp.experts).__name__ == "ParamWrapper"
-    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
-    assert rel_err(ours[real], _torch_logits(_hf(tmp_path / "merged"), ids, mask)[real]) < 1e-5
-    back = _load(tmp_path / "adapter")
+    assert rel_err(ours[real], torch_logits(hf_f32(tmp_path / "merged"), ids, mask)[real]) < 1e-5
+    back = load_f32(tmp_path / "adapter")
     assert rel_err(np.asarray(back(ids, attention_mask=mask)), ours) < 1e-6
     # 16-bit merged: experts etc. in bfloat16, the router weight and score bias float32 as transformers writes
     # them; transformers and we read that checkpoint to equal logits
@@ -140,8 +132,8 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
         dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
     assert dtypes["model.layers.1.mlp.gate.weight"] == dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] \
         == "F32" and dtypes["model.layers.1.mlp.experts.0.gate_proj.weight"] == "BF16"
-    merged16 = _torch_logits(_hf(tmp_path / "merged16"), ids, mask)[real]
-    assert rel_err(np.asarray(_load(tmp_path / "merged16")(ids, attention_mask=mask))[real], merged16) < 1e-5
+    merged16 = torch_logits(hf_f32(tmp_path / "merged16"), ids, mask)[real]
+    assert rel_err(np.asarray(load_f32(tmp_path / "merged16")(ids, attention_mask=mask))[real], merged16) < 1e-5
     assert rel_err(merged16, ours[real]) < 5e-2
     bf16, _ = FastLanguageModel.from_pretrained(tmp_path / "merged16", dtype="bfloat16", load_tokenizer=False,
                                                 progress=False)
@@ -150,7 +142,7 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
 
 def test_greedy_generation_matches_transformers(glm, rng):
     path, hf = glm
-    model = _load(path)
+    model = load_f32(path)
     ids = rng.integers(1, 256, size=(1, 10))
     with torch.no_grad():
         want = hf.generate(torch.tensor(ids), attention_mask=torch.ones_like(torch.tensor(ids)), max_new_tokens=5,
@@ -169,7 +161,7 @@ def test_refusals_and_mtp_layers(glm, tmp_path):
     maps gate/up/down_proj onto the experts), so save_pretrained refuses; the checkpoint's multi-token-
     prediction layers past num_hidden_layers (GLM-4.5's model.layers.46.*) are skipped as transformers does."""
     path, _ = glm
-    model = _load(path)
+    model = load_f32(path)
     FastLanguageModel.get_peft_model(model, r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj"],
                                      use_gradient_checkpointing=False)
     with pytest.raises(UnsupportedArchitectureError, match="GGUF export of glm4_moe is not supported"):
@@ -185,6 +177,6 @@ def test_refusals_and_mtp_layers(glm, tmp_path):
     save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
     (mtp / "config.json").write_text((path / "config.json").read_text())
     assert ModelConfig.from_pretrained(mtp).num_mtp_layers == 1
-    _load(mtp)
+    load_f32(mtp)
     with pytest.raises(ConfigError, match="output_router_logits"):
-        _load(path, output_router_logits=True)
+        load_f32(path, output_router_logits=True)

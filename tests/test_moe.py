@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from tests.family_checks import load_f32, hf_f32, torch_logits  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_moe_models import MOE_FAMILIES, make_hf_moe_model, save_hf_moe_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora, ops  # noqa: E402
@@ -47,14 +48,8 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _load(path, **kw):
-    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
-    return model
 
 
-def _hf(path, **kw):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager", **kw)
 
 
 def _right_padded(rng, b=3, s=24):
@@ -63,10 +58,6 @@ def _right_padded(rng, b=3, s=24):
     return ids, (np.arange(s)[None] < lengths[:, None]).astype(np.int64)
 
 
-def _torch_logits(m, ids, mask=None):
-    with torch.no_grad():
-        kw = {} if mask is None else {"attention_mask": torch.tensor(mask)}
-        return m(torch.tensor(ids), **kw).logits.float().numpy()
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -92,11 +83,11 @@ def test_logits_match_transformers_right_padding(family, layout, checkpoints, rn
     with SafetensorsFile(path / "model.safetensors") as f:
         fused = any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())
     assert fused == (layout == "fused" or family == "gpt_oss")  # the layout under test is the one on disk
-    model = _load(path)
+    model = load_f32(path)
     ids, mask = _right_padded(rng)  # 24 tokens: longer than the windows (8) of Mixtral and gpt-oss
     out = np.asarray(model(ids, attention_mask=mask))
     real = mask.astype(bool)
-    err = rel_err(out[real], _torch_logits(hf, ids, mask)[real])
+    err = rel_err(out[real], torch_logits(hf, ids, mask)[real])
     assert err < 1e-5, f"{family} ({layout}): relative error {err:.2e}"
 
 
@@ -105,7 +96,7 @@ def test_gpt_oss_parity_exercises_clamp_sinks_and_yarn(checkpoints, rng):
     the sinks (zeroed) or YaRN's scaling the same weights give clearly different logits."""
     path, hf = checkpoints["gpt_oss", "original"]
     ids, mask = _right_padded(rng)
-    ref = _torch_logits(hf, ids, mask)
+    ref = torch_logits(hf, ids, mask)
     for change in ("limit", "sinks", "yarn"):
         kw = {"swiglu_limit": 100.0} if change == "limit" else {}
         if change == "yarn":
@@ -116,7 +107,7 @@ def test_gpt_oss_parity_exercises_clamp_sinks_and_yarn(checkpoints, rng):
             with torch.no_grad():
                 for layer in other.model.layers:
                     layer.self_attn.sinks.zero_()
-        assert rel_err(_torch_logits(other, ids, mask), ref) > 1e-3, change
+        assert rel_err(torch_logits(other, ids, mask), ref) > 1e-3, change
 
 
 def test_greedy_generation_matches_transformers(checkpoints, rng):
@@ -124,7 +115,7 @@ def test_greedy_generation_matches_transformers(checkpoints, rng):
     is given the all-ones mask: without one it masks every prompt token equal to pad_token_id."""
     for family in ("gpt_oss", "qwen3_moe"):
         path, hf = checkpoints[family, "original"]
-        model = _load(path)
+        model = load_f32(path)
         ids = rng.integers(0, 256, size=(1, 12))
         ids[0, int(rng.integers(12))] = 0  # the pad id inside the prompt: attended, since the mask says so
         with torch.no_grad():
@@ -140,12 +131,12 @@ def test_layer_pattern_with_a_tail_matches_transformers(tmp_path, rng):
     order, each MoE layer's equal to what transformers' router of that layer gives (its recorded logits)."""
     hf = save_hf_moe_model("qwen3_moe", tmp_path, seed=int(rng.integers(1 << 20)), num_hidden_layers=3,
                            mlp_only_layers=[1], decoder_sparse_step=1)
-    model = _load(tmp_path)
+    model = load_f32(tmp_path)
     cfg = model.config
     assert cfg.layer_sparse == (True, False, True) and cfg.layer_period == 2  # 3 = 1 x 2 + a tail of 1
     ids, mask = _right_padded(rng)
     real = mask.astype(bool)
-    err = rel_err(np.asarray(model(ids, attention_mask=mask))[real], _torch_logits(hf, ids, mask)[real])
+    err = rel_err(np.asarray(model(ids, attention_mask=mask))[real], torch_logits(hf, ids, mask)[real])
     assert err < 1e-5, err
     from unsloth_jax.models.decoder import make_batch
 
@@ -367,8 +358,8 @@ def test_training_loss_with_aux_equals_transformers(family, checkpoints, rng):
     """output_router_logits=True: our training loss is transformers' loss(labels) = CE + coef * aux, with the
     aux loss over the MoE layers and the attention mask, as transformers' *ForCausalLM computes it."""
     path, _ = checkpoints[family, "original"]
-    hf = _hf(path, output_router_logits=True, router_aux_loss_coef=0.3)
-    model = _load(path, output_router_logits=True, router_aux_loss_coef=0.3)
+    hf = hf_f32(path, output_router_logits=True, router_aux_loss_coef=0.3)
+    model = load_f32(path, output_router_logits=True, router_aux_loss_coef=0.3)
     ids, mask = _right_padded(rng)
     labels = np.where(mask > 0, ids, -100)
     with torch.no_grad():
@@ -377,14 +368,14 @@ def test_training_loss_with_aux_equals_transformers(family, checkpoints, rng):
              "attention_mask": jnp.asarray(mask, jnp.int32)}
     loss, _ = loss_and_count(model, batch)
     assert abs(float(loss) - out.loss.item()) < 1e-5 * out.loss.item()
-    plain = _load(path)  # without the switch: the plain cross-entropy
+    plain = load_f32(path)  # without the switch: the plain cross-entropy
     ce, _ = loss_and_count(plain, batch)
     assert abs(float(ce) + 0.3 * out.aux_loss.item() - out.loss.item()) < 1e-5 * out.loss.item()
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
 def _peft_model(path, r=4, alpha=8, targets=("q_proj", "o_proj"), experts=tuple(EXPERTS), seed=0):
-    model = _load(path)
+    model = load_f32(path)
     FastLanguageModel.get_peft_model(model, r=r, lora_alpha=alpha, target_modules=list(targets),
                                      target_parameters=list(experts), use_gradient_checkpointing=False,
                                      random_state=seed)
@@ -406,17 +397,17 @@ def test_adapter_loads_in_peft_and_merged_in_transformers(family, experts, check
     ids, mask = _right_padded(rng)
     real = mask.astype(bool)
     ours = np.asarray(model(ids, attention_mask=mask))
-    assert rel_err(ours[real], _torch_logits(hf, ids, mask)[real]) > 1e-2  # the adapter matters
+    assert rel_err(ours[real], torch_logits(hf, ids, mask)[real]) > 1e-2  # the adapter matters
     model.save_pretrained(tmp_path / "adapter", base_model_name_or_path=str(path))
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(cfg["target_parameters"]) == sorted(experts) and sorted(cfg["target_modules"]) == ["o_proj", "q_proj"]
-    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
     wrapped = pm.base_model.model.model.layers[0].mlp.experts
     assert type(wrapped).__name__ == "ParamWrapper"  # PEFT put its LoRA on the fused expert weights
-    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
-    assert rel_err(ours[real], _torch_logits(_hf(tmp_path / "merged"), ids, mask)[real]) < 1e-5
-    back = _load(tmp_path / "adapter")  # and our own import of the adapter
+    assert rel_err(ours[real], torch_logits(hf_f32(tmp_path / "merged"), ids, mask)[real]) < 1e-5
+    back = load_f32(tmp_path / "adapter")  # and our own import of the adapter
     assert back.lora.target_parameters == tuple(experts)
     assert rel_err(np.asarray(back(ids, attention_mask=mask)), ours) < 1e-6
 
@@ -425,7 +416,7 @@ def test_peft_written_expert_adapter_imports(checkpoints, tmp_path, rng):
     """An adapter made by PEFT (target_parameters on the fused experts, random factors) loads through
     FastLanguageModel.from_pretrained(adapter_dir) with PEFT's logits."""
     path, _ = checkpoints["gpt_oss", "original"]
-    pm = peft.get_peft_model(_hf(path), peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj"],
+    pm = peft.get_peft_model(hf_f32(path), peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj"],
                                                         target_parameters=EXPERTS, task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     with torch.no_grad():
@@ -437,10 +428,10 @@ def test_peft_written_expert_adapter_imports(checkpoints, tmp_path, rng):
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = str(path)
     (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(cfg))
-    model = _load(tmp_path / "peft")
+    model = load_f32(tmp_path / "peft")
     ids, mask = _right_padded(rng)
     real = mask.astype(bool)
-    assert rel_err(np.asarray(model(ids, attention_mask=mask))[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    assert rel_err(np.asarray(model(ids, attention_mask=mask))[real], torch_logits(pm, ids, mask)[real]) < 1e-5
 
 
 def test_mixed_dense_layers_lora_and_the_peft_limit(checkpoints, tmp_path, rng):
@@ -453,21 +444,21 @@ def test_mixed_dense_layers_lora_and_the_peft_limit(checkpoints, tmp_path, rng):
     real = mask.astype(bool)
     ours = np.asarray(model(ids, attention_mask=mask))
     model.save_pretrained(tmp_path / "adapter", base_model_name_or_path=str(path))
-    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
-    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5
     dense = _peft_model(path, targets=("q_proj", "gate_proj", "down_proj"), seed=2)
     assert dense.projections()["gate_proj"].lora_a is not None
     with pytest.raises(ConfigError, match="dense MLP projections"):
         dense.save_pretrained(tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
     dense.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
-    got = _torch_logits(_hf(tmp_path / "merged"), ids, mask)
+    got = torch_logits(hf_f32(tmp_path / "merged"), ids, mask)
     assert rel_err(np.asarray(dense(ids, attention_mask=mask))[real], got[real]) < 1e-5
 
 
 def test_moe_lora_training_loss_falls(checkpoints, rng):
     path, _ = checkpoints["mixtral", "original"]
-    model = _load(path, output_router_logits=True)
+    model = load_f32(path, output_router_logits=True)
     FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                      target_parameters=EXPERTS, use_gradient_checkpointing=True,
                                      random_state=int(rng.integers(1 << 30)))
@@ -498,7 +489,7 @@ def test_trainer_logs_aux_loss(checkpoints, tmp_path, rng):
     path, _ = checkpoints["mixtral", "original"]
     data = [{"input_ids": [int(x) for x in rng.integers(4, 250, size=int(rng.integers(8, 20)))]} for _ in range(8)]
     for switch in (True, False):
-        model = _load(path, output_router_logits=switch)
+        model = load_f32(path, output_router_logits=switch)
         FastLanguageModel.get_peft_model(model, r=2, lora_alpha=4, target_modules=["q_proj"],
                                          target_parameters=EXPERTS[1:], use_gradient_checkpointing=False)
         out = tmp_path / f"out_{switch}"
@@ -522,23 +513,23 @@ def test_moe_refusals(checkpoints, tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="GGUF export of qwen3_moe is not supported"):
         model.save_pretrained_gguf(tmp_path / "gguf", None)
     with pytest.raises(ConfigError, match="4-bit"):
-        _load(path, load_in_4bit=True)
+        load_f32(path, load_in_4bit=True)
     # full fine-tuning: the router, expert and sink weights have no gradient path, so it is refused
     with pytest.raises(ConfigError, match="full_finetuning=True is not supported for qwen3_moe"):
-        _load(path, full_finetuning=True)
+        load_f32(path, full_finetuning=True)
     with pytest.raises(ValueError, match="full fine-tuning of qwen3_moe"):
-        lora.enable_full_finetuning(_load(path))
+        lora.enable_full_finetuning(load_f32(path))
     with pytest.raises(ValueError, match="name no expert weight"):
-        FastLanguageModel.get_peft_model(_load(path), target_parameters=["mlp.experts.w1"])
+        FastLanguageModel.get_peft_model(load_f32(path), target_parameters=["mlp.experts.w1"])
     with pytest.raises(ValueError, match="bias='none'"):
-        FastLanguageModel.get_peft_model(_load(checkpoints["gpt_oss", "original"][0]), bias="all")
+        FastLanguageModel.get_peft_model(load_f32(checkpoints["gpt_oss", "original"][0]), bias="all")
     from tests.hf_models import save_hf_model
 
     save_hf_model("llama", tmp_path / "llama")
     with pytest.raises(TypeError, match="mixture-of-experts"):
-        _load(tmp_path / "llama", output_router_logits=True)
+        load_f32(tmp_path / "llama", output_router_logits=True)
     with pytest.raises(ValueError, match="no expert weights"):
-        FastLanguageModel.get_peft_model(_load(tmp_path / "llama"), target_parameters=EXPERTS)
+        FastLanguageModel.get_peft_model(load_f32(tmp_path / "llama"), target_parameters=EXPERTS)
 
 
 def test_attention_sinks_xla_and_forced_pallas(rng):

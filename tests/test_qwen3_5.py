@@ -17,9 +17,10 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
+from tests.family_checks import load_f32, hf_f32, torch_logits, lora_steps_lower_the_loss  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
-from unsloth_jax import FastLanguageModel, lora  # noqa: E402
+from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
 
@@ -36,23 +37,13 @@ def tiny(tmp_path_factory):
     linear: layer_segments makes them one group of 5), built once per module."""
     path = tmp_path_factory.mktemp("qwen35")
     hf = save_hf_model("qwen35", path, seed=fresh_seed("qwen35 model") % (1 << 31))
-    return path, hf, _load(path)
+    return path, hf, load_f32(path)
 
 
-def _load(path, **kw):
-    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
-    return model
 
 
-def _hf(path, **kw):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager", **kw)
 
 
-def _torch_logits(m, ids, mask=None):
-    with torch.no_grad():
-        kw = {} if mask is None else {"attention_mask": torch.tensor(np.asarray(mask), dtype=torch.long)}
-        return m(torch.tensor(np.asarray(ids), dtype=torch.long), **kw).logits.float().numpy()
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -133,10 +124,10 @@ def test_logits_right_padded_and_packed(tiny, rng):
     ours = np.asarray(model(ids, mask, positions=pos, segment_ids=seg))
     spans = [(0, slice(0, 20)), (1, slice(0, 13)), (2, slice(0, 7)), (2, slice(7, 16))]
     for (row, span), seq in zip(spans, seqs):
-        assert rel_err(ours[row, span], _torch_logits(hf, seq[None])[0]) < 1e-5, (row, span)
+        assert rel_err(ours[row, span], torch_logits(hf, seq[None])[0]) < 1e-5, (row, span)
     # right padding alone, as transformers takes it (attention_mask, no segments)
     padded = np.asarray(model(ids[:2], mask[:2]))
-    assert rel_err(padded[1, :13], _torch_logits(hf, ids[:2], mask[:2])[1, :13]) < 1e-5
+    assert rel_err(padded[1, :13], torch_logits(hf, ids[:2], mask[:2])[1, :13]) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
@@ -149,24 +140,11 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
 
     from unsloth_jax.hf.mapping import layer_has
     from unsloth_jax.models.decoder import PROJ_PARENT
-    from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
-
     path, _, _ = tiny
-    model = FastLanguageModel.get_peft_model(_load(path), r=4, lora_alpha=8, target_modules=ALL,
+    model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
                                              use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
     assert set(model.lora.target_modules) == set(ALL)
-    g, t, f = lora.split(model)
-    assert {p[-1] for p, _ in nnx.to_flat_state(t)} == {"lora_a", "lora_b"}
-    ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[:, -1, -4:] = 0
-    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
-    opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-2, 10, 0))
-    state = opt.init(t)
-    step = make_train_step(g, opt, remat="full", donate=False)
-    t1, state, m1 = step(t, f, state, batch)
-    _, _, m2 = step(t1, f, state, batch)
-    assert float(m2["loss"]) < float(m1["loss"])
+    g, t1, f = lora_steps_lower_the_loss(model, rng)
     model = nnx.merge(g, t1, f)
     for lin in model.projections().values():
         lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
@@ -181,9 +159,9 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
         keys = set(fh.keys())
     assert any(".layers.0.linear_attn.in_proj_qkv.lora_A" in k for k in keys)
     assert not any(".layers.0.self_attn." in k or ".layers.3.linear_attn." in k for k in keys)
-    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
-    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5  # measured over 14 seeds: max 3.5e-6
-    back = _load(tmp_path / "adapter")  # our loader reads the adapter back onto the base
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5  # measured over 14 seeds: max 3.5e-6
+    back = load_f32(tmp_path / "adapter")  # our loader reads the adapter back onto the base
     assert set(back.lora.target_modules) == set(ALL)
     for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)
         have = [i for i in range(5) if layer_has(model.config, i, f"{PROJ_PARENT[name]}.{name}.")]
@@ -192,12 +170,12 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
                                           np.asarray(getattr(model.projections()[name], leaf)[...])[have])
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen3_5_text"
-    merged, info = _hf(tmp_path / "merged", output_loading_info=True)
+    merged, info = hf_f32(tmp_path / "merged", output_loading_info=True)
     assert type(merged).__name__ == "Qwen3_5ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     # 5e-5, not the 1e-5 of the other families: transformers' float32 chunked delta rule (a triangular solve per
     # chunk) and the merged kernels round differently; measured over 15 seeds: median 3e-6, max 1.5e-5
-    assert rel_err(ours[real], _torch_logits(merged, ids, mask)[real]) < 5e-5
+    assert rel_err(ours[real], torch_logits(merged, ids, mask)[real]) < 5e-5
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -247,11 +225,11 @@ def test_checkpoint_extras_skipped_and_missing_tensor_named(tiny, tmp_path):
         kept = dict(tensors, **extra) if extra else {k: v for k, v in tensors.items()
                                                        if k != "model.layers.4.linear_attn.A_log"}
         save_file(kept, str(out / "model.safetensors"))
-    back = _load(tmp_path / "with_mtp")
+    back = load_f32(tmp_path / "with_mtp")
     np.testing.assert_array_equal(np.asarray(back.model.layers.linear_attn.A_log[...]),
                                   np.asarray(model.model.layers.linear_attn.A_log[...]))
     with pytest.raises(MissingTensorError, match="model.layers.4.linear_attn.A_log"):
-        _load(tmp_path / "missing")
+        load_f32(tmp_path / "missing")
 
 
 def test_gguf_export_refused(tiny, tmp_path):

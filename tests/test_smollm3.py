@@ -16,9 +16,10 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
+from tests.family_checks import load_f32, hf_f32, torch_logits, right_padded, lora_steps_lower_the_loss  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
-from unsloth_jax import FastLanguageModel, lora  # noqa: E402
+from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.generation import generate  # noqa: E402
@@ -37,35 +38,18 @@ def tiny(tmp_path_factory):
         if family not in cache:
             path = tmp_path_factory.mktemp(family)
             hf = save_hf_model(family, path, seed=fresh_seed(f"{family} model") % (1 << 31))
-            cache[family] = (path, hf, _load(path))
+            cache[family] = (path, hf, load_f32(path))
         return cache[family]
 
     return get
 
 
-def _load(path, **kw):
-    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
-    return model
 
 
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                             attn_implementation="eager")
 
 
-def _torch_logits(m, ids, mask=None):
-    with torch.no_grad():
-        kw = {} if mask is None else {"attention_mask": torch.tensor(np.asarray(mask), dtype=torch.long)}
-        return m(torch.tensor(np.asarray(ids), dtype=torch.long), **kw).logits.float().numpy()
 
 
-def _right_padded(rng, lengths, vocab=256):
-    ids = np.zeros((len(lengths), max(lengths)), np.int64)
-    mask = np.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(3, vocab, size=n)
-        mask[i, :n] = 1
-    return ids, mask
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -106,8 +90,8 @@ def test_logits_match_transformers_right_padded(family, tiny, rng):
     a scan group of 3 and a tail of 1)."""
     _, hf, model = tiny(family)
     assert model.config.has_nope_layers
-    ids, mask = _right_padded(rng, [20, 13])
-    ours, theirs = np.asarray(model(ids, mask)), _torch_logits(hf, ids, mask)
+    ids, mask = right_padded(rng, [20, 13])
+    ours, theirs = np.asarray(model(ids, mask)), torch_logits(hf, ids, mask)
     real = mask.astype(bool)
     assert rel_err(ours[real], theirs[real]) < 1e-5
 
@@ -117,39 +101,25 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     """One SFT step lowers the loss and changes only LoRA factors (the trainable state is LoRA only); with every
     lora_b random, the PEFT adapter loads in PEFT on transformers' model with our logits, and the merged
     checkpoint loads in transformers (SmolLM3ForCausalLM) with our logits."""
-    from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
-
     path, _, _ = tiny("smollm3")
-    model = FastLanguageModel.get_peft_model(_load(path), r=4, lora_alpha=8, target_modules=ALL,
+    model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
                                              use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
-    g, t, f = lora.split(model)
-    kinds = {p[-1] for p, _ in nnx.to_flat_state(t)}
-    assert kinds == {"lora_a", "lora_b"}, kinds
-    ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[:, -1, -4:] = 0
-    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
-    opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-2, 10, 0))
-    state = opt.init(t)
-    step = make_train_step(g, opt, remat="full", donate=False)
-    t1, state, m1 = step(t, f, state, batch)
-    _, _, m2 = step(t1, f, state, batch)
-    assert float(m2["loss"]) < float(m1["loss"])
+    g, t1, f = lora_steps_lower_the_loss(model, rng)
     model = nnx.merge(g, t1, f)
     for lin in model.projections().values():
         lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
-    ids, mask = _right_padded(rng, [18, 11])
+    ids, mask = right_padded(rng, [18, 11])
     real = mask.astype(bool)
     ours = np.asarray(model(ids, mask))
     model.save_pretrained(tmp_path / "adapter")
-    pm = peft.PeftModel.from_pretrained(_hf(path), str(tmp_path / "adapter"))
-    assert rel_err(ours[real], _torch_logits(pm, ids, mask)[real]) < 1e-5
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["model_type"] == "smollm3" and config["no_rope_layers"] == [1, 1, 1, 0]
-    merged = _hf(tmp_path / "merged")
+    merged = hf_f32(tmp_path / "merged")
     assert type(merged).__name__ == "SmolLM3ForCausalLM"
-    assert rel_err(ours[real], _torch_logits(merged, ids, mask)[real]) < 1e-5
+    assert rel_err(ours[real], torch_logits(merged, ids, mask)[real]) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -186,7 +156,7 @@ def test_gguf_export_roundtrip_and_refusals(tiny, tmp_path, rng):
     tok.chat_template = "{% for m in messages[:] %}{{ m['content'] }}{% endfor %}"
     src = tmp_path / "src"
     make_hf_model("smollm3", seed=fresh_seed("smollm3 gguf") % (1 << 31), vocab_size=len(tok)).save_pretrained(str(src))
-    model = _load(src)
+    model = load_f32(src)
     out = model.save_pretrained_gguf(tmp_path / "gguf", tok, quantization_method="f32")
     reader = gguf.GGUFReader(out)
     field = lambda k: bytes(reader.fields[k].parts[reader.fields[k].data[0]]).decode()  # noqa: E731
@@ -194,7 +164,7 @@ def test_gguf_export_roundtrip_and_refusals(tiny, tmp_path, rng):
     assert field("tokenizer.chat_template") == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert {"blk.3.attn_q.weight", "token_embd.weight", "output_norm.weight"} <= {t.name for t in reader.tensors}
     assert hf_config(out)["model_type"] == "smollm3"
-    back = _load(out)
+    back = load_f32(out)
     assert back.config.layer_rope == model.config.layer_rope
     ids = rng.integers(3, len(tok), size=(2, 12))
     assert rel_err(np.asarray(back(ids)), np.asarray(model(ids))) < 1e-5

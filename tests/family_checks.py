@@ -1,0 +1,61 @@
+"""What the text-family parity tests (test_smollm3, test_qwen3_5, test_gemma4, test_glm4_moe, test_moe) share:
+loading a checkpoint here and in transformers in float32, transformers' logits, right-padded batches, and the
+two-step LoRA check. Imports torch: only for tests that compare against transformers."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from unsloth_jax import FastLanguageModel, lora
+
+
+def load_f32(path, **kw):
+    """Our model of the checkpoint at `path`, float32, no tokenizer."""
+    model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False, **kw)
+    return model
+
+
+def hf_f32(path, **kw):
+    """transformers' AutoModelForCausalLM of `path`, float32, eager attention."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             attn_implementation="eager", **kw)
+
+
+def torch_logits(m, ids, mask=None) -> np.ndarray:
+    """Float32 logits [B, S, V] of a transformers model on ids [B, S] (and an attention mask)."""
+    with torch.no_grad():
+        kw = {} if mask is None else {"attention_mask": torch.tensor(np.asarray(mask), dtype=torch.long)}
+        return m(torch.tensor(np.asarray(ids), dtype=torch.long), **kw).logits.float().numpy()
+
+
+def right_padded(rng, lengths, vocab=256) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) int64 [len(lengths), max(lengths)]: random tokens in [3, vocab), row i real for lengths[i]."""
+    ids = np.zeros((len(lengths), max(lengths)), np.int64)
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(3, vocab, size=n)
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def lora_steps_lower_the_loss(model, rng):
+    """Two AdamW steps (lr 1e-3: at 1e-2 the tiny Gemma 4 model's loss rose after a step for some seeds; remat "full") of a LoRA model on one random 2 x 16 micro-batch with a padded row
+    tail: only LoRA factors train and the second loss is below the first. -> (graphdef, trained LoRA state,
+    frozen state)."""
+    from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
+
+    g, t, f = lora.split(model)
+    assert {p[-1] for p, _ in nnx.to_flat_state(t)} == {"lora_a", "lora_b"}
+    ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[:, -1, -4:] = 0
+    batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
+    opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-3, 10, 0))
+    state = opt.init(t)
+    step = make_train_step(g, opt, remat="full", donate=False)
+    t1, state, m1 = step(t, f, state, batch)
+    _, _, m2 = step(t1, f, state, batch)
+    assert float(m2["loss"]) < float(m1["loss"]), (float(m1["loss"]), float(m2["loss"]))
+    return g, t1, f
