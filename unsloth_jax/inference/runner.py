@@ -106,7 +106,8 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
     else:
         x, block_ids = images.embeds, images.block_ids
         if images.rope_positions is not None:
-            rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section), None)
+            rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section,
+                                 model.vl_config.mrope_interleaved), None)
 
     def caches(i):
         if model.config.layer_linear and model.config.layer_linear[i]:
