@@ -203,3 +203,49 @@ def test_greedy_generation_with_images_equals_transformers(checkpoint, rng):
     print("ours", ours[:, -new:].tolist(), "transformers", theirs[:, -new:].tolist())
     assert ours.shape == theirs.shape and (ours == theirs).all()
     assert len(set(ours[:, -new:].ravel().tolist())) > 3
+
+
+def test_processor_collator_and_sft_trainer(tmp_path):
+    """A Qwen3-VL folder with processor files (processor_class Qwen3VLProcessor): without torchvision
+    FastVisionModel.from_pretrained builds its processor (images only) with the reference processor's ids, pixels
+    and grids; SFTTrainer with UnslothVisionDataCollator (the loader's padded Qwen3-VL layout, the jitted step)
+    starts at transformers' loss of the batch and lowers it."""
+    from unsloth_jax import FastVisionModel, SFTConfig, SFTTrainer, UnslothVisionDataCollator
+    from tests.test_vision_qwen_sft import squares
+
+    hf = hf_qwen3_vl(processor_vocab=True)
+    hf.save_pretrained(tmp_path / "model")
+    reference = qm.processor()
+    reference.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "processor_config.json").read_text())
+    config["processor_class"] = "Qwen3VLProcessor"
+    (tmp_path / "model" / "processor_config.json").write_text(json.dumps(config))
+    model, processor = FastVisionModel.from_pretrained(tmp_path / "model", dtype="float32")
+    records = squares([[(16, 16), (16, 24)], [(24, 16)]], seed=2)
+    texts = [reference.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    ours = processor(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    ref = reference(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw"):
+        np.testing.assert_array_equal(ours[key], ref[key])
+    with pytest.raises(ValueError, match="videos"):
+        processor(text=texts, videos=[np.zeros((2, 16, 16, 3), np.uint8)])
+
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True,
+                                           use_gradient_checkpointing=False)
+    collator = UnslothVisionDataCollator(model, processor)
+    full = collator(records)
+    with torch.no_grad():  # B = 0: the base model's loss
+        ref_loss = hf(input_ids=torch.tensor(full["input_ids"]).long(),
+                      attention_mask=torch.tensor(full["attention_mask"]).long(),
+                      pixel_values=torch.tensor(full["pixel_values"]),
+                      image_grid_thw=torch.tensor(full["image_grid_thw"]),
+                      mm_token_type_ids=torch.tensor(mm_token_type_ids(full["input_ids"], qm.P_IMAGE)),
+                      labels=torch.tensor(full["labels"]).long()).loss.item()
+    args = SFTConfig(per_device_train_batch_size=2, max_steps=4, learning_rate=2e-2, logging_steps=1,
+                     output_dir=str(tmp_path / "out"), report_to="none", remove_unused_columns=False,
+                     dataset_text_field="", dataset_kwargs={"skip_prepare_dataset": True}, max_length=64)
+    trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=collator, train_dataset=records, args=args)
+    losses = trainer.train() and trainer.state.loss_history
+    print("losses", [round(x, 4) for x in losses])
+    assert abs(losses[0] - ref_loss) / ref_loss < 1e-5, (losses[0], ref_loss)
+    assert losses[-1] < losses[0], losses

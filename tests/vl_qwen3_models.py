@@ -4,7 +4,7 @@ inputs of tests/vl_qwen_models.py (same ids, patch 4 / merge 2 geometry, two ima
 layers 0 and 1, a 4 x 4 learned position grid resampled to each image."""
 from __future__ import annotations
 
-from tests.vl_qwen_models import IMAGE, VEND, VIDEO, VSTART
+from tests.vl_qwen_models import IMAGE, P_IMAGE, P_VEND, P_VIDEO, P_VSTART, VEND, VIDEO, VSTART
 
 TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
@@ -15,13 +15,17 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               deepstack_visual_indexes=[0, 2])
 
 
-def hf_qwen3_vl(seed: int = 0):
-    """transformers' Qwen3VLForConditionalGeneration with random weights everywhere (norms around 1)."""
+def hf_qwen3_vl(seed: int = 0, processor_vocab: bool = False):
+    """transformers' Qwen3VLForConditionalGeneration with random weights everywhere (norms around 1);
+    processor_vocab: 2052 ids with tests.vl_qwen_models.processor()'s vision token ids (else 256 ids)."""
     import torch
     import transformers
 
-    cfg = transformers.Qwen3VLConfig(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=IMAGE,
-                                     video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    text, ids = dict(TEXT), (IMAGE, VIDEO, VSTART, VEND)
+    if processor_vocab:
+        text["vocab_size"], ids = 2052, (P_IMAGE, P_VIDEO, P_VSTART, P_VEND)
+    cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=dict(VISION), image_token_id=ids[0],
+                                     video_token_id=ids[1], vision_start_token_id=ids[2], vision_end_token_id=ids[3])
     for c in (cfg, cfg.text_config, cfg.vision_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -38,6 +42,6 @@ def hf_qwen3_vl(seed: int = 0):
     return model.eval()
 
 
-def mm_token_type_ids(ids):
+def mm_token_type_ids(ids, image: int = IMAGE):
     """transformers' mm_token_type_ids for ids [B, S] (1 on image tokens): Qwen3-VL's get_rope_index reads them."""
-    return (ids == IMAGE).astype("int64")
+    return (ids == image).astype("int64")
