@@ -1,9 +1,9 @@
 """Image processors of vision-language checkpoints that transformers' AutoProcessor cannot build here.
 
-transformers' Qwen2.5-VL and Qwen3-VL processors always build their video half, whose processor imports torchvision; a JAX
-user's venv rarely has torchvision, and AutoProcessor then fails. Training and generating with images never need
-the video half, so `image_only_processor(model_dir)` builds the same processor without it: the folder's
-tokenizer, its Qwen2-VL image processor (the PIL implementation, no torchvision) and its chat template. Its
+transformers' Qwen2.5-VL and Qwen3-VL processors always build their video half, whose processor imports
+torchvision; a JAX user's venv rarely has torchvision, and AutoProcessor then fails. Training and generating with
+images never need the video half, so `image_only_processor(model_dir)` builds the same processor without it: the
+folder's tokenizer, its Qwen2-VL image processor (the PIL implementation, no torchvision) and its chat template. Its
 `__call__` and `apply_chat_template` give what transformers' processor gives for text and images; passing videos
 is refused.
 """
