@@ -49,13 +49,24 @@ FAMILIES.update({
 
 # ---- Qwen3.5 (tests/test_qwen3_5.py) ----
 # "qwen35": qwen3_5_text with its default pattern (every 4th layer full attention, the others linear), GQA in
-# both mixers (4 value heads on 2 key heads), partial rotary 0.25 of a 16-dim head; 5 layers: a scan group of 4
-# and a tail of 1
+# both mixers (4 value heads on 2 key heads), partial rotary 0.25 of a 16-dim head; 5 layers
+# (one layer segment: a group of 5)
 FAMILIES.update({
     "qwen35": dict(num_hidden_layers=5, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                    linear_key_head_dim=8, linear_value_head_dim=8, bos_token_id=1, eos_token_id=2, pad_token_id=0),
 })
 MODEL_TYPES["qwen35"] = "qwen3_5_text"
+# ---- Gemma 4 text (tests/test_gemma4.py) ----
+# 8 layers, 5 sliding : 1 full (the last forced full): s s s s s g | s g, the last 2 KV-shared (layer 6 reads
+# layer 4's keys/values, layer 7 layer 5's); window 8; per-layer inputs of width 16; proportional RoPE on the full
+# layers (a quarter of the frequencies); final softcap
+MODEL_TYPES["gemma4"] = "gemma4_text"
+FAMILIES.update({
+    "gemma4": dict(head_dim=32, global_head_dim=32, num_hidden_layers=8, sliding_window=8,
+                   hidden_size_per_layer_input=16, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2,
+                   eos_token_id=1, pad_token_id=0),
+})
 
 
 def model_type_of(family: str) -> str:
@@ -84,9 +95,12 @@ def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (a checkpoint buffer)
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
         for name, p in model.named_parameters():
             if "norm" in name:
-                base = 0.0 if model_type.startswith("gemma") else 1.0
+                base = 0.0 if model_type in ("gemma", "gemma2", "gemma3_text") else 1.0
                 p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))

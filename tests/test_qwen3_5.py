@@ -1,8 +1,9 @@
 """Qwen3.5 text (model_type qwen3_5_text): gated DeltaNet linear-attention layers (three of four) and gated
-full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, logits of
-right-padded and packed rows, one LoRA step (linear-attention projections included), the PEFT adapter and the
-merged checkpoint in PEFT / transformers, greedy generation on the engine with rows admitted while others decode,
-checkpoint extras transformers skips, and the GGUF refusal."""
+full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, the 3:1
+pattern as one layer segment under the remat / offload policies, logits of right-padded and packed rows, one LoRA
+step (linear-attention projections included), the PEFT adapter and the merged checkpoint in PEFT / transformers,
+greedy generation on the engine with rows admitted while others decode, checkpoint extras transformers skips, and
+the GGUF refusal."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ BASE = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermedi
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(source dir, transformers model, our model) of the tiny "qwen35" family (5 layers: linear x3, full,
-    linear: one scan group of 4 and a tail of 1), built once per module."""
+    linear: layer_segments makes them one group of 5), built once per module."""
     path = tmp_path_factory.mktemp("qwen35")
     hf = save_hf_model("qwen35", path, seed=fresh_seed("qwen35 model") % (1 << 31))
     return path, hf, _load(path)
@@ -56,15 +57,16 @@ def _torch_logits(m, ids, mask=None):
 
 # ------------------------------------------------------------------------------------------------ config
 def test_config_layer_pattern_and_refusals():
-    """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch and the scan period
-    (6 layers: period 4, a tail of 2); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
+    """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch, a layer kind the
+    layer scan groups on (8 layers: one segment of 2 groups of 4); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
     values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is refused by name."""
     cfg = ModelConfig.from_dict(BASE)
     assert cfg.layer_linear == (True, True, True, False, True, True) and cfg.layer_period == 4
+    assert ModelConfig.from_dict(BASE | {"num_hidden_layers": 8}).layer_segments == ((0, 4, 2),)
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_offset == 1.0 and cfg.rope_dim == 4
     assert cfg.linear_conv_dim == 2 * 2 * 8 + 4 * 8 and cfg.linear_conv_kernel == 4 and not cfg.tie_word_embeddings
     alt = ModelConfig.from_dict(BASE | {"layer_types": ["linear_attention", "full_attention"] * 3})
-    assert alt.layer_period == 2 and alt.layer_windows == (None,) * 6
+    assert alt.layer_period == 2 and alt.layer_segments == ((0, 2, 3),) and alt.layer_windows == (None,) * 6
     assert ModelConfig.from_dict(BASE | {"full_attention_interval": 3}).layer_linear == (True, True, False) * 2
     assert ModelConfig.from_dict(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                                              "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2],
@@ -81,6 +83,34 @@ def test_config_layer_pattern_and_refusals():
             ModelConfig.from_dict(BASE | bad)
     with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
         ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": BASE})
+
+
+# ------------------------------------------------------------------------------------------------ layer stack
+def test_segment_scan_policies_equal_the_plain_stack(seed):
+    """8 layers of the 3:1 pattern are one segment of 2 groups of 4 (the mixer is a layer kind of the scan); the
+    loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
+    checkpointing equal those of the plain scan."""
+    import jax
+    import jax.numpy as jnp
+
+    from unsloth_jax.models.decoder import CausalLM, make_batch
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
+
+    cfg = ModelConfig.from_dict(BASE | {"num_hidden_layers": 8})
+    assert cfg.layer_segments == ((0, 4, 2),)
+    graphdef, state = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed % (1 << 30))))
+    ids = jnp.asarray(np.random.default_rng(seed).integers(3, 256, size=(2, 12)), jnp.int32)
+
+    def loss(state, policy):
+        m = nnx.merge(graphdef, state)
+        return jnp.mean(m.logits_from_hidden(m.hidden_states(ids, make_batch(ids), remat_mode=policy)) ** 2)
+
+    want = jax.value_and_grad(loss)(state, LayerStackPolicy.parse("none"))
+    for mode in ("offload", "full_every_2"):
+        got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
+        assert rel_err(got[0], want[0]) < 1e-6, mode
+        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            assert rel_err(g, w) < 1e-5, mode
 
 
 # ------------------------------------------------------------------------------------------------ logits
@@ -156,7 +186,7 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     back = _load(tmp_path / "adapter")  # our loader reads the adapter back onto the base
     assert set(back.lora.target_modules) == set(ALL)
     for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)
-        have = [i for i in range(5) if layer_has(model.config, PROJ_PARENT[name], i)]
+        have = [i for i in range(5) if layer_has(model.config, i, f"{PROJ_PARENT[name]}.{name}.")]
         for leaf in ("lora_a", "lora_b"):
             np.testing.assert_array_equal(np.asarray(getattr(lin, leaf)[...])[have],
                                           np.asarray(getattr(model.projections()[name], leaf)[...])[have])

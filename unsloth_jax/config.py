@@ -1,13 +1,15 @@
 """ModelConfig: the fields of a Hugging Face config.json that the decoder needs, with per-family switches.
 
 One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
-Gemma 3 text, Phi-3, SmolLM3; the mixture-of-experts families Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5 MoE).
+Gemma 3 text, Gemma 4 text, Phi-3, SmolLM3, Qwen3.5 text; the mixture-of-experts families Qwen3-MoE, Mixtral,
+gpt-oss and GLM-4.5 MoE).
 Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
 `rope_parameters`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -22,6 +24,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")  # mixture-of-experts families (see _moe_fields)
 SUPPORTED_MODEL_TYPES += ("smollm3",)  # SmolLM3: Llama's layer with NoPE layers (_smollm3_fields, layer_rope)
 SUPPORTED_MODEL_TYPES += ("qwen3_5_text",)  # Qwen3.5: gated DeltaNet + gated attention layers (_qwen3_5_fields)
+SUPPORTED_MODEL_TYPES += ("gemma4_text",)  # Gemma 4 text: PLE, KV-shared layers (_gemma4_fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,15 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # the depthwise causal conv1d's kernel size
     # ---- end Qwen3.5 ----
+    # ---- Gemma 4 text (gemma4_text): see _gemma4_fields ----
+    v_norm: bool = False  # values RMS-normed (no weight) before attention and the cache
+    rope_proportion: float = 1.0  # rope_type "proportional": the first rope_proportion of the frequencies rotate
+    # per layer: the layer whose keys/values it attends over (itself, or an earlier one: a KV-shared layer)
+    layer_kv_source: tuple[int, ...] = ()
+    per_layer_input_size: int = 0  # per-layer input embeddings (PLE): width per layer; 0 = none
+    per_layer_vocab_size: int = 0  # rows of the PLE table (embed_tokens_per_layer)
+    layer_scalar: bool = False  # each layer's output times its own scalar (the checkpoint's layer_scalar)
+    # ---- end Gemma 4 ----
 
     @property
     def scale(self) -> float:
@@ -127,18 +139,45 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
-    def layer_period(self) -> int:
-        """Smallest p such that layer_windows, layer_sparse, layer_rope and layer_linear repeat with period p (layer
-        i has the window, the MLP kind, the RoPE choice and the token mixer of layer i % p). p need not divide num_hidden_layers: Gemma 3's
-        26 layers are 4 groups of 6 and a tail of 2. A pattern that never repeats gives p = L (one group)."""
+    def layer_kinds(self) -> tuple[tuple, ...]:
+        """Per layer, what makes layers differ in the layer scan: (window, sparse MLP, applies RoPE, linear-attention
+        token mixer). Layers of equal kinds run the same code, so runs of a repeating pattern of kinds are scanned
+        (layer_segments)."""
         n = self.num_hidden_layers
-        windows = self.layer_windows or (None,) * n
-        kinds = list(zip(windows, self.layer_sparse or (False,) * n, self.layer_rope or (True,) * n,
-                         self.layer_linear or (False,) * n))
-        for p in range(1, n + 1):
-            if all(kinds[i] == kinds[i % p] for i in range(n)):
-                return p
-        return n
+        kinds = tuple(zip(self.layer_windows or (None,) * n, self.layer_sparse or (False,) * n,
+                          self.layer_rope or (True,) * n, self.layer_linear or (False,) * n))
+        if self.layer_kv_source:  # Gemma 4: KV-shared layers read a given layer; the layers they read are special
+            read = self.kv_shared_sources
+            kinds = tuple(k + (None if s == i else s, i in read)
+                          for i, (k, s) in enumerate(zip(kinds, self.layer_kv_source)))
+        return kinds
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest p such that layer_kinds repeat with period p over the whole stack (layer i has the kind of
+        layer i % p); p need not divide num_hidden_layers (Gemma 3: 26 layers = 4 x 6 + 2). A pattern that never
+        repeats gives p = L. The layer scan runs per segment (layer_segments), not by this period."""
+        kinds = self.layer_kinds
+        n = len(kinds)
+        return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+    @property
+    def layer_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """The layer stack as consecutive segments (first layer, period, groups): each segment is `groups`
+        repeats of a group of `period` layers with equal kinds, scanned over its groups (models.layer_stack).
+        Chosen to keep the unrolled code (the sum of the periods) and the number of scans small: GLM-4.5's
+        [dense, dense, sparse x 58] is (0, 1, 2), (2, 1, 58); Gemma 3's 26 layers (0, 6, 4), (24, 1, 2)."""
+        return periodic_segments(self.layer_kinds)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys/values `layer` attends over: itself, or for a KV-shared layer (Gemma 4) an
+        earlier layer of the same attention type."""
+        return self.layer_kv_source[layer] if self.layer_kv_source else layer
+
+    @property
+    def kv_shared_sources(self) -> frozenset[int]:
+        """The layers whose keys/values some later (KV-shared) layer reads."""
+        return frozenset(s for i, s in enumerate(self.layer_kv_source) if s != i)
 
     @property
     def has_nope_layers(self) -> bool:
@@ -174,6 +213,35 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
         raw, path = read_config_json(model_dir)
         return _parse(raw, str(path))
+
+
+SEGMENT_COST = 2  # periodic_segments: one more scan costs as much compile as this many more unrolled layers
+
+
+@functools.lru_cache(maxsize=256)
+def periodic_segments(kinds: tuple) -> tuple[tuple[int, int, int], ...]:
+    """Split a per-layer pattern of hashable kinds into consecutive segments (first, period, groups), where
+    kinds[first + g * period + j] == kinds[first + j] for every group g < groups, minimising the unrolled layers
+    (sum of periods) plus SEGMENT_COST per segment, then the number of segments, then preferring longer early
+    segments (dynamic programming, O(L^3))."""
+    n = len(kinds)
+    best: list = [(0, 0, 0, None)] + [None] * n  # best[j]: (cost, segments, -start, last segment) for kinds[:j]
+    for i in range(n):
+        for p in range(1, n - i + 1):
+            end = i + p  # kinds[i:end] repeat with period p
+            while end < n and kinds[end] == kinds[end - p]:
+                end += 1
+            for c in range(1, (end - i) // p + 1):
+                j = i + c * p
+                cand = (best[i][0] + p + SEGMENT_COST, best[i][1] + 1, -i, (i, p, c))  # ties: longer first runs
+                if best[j] is None or cand[:3] < best[j][:3]:
+                    best[j] = cand
+    out, j = [], n
+    while j:
+        seg = best[j][3]
+        out.append(seg)
+        j = seg[0]
+    return tuple(reversed(out))
 
 
 def read_config_json(model_dir: str | os.PathLike) -> tuple[dict, Path]:
@@ -221,7 +289,7 @@ def _rope(raw: dict, source: str) -> dict:
 
 
 def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
-    if model_type == "smollm3":  # _smollm3_fields reads its windows (SmolLM3Attention's rule)
+    if model_type in ("smollm3", "gemma4_text"):  # their family fields read their windows
         return (None,) * n_layers
     if model_type == "qwen3_5_text":  # layer_types names token mixers (_qwen3_5_fields); no sliding windows
         return (None,) * n_layers
@@ -277,6 +345,10 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
             "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
+    if model_type in GEMMA4_MULTIMODAL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{source}: model_type {model_type!r} (Gemma4ForConditionalGeneration, text with vision/audio towers) is "
+            "not supported; the Gemma 4 text model is: a checkpoint of model_type 'gemma4_text' (Gemma4ForCausalLM)")
     if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is not supported; supported model types: "
@@ -689,6 +761,122 @@ def _qwen3_5_fields(raw: dict, source: str) -> dict:
 
 
 _FAMILY_FIELDS["qwen3_5_text"] = _qwen3_5_fields
+
+
+# --------------------------------------------------------------------------------------- Gemma 4 text
+def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> None:
+    """Refuse layers whose attention shapes differ from head_dim / num_key_value_heads: transformers gives the
+    full-attention layers `global_head_dim` (default 512) and, with attention_k_eq_v, `num_global_key_value_heads`,
+    or per-layer overrides in `per_layer_config`; the layer stack needs one shape for every layer."""
+    hd, kv = raw.get("head_dim", 256), raw.get("num_key_value_heads", 4)
+    per_layer = raw.get("per_layer_config")
+    if per_layer is None:  # transformers' __post_init__ spelling: global_head_dim for the full-attention layers
+        per_layer = {str(i): {"head_dim": raw.get("global_head_dim", 512)} for i, t in enumerate(types)
+                     if t == "full_attention"}
+    if not isinstance(per_layer, dict):
+        raise ConfigError(f"{source}: per_layer_config must be a mapping of layer index to overrides")
+    for idx, over in per_layer.items():
+        bad = sorted(set(over or {}) - {"head_dim", "num_key_value_heads"})
+        if bad:
+            raise ConfigError(f"{source}: per_layer_config[{idx}] overrides {bad}: not supported (only head_dim and "
+                              "num_key_value_heads, equal to the model's)")
+        if (over or {}).get("head_dim", hd) != hd or (over or {}).get("num_key_value_heads", kv) != kv:
+            raise ConfigError(
+                f"{source}: layer {idx} has head_dim {over.get('head_dim', hd)} / num_key_value_heads "
+                f"{over.get('num_key_value_heads', kv)} (per_layer_config, or global_head_dim for full-attention "
+                f"layers, default 512) where the model has head_dim {hd} / num_key_value_heads {kv}: Gemma 4 "
+                "checkpoints whose layers differ in attention shape (google/gemma-4-*) are not supported yet; only "
+                "global_head_dim == head_dim")
+
+
+def _gemma4_fields(raw: dict, source: str) -> dict:
+    """Gemma 4 text (Gemma4ForCausalLM, Gemma4TextConfig): Gemma 3's sandwich-normed layer with plain-weight
+    RMSNorms (not 1 + w), q/k norms and a weightless value norm, attention scale 1, `layer_types` (default 5
+    sliding : 1 full, the last layer always full), RoPE per layer type (`rope_parameters.sliding_attention`:
+    default; `full_attention`: default or "proportional", which rotates the first partial_rotary_factor of the
+    frequencies), per-layer input embeddings (`hidden_size_per_layer_input`, `vocab_size_per_layer_input`), the
+    last `num_kv_shared_layers` layers attending over the keys/values of the last earlier layer of their type, and
+    each layer's `layer_scalar`. Refused, naming the key: MoE blocks, attention_k_eq_v, the double-wide MLP of
+    KV-shared layers, bidirectional attention, and layers of different attention shapes (global_head_dim)."""
+    n = int(_need(raw, "num_hidden_layers", source))
+    for key, why in (("enable_moe_block", "Gemma 4's MoE block"), ("attention_k_eq_v", "keys reused as values"),
+                     ("use_double_wide_mlp", "a double-width MLP in the KV-shared layers")):
+        if raw.get(key) and (key != "use_double_wide_mlp" or raw.get("num_kv_shared_layers")):
+            raise ConfigError(f"{source}: {key}=true ({why}) is not supported")
+    if raw.get("use_bidirectional_attention") == "all":
+        raise ConfigError(f"{source}: use_bidirectional_attention='all' (bidirectional text attention) is not "
+                          "supported; only causal attention")
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, sliding_attention)")
+    if types[-1] != "full_attention":  # transformers forces it, with a warning
+        log.warning("unsloth_jax: %s: the last layer of a Gemma 4 model is always full_attention (as transformers "
+                    "forces it); layer_types[-1] %r ignored", source, types[-1])
+        types = types[:-1] + ["full_attention"]
+    _gemma4_layer_shapes(raw, types, source)
+    window = raw.get("sliding_window", 512)
+    if "sliding_attention" in types and (not isinstance(window, int) or window <= 0):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer, got {window!r}")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+    params = raw.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                               "partial_rotary_factor": 0.25}}
+    if not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in set(types)):
+        raise ConfigError(f"{source}: rope_parameters must hold a dict for each layer type in layer_types "
+                          f"({sorted(set(types))}), got {params!r}")
+    out = {}
+    local = params.get("sliding_attention")
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention.rope_type {local.get('rope_type')!r} is "
+                              "not supported (only default)")
+        out["rope_local_theta"] = float(_need(local, "rope_theta", source + " rope_parameters.sliding_attention"))
+    full = params.get("full_attention")
+    full_type = full.get("rope_type", "default")
+    if full_type == "proportional":
+        prop = float(full.get("partial_rotary_factor", 1.0))
+        if not 0.0 <= prop <= 1.0:
+            raise ConfigError(f"{source}: rope_parameters.full_attention.partial_rotary_factor must be in [0, 1], "
+                              f"got {prop}")
+        out.update(rope_theta=float(_need(full, "rope_theta", source + " rope_parameters.full_attention")),
+                   rope_type="proportional", rope_proportion=prop, rope_factor=float(full.get("factor", 1.0)))
+    elif full_type == "default":
+        out["rope_theta"] = float(_need(full, "rope_theta", source + " rope_parameters.full_attention"))
+    else:
+        raise ConfigError(f"{source}: rope_parameters.full_attention.rope_type {full_type!r} is not supported "
+                          "(default, proportional)")
+    if "sliding_attention" not in types:
+        out.pop("rope_local_theta", None)
+
+    shared = int(raw.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < n:
+        raise ConfigError(f"{source}: num_kv_shared_layers={shared} must be below num_hidden_layers={n}")
+    first = n - shared
+    sources = list(range(n))
+    for i in range(first, n):
+        own = [j for j in range(first) if types[j] == types[i]]
+        if not own:
+            raise ConfigError(f"{source}: KV-shared layer {i} ({types[i]}, num_kv_shared_layers={shared}) has no "
+                              f"earlier {types[i]} layer to share keys/values with")
+        sources[i] = own[-1]
+    ple = int(raw.get("hidden_size_per_layer_input", 256) or 0)
+    out.update(layer_windows=windows, layer_kv_source=tuple(sources) if shared else (),
+               per_layer_input_size=ple,
+               per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
+               activation=_activation(dict(raw, model_type="gemma"), "gemma", source),
+               qk_norm=True, v_norm=True, norm_offset=0.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
+               query_scale=1.0, layer_scalar=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    return out
+
+
+_FAMILY_FIELDS["gemma4_text"] = _gemma4_fields
+GEMMA4_MULTIMODAL_TYPES = ("gemma4",)  # Gemma4ForConditionalGeneration: refused (only its text model type loads)
 
 
 # --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)

@@ -52,6 +52,10 @@ def resize_token_embeddings(model: CausalLM, new_num_tokens: int, init_rows: sli
     config.vocab_size follows. Shrinking is refused (it would drop trained rows)."""
     old = int(model.model.embed_tokens.weight[...].shape[0])
     new_num_tokens = int(new_num_tokens)
+    if model.config.per_layer_input_size and new_num_tokens != old:
+        raise ValueError(f"resize_token_embeddings: {model.config.model_type} has per-layer input embeddings "
+                         "(embed_tokens_per_layer, vocab_size_per_layer_input), which are not resized here; growing "
+                         "its vocabulary is not supported")
     if new_num_tokens < old:
         raise ValueError(f"resize_token_embeddings: {new_num_tokens} rows is fewer than the model's {old}; "
                          "shrinking the vocabulary is not supported")
@@ -86,11 +90,15 @@ def add_new_tokens(model: CausalLM, tokenizer, new_tokens, method: str = "mean",
     fresh = list(dict.fromkeys(t for t in new_tokens if t not in known))
     if not fresh:
         return
+    rows = max(int(t[...].shape[0]) for t in _tables(model))
+    if model.config.per_layer_input_size and len(tokenizer) + len(fresh) > rows:
+        raise ValueError(f"add_new_tokens: {model.config.model_type} has per-layer input embeddings "
+                         "(embed_tokens_per_layer), which are not grown here; adding tokens past its "
+                         f"{rows} embedding rows is not supported")
     means = mean_of_trained_tokens(model)  # before the tokenizer changes: it raises on an untrained table
     old_length = len(tokenizer)
     tokenizer.add_tokens(fresh)
     new_length = len(tokenizer)
-    rows = max(int(t[...].shape[0]) for t in _tables(model))
     resize_token_embeddings(model, max(rows, new_length), init_rows=slice(old_length, new_length), means=means)
     model.need_to_train_embeddings = True  # get_peft_model adds embed_tokens / lm_head to modules_to_save
 

@@ -322,8 +322,8 @@ def _adapter_entries(model) -> list[_Entry]:
         a, b = lin.lora_a[...], lin.lora_b[...]
         prefix = f"base_model.model.model.layers.{{i}}.{PROJ_MODULE[proj]}.{proj}"
         for i in range(n):
-            if not layer_has(model.config, PROJ_MODULE[proj], i):  # Qwen3.5: a layer has one of its two mixers
-                continue
+            if not layer_has(model.config, i, f"{PROJ_MODULE[proj]}.{proj}."):
+                continue  # Qwen3.5: a layer has one of its two mixers; Gemma 4's KV-shared layers no k/v projections
             p = prefix.format(i=i)
             entries.append(_Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
                                   lambda a=a, i=i: np.asarray(a[i], np.float32).T))
@@ -507,6 +507,11 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
 
             def make(lin=lin, i=spec.layer):
                 return np.ascontiguousarray(kernel_of(lin, i).T).astype(out_dtype)
+        elif spec.kind == "matrix":  # an unstacked weight kept transposed (Gemma 4's per_layer_model_projection)
+            leaf = variable_at(model, spec.path)[...]
+
+            def make(leaf=leaf):
+                return np.ascontiguousarray(np.asarray(leaf, np.float32).T).astype(out_dtype)
         else:
             leaf = variable_at(model, spec.path)[...]
 

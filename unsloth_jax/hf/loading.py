@@ -97,7 +97,7 @@ def get_path(tree: dict, path: tuple[str, ...]):
 
 
 def _to_param_layout(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    if spec.kind in ("kernel", "router", "expert"):
+    if spec.kind in ("kernel", "router", "expert", "matrix"):
         return array.T
     if spec.kind == "experts":  # a fused [E, out, in] expert stack -> [E, in, out]
         return np.swapaxes(array, 1, 2)

@@ -84,6 +84,41 @@ _LINEAR_ATTN = [
       for name in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")],
 ]
 FAMILY_LAYER_TENSORS["qwen3_5_text"] = _LLAMA + _QK_NORM + _LINEAR_ATTN
+# Gemma 4 text: Gemma 3's tensors, the layer's scalar, and (with per-layer inputs) the per-layer input block;
+# KV-shared layers have no k_proj / v_proj / k_norm (`layer_has`)
+_GEMMA4_PLE = [
+    ("per_layer_input_gate.weight", ("per_layer_input_gate", "kernel"), "kernel"),
+    ("per_layer_projection.weight", ("per_layer_projection", "kernel"), "kernel"),
+    ("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "weight"), "norm"),
+]
+FAMILY_LAYER_TENSORS["gemma4_text"] = _LLAMA + _SANDWICH + _QK_NORM + [("layer_scalar", ("layer_scalar",), "norm")]
+KV_SHARED_SKIPS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")  # HF suffix prefixes
+
+
+def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
+    """Whether layer `layer` of the checkpoint holds the per-layer tensor (or PEFT module) `suffix` (e.g.
+    "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."): a Qwen3.5 layer has the tensors of its own token
+    mixer only (self_attn on its full-attention layers, linear_attn on its linear-attention layers); a Gemma 4
+    KV-shared layer has no key/value projections or key norm; every layer has every other tensor."""
+    parent = suffix.split(".", 1)[0]
+    if parent in ("self_attn", "linear_attn") and cfg.layer_linear:
+        return cfg.layer_linear[layer] == (parent == "linear_attn")
+    if parent == "linear_attn":
+        return False
+    return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
+
+
+def _gemma4_model_specs(cfg: ModelConfig) -> dict[str, "TensorSpec"]:
+    """Gemma 4's per-layer input tensors outside the layers: the [Vp, L * P] table, the [L * P, D] projection
+    (kind "matrix": an unstacked weight stored transposed) and the [P] norm."""
+    if not cfg.per_layer_input_size:
+        return {}
+    width, d = cfg.num_hidden_layers * cfg.per_layer_input_size, cfg.hidden_size
+    rows = [("model.embed_tokens_per_layer.weight", "embed", (cfg.per_layer_vocab_size, width)),
+            ("model.per_layer_model_projection.weight", "matrix", (width, d)),
+            ("model.per_layer_projection_norm.weight", "norm", (cfg.per_layer_input_size,))]
+    return {name: TensorSpec(name, tuple(name.split(".")[:-1]) + ("kernel" if kind == "matrix" else "weight",),
+                             None, kind, shape) for name, kind, shape in rows}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +129,8 @@ class TensorSpec:
     hf_name: str
     path: tuple[str, ...]
     layer: int | None
-    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused", and for MoE families MOE_KINDS
+    kind: str  # "embed" | "norm" | "kernel" | "bias" | "fused" | "matrix" (an unstacked, never quantized weight
+    #   stored transposed: Gemma 4's per_layer_model_projection), and for MoE families MOE_KINDS
     hf_shape: tuple[int, ...]
     parts: tuple["TensorSpec", ...] = ()  # kind "fused": the kernel spec of each projection, in row order
     expert: int | None = None  # kind "expert": the expert this tensor is
@@ -104,7 +140,7 @@ class TensorSpec:
     @property
     def param_shape(self) -> tuple[int, ...]:
         """The shape of this tensor's slot in param layout (one layer; for kind "expert" one expert's part)."""
-        if self.kind in ("kernel", "router", "expert"):
+        if self.kind in ("kernel", "router", "expert", "matrix"):
             return tuple(reversed(self.hf_shape))
         if self.kind == "experts":
             return (self.hf_shape[0], self.hf_shape[2], self.hf_shape[1])
@@ -124,16 +160,6 @@ def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         shapes.update(in_proj_qkv=(cfg.linear_conv_dim, d), in_proj_z=(value, d), in_proj_b=(hv, d),
                       in_proj_a=(hv, d), out_proj=(d, value))
     return shapes
-
-
-def layer_has(cfg: ModelConfig, parent: str, layer: int) -> bool:
-    """Whether decoder layer `layer` has the tensors of module `parent` (Qwen3.5: self_attn on its full-attention
-    layers only, linear_attn on its linear-attention layers only; every layer has every other module)."""
-    if not cfg.layer_linear:
-        return parent != "linear_attn"
-    if parent == "linear_attn":
-        return cfg.layer_linear[layer]
-    return parent != "self_attn" or not cfg.layer_linear[layer]
 
 
 def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
@@ -159,6 +185,8 @@ def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
         entries += _O_BIAS
     if cfg.mlp_bias:
         entries += _MLP_BIAS
+    if cfg.per_layer_input_size:
+        entries += _GEMMA4_PLE
     return entries
 
 
@@ -176,13 +204,18 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head", "weight"), None, "embed", (cfg.vocab_size, d))
     for i in range(cfg.num_hidden_layers):
         for suffix, sub, kind in layer_entries(cfg):
-            name = f"model.layers.{i}.{suffix}"
-            if not layer_has(cfg, sub[0], i):
+            if not layer_has(cfg, i, suffix):
                 continue
+            name = f"model.layers.{i}.{suffix}"
             if kind == "fused":
                 specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
                 continue
-            if kind == "kernel":
+            if sub[0] == "layer_scalar":
+                shape = (1,)
+            elif sub[0] in ("per_layer_input_gate", "per_layer_projection"):
+                p = cfg.per_layer_input_size
+                shape = (p, d) if sub[0] == "per_layer_input_gate" else (d, p)
+            elif kind == "kernel":
                 shape = shapes[sub[1]]
             elif kind == "bias":
                 shape = (shapes[sub[1]][0],)
@@ -195,6 +228,7 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
             specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
     if cfg.is_moe:
         specs.update(moe_specs(cfg, expert_layout))
+    specs.update(_gemma4_model_specs(cfg))
     return specs
 
 

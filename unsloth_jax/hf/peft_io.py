@@ -142,7 +142,7 @@ def _module_names(num_layers: int, cfg=None) -> list[str]:
     if cfg is None:
         return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
     return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS + LINEAR_TARGETS
-            if layer_has(cfg, PROJ_MODULE[p], i)]
+            if layer_has(cfg, i, f"{PROJ_MODULE[p]}.{p}.")]
 
 
 def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None,
@@ -318,7 +318,7 @@ def load_adapter(model, adapter_dir):
                 continue
             i, module, proj, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
             if proj not in PROJ_MODULE or PROJ_MODULE[proj] != module or i >= n_layers \
-                    or not layer_has(cfg, module, i):
+                    or not layer_has(cfg, i, f"{module}.{proj}."):
                 unexpected.append(key)
                 continue
             arr = f.get(key)
@@ -347,7 +347,7 @@ def load_adapter(model, adapter_dir):
                                     f"{list(targets)}, bias={bias!r}, modules_to_save={list(saved or [])}) or this "
                                     f"{cfg.model_type} model: {shown}")
     missing = [f"layers.{i}.{PROJ_MODULE[p]}.{p}.lora_{w}" for p in targets for i in range(n_layers) for w in "AB"
-               if (p, i, w) not in seen and layer_has(cfg, PROJ_MODULE[p], i)]
+               if (p, i, w) not in seen and layer_has(cfg, i, f"{PROJ_MODULE[p]}.{p}.")]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")

@@ -70,25 +70,32 @@ class PrefillImages(NamedTuple):
 
 
 def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool,
-            rope=None, long=None, deepstack=None):
+            rope=None, long=None, ple=None, deepstack=None):
     """Every layer over x [B, S, D], layer i with the cache `caches(i)` (a PagedPrefill or PagedDecode over its
-    page pools) -> (x, new pools tuple). decode: one token per row (projection kernels read in place). rope:
+    page pools; a linear-attention layer's RecurrentPrefill or RecurrentDecode over its rows' recurrent states)
+    -> (x, new pools tuple). decode: one token per row (projection kernels read in place). rope:
     ((cos, sin), local) tables to rotate by instead of the text model's at `positions`. long: LongRoPE's
-    factors per row ([B] bool), or None. deepstack: [K, B, S, D] added to the output of layers 0 .. K-1."""
+    factors per row ([B] bool), or None. ple: Gemma 4's per-layer inputs [L, B, S, P], or None. A KV-shared
+    layer (Gemma 4) attends over its source layer's keys/values (prefill) or pages (decode), its own pages
+    left unwritten. deepstack: [K, B, S, D] added to the output of layers 0 .. K-1 (Qwen3-VL), or None."""
     cfg = model.config
     (cos, sin), local = model.model.rope(positions, long) if rope is None else rope
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
     linear = model.model.layer_linear()  # Qwen3.5: caches(i) of a linear layer is its RecurrentPrefill / Decode
     batch = Batch(positions=positions, kv_valid=None, segment_ids=None, kv_lengths=lengths)
-    pools = []
-    ropes = model.model.layer_ropes(cos, sin, local)  # per group layer; (None, None) on NoPE layers
+    pools, shared = [], {}
+    ropes = model.model.layer_ropes(cos, sin, local)  # per layer; (None, None) on NoPE layers
     for i in range(cfg.num_hidden_layers):
-        j = i % cfg.layer_period
-        rope = ropes[j]
         layer = layer_module(plan, weights, i, in_place=decode)
-        x, kv, _ = layer(x, *rope, batch, windows[j], caches(i), sparse=sparse[j], linear=linear[j])
+        extra = {} if ple is None else {"per_layer_input": ple[i]}
+        if cfg.kv_source(i) != i:
+            extra["shared"] = shared[cfg.kv_source(i)]
+        x, kv, _, fresh = layer(x, *ropes[i], batch, windows[i], caches(i), sparse=sparse[i], linear=linear[i],
+                                return_kv=True, **extra)
         if deepstack is not None and i < deepstack.shape[0]:
             x = x + deepstack[i].astype(x.dtype)
+        if i in cfg.kv_shared_sources:
+            shared[i] = (fresh, kv)
         pools.append(kv)
     return x, tuple(pools)
 
@@ -106,8 +113,10 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
     p, s = ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
     rope, block_ids, deepstack = None, None, None
+    ple = None
     if images is None:
         x = model.model.embed(ids, model.dtype)
+        ple = model.model.per_layer_inputs(ids, x)
     else:
         x, block_ids, deepstack = images.embeds, images.block_ids, images.deepstack
         if images.rope_positions is not None:
@@ -120,7 +129,7 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
         return PagedPrefill(pools[i][0], pools[i][1], slots, lengths, block_ids)
 
     x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope, long=long,
-                       deepstack=deepstack)
+                       ple=ple, deepstack=deepstack)
     last = jnp.take_along_axis(x, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
     return pools, model.logits_from_hidden(model.model.norm(last))
 
@@ -175,6 +184,7 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
         slots = jnp.where(live, page * page_size + rows.lengths % page_size, num_slots)  # idle rows: dropped
         attend_len = jnp.where(live, rows.lengths + 1, 0)
         x = model.model.embed(rows.tokens[:, None], model.dtype)
+        ple = model.model.per_layer_inputs(rows.tokens[:, None], x)
 
         def caches(i):
             if model.config.layer_linear and model.config.layer_linear[i]:
@@ -183,7 +193,8 @@ def _decode_chunk(weights: DecodeWeights, pools, rows: Rows, tables, steps, *, p
 
         positions = rows.lengths if rows.offsets is None else rows.lengths + rows.offsets
         long = None if rows.long_from is None else rows.generated - 1 >= rows.long_from  # the fed token's index
-        x, pools = _layers(plan, weights, model, x, positions[:, None], caches, None, decode=True, long=long)
+        x, pools = _layers(plan, weights, model, x, positions[:, None], caches, None, decode=True, long=long,
+                           ple=ple)
         logits = model.logits_from_hidden(model.model.norm(x[:, 0]))
         tok, lp = sample(logits, rows.params, token_keys(rows.keys, rows.generated), flags, rows.seen)
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))

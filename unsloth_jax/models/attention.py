@@ -1,7 +1,8 @@
-"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3), RoPE (on the
-first rotary_dim dims of each head: Phi-3's partial rotary; none in SmolLM3's NoPE layers, given cos = None),
-GQA attention, optional attention sinks (gpt-oss), optional output gate (Qwen3.5: q_proj gives each head's query
-then its gate, and the attention output is multiplied by sigmoid(gate) before o_proj)."""
+"""Self-attention of one decoder layer: q/k/v/o projections, optional q/k norms (Qwen3, Gemma 3) and value norm
+(Gemma 4), RoPE (on the first rotary_dim dims of each head: Phi-3's partial rotary; none in SmolLM3's NoPE
+layers, given cos = None), GQA attention, optional attention sinks (gpt-oss), optional output gate (Qwen3.5: q_proj
+gives each head's query then its gate, and the attention output is multiplied by sigmoid(gate) before o_proj), and
+Gemma 4's KV-shared layers (attending over an earlier layer's keys/values)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -43,6 +44,11 @@ class KVCache(NamedTuple):
                             kv_valid=self.valid, q_offset=self.index, sinks=sinks)
         return out, (ck, cv)
 
+    def read(self, q, fresh, arrays, *, scale, window, softcap, sinks):
+        """Attend q over another layer's updated cache `arrays` (k, v) without writing (a KV-shared layer)."""
+        return ops.attention(q, arrays[0], arrays[1], scale=scale, causal=True, window=window, softcap=softcap,
+                             kv_valid=self.valid, q_offset=self.index, sinks=sinks)
+
 
 class PagedPrefill(NamedTuple):
     """One layer's page pool while a batch of prompts is prefilled: the prompts attend to themselves only.
@@ -64,6 +70,12 @@ class PagedPrefill(NamedTuple):
                             kv_lengths=self.lengths, sinks=sinks, block_ids=self.block_ids)
         return out, write_pages(self.k_pages, self.v_pages, self.slots, k, v)
 
+    def read(self, q, fresh, arrays, *, scale, window, softcap, sinks):
+        """Attend q over another layer's keys/values of these prompts, `fresh` (k, v), without writing."""
+        valid = (jnp.arange(q.shape[1])[None, :] < self.lengths[:, None]).astype(jnp.int32)
+        return ops.attention(q, fresh[0], fresh[1], scale=scale, causal=True, window=window, softcap=softcap,
+                             kv_valid=valid, kv_lengths=self.lengths, sinks=sinks, block_ids=self.block_ids)
+
 
 class PagedDecode(NamedTuple):
     """One layer's page pool during decoding: one new token per row.
@@ -82,6 +94,23 @@ class PagedDecode(NamedTuple):
         out = ops.paged_attention(q[:, 0], kp, vp, self.block_tables, self.lengths, scale=scale, window=window,
                                   softcap=softcap, sinks=sinks)
         return out[:, None], (kp, vp)
+
+    def read(self, q, fresh, arrays, *, scale, window, softcap, sinks):
+        """Attend q over another layer's updated page pools `arrays` (k, v), this layer's own left unwritten."""
+        out = ops.paged_attention(q[:, 0], arrays[0], arrays[1], self.block_tables, self.lengths, scale=scale,
+                                  window=window, softcap=softcap, sinks=sinks)
+        return out[:, None]
+
+
+def _own_arrays(cache):
+    """A cache's arrays as its `attend` returns them updated: the page pools of a paged cache, else (k, v)."""
+    return (cache.k_pages, cache.v_pages) if hasattr(cache, "k_pages") else (cache.k, cache.v)
+
+
+def _weightless_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x * (mean(x^2) + eps) ** -0.5 over the last axis, in float32, back in x's dtype (Gemma 4's value norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def write_pages(k_pages, v_pages, slots, k, v):
@@ -117,16 +146,21 @@ class Attention(nnx.Module):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
         self.q_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
+        self.v_norm_eps = float(cfg.rms_norm_eps) if cfg.v_norm else None  # Gemma 4: weightless norm of values
         # gpt-oss: one learned softmax-denominator logit per query head [*stack, Hq] (frozen)
         self.sinks = nnx.data(nnx.Param(jnp.zeros((*stack, hq), dtype)) if cfg.attn_sinks else None)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
-                 cache: KVCache | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """x [B, S, D] (already normed) -> ([B, S, D], new (k, v) cache arrays or None). cos/sin None: this
-        layer applies no RoPE (a NoPE layer, ModelConfig.layer_rope).
+                 cache: KVCache | None = None, shared: tuple | None = None):
+        """x [B, S, D] (already normed) -> ([B, S, D], new (k, v) cache arrays or None, (k, v)). cos/sin None:
+        this layer applies no RoPE (a NoPE layer, ModelConfig.layer_rope).
 
         With `cache` (KVCache, PagedPrefill or PagedDecode), the cache writes the new keys/values and runs the
-        attention (`cache.attend`); the second item is then the cache's new arrays.
+        attention (`cache.attend`); the second item is then the cache's new arrays. The third is this layer's
+        keys/values [B, S, Hkv, hd] after their norms and RoPE (what a KV-shared layer reads).
+        shared: ((k, v), cache arrays or None) of the earlier layer a KV-shared layer (Gemma 4) attends over; this
+        layer's k/v projections are then unused, its cache (if any) unwritten and returned as it is, and the
+        third item is None.
         """
         b, s, _ = x.shape
         gate = None
@@ -134,28 +168,46 @@ class Attention(nnx.Module):
             q, gate = jnp.split(self.q_proj(x).reshape(b, s, self.num_heads, 2 * self.head_dim), 2, axis=-1)
         else:
             q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-            k = self.k_norm(k)
+        if shared is None:
+            k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm_eps is not None:
+                v = _weightless_rms_norm(v, self.v_norm_eps)
         if cos is not None:  # None: a NoPE layer (SmolLM3), no rotary embedding at all
-            q, k = self.rotate(q, k, cos, sin)
+            if shared is None:
+                q, k = self.rotate(q, k, cos, sin)
+            else:
+                q, _ = self.rotate(q, q[:, :, :1], cos, sin)  # ops.rope rotates a pair: a dropped one-head k
         new_cache = None
         sinks = None if self.sinks is None else jax.lax.stop_gradient(self.sinks[...])
-        if cache is None:
+        common = dict(scale=self.scale, window=window, softcap=self.softcap, sinks=sinks)
+        if shared is not None:
+            (k, v), arrays = shared
+            if cache is None:
+                out = ops.attention(q, k, v, causal=True, kv_valid=batch.kv_valid, segment_ids=batch.segment_ids,
+                                    kv_lengths=batch.kv_lengths, block_ids=batch.block_ids, **common)
+            else:  # attend over the other layer's cache; this layer's own stays as it is
+                out = cache.read(q, (k, v), arrays, **common)
+                new_cache = _own_arrays(cache)
+            kv = None
+        elif cache is None:
             # names for the "save_attention" remat policy (unsloth_jax.models.layer_stack)
             q, k, v = (checkpoint_name(t, n) for t, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
-            out = ops.attention(q, k, v, scale=self.scale, causal=True, window=window, softcap=self.softcap,
-                                kv_valid=batch.kv_valid, segment_ids=batch.segment_ids, kv_lengths=batch.kv_lengths,
-                                sinks=sinks, block_ids=batch.block_ids)
+            out = ops.attention(q, k, v, causal=True, kv_valid=batch.kv_valid, segment_ids=batch.segment_ids,
+                                kv_lengths=batch.kv_lengths, block_ids=batch.block_ids, **common)
             out = checkpoint_name(out, "attn_out")
+            kv = (k, v)
         else:  # KVCache, PagedPrefill or PagedDecode: the cache writes this call's keys/values and attends
-            out, new_cache = cache.attend(q, k, v, scale=self.scale, window=window, softcap=self.softcap, sinks=sinks)
+            out, new_cache = cache.attend(q, k, v, **common)
+            kv = (k, v)
         out = out.reshape(b, s, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.reshape(out.shape)).astype(out.dtype)
-        return self.o_proj(out), new_cache
+        return self.o_proj(out), new_cache, kv
 
     def rotate(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE on q [B, S, Hq, hd] and k [B, S, Hkv, hd] with cos/sin [B, S, rotary_dim]; the dims past

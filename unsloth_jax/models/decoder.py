@@ -13,9 +13,12 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.layers.mlp.{gate|router,experts.*}                       (MoE families: see unsloth_jax.models.moe)
     model.layers.self_attn.sinks [L, Hq]                           (gpt-oss)
     model.layers.linear_attn.*                                     (Qwen3.5: see unsloth_jax.models.linear_attention)
+    model.embed_tokens_per_layer.weight [Vp, L*P], model.per_layer_model_projection.kernel [D, L*P],
+    model.per_layer_projection_norm.weight [P], model.layers.per_layer_input_gate / per_layer_projection,
+    model.layers.post_per_layer_input_norm.weight [L, D], model.layers.layer_scalar [L, 1]   (Gemma 4)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
-runs them (unsloth_jax.models.layer_stack: a `lax.scan` over groups of `cfg.layer_period` layers) under the
+runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
 `LayerStackPolicy` it is given: what each layer keeps for the backward pass, what goes to pinned host memory,
 two-level checkpointing, the loop's settings.
 
@@ -28,11 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
-from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, group_linear, group_ropes, group_sparse,
-                                            group_windows, require_policy, run_layers)
-from unsloth_jax.models.layers import Embedding, RMSNorm
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_linear, layer_ropes, layer_sparse,
+                                            layer_windows, require_policy, run_layers)
+from unsloth_jax.models.layers import Embedding, Linear, RMSNorm
 from unsloth_jax.models.linear_attention import LINEAR_PROJS, GatedDeltaNet
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
@@ -46,7 +50,8 @@ PROJ_PARENT |= {p: "linear_attn" for p in LINEAR_PROJS}  # Qwen3.5's linear-atte
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm decoder layer (Gemma 2, Gemma 3: with sandwich norms around attention and the MLP)."""
+    """One pre-norm decoder layer (Gemma 2, 3, 4: with sandwich norms around attention and the MLP; Gemma 4: then
+    the per-layer input block and the layer's scalar)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
@@ -58,20 +63,35 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
         self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
+        # Gemma 4: the per-layer input block (gate D -> P, times the layer's input, projection P -> D, norm)
+        p = cfg.per_layer_input_size
+        self.activation = cfg.activation
+        self.per_layer_input_gate = nnx.data(Linear(cfg.hidden_size, p, stack=stack, dtype=dtype, rngs=rngs)
+                                             if p else None)
+        self.per_layer_projection = nnx.data(Linear(p, cfg.hidden_size, stack=stack, dtype=dtype, rngs=rngs)
+                                             if p else None)
+        self.post_per_layer_input_norm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if p else None)
+        # Gemma 4: the layer's output scale [*stack, 1] (a buffer in transformers, which never trains it: its
+        # gradient is stopped here; full fine-tuning's weight decay would still shrink it)
+        self.layer_scalar = nnx.data(nnx.Param(jnp.ones((*stack, 1), dtype)) if cfg.layer_scalar else None)
         if cfg.has_linear_layers:  # Qwen3.5: every layer holds both mixers; each layer runs its own (layer_linear)
             self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
-                 cache: KVCache | None = None, sparse: bool = False, linear: bool = False):
-        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None).
+                 cache: KVCache | None = None, sparse: bool = False, linear: bool = False, *,
+                 per_layer_input: jax.Array | None = None, shared: tuple | None = None, return_kv: bool = False):
+        """x [B, S, D] -> ([B, S, D], new (k, v) cache arrays or None, RouterStats or None), and with
+        return_kv=True a fourth item: this layer's keys/values (Attention's third output) for KV-shared layers.
 
         sparse (static): this layer's MLP is the routed experts block (MoE families); its router statistics
         are returned. linear (static): this layer mixes tokens by linear attention (`linear_attn`, Qwen3.5); its
-        cache is then a RecurrentPrefill / RecurrentDecode and the second item its new RecurrentState."""
+        cache is then a RecurrentPrefill / RecurrentDecode, the second item its new RecurrentState and the fourth
+        None. per_layer_input [B, S, P]: this layer's slice of the per-layer inputs (Gemma 4).
+        shared: what a KV-shared layer attends over (Attention's `shared`)."""
         if linear:
-            h, new_cache = self.linear_attn(self.input_layernorm(x), batch, cache)
+            (h, new_cache), kv = self.linear_attn(self.input_layernorm(x), batch, cache), None
         else:
-            h, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache)
+            h, new_cache, kv = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache, shared)
         stats = None
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
@@ -82,7 +102,13 @@ class DecoderLayer(nnx.Module):
                 h, stats = self.mlp(self.post_attention_layernorm(x), sparse=sparse, valid=batch.kv_valid)
             else:
                 h = self.mlp(self.post_attention_layernorm(x))
-        return x + h, new_cache, stats
+        x = x + h
+        if self.per_layer_input_gate is not None:
+            g = ops.glu(self.per_layer_input_gate(x), per_layer_input.astype(x.dtype), self.activation)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        if self.layer_scalar is not None:
+            x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
+        return (x, new_cache, stats, kv) if return_kv else (x, new_cache, stats)
 
 
 def call_inputs(input_ids, attention_mask=None, positions=None, segment_ids=None) -> tuple[jax.Array, Batch]:
@@ -118,6 +144,15 @@ class DecoderModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = DecoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        # Gemma 4's per-layer inputs (PLE): a [Vp, L * P] table and a D -> L * P projection of the embeddings
+        width = cfg.num_hidden_layers * cfg.per_layer_input_size
+        self.embed_tokens_per_layer = nnx.data(
+            Embedding(cfg.per_layer_vocab_size, width, dtype=dtype, rngs=rngs) if width else None)
+        self.per_layer_model_projection = nnx.data(
+            Linear(cfg.hidden_size, width, dtype=dtype, rngs=rngs) if width else None)
+        self.per_layer_projection_norm = nnx.data(
+            RMSNorm(cfg.per_layer_input_size, eps=cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            if width else None)
 
     def embed(self, input_ids: jax.Array, dtype) -> jax.Array:
         """input_ids [B, S] -> [B, S, D] in `dtype` (Gemma: times sqrt(D), rounded to `dtype` first as HF does)."""
@@ -126,22 +161,39 @@ class DecoderModel(nnx.Module):
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, dtype)
         return x
 
+    def per_layer_inputs(self, input_ids: jax.Array, x: jax.Array) -> jax.Array | None:
+        """Gemma 4's per-layer inputs [L, B, S, P] in x's dtype for input_ids [B, S] and their embeddings x
+        [B, S, D] (`embed`'s output): (RMSNorm(x @ projection / sqrt(D)) + table[ids] * sqrt(P)) / sqrt(2), layer
+        i's slice feeding layer i; None for families without them."""
+        cfg = self.config
+        if self.embed_tokens_per_layer is None:
+            return None
+        if input_ids is None:
+            raise ValueError(f"{cfg.model_type}: the per-layer input embeddings need input_ids (inputs_embeds alone "
+                             "cannot give them)")
+        p, dt = cfg.per_layer_input_size, x.dtype
+        table = self.embed_tokens_per_layer(input_ids).astype(dt) * jnp.asarray(p ** 0.5, dt)
+        proj = self.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size ** -0.5, dt)
+        proj = self.per_layer_projection_norm(proj.reshape(*x.shape[:-1], cfg.num_hidden_layers, p))
+        out = (proj + table.reshape(proj.shape)) * jnp.asarray(2.0 ** -0.5, dt)
+        return jnp.moveaxis(out, -2, 0)
+
     def layer_windows(self) -> tuple[int | None, ...]:
-        """The attention window of each layer of one scan group (length cfg.layer_period)."""
-        return group_windows(self.config)
+        """The attention window of every layer (length L)."""
+        return layer_windows(self.config)
 
     def layer_sparse(self) -> tuple[bool, ...]:
-        """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
-        return group_sparse(self.config)
+        """Whether every layer routes to experts (length L)."""
+        return layer_sparse(self.config)
 
     def layer_linear(self) -> tuple[bool, ...]:
-        """Whether each layer of one scan group mixes tokens by linear attention (length cfg.layer_period)."""
-        return group_linear(self.config)
+        """Whether every layer mixes tokens by linear attention (Qwen3.5; length L)."""
+        return layer_linear(self.config)
 
     def layer_ropes(self, cos, sin, local=None) -> tuple:
-        """The (cos, sin) each layer of one scan group rotates by (length cfg.layer_period): `local` on the
-        sliding-window layers when given, (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
-        return group_ropes(self.config, cos, sin, local)
+        """The (cos, sin) every layer rotates by (length L): `local` on the sliding-window layers when given,
+        (None, None) on NoPE layers (cfg.layer_rope), else (cos, sin)."""
+        return layer_ropes(self.config, cos, sin, local)
 
     def rope(self, positions: jax.Array, long: jax.Array | None = None):
         """RoPE tables for positions [B, S]: ((cos, sin), local), cos/sin [B, S, rope_dim] float32 for the global
@@ -152,14 +204,15 @@ class DecoderModel(nnx.Module):
         return rope_tables(cfg, positions, long=long), local
 
     def run_layers(self, x: jax.Array, cos, sin, batch: Batch, *, remat_mode: LayerStackPolicy = NO_REMAT,
-                   cache: KVCache | None = None, local_rope=None, router_stats: bool = False):
+                   cache: KVCache | None = None, local_rope=None, router_stats: bool = False,
+                   per_layer_inputs: jax.Array | None = None):
         """Every decoder layer over x [B, S, D] under the layer-stack policy `remat_mode` (a LayerStackPolicy,
         parsed where the user gave it): unsloth_jax.models.layer_stack.run_layers, which says what cos/sin,
-        cache, local_rope and router_stats are and what it returns: (x, None), (x, (k, v)) with a cache, and
-        the RouterStats third with router_stats=True."""
+        cache, local_rope, router_stats and per_layer_inputs are and what it returns: (x, None), (x, (k, v))
+        with a cache, and the RouterStats third with router_stats=True."""
         return run_layers(self.layers, self.config, x, cos, sin, batch,
                           policy=require_policy(remat_mode, "remat_mode"), cache=cache,
-                          local_rope=local_rope, router_stats=router_stats)
+                          local_rope=local_rope, router_stats=router_stats, per_layer_inputs=per_layer_inputs)
 
     def __call__(self, input_ids: jax.Array | None, batch: Batch, *,
                  remat_mode: LayerStackPolicy = NO_REMAT, dtype=None, router_stats: bool = False,
@@ -173,11 +226,12 @@ class DecoderModel(nnx.Module):
         else:
             x = self.embed(input_ids, dtype or self.embed_tokens.weight[...].dtype)
         (cos, sin), local = self.rope(batch.positions)
+        ple = self.per_layer_inputs(input_ids, x)
         if router_stats:
             x, _, stats = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local,
-                                          router_stats=True)
+                                          router_stats=True, per_layer_inputs=ple)
             return self.norm(x), stats
-        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local)
+        x, _ = self.run_layers(x, cos, sin, batch, remat_mode=remat_mode, local_rope=local, per_layer_inputs=ple)
         return self.norm(x)
 
 

@@ -33,19 +33,23 @@ Its name (str(policy)) is the remat mode users know, and `parse` reads it back: 
 "full_every_K" / "offload_every_K", each followed by any non-default setting: "offload,layer_loop=unrolled".
 `parse` also takes Unsloth's False / True / "unsloth". A policy compares equal to its name.
 
-`run_layers` runs `lax.scan` over groups of `cfg.layer_period` layers (1 for most families, 2 for Gemma 2, whose
-sliding and global layers alternate, 6 for Gemma 3; a Qwen3-MoE with dense layers repeats its pattern of expert
-and dense MLPs), merging one layer's slice of the stacked state into a module per step (`nnx.merge`), so compile
-time does not grow with depth and each layer of a group keeps a static attention window, RoPE table and MLP kind.
-When the period does not divide L (Gemma 3: 26 = 4 x 6 + 2), the last L mod period layers are a second, one-step
-scan. Each group runs under `jax.checkpoint` (`checkpointed`), except that the host-offload modes in training go
-through `models.offload.offloaded_layer_scan` (the prefetched custom-VJP scan) instead.
+`run_layers` runs the stack segment by segment (`ModelConfig.layer_segments`): a segment is a run of consecutive
+layers that repeats one group of layer kinds (window, MLP kind, RoPE choice, token mixer), and each segment is one
+`lax.scan` over its groups, merging one layer's slice of the stacked state into a module per step (`nnx.merge`), so
+compile time grows with the number of distinct segments and their group sizes, not with depth, and each layer of a
+group keeps a static attention window, RoPE table, MLP kind and token mixer. Most families are one segment with
+groups of 1 layer; Gemma 2's groups are 2 (sliding, global), Gemma 3's 6 with a tail segment (26 = 4 x 6 + 2);
+Qwen3.5's 3 linear-attention : 1 full-attention layers are groups of 4; GLM-4.5's [dense, dense, MoE x 58] is two
+segments of 1-layer groups, not 60 unrolled layers. Each group runs under `jax.checkpoint` (`checkpointed`), except
+that the host-offload modes in training go through `models.offload.offloaded_layer_scan` (the prefetched custom-VJP
+scan) instead, one per segment (except for Gemma 4's per-layer inputs and KV-shared layers, whose values cross
+segments: jax's offload policy runs those).
 
 Two-level checkpointing (layers_per_checkpoint = K > 1, for long sequences): the scan groups are themselves
-grouped K layers at a time (K rounded up to a multiple of the period), an outer scan runs over those checkpointed
-groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and each runs an
-inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra forward of
-it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
+grouped K layers at a time (K rounded up to a multiple of the segment's group size), an outer scan runs over those
+checkpointed groups, whose inputs alone are kept across the stack (on the device, or in pinned host memory), and
+each runs an inner scan of per-layer "full" remat: the backward pass recomputes one checkpointed group (one extra
+forward of it), keeping its K layer inputs while its layers' backward runs. Kept layer inputs: L/K + K instead of L.
 
 Adding a remat mode: a row of MODES (its name -> (checkpoint, offload)), and, for a new checkpoint or offload
 value, a member of Checkpoint / Offload and its jax.checkpoint policy in `_jax_policy` (or its own path in
@@ -354,72 +358,83 @@ def remat(fn, mode, *, offloaded: str = "layer_input"):
     return checkpointed(fn, policy, offloaded=offloaded)
 
 
-def group_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
-    """The attention window of each layer of one scan group (length cfg.layer_period)."""
-    return (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[:cfg.layer_period]
+def layer_windows(cfg: ModelConfig) -> tuple[int | None, ...]:
+    """The attention window of every layer (length L; None: full attention)."""
+    return cfg.layer_windows or (None,) * cfg.num_hidden_layers
 
 
-def group_sparse(cfg: ModelConfig) -> tuple[bool, ...]:
-    """Whether each layer of one scan group routes to experts (length cfg.layer_period)."""
-    return (cfg.layer_sparse or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
+def layer_sparse(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether every layer routes to experts (length L)."""
+    return cfg.layer_sparse or (False,) * cfg.num_hidden_layers
 
 
-def group_linear(cfg: ModelConfig) -> tuple[bool, ...]:
-    """Whether each layer of one scan group mixes tokens by linear attention (Qwen3.5; length cfg.layer_period)."""
-    return (cfg.layer_linear or (False,) * cfg.num_hidden_layers)[:cfg.layer_period]
+def layer_linear(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether every layer mixes tokens by gated DeltaNet linear attention (Qwen3.5; length L)."""
+    return cfg.layer_linear or (False,) * cfg.num_hidden_layers
 
 
-def group_rope(cfg: ModelConfig) -> tuple[bool, ...]:
-    """Whether each layer of one scan group applies RoPE (length cfg.layer_period; False: a NoPE layer)."""
-    return (cfg.layer_rope or (True,) * cfg.num_hidden_layers)[:cfg.layer_period]
-
-
-def group_ropes(cfg: ModelConfig, cos, sin, local_rope=None) -> tuple:
-    """The (cos, sin) each layer of one scan group rotates by: `local_rope` for the sliding-window layers when
-    given (Gemma 3), (None, None) for the NoPE layers (SmolLM3: Attention then rotates nothing), else (cos, sin)."""
-    return tuple((None, None) if not rotates else
-                 local_rope if (local_rope is not None and w is not None) else (cos, sin)
-                 for w, rotates in zip(group_windows(cfg), group_rope(cfg)))
+def layer_ropes(cfg: ModelConfig, cos, sin, local_rope=None) -> tuple:
+    """The (cos, sin) every layer rotates by (length L): `local_rope` for the sliding-window layers when given
+    (Gemma 3), (None, None) for the NoPE layers (SmolLM3: Attention then rotates nothing), else (cos, sin)."""
+    rotates = cfg.layer_rope or (True,) * cfg.num_hidden_layers
+    return tuple((None, None) if not r else local_rope if (local_rope is not None and w is not None) else (cos, sin)
+                 for w, r in zip(layer_windows(cfg), rotates))
 
 
 def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
                policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
-               router_stats: bool = False):
+               router_stats: bool = False, per_layer_inputs: jax.Array | None = None):
     """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
-    x [B, S, D], as a scan over groups of cfg.layer_period layers (and a one-step scan over the remaining L mod
-    period layers, if any). Layer i has the window, MLP kind and RoPE choice of layer i % period, so the tail's layers are
-    those of the first `tail` layers of a group.
-    policy: the LayerStackPolicy (module docstring); under two-level checkpointing the scan groups run in
-    checkpointed groups of ceil(K / period) scan groups (the last one shorter when they do not divide
-    L // period); the L mod period tail layers keep per-layer "full" remat.
+    x [B, S, D], segment by segment (cfg.layer_segments: consecutive runs of a repeating group of layer kinds),
+    each segment a scan over its groups, whose body runs the group's layers with their static windows, MLP kinds
+    and RoPE tables.
+    policy: the LayerStackPolicy (module docstring); under two-level checkpointing a segment's groups run in
+    checkpointed groups of ceil(K / period) scan groups (the last one shorter when they do not divide the
+    segment's groups).
 
     cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
     (Gemma 3, from `DecoderModel.rope`), or None; NoPE layers (cfg.layer_rope False) get neither.
     cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
     a NamedTuple with k and v fields and an `attend` as KVCache's).
+    per_layer_inputs: [L, B, S, P] (Gemma 4's per-layer inputs, DecoderModel.per_layer_inputs), layer i's slice
+    fed to layer i; None for other families.
+    KV-shared layers (Gemma 4, cfg.kv_source) attend over the keys/values of their source layer, which runs in an
+    earlier segment (its kind is unique, so its segment is one group) and hands them on; a KV-shared layer's own
+    cache slot is left as it is.
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
     router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
     """
-    period = cfg.layer_period
-    groups, tail = divmod(cfg.num_hidden_layers, period)
-    windows = group_windows(cfg)
-    sparse = group_sparse(cfg)
-    linear = group_linear(cfg)
-    ropes = group_ropes(cfg, cos, sin, local_rope)
+    windows, sparse, linear = layer_windows(cfg), layer_sparse(cfg), layer_linear(cfg)
+    sources = cfg.kv_shared_sources
+    shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment
+    ropes = layer_ropes(cfg, cos, sin, local_rope)
     graphdef, state = nnx.split(layers)
+    unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice
+    keep = attention_residuals_saveable if policy.offload is Offload.INPUTS_AND_ATTENTION else None
 
-    def run_group(h, xs_group, ropes, batch):
+    def run_group(first, h, xs_group, group_ropes, batch):
+        """One group of layers, the first with the kinds of layer `first` (static). xs_group: {"layers": the
+        group's stacked state, and "ple" (per-layer inputs), "k", "v" (cache slots) where given}."""
         h = checkpoint_name(h, "layer_input")
-        layer_states = xs_group if cache is None else xs_group[0]
-        size = jax.tree.leaves(layer_states)[0].shape[0]  # period, or the tail's length
-        new_k, new_v, stats = [], [], []
+        layer_states = xs_group["layers"]
+        size = jax.tree.leaves(layer_states)[0].shape[0]
+        new_k, new_v, stats, handed = [], [], [], {}
         for j in range(size):
+            i = first + j
             layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
             layer_cache = None
             if cache is not None:
-                layer_cache = cache._replace(k=xs_group[1][j], v=xs_group[2][j])  # KVCache or a variant
-            h, kv, layer_stats = layer(h, *ropes[j], batch, windows[j], layer_cache, sparse=sparse[j],
-                                       linear=linear[j])
+                layer_cache = cache._replace(k=xs_group["k"][j], v=xs_group["v"][j])  # KVCache or a variant
+            extra = {}
+            if "ple" in xs_group:
+                extra["per_layer_input"] = xs_group["ple"][j]
+            if cfg.kv_source(i) != i:
+                src = cfg.kv_source(i)
+                extra["shared"] = handed[src] if src in handed else shared[src]  # this group's, or an earlier one's
+            h, kv, layer_stats, fresh = layer(h, *group_ropes[j], batch, windows[i], layer_cache, sparse=sparse[i],
+                                              linear=linear[i], return_kv=True, **extra)
+            if i in sources:
+                handed[i] = (fresh, kv)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -427,80 +442,83 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
                 stats.append(layer_stats)
         kv_out = (jnp.stack(new_k), jnp.stack(new_v)) if cache is not None else None
         stats_out = jax.tree.map(lambda *a: jnp.stack(a), *stats) if router_stats and stats else None
-        return h, (kv_out, stats_out)
+        return h, (kv_out, stats_out, handed)
 
-    def group_body(h, xs_group):
-        return run_group(h, xs_group, ropes, batch)
-
-    unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice
-    inner = -(-policy.layers_per_checkpoint // period)  # scan groups per checkpointed group (two-level)
-    two_level = inner > 1
-    body = checkpointed(group_body, FULL if two_level else policy)
-    # the host-offload modes in training: the hand-written VJP that prefetches the offloaded inputs
-    # (models.offload); with attention's forward residuals kept beside each layer's input under
-    # "inputs_and_attention"
-    prefetched = policy.offload_scan and not two_level and cache is None and not router_stats
-    keep = attention_residuals_saveable if policy.offload is Offload.INPUTS_AND_ATTENTION else None
-
-    def outer_body(h, xs_outer):
-        """`inner` scan groups, each recomputed in the backward pass from its own input (kept while this
-        group's backward runs); only this group's input h is kept across the stack."""
-        h = checkpoint_name(h, "group_input")
-        return jax.lax.scan(body, h, xs_outer, unroll=unroll)
-
-    outer = checkpointed(outer_body, policy, offloaded="group_input") if two_level else None
-
-    def scan(h, start, count, size, per_outer=None):
-        """Scan `body` over `count` groups of `size` layers starting at layer `start`; with per_outer, scan
-        `outer` over `count` groups of `per_outer` such groups. Returns (h, (kv, stats)) with kv and stats
-        flattened to one leading layer axis (or None)."""
-        shape = (count, size) if per_outer is None else (count, per_outer, size)
-        n = math.prod(shape)
-
-        def grouped(a):
-            if start or n != a.shape[0]:
-                a = a[start:start + n]
-            return a.reshape(shape + a.shape[1:])
-
-        xs = jax.tree.map(grouped, state)
-        if prefetched:  # never two-level, so per_outer is None here
-            h = offloaded_layer_scan(lambda h, xs_group, side: run_group(h, xs_group, *side)[0], h, xs,
-                                     (ropes, batch), keep=keep, unroll=unroll, chunk_bytes=policy.copy_chunk_bytes,
-                                     prefetch_weights=policy.prefetch_weights)
+    def scan_segment(h, first, period, groups):
+        """The segment of `groups` groups of `period` layers from layer `first` -> (h, (kv, stats)), kv and stats
+        with one leading layer axis (or None); the keys/values of source layers go to `shared`."""
+        group_ropes = ropes[first:first + period]
+        inner = -(-policy.layers_per_checkpoint // period)  # scan groups per checkpointed group (two-level)
+        two_level = inner > 1
+        body = checkpointed(lambda h, xs: run_group(first, h, xs, group_ropes, batch),
+                            FULL if two_level else policy)
+        if (policy.offload_scan and not two_level and cache is None and not router_stats
+                and per_layer_inputs is None and not sources):
+            # the host-offload modes in training: the hand-written VJP that prefetches the offloaded inputs
+            # (models.offload), with attention's forward residuals kept under "inputs_and_attention"
+            xs = jax.tree.map(lambda a: a[first:first + period * groups].reshape((groups, period) + a.shape[1:]),
+                              {"layers": state})
+            h = offloaded_layer_scan(lambda h, xs_group, side: run_group(first, h, xs_group, *side)[0], h, xs,
+                                     (group_ropes, batch), keep=keep, unroll=unroll,
+                                     chunk_bytes=policy.copy_chunk_bytes, prefetch_weights=policy.prefetch_weights)
             return h, (None, None)
-        if cache is not None:
-            xs = (xs, grouped(cache.k), grouped(cache.v))
-        h, ys = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
-        return h, jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), ys)
 
-    # (first layer, groups, layers per scan group, scan groups per checkpointed group or None), in layer order
-    if two_level:
-        n_outer, rest = divmod(groups, inner)
-        segments = [(0, n_outer, period, inner)] if n_outer else []
-        if rest:  # fewer than `inner` scan groups left: one checkpointed group of `rest`
-            segments.append((n_outer * inner * period, 1, period, rest))
-    else:
-        segments = [(0, groups, period, None)] if groups else []
-    if tail:  # the last L mod period layers, under the per-layer policy
-        segments.append((groups * period, 1, tail, None))
-    kvs, stats_parts = [], []
-    for start, count, size, per_outer in segments:
-        x, (kv, stats) = scan(x, start, count, size, per_outer)
-        kvs.append(kv)
-        if stats is not None:
-            stats_parts.append(stats)
-    kv = None
-    if cache is not None:  # the segments' layers are consecutive: concatenate in that order
-        kv = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*kvs))
+        def outer_body(h, xs_outer):
+            """`inner` scan groups, recomputed in the backward pass from their input h, the one value kept
+            across the stack."""
+            h = checkpoint_name(h, "group_input")
+            return jax.lax.scan(body, h, xs_outer, unroll=unroll)
+
+        outer = checkpointed(outer_body, policy, offloaded="group_input")
+        # (first layer, count, per_outer or None): two-level runs `count` checkpointed groups of per_outer groups
+        parts = [(first, groups, None)]
+        if two_level:
+            n_outer, rest = divmod(groups, inner)
+            parts = [(first, n_outer, inner)] if n_outer else []
+            if rest:  # fewer than `inner` scan groups left: one checkpointed group of `rest`
+                parts.append((first + n_outer * inner * period, 1, rest))
+        ys_parts = []
+        for start, count, per_outer in parts:
+            shape = (count, period) if per_outer is None else (count, per_outer, period)
+            n = math.prod(shape)
+
+            def grouped(a):
+                return a[start:start + n].reshape(shape + a.shape[1:])
+
+            xs = {"layers": jax.tree.map(grouped, state)}
+            if per_layer_inputs is not None:
+                xs["ple"] = grouped(per_layer_inputs)
+            if cache is not None:
+                xs.update(k=grouped(cache.k), v=grouped(cache.v))
+            h, (kv, stats, handed) = jax.lax.scan(body if per_outer is None else outer, h, xs, unroll=unroll)
+            for i, value in handed.items():  # a source layer's segment is one group: its one output
+                assert math.prod(shape[:-1]) == 1, (i, shape)
+                shared[i] = jax.tree.map(lambda y: y.reshape(y.shape[len(shape) - 1:]), value)
+            ys_parts.append(jax.tree.map(lambda y: y.reshape((-1,) + y.shape[len(shape):]), (kv, stats)))
+        return h, _concat(ys_parts)
+
+    parts = []
+    for first, period, groups in cfg.layer_segments:
+        x, ys = scan_segment(x, first, period, groups)
+        parts.append(ys)
+    kv, stats = _concat(parts)
+    if kv is not None:
         kv = (kv[0].reshape(cache.k.shape), kv[1].reshape(cache.v.shape))
-    stats = None
-    if stats_parts:
-        stats = stats_parts[0] if len(stats_parts) == 1 else jax.tree.map(
-            lambda *a: jnp.concatenate(a), *stats_parts)
     return (x, kv, stats) if router_stats else (x, kv)
+
+
+def _concat(parts):
+    """[(kv, stats)] of consecutive layer runs -> (kv, stats), each joined along its layer axis over the runs
+    that have it (None where none has: no cache, or no MoE layer)."""
+    def join(items):
+        items = [t for t in items if t is not None]
+        if len(items) <= 1:
+            return items[0] if items else None
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *items)
+
+    return join([kv for kv, _ in parts]), join([stats for _, stats in parts])
 
 
 __all__ = ["LayerStackPolicy", "Checkpoint", "Offload", "LayerLoop", "OffloadAttention", "OffloadWeights",
            "OffloadCopies", "NO_REMAT", "require_policy", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
-           "checkpointed", "remat", "run_layers", "group_windows", "group_sparse", "group_rope", "group_ropes",
-           "group_linear"]
+           "checkpointed", "remat", "run_layers", "layer_windows", "layer_sparse", "layer_linear", "layer_ropes"]

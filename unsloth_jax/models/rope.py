@@ -1,5 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (linear / llama3 / LongRoPE / YaRN scaling, Gemma 3's local
-base, partial rotary dims) and the cos/sin tables."""
+"""Rotary position embeddings: inverse frequencies (linear / llama3 / LongRoPE / YaRN scaling, Gemma 4's
+proportional RoPE, Gemma 3's local base, partial rotary dims) and the cos/sin tables."""
 from __future__ import annotations
 
 import math
@@ -38,6 +38,10 @@ def inv_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False
         inv = np.where(medium, smoothed, scaled)
     elif cfg.rope_type == "yarn":
         inv = yarn_inv_frequencies(cfg)
+    elif cfg.rope_type == "proportional":  # Gemma 4's full-attention layers: the rest of the frequencies are 0
+        rotated = int(cfg.rope_proportion * hd // 2)
+        inv = f32(1.0) / (f32(theta) ** (np.arange(0, 2 * rotated, 2).astype(f32) / f32(hd)))
+        inv = np.concatenate([inv, np.zeros(hd // 2 - rotated, f32)]) / f32(cfg.rope_factor)
     return inv.astype(f32)
 
 
