@@ -341,7 +341,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
             "supported; the text-only Qwen3.5 checkpoints (model_type 'qwen3_5_text', Qwen3_5ForCausalLM) are")
     if model_type in _RAW_DEFAULTS:
         raw = _RAW_DEFAULTS[model_type] | raw
-    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES:
+    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
             "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
@@ -1043,6 +1043,7 @@ class QwenVLConfig:
     vision_start_token_id: int = 151652
     vision_end_token_id: int = 151653
     model_type: str = "qwen2_5_vl"
+    mrope_interleaved: bool = False  # Qwen3-VL: True (rope.mrope_axes)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "QwenVLConfig":
@@ -1055,6 +1056,7 @@ class QwenVLConfig:
 
 
 QWEN_VL_MODEL_TYPES = ("qwen2_5_vl",)
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl",)  # Qwen3VLConfig (below)
 _QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                      "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
 
@@ -1117,3 +1119,114 @@ def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
     ids = {k: int(raw.get(k, text_raw.get(k, getattr(QwenVLConfig, k)))) for k in
            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     return QwenVLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+
+
+# ---- Qwen3-VL (model_type "qwen3_vl"): models.vision_qwen3 ----
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VisionConfig:
+    """Qwen3-VL's vision tower (HF `vision_config`, model_type qwen3_vl_vision). Defaults are transformers'
+    Qwen3VLVisionConfig's. No windows: every block attends within one frame. `num_position_embeddings`: the
+    learned square position table (resampled bilinearly to each image's grid); `deepstack_visual_indexes`: the
+    blocks whose outputs, merged by their own mergers, are added to the first decoder layers' outputs."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6  # transformers hard-codes it for the vision LayerNorms
+
+    head_dim = QwenVisionConfig.head_dim
+    patch_dim = QwenVisionConfig.patch_dim
+    num_hidden_layers = QwenVisionConfig.num_hidden_layers
+    merge_unit = QwenVisionConfig.merge_unit
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the learned position grid: sqrt(num_position_embeddings)."""
+        return math.isqrt(self.num_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3VLConfig(QwenVLConfig):
+    """A Qwen3-VL checkpoint (Qwen3VLForConditionalGeneration): as QwenVLConfig, with the Qwen3 text decoder
+    (q/k norms), a `Qwen3VisionConfig` and M-RoPE whose (t, h, w) frequencies interleave (t h w t h w ...)."""
+
+    vision: Qwen3VisionConfig = None
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    model_type: str = "qwen3_vl"
+    mrope_interleaved: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3VLConfig":
+        return _parse_qwen3_vl(raw, source)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Qwen3VLConfig":
+        raw, path = read_config_json(model_dir)
+        return _parse_qwen3_vl(raw, str(path))
+
+
+def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
+    """transformers' layout: text_config (Qwen3VLTextConfig, rope_parameters with mrope_section) + vision_config."""
+    if raw.get("model_type") != "qwen3_vl":
+        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not Qwen3-VL "
+                                           "(qwen3_vl)")
+    text_raw = dict(raw.get("text_config") or {})
+    if text_raw.get("model_type", "qwen3_vl_text") != "qwen3_vl_text":
+        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'qwen3_vl_text'")
+    text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
+    if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
+        text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
+    params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    section = params.get("mrope_section", (24, 20, 20))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{source}: Qwen3-VL rope type {rope_type!r} is not supported (only default / mrope)")
+    if params.get("mrope_interleaved") is False:
+        raise ConfigError(f"{source}: rope_parameters.mrope_interleaved=false is not Qwen3-VL's M-RoPE")
+    theta = params.get("rope_theta", text_raw.get("rope_theta", 5000000.0))
+    text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    text_raw.update(model_type="qwen3", rope_theta=theta)
+    text = _parse(text_raw, source + " text_config")
+    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
+        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
+                          f"{text.head_dim // 2}")
+    v = dict(raw.get("vision_config") or {})
+    if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only "
+                          "gelu_pytorch_tanh)")
+    vrope = v.get("rope_parameters") or {}
+    d = Qwen3VisionConfig()
+    kw = {f.name: int(v.get(f.name, getattr(d, f.name))) for f in dataclasses.fields(Qwen3VisionConfig)
+          if f.name not in ("deepstack_visual_indexes", "rope_theta", "layer_norm_eps")}
+    vision = Qwen3VisionConfig(**kw, deepstack_visual_indexes=tuple(
+        int(i) for i in v.get("deepstack_visual_indexes", d.deepstack_visual_indexes)),
+        rope_theta=float(vrope.get("rope_theta", d.rope_theta)))
+    if vision.hidden_size % vision.num_heads or vision.head_dim % 4:
+        raise ConfigError(f"{source}: vision_config.hidden_size={vision.hidden_size} must be num_heads="
+                          f"{vision.num_heads} times a multiple of 4")
+    if vision.grid_side ** 2 != vision.num_position_embeddings:
+        raise ConfigError(f"{source}: vision_config.num_position_embeddings={vision.num_position_embeddings} is not "
+                          "a square")
+    bad = [i for i in vision.deepstack_visual_indexes if not 0 <= i < vision.depth]
+    if bad:
+        raise ConfigError(f"{source}: vision_config.deepstack_visual_indexes {bad} out of range (depth "
+                          f"{vision.depth})")
+    if len(vision.deepstack_visual_indexes) > text.num_hidden_layers:
+        raise ConfigError(f"{source}: {len(vision.deepstack_visual_indexes)} deepstack_visual_indexes but only "
+                          f"{text.num_hidden_layers} text layers")
+    if vision.out_hidden_size != text.hidden_size:
+        raise ConfigError(f"{source}: vision_config.out_hidden_size={vision.out_hidden_size} differs from the text "
+                          f"hidden_size={text.hidden_size}")
+    ids = {k: int(raw.get(k, getattr(QwenVLConfig, k))) for k in
+           ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    return Qwen3VLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)

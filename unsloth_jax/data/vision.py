@@ -219,10 +219,10 @@ class UnslothVisionDataCollator:
         if train_on_responses_only and not response_part:
             raise ValueError("train_on_responses_only=True needs response_part (e.g. '<start_of_turn>model\\n')")
         cfg = model.vl_config
-        if cfg.model_type not in ("gemma3", "qwen2_5_vl"):
+        if cfg.model_type not in ("gemma3", "qwen2_5_vl", "qwen3_vl"):
             raise NotImplementedError(f"UnslothVisionDataCollator: training {cfg.model_type} is not supported "
-                                      "(Gemma 3 and Qwen2.5-VL are)")
-        self.vl_config, self.is_qwen = cfg, cfg.model_type == "qwen2_5_vl"
+                                      "(Gemma 3, Qwen2.5-VL and Qwen3-VL are)")
+        self.vl_config, self.is_qwen = cfg, cfg.model_type in ("qwen2_5_vl", "qwen3_vl")
         self.processor, self.tokenizer = processor, getattr(processor, "tokenizer", processor)
         self.max_seq_length = max_seq_length
         self.ignore_index = int(ignore_index)

@@ -64,11 +64,16 @@ def patch_bucket(count: int, unit: int) -> int:
 
 
 def pad_patches(batch: dict, vision_config, patches: int) -> dict:
-    """A Qwen2.5-VL batch (the collator's, image_grid_thw possibly absent: no image) with pixel_values zero-
-    padded to [patches, C*T*p*p] and the tower's layout for them (padded_vision_layout) as vision_order,
-    vision_positions, vision_frame_ids, vision_window_ids, vision_restore; image_grid_thw kept (host only)."""
-    from unsloth_jax.models.vision_qwen2_5 import padded_vision_layout
+    """A Qwen2.5-VL / Qwen3-VL batch (the collator's, image_grid_thw possibly absent: no image) with pixel_values
+    zero-padded to [patches, C*T*p*p] and the tower's layout for them (padded_vision_layout of
+    models.vision_qwen2_5, or of models.vision_qwen3 for a Qwen3VisionConfig) as vision_<name> fields (Qwen2.5-VL:
+    vision_order, vision_positions, vision_frame_ids, vision_window_ids, vision_restore); image_grid_thw kept
+    (host only)."""
+    from unsloth_jax.config import Qwen3VisionConfig
+    from unsloth_jax.models import vision_qwen2_5, vision_qwen3
 
+    tower = vision_qwen3 if isinstance(vision_config, Qwen3VisionConfig) else vision_qwen2_5
+    padded_vision_layout = tower.padded_vision_layout
     grid = batch.get("image_grid_thw")
     pixels = batch.get("pixel_values")
     pixels = np.zeros((0, vision_config.patch_dim), np.float32) if pixels is None else pixels

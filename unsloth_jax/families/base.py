@@ -218,6 +218,10 @@ class VisionFamily(Family):
     def is_image_field(self, key: str) -> bool:
         return key in self.image_fields
 
+    def text_name(self, name: str) -> str:
+        """A text decoder tensor name (hf/mapping.py's: model.*, lm_head.*) in the canonical spelling."""
+        return self.text_prefix + name if name.startswith("model.") else name
+
     def canonical_name(self, name: str) -> str:
         """A checkpoint tensor name in the canonical spelling (the first matching rename)."""
         for old, new in self.renames:

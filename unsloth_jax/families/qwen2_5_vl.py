@@ -68,7 +68,7 @@ class QwenVisionFamily(VisionFamily):
         if "pixel_values" not in batch:
             return self._inputs(batch)
         if "mrope_positions" not in batch:
-            raise TypeError("the batch holds pixel_values but no mrope_positions (Qwen2.5-VL's M-RoPE positions "
+            raise TypeError(f"the batch holds pixel_values but no mrope_positions ({self.name}'s M-RoPE positions "
                             "[3, B, S]; UnslothVisionDataCollator writes them)")
         layout = {k[len(LAYOUT_PREFIX):]: v for k, v in batch.items() if k.startswith(LAYOUT_PREFIX)}
         return self._inputs(batch, pixel_values=batch["pixel_values"], mrope_positions=batch["mrope_positions"],
@@ -114,11 +114,11 @@ class QwenVisionFamily(VisionFamily):
         rope_deltas (the largest position + 1 - S)."""
         cfg = model.vl_config
         if images.token_type_ids is not None:
-            raise ValueError(f"{where}['images'].token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
+            raise ValueError(f"{where}['images'].token_type_ids are Gemma 3's; {self.name} takes image_grid_thw")
         if images.image_grid_thw is None:
-            raise ValueError(f"{where}['images'] needs image_grid_thw [images, 3] for Qwen2.5-VL")
+            raise ValueError(f"{where}['images'] needs image_grid_thw [images, 3] for {self.name}")
         if np.any(ids == cfg.video_token_id):
-            raise ValueError(f"{where}: the prompt holds video tokens; Qwen2.5-VL generation takes images only")
+            raise ValueError(f"{where}: the prompt holds video tokens; {self.name} generation takes images only")
         grid = as_numpy(images.image_grid_thw).astype(np.int64)
         if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
             raise ValueError(f"{where}['images'].image_grid_thw must be [images, 3] with images >= 1, got shape "
@@ -167,9 +167,9 @@ class QwenVisionFamily(VisionFamily):
         merge^2 image tokens, filling the runs of image_token_id in order), or neither."""
         cfg = model.vl_config
         if token_type_ids is not None:
-            raise ValueError("generate: token_type_ids are Gemma 3's; Qwen2.5-VL takes image_grid_thw")
+            raise ValueError(f"generate: token_type_ids are Gemma 3's; {self.name} takes image_grid_thw")
         if np.any(ids == cfg.video_token_id):
-            raise ValueError("generate: input_ids hold video tokens; Qwen2.5-VL generation takes images only")
+            raise ValueError(f"generate: input_ids hold video tokens; {self.name} generation takes images only")
         n_image_tokens = int(np.sum(ids == cfg.image_token_id))
         if pixel_values is None:
             if image_grid_thw is not None:

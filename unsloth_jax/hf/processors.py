@@ -1,9 +1,9 @@
 """Image processors of vision-language checkpoints that transformers' AutoProcessor cannot build here.
 
-transformers' Qwen2.5-VL processor always builds its video half, whose processor imports torchvision; a JAX
-user's venv rarely has torchvision, and AutoProcessor then fails. Training and generating with images never need
-the video half, so `image_only_processor(model_dir)` builds the same processor without it: the folder's
-tokenizer, its Qwen2-VL image processor (the PIL implementation, no torchvision) and its chat template. Its
+transformers' Qwen2.5-VL and Qwen3-VL processors always build their video half, whose processor imports
+torchvision; a JAX user's venv rarely has torchvision, and AutoProcessor then fails. Training and generating with
+images never need the video half, so `image_only_processor(model_dir)` builds the same processor without it: the
+folder's tokenizer, its Qwen2-VL image processor (the PIL implementation, no torchvision) and its chat template. Its
 `__call__` and `apply_chat_template` give what transformers' processor gives for text and images; passing videos
 is refused.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger("unsloth_jax")
 
-IMAGE_ONLY_TYPES = ("qwen2_5_vl",)  # model types image_only_processor builds
+IMAGE_ONLY_TYPES = ("qwen2_5_vl", "qwen3_vl")  # model types image_only_processor builds
 
 
 def folder_model_type(model_dir: Path) -> str | None:
@@ -59,36 +59,40 @@ def _qwen2_vl_image_processor(model_dir: Path):
 
 
 def image_only_processor(model_dir):
-    """The Qwen2.5-VL processor of `model_dir` without its video processor (module docstring). Raises ValueError
-    for another model type, OSError for missing tokenizer files."""
+    """The Qwen2.5-VL / Qwen3-VL processor of `model_dir` without its video processor (module docstring). Raises
+    ValueError for another model type, OSError for missing tokenizer files."""
     model_dir = Path(model_dir)
     model_type = folder_model_type(model_dir)
     if model_type not in IMAGE_ONLY_TYPES:
         raise ValueError(f"{model_dir}: image_only_processor builds {', '.join(IMAGE_ONLY_TYPES)} processors; "
                          f"config.json says model_type {model_type!r}")
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    class Qwen2_5_VLImageProcessor(Qwen2_5_VLProcessor):
-        """Qwen2_5_VLProcessor with images only (its video processor needs torchvision)."""
+    base = Qwen3VLProcessor if model_type == "qwen3_vl" else Qwen2_5_VLProcessor
+    name = "Qwen3-VL" if model_type == "qwen3_vl" else "Qwen2.5-VL"
+
+    class Qwen2_5_VLImageProcessor(base):
+        """The Qwen2.5-VL / Qwen3-VL processor with images only (its video processor needs torchvision)."""
 
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            for kind, default in (("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
+                                  ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>")):
+                token = getattr(tokenizer, f"{kind}_token", None) or default
+                setattr(self, f"{kind}_token", token)
+                setattr(self, f"{kind}_token_id", tokenizer.convert_tokens_to_ids(token))
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
         def __call__(self, *args, videos=None, **kwargs):
             if videos is not None:
-                raise ValueError("videos: this Qwen2.5-VL processor was built without its video processor "
+                raise ValueError(f"videos: this {name} processor was built without its video processor "
                                  "(transformers' needs torchvision: pip install torchvision for videos)")
             return super().__call__(*args, **kwargs)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     processor = Qwen2_5_VLImageProcessor(image_processor=_qwen2_vl_image_processor(model_dir), tokenizer=tokenizer,
                                          chat_template=_chat_template(model_dir, tokenizer))
-    log.info("unsloth_jax: %s: built the Qwen2.5-VL processor without its video half (no torchvision)", model_dir)
+    log.info("unsloth_jax: %s: built the %s processor without its video half (no torchvision)", model_dir, name)
     return processor
 
 

@@ -43,7 +43,7 @@ def vision_language_specs(family: VisionFamily, cfg) -> dict[str, TensorSpec]:
     tower's rows (family.tower_tensors)."""
     specs = {}
     for name, spec in tensor_specs(cfg.text).items():
-        canon = family.text_prefix + name if name.startswith("model.") else name
+        canon = family.text_name(name)
         specs[canon] = dataclasses.replace(spec, hf_name=canon) if canon != name else spec
     for name, path, layer, kind, shape in family.tower_tensors(cfg):
         specs[name] = TensorSpec(name, path, layer, kind, tuple(shape))

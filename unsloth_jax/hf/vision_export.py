@@ -11,7 +11,7 @@ AdapterLayout (`base_model.model.model.language_model.layers.{i}.self_attn.q_pro
 regex naming exactly the adapted modules of each tower (a plain list would also catch the other tower's
 projections of the same name). The merged checkpoint uses the tensor names transformers' save_pretrained writes
 (the canonical names of hf.vision_checkpoint.vision_language_specs): the text decoder's tensors come from
-export.merged_entries (the text export, "model." names under the family's text_prefix), the tower's and projector's
+export.merged_entries (the text export, names in the family's text_name spelling), the tower's and projector's
 from the family's tower rows, in the layouts the loader (hf.vision_io) reads back, and the source checkpoint's
 tensors under the family's ignored_prefixes (Gemma 3's unused SigLIP pooling head) copied through. Both are
 written through export's atomic directory.
@@ -149,7 +149,7 @@ def merged_entries(model, out_dtype: np.dtype) -> list:
     family = family_of(model)
     entries = []
     for e in export.merged_entries(model, out_dtype):
-        name = family.text_prefix + e.name if e.name.startswith("model.") else e.name
+        name = family.text_name(e.name)
         entries.append(export._Entry(name, e.shape, e.dtype, e.make))
     for name, spec in vision_language_specs(family, model.vl_config).items():
         if spec.path[0] in family.tower_roots:

@@ -545,9 +545,9 @@ class _Run:
         images = None
         if with_images:
             batch = image_batch(self.e.model, [self.images[r] for r, _ in admitted], p_b, s_b)
-            embeds = runner.image_embeddings(self.weights, jnp.asarray(ids), batch.pixel_values, batch.image_kwargs,
-                                             plan=self.plan)
-            images = runner.PrefillImages(embeds, batch.block_ids, batch.rope_positions)
+            embeds, deep = runner.image_embeddings(self.weights, jnp.asarray(ids), batch.pixel_values,
+                                                   batch.image_kwargs, plan=self.plan)
+            images = runner.PrefillImages(embeds, batch.block_ids, batch.rope_positions, deep)
         long = None
         if self.longrope:  # prompts past the original context take the long factors from the start
             long = np.zeros((p_b,), bool)

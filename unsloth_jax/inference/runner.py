@@ -1,8 +1,9 @@
 """The compiled pieces of the generation engine: prefill, first tokens, the decode loop, row updates.
 
     pools, logits = prefill(weights, pools, ids, lengths, slots, plan=plan)   # prompts [P, S] right padded
-    embeds = image_embeddings(weights, ids, pixel_values, image_kwargs, plan=plan)   # prompts with images:
-    pools, logits = prefill(weights, pools, ids, lengths, slots, PrefillImages(embeds, block_ids, mrope), plan=plan)
+    embeds, deep = image_embeddings(weights, ids, pixel_values, image_kwargs, plan=plan)   # prompts with images:
+    pools, logits = prefill(weights, pools, ids, lengths, slots, PrefillImages(embeds, block_ids, mrope, deep),
+                            plan=plan)
     rows, first, lp = start_rows(rows, logits, ..., flags=flags)             # first tokens of admitted rows
     pools, rows, tokens, logprobs, taken = decode_chunk(weights, pools, rows, tables, steps, plan=plan,
                                                         flags=flags, cap=cap)
@@ -59,22 +60,24 @@ class PrefillImages(NamedTuple):
     """The image side of a prefill of prompts [P, S]: embeds [P, S, D] (the model's embed_with_images: token
     embeddings with the image features at the image tokens; `image_embeddings`), block_ids [P, S] int32 (Gemma 3's
     image blocks, attending to each other both ways; -1 elsewhere) or None (causal), rope_positions [3, P, S]
-    int32 (Qwen2.5-VL's M-RoPE positions) or None (positions 0 .. S-1)."""
+    int32 (Qwen2.5-VL's M-RoPE positions) or None (positions 0 .. S-1), deepstack [K, P, S, D] (Qwen3-VL's
+    DeepStack residuals, added to the output of layer k) or None."""
 
     embeds: jax.Array
     block_ids: jax.Array | None
     rope_positions: jax.Array | None
+    deepstack: jax.Array | None = None
 
 
 def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches, lengths, *, decode: bool,
-            rope=None, long=None, ple=None):
+            rope=None, long=None, ple=None, deepstack=None):
     """Every layer over x [B, S, D], layer i with the cache `caches(i)` (a PagedPrefill or PagedDecode over its
     page pools; a linear-attention layer's RecurrentPrefill or RecurrentDecode over its rows' recurrent states)
     -> (x, new pools tuple). decode: one token per row (projection kernels read in place). rope:
     ((cos, sin), local) tables to rotate by instead of the text model's at `positions`. long: LongRoPE's
     factors per row ([B] bool), or None. ple: Gemma 4's per-layer inputs [L, B, S, P], or None. A KV-shared
     layer (Gemma 4) attends over its source layer's keys/values (prefill) or pages (decode), its own pages
-    left unwritten."""
+    left unwritten. deepstack: [K, B, S, D] added to the output of layers 0 .. K-1 (Qwen3-VL), or None."""
     cfg = model.config
     (cos, sin), local = model.model.rope(positions, long) if rope is None else rope
     windows, sparse = model.model.layer_windows(), model.model.layer_sparse()
@@ -89,6 +92,8 @@ def _layers(plan: LayerPlan, weights: DecodeWeights, model, x, positions, caches
             extra["shared"] = shared[cfg.kv_source(i)]
         x, kv, _, fresh = layer(x, *ropes[i], batch, windows[i], caches(i), sparse=sparse[i], linear=linear[i],
                                 return_kv=True, **extra)
+        if deepstack is not None and i < deepstack.shape[0]:
+            x = x + deepstack[i].astype(x.dtype)
         if i in cfg.kv_shared_sources:
             shared[i] = (fresh, kv)
         pools.append(kv)
@@ -107,15 +112,16 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
     model = nnx.merge(plan.graphdef, weights.state)
     p, s = ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
-    rope, block_ids = None, None
+    rope, block_ids, deepstack = None, None, None
     ple = None
     if images is None:
         x = model.model.embed(ids, model.dtype)
         ple = model.model.per_layer_inputs(ids, x)
     else:
-        x, block_ids = images.embeds, images.block_ids
+        x, block_ids, deepstack = images.embeds, images.block_ids, images.deepstack
         if images.rope_positions is not None:
-            rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section), None)
+            rope = (mrope_tables(model.config, images.rope_positions, model.vl_config.mrope_section,
+                                 model.vl_config.mrope_interleaved), None)
 
     def caches(i):
         if model.config.layer_linear and model.config.layer_linear[i]:
@@ -123,17 +129,20 @@ def _prefill(weights: DecodeWeights, pools, ids, lengths, slots, images: Prefill
         return PagedPrefill(pools[i][0], pools[i][1], slots, lengths, block_ids)
 
     x, pools = _layers(plan, weights, model, x, positions, caches, lengths, decode=False, rope=rope, long=long,
-                       ple=ple)
+                       ple=ple, deepstack=deepstack)
     last = jnp.take_along_axis(x, (jnp.maximum(lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
     return pools, model.logits_from_hidden(model.model.norm(last))
 
 
 def _image_embeddings(weights: DecodeWeights, ids, pixel_values, image_kwargs, *, plan: LayerPlan):
-    """The prefill embeddings [P, S, D] of prompts ids [P, S] with images: the model's embed_with_images(ids,
-    pixel_values, **image_kwargs) (the vision tower, LoRA included, and the image features at the image tokens;
-    image_inputs.image_batch builds the arguments)."""
+    """(the prefill embeddings [P, S, D], the DeepStack residuals [K, P, S, D] or None) of prompts ids [P, S] with
+    images: the model's embed_with_images(ids, pixel_values, **image_kwargs) (the vision tower, LoRA included, and
+    the image features at the image tokens; image_inputs.image_batch builds the arguments), or its
+    embed_with_deepstack where it has one (Qwen3-VL)."""
     model = nnx.merge(plan.graphdef, weights.state)
-    return model.embed_with_images(ids, pixel_values, **image_kwargs)
+    if hasattr(model, "embed_with_deepstack"):
+        return model.embed_with_deepstack(ids, pixel_values, **image_kwargs)
+    return model.embed_with_images(ids, pixel_values, **image_kwargs), None
 
 
 def _stopped(tokens, stop_ids):

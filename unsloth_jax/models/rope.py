@@ -95,13 +95,27 @@ def yarn_inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     return (interpolation * (f32(1.0) - keep) + extrapolation * keep).astype(f32)
 
 
-def mrope_tables(cfg: ModelConfig, positions: jax.Array, section) -> tuple[jax.Array, jax.Array]:
-    """Multimodal RoPE (Qwen2.5-VL): cos, sin [B, S, rope_dim] float32 for positions [3, B, S] (temporal, height,
-    width ids). The rope_dim/2 frequencies are split in consecutive runs of section[0], section[1], section[2]
-    (summing to rope_dim/2), run a rotating by axis a's positions; the frequencies are then repeated twice as in
-    rope_tables. Equal positions on the three axes give rope_tables' result."""
+def mrope_axes(section, interleaved: bool = False) -> np.ndarray:
+    """The M-RoPE axis (0 temporal, 1 height, 2 width) each of the sum(section) frequencies reads: consecutive
+    runs of section[0], section[1], section[2] (Qwen2.5-VL), or interleaved t h w t h w ... with frequency
+    3k + a on axis a for k < section[a] and the rest temporal (Qwen3-VL)."""
+    section = [int(s) for s in section]
+    if not interleaved:
+        return np.repeat(np.arange(3), section)
+    axis = np.zeros(sum(section), int)
+    for a in (1, 2):
+        axis[a:3 * section[a]:3] = a
+    return axis
+
+
+def mrope_tables(cfg: ModelConfig, positions: jax.Array, section, interleaved: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Multimodal RoPE (Qwen2.5-VL, Qwen3-VL): cos, sin [B, S, rope_dim] float32 for positions [3, B, S]
+    (temporal, height, width ids). Each of the rope_dim/2 frequencies rotates by the positions of the axis
+    mrope_axes(section, interleaved) gives it; the frequencies are then repeated twice as in rope_tables. Equal
+    positions on the three axes give rope_tables' result."""
     inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-    axis = np.repeat(np.arange(3), np.asarray(section, int))  # [rope_dim/2]: the axis each frequency reads
+    axis = mrope_axes(section, interleaved)  # [rope_dim/2]: the axis each frequency reads
     if axis.shape[0] != inv.shape[0]:
         raise ValueError(f"mrope_section {list(section)} sums to {axis.shape[0]}, expected rope_dim/2 = "
                          f"{inv.shape[0]}")

@@ -166,6 +166,18 @@ def mrope_positions(cfg: QwenVLConfig, input_ids, attention_mask=None, image_gri
 
 
 # ----------------------------------------------------------------------------------------------- the tower
+def vision_rope(cfg, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The towers' 2D RoPE (Qwen2.5-VL, Qwen3-VL; cfg: head_dim, rope_theta): positions [N, 2] (row, column) ->
+    cos, sin [N, head_dim] float32: head_dim/4 frequencies rotate by the row, the next head_dim/4 by the column,
+    the whole repeated twice (rotate-half layout)."""
+    quarter = cfg.head_dim // 2
+    inv = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))
+    freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv, jnp.float32)  # [N, 2, hd/4]
+    emb = freqs.reshape(positions.shape[0], -1)
+    emb = jnp.concatenate([emb, emb], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
 class QwenVisionAttention(nnx.Module):
     """Bidirectional attention over the patches, within equal segment ids; fused qkv (biased) and proj."""
 
@@ -248,14 +260,7 @@ class QwenVisionTower(nnx.Module):
         self.merger = PatchMerger(cfg, dtype=dtype, rngs=rngs)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """positions [N, 2] (row, column) -> cos, sin [N, head_dim] float32: head_dim/4 frequencies rotate by the
-        row, the next head_dim/4 by the column, the whole repeated twice (rotate-half layout)."""
-        quarter = self.cfg.head_dim // 2
-        inv = 1.0 / (np.float32(self.cfg.rope_theta) ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))
-        freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv, jnp.float32)  # [N, 2, hd/4]
-        emb = freqs.reshape(positions.shape[0], -1)
-        emb = jnp.concatenate([emb, emb], axis=-1)
-        return jnp.cos(emb), jnp.sin(emb)
+        return vision_rope(self.cfg, positions)
 
     def __call__(self, pixel_values: jax.Array, image_grid_thw=None, dtype=jnp.float32, *,
                  layout: dict | None = None, policy: LayerStackPolicy = NO_REMAT) -> jax.Array:
