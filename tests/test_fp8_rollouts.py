@@ -88,12 +88,12 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def
 @pytest.mark.slow
 @pytest.mark.torch
 def test_fp8_rollouts_on_smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct in bf16 with a LoRA (B ~ N(0, 0.02^2), a fresh seed): 16 chat-free prompts x 64
-    greedy tokens by the bf16 weights and by their FP8 copy. Measured on the CPU (seeds 0 = no LoRA, 1, 2, 3):
-    agreement 0.18 / 0.23 / 0.21 / 0.22 of positions, prefix (before the first difference) 0.13 / 0.19 / 0.18 /
-    0.17, log-prob error of the FP8 tokens 0.104 / 0.091 / 0.104 / 0.109 nats. FP8 agrees with bf16 on about 85%
-    of next tokens (tests/test_fp8_model.py), so greedy rollouts part after a few tokens: the bound that matters
-    for RL is the log-prob error (the importance ratio's). The bounds catch a broken FP8 path (a wrong scale or
+    """SmolLM2-135M-Instruct in bf16 with a LoRA (B ~ N(0, 0.02^2), a fresh seed): 8 chat-free prompts x 32
+    greedy tokens by the bf16 weights and by their FP8 copy. Measured on the CPU over 10 seeds (0 = no LoRA, 1-9):
+    agreement 0.26-0.46 of positions, prefix (before the first difference) 0.24-0.43, log-prob error of the FP8
+    tokens 0.106-0.131 nats (16 prompts x 64 tokens: 0.18-0.23, 0.13-0.19, 0.091-0.109; shortened for CI time).
+    FP8 agrees with bf16 on about 85% of next tokens (tests/test_fp8_model.py), so greedy rollouts part after a
+    few tokens: the bound that matters for RL is the log-prob error (the importance ratio's). The bounds catch a broken FP8 path (a wrong scale or
     layout: agreement near 0, errors of nats)."""
     pytest.importorskip("gguf")
     from bench.fp8_quality import smollm2_checkpoint
@@ -106,7 +106,7 @@ def test_fp8_rollouts_on_smollm2(tmp_path_factory):
     ckpt = smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"), source=source)
     model, tok = FastLanguageModel.from_pretrained(ckpt, dtype="bfloat16", progress=False)
     model = _lora(model, fresh_seed("fp8 rollout lora"), 0.02)
-    out = fp8_rollout_quality(model, [tok(p)["input_ids"] for p in PROMPTS], 64)
+    out = fp8_rollout_quality(model, [tok(p)["input_ids"] for p in PROMPTS[:8]], 32)
     print(out)
     assert out["agreement"] > 0.1 and out["prefix"] > 0.08, out
     assert out["logprob_mae"] < 0.16, out
