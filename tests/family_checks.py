@@ -59,3 +59,21 @@ def lora_steps_lower_the_loss(model, rng):
     _, _, m2 = step(t1, f, state, batch)
     assert float(m2["loss"]) < float(m1["loss"]), (float(m1["loss"]), float(m2["loss"]))
     return g, t1, f
+
+
+def assert_greedy_matches_transformers(hf, model, rng, lengths, *, new: int, eos: int) -> None:
+    """A left-padded batch of random prompts of `lengths` tokens: our engine's greedy tokens (generation.generate,
+    `new` tokens, eos id `eos`, pad 0) equal transformers' generate on the same batch."""
+    from unsloth_jax.generation import generate
+
+    width = max(lengths)
+    ids = np.zeros((len(lengths), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = rng.integers(3, 256, size=n)
+        mask[i, width - n:] = 1
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=new, do_sample=False,
+                          eos_token_id=[eos], pad_token_id=0).numpy()
+    ours = generate(model, ids, mask, max_new_tokens=new, eos_token_id=[eos], pad_token_id=0)
+    np.testing.assert_array_equal(ours, ref)

@@ -16,13 +16,12 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
-from tests.family_checks import load_f32, hf_f32, torch_logits, right_padded, lora_steps_lower_the_loss  # noqa: E402
+from tests.family_checks import assert_greedy_matches_transformers, load_f32, hf_f32, torch_logits, right_padded, lora_steps_lower_the_loss  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
-from unsloth_jax.generation import generate  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE = dict(model_type="smollm3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
@@ -128,17 +127,7 @@ def test_greedy_generation_matches_transformers(family, tiny, rng):
     """Greedy tokens of a left-padded batch on the engine equal transformers' generate (NoPE layers in the
     prefill and decode steps; the sliding NoPE layers' window of 8 passed)."""
     _, hf, model = tiny(family)
-    lengths = [9, 4]
-    width = max(lengths)
-    ids = np.zeros((2, width), np.int64)
-    mask = np.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = rng.integers(3, 256, size=n)
-        mask[i, width - n:] = 1
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=6, do_sample=False,
-                          eos_token_id=[2], pad_token_id=0).numpy()
-    np.testing.assert_array_equal(generate(model, ids, mask, max_new_tokens=6, eos_token_id=[2], pad_token_id=0), ref)
+    assert_greedy_matches_transformers(hf, model, rng, [9, 4], new=6, eos=2)
 
 
 # ------------------------------------------------------------------------------------------------ GGUF

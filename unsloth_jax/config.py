@@ -1061,6 +1061,28 @@ _QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id"
                      "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
 
 
+def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_type: str,
+                default_section: tuple, default_theta: float) -> tuple[ModelConfig, tuple, dict]:
+    """The text decoder of a Qwen vision-language config: text_raw (its text fields) parsed as `text_type` with the
+    dtype from the top level where transformers 5 writes it, and its M-RoPE checked -> (the text ModelConfig,
+    mrope_section, the rope parameters as read)."""
+    if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
+        text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
+    params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
+    section = params.get("mrope_section", default_section)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{source}: {family} rope type {rope_type!r} is not supported (only default / mrope)")
+    theta = params.get("rope_theta", text_raw.get("rope_theta", default_theta))
+    text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    text_raw.update(model_type=text_type, rope_theta=theta)
+    text = _parse(text_raw, source + " text_config")
+    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
+        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
+                          f"{text.head_dim // 2}")
+    return text, section, params
+
+
 def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
     """transformers 5's layout (text_config + vision_config) or transformers 4's flat one (the text fields at the
     top level, rope_scaling {"type": "mrope", "mrope_section": ...})."""
@@ -1077,20 +1099,8 @@ def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
     if "tie_word_embeddings" in raw:
         text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
     text_raw.setdefault("tie_word_embeddings", False)
-    if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
-        text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
-    params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
-    section = params.get("mrope_section", (16, 24, 24))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{source}: Qwen2.5-VL rope type {rope_type!r} is not supported (only default / mrope)")
-    theta = params.get("rope_theta", text_raw.get("rope_theta", 1000000.0))
-    text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
-    text_raw.update(model_type="qwen2", rope_theta=theta)
-    text = _parse(text_raw, source + " text_config")
-    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
-        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
-                          f"{text.head_dim // 2}")
+    text, section, _ = _mrope_text(raw, text_raw, source, family="Qwen2.5-VL", text_type="qwen2",
+                                   default_section=(16, 24, 24), default_theta=1000000.0)
     v = dict(raw.get("vision_config") or {})
     if v.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only silu)")
@@ -1184,22 +1194,10 @@ def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
     if text_raw.get("model_type", "qwen3_vl_text") != "qwen3_vl_text":
         raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'qwen3_vl_text'")
     text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-    if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
-        text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
-    params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
-    section = params.get("mrope_section", (24, 20, 20))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{source}: Qwen3-VL rope type {rope_type!r} is not supported (only default / mrope)")
+    text, section, params = _mrope_text(raw, text_raw, source, family="Qwen3-VL", text_type="qwen3",
+                                        default_section=(24, 20, 20), default_theta=5000000.0)
     if params.get("mrope_interleaved") is False:
         raise ConfigError(f"{source}: rope_parameters.mrope_interleaved=false is not Qwen3-VL's M-RoPE")
-    theta = params.get("rope_theta", text_raw.get("rope_theta", 5000000.0))
-    text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
-    text_raw.update(model_type="qwen3", rope_theta=theta)
-    text = _parse(text_raw, source + " text_config")
-    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
-        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
-                          f"{text.head_dim // 2}")
     v = dict(raw.get("vision_config") or {})
     if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only "
