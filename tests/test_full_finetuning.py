@@ -20,6 +20,7 @@ from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.hf import export  # noqa: E402
 from unsloth_jax.hf.safetensors_io import SafetensorsFile  # noqa: E402
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step  # noqa: E402
+from unsloth_jax.train.optim import decay_mask  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,10 @@ def _batch(rng, b=2, s=16, vocab=256):
 def test_adamw_updates_equal_torch_tensor_by_tensor(family, hf_dirs, rng):
     """Three AdamW steps (weight decay, clipping at 1.0, linear decay) over every weight, float32, remat on:
     each step's loss, grad norm and the update of every tensor (W_after - W_before) match torch.optim.AdamW
-    on the transformers model (tied embeddings: one table fed by both of its uses, as in transformers)."""
+    on the transformers model (tied embeddings: one table fed by both of its uses, as in transformers).
+    llama: weight decay on every tensor (make_optimizer's default, one torch param group); qwen2 (q/k/v biases):
+    the trainers' grouping (decay_mask) against transformers' Trainer's two groups (get_decay_parameter_names:
+    no decay on biases and norms)."""
     # eps = 1e-5 (not 1e-8): an element whose gradient is ~1e-7 from cancellation gets an Adam step of either sign
     # depending on float32 rounding order (seen: embedding rows); a larger eps makes such elements step in
     # proportion to their gradient, so the comparison is well conditioned, while the bulk (|g| >> eps) still
@@ -69,14 +73,21 @@ def test_adamw_updates_equal_torch_tensor_by_tensor(family, hf_dirs, rng):
     graphdef, trainable, frozen = lora.split(model)
     assert not jax.tree.leaves(frozen)  # everything trains
     assert lora.count(trainable) == lora.count(model)
-    opt = make_optimizer("adamw_torch", make_schedule("linear", lr, steps, 0), weight_decay=0.01, max_grad_norm=1.0,
-                         adam_epsilon=eps)
+    grouped = family == "qwen2"
+    opt = make_optimizer("adamw_torch", make_schedule("linear", lr, steps, 0), weight_decay=0.1, max_grad_norm=1.0,
+                         adam_epsilon=eps, weight_decay_mask=decay_mask() if grouped else None)
     opt_state = opt.init(trainable)
     step = make_train_step(graphdef, opt, remat=model.gradient_checkpointing, donate=False)
 
     hf = _hf(hf_dirs[family])
     hf.train()
-    torch_opt = torch.optim.AdamW(hf.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.01)
+    groups = [{"params": list(hf.parameters()), "weight_decay": 0.1}]
+    if grouped:
+        decayed = set(transformers.Trainer.get_decay_parameter_names(None, hf))
+        assert any("bias" in n for n, _ in hf.named_parameters()) and len(decayed) < len(list(hf.parameters()))
+        groups = [{"params": [p for n, p in hf.named_parameters() if n in decayed], "weight_decay": 0.1},
+                  {"params": [p for n, p in hf.named_parameters() if n not in decayed], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=eps)
     sched = transformers.get_scheduler("linear", torch_opt, num_warmup_steps=0, num_training_steps=steps)
     names = [n for n, _ in hf.named_parameters()]  # tied: lm_head.weight is the embedding, listed once
     assert set(names) == set(_hf_weights(model))

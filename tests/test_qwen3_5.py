@@ -80,7 +80,8 @@ def test_config_layer_pattern_and_refusals():
 def test_segment_scan_policies_equal_the_plain_stack(seed):
     """8 layers of the 3:1 pattern are one segment of 2 groups of 4 (the mixer is a layer kind of the scan); the
     loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
-    checkpointing equal those of the plain scan."""
+    checkpointing equal those of the plain scan. Gradient bound: per leaf, float32 rounding of another summation
+    order on small gradients (max 1.6e-5 over 21 seeds; a wrong recomputation or layer order gives O(1))."""
     import jax
     import jax.numpy as jnp
 
@@ -101,7 +102,7 @@ def test_segment_scan_policies_equal_the_plain_stack(seed):
         got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
         assert rel_err(got[0], want[0]) < 1e-6, mode
         for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
-            assert rel_err(g, w) < 1e-5, mode
+            assert rel_err(g, w) < 1e-4, mode
 
 
 # ------------------------------------------------------------------------------------------------ logits

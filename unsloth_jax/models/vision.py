@@ -54,6 +54,12 @@ class LayerNorm(nnx.Module):
         return (h * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def layer_norm_paths(model: nnx.Module) -> tuple[tuple, ...]:
+    """The attribute paths of `model`'s LayerNorm modules (vision towers' norms: transformers' Trainer gives the
+    parameters of LayerNorm modules no weight decay whatever their names, train.optim.decay_mask)."""
+    return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, LayerNorm))
+
+
 class VisionAttention(nnx.Module):
     """Bidirectional multi-head self-attention over the patches (biased q/k/v/out projections)."""
 

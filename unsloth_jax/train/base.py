@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from unsloth_jax import distributed, lora
 from unsloth_jax.errors import TrainingError
+from unsloth_jax.models.vision import layer_norm_paths
 from unsloth_jax.train import checkpoints, optim
 from unsloth_jax.train.callbacks import CallbackHandler, TrainerControl
 from unsloth_jax.train.reporting import Reporters, default_logging_dir
@@ -217,7 +218,8 @@ class TrainerBase:
         optimizer = optim.make_optimizer(args.optim, schedule, weight_decay=args.weight_decay,
                                          max_grad_norm=args.max_grad_norm, adam_beta1=args.adam_beta1,
                                          adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
-                                         embedding_schedule=embedding_schedule)
+                                         embedding_schedule=embedding_schedule,
+                                         weight_decay_mask=optim.decay_mask(layer_norm_paths(self.model)))
         return optimizer, schedule
 
     def _open_reporters(self) -> None:

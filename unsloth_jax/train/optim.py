@@ -11,6 +11,7 @@ their own learning rate (Unsloth's embedding_learning_rate).
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, NamedTuple
 
 import jax
@@ -205,11 +206,13 @@ class FusedAdamW(NamedTuple):
 
 def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 0.0, max_grad_norm: float = 0.0, eight_bit: bool = False,
-          embedding_schedule: optax.Schedule | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> FusedAdamW:
+          embedding_schedule: optax.Schedule | None = None, chunk_elements: int = CHUNK_ELEMENTS,
+          weight_decay_mask: Callable | None = None) -> FusedAdamW:
     """torch.optim.AdamW's update (optax.chain(clip_by_global_norm, scale_by_adam with float32 moments,
     add_decayed_weights, scale_by_learning_rate) computed element by element the same way), with moments in
     float32 or, with eight_bit, block-wise 8-bit (`_quantize`). embedding_schedule: the rate of the leaves
-    under embed_tokens / lm_head (embedding_labels) instead of `schedule`."""
+    under embed_tokens / lm_head (embedding_labels) instead of `schedule`. weight_decay_mask: params -> a pytree
+    of bools, the leaves weight decay applies to (decay_mask); None: every leaf."""
     if chunk_elements < _BLOCK:
         raise ValueError(f"chunk_elements must be at least {_BLOCK}, got {chunk_elements}")
 
@@ -224,15 +227,21 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
         lr_embedding = -embedding_schedule(count)
         return jax.tree.map(lambda label: lr_embedding if label == "embedding" else lr, embedding_labels(params))
 
-    def leaf_update(g, p, m_prev, v_prev, grad_norm, c1, c2, rate):
+    def decays(params):
+        """Per leaf, its weight decay (a Python float: weight_decay, or 0.0 where the mask excludes it)."""
+        if weight_decay_mask is None:
+            return jax.tree.map(lambda _: float(weight_decay), params)
+        return jax.tree.map(lambda keep: float(weight_decay) if keep else 0.0, weight_decay_mask(params))
+
+    def leaf_update(g, p, m_prev, v_prev, grad_norm, c1, c2, rate, decay):
         """(float32 update of p, new m, new v) for one leaf or one piece of it; m_prev, v_prev float32."""
         if max_grad_norm and max_grad_norm > 0:
             g = jax.lax.select(grad_norm < max_grad_norm, g, (g / grad_norm.astype(g.dtype)) * max_grad_norm)
         g = g.astype(jnp.float32)
         m, v = _moment(g, m_prev, b1, 1), _moment(g, v_prev, b2, 2)
         u = _direction(m, v, c1, c2, eps)
-        if weight_decay:
-            u = u + weight_decay * p
+        if decay:
+            u = u + decay * p
         return jnp.asarray(rate, jnp.float32) * u, m, v
 
     def load(q, like, signed):
@@ -249,9 +258,10 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
         count = optax.safe_increment(state.count)
         c1, c2 = _bias_corrections(b1, b2, count)
         grad_norm = global_norm(updates)
-        outs = jax.tree.map(lambda g, p, mq, vq, r: leaf_update(g, p, load(mq, g, True), load(vq, g, False),
-                                                                grad_norm, c1, c2, r),
-                            updates, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
+        outs = jax.tree.map(lambda g, p, mq, vq, r, d: leaf_update(g, p, load(mq, g, True), load(vq, g, False),
+                                                                   grad_norm, c1, c2, r, d),
+                            updates, params, state.mu, state.nu, rates(params, state.count), decays(params),
+                            is_leaf=is_q)
         u, m, v = _unzip3(params, outs)
         return u, AdamWState(count, jax.tree.map(lambda x: store(x, True), m),
                              jax.tree.map(lambda x: store(x, False), v))
@@ -260,16 +270,17 @@ def adamw(schedule: optax.Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: 
         count = optax.safe_increment(state.count)
         c1, c2 = _bias_corrections(b1, b2, count)
 
-        def piece(g, p, mq, vq, rate):
-            g = scale_gradient(g, grad_divisor).astype(p.dtype)  # the gradient apply_gradients would pass
-            u, m, v = leaf_update(g, p, load(mq, p, True), load(vq, p, False), grad_norm, c1, c2, rate)
-            return (p + u).astype(p.dtype), store(m, True), store(v, False)
+        def one_leaf(g, p, mq, vq, rate, decay):
+            def piece(g, p, mq, vq, rate):
+                g = scale_gradient(g, grad_divisor).astype(p.dtype)  # the gradient apply_gradients would pass
+                u, m, v = leaf_update(g, p, load(mq, p, True), load(vq, p, False), grad_norm, c1, c2, rate, decay)
+                return (p + u).astype(p.dtype), store(m, True), store(v, False)
 
-        def one_leaf(g, p, mq, vq, rate):
             k = chunk_count(p.shape, chunk_elements) if in_chunks else 1
             return _in_pieces(piece, k, finite, g, p, mq, vq, rate)
 
-        outs = jax.tree.map(one_leaf, grads, params, state.mu, state.nu, rates(params, state.count), is_leaf=is_q)
+        outs = jax.tree.map(one_leaf, grads, params, state.mu, state.nu, rates(params, state.count), decays(params),
+                            is_leaf=is_q)
         new_p, mu, nu = _unzip3(params, outs)
         return new_p, AdamWState(jnp.where(finite, count, state.count), mu, nu)
 
@@ -317,6 +328,32 @@ def state_dtype(optim: str) -> str:
 
 
 EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+# transformers' Trainer.get_decay_parameter_names: no weight decay for parameters whose lower-cased name matches one
+# of these (biases and norms), nor for those of LayerNorm modules
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+
+def _path_names(path) -> tuple[str, ...]:
+    """A pytree key path (nnx State / dict keys, attribute names) as strings."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def decay_mask(layer_norm_paths=()) -> Callable:
+    """params -> a pytree of bools like params: True on the leaves weight decay applies to, as transformers' Trainer
+    (and so TRL and Unsloth) groups them: not biases, not norm weights (NO_DECAY_NAME_PATTERNS on the leaf's
+    dotted path, lower-cased) and not the parameters of the modules at `layer_norm_paths` (tuples of names: the
+    model's LayerNorm modules, which transformers excludes by type whatever their name, e.g. Qwen3-VL's norm1)."""
+    patterns = [re.compile(p) for p in NO_DECAY_NAME_PATTERNS]
+    prefixes = tuple(tuple(str(n) for n in p) for p in layer_norm_paths)
+
+    def decays(path, _) -> bool:
+        names = _path_names(path)
+        dotted = ".".join(names).lower()
+        if any(p.search(dotted) for p in patterns):
+            return False
+        return not any(names[:len(pre)] == pre for pre in prefixes)
+
+    return lambda params: jax.tree_util.tree_map_with_path(decays, params)
 
 
 def embedding_labels(params) -> object:
@@ -339,22 +376,25 @@ def _learning_rate(schedule: optax.Schedule, embedding_schedule: optax.Schedule 
 
 def make_optimizer(optim: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                    adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_epsilon: float = 1e-8,
-                   embedding_schedule: optax.Schedule | None = None,
-                   chunk_elements: int = CHUNK_ELEMENTS) -> optax.GradientTransformation | FusedAdamW:
+                   embedding_schedule: optax.Schedule | None = None, chunk_elements: int = CHUNK_ELEMENTS,
+                   weight_decay_mask: Callable | None = None) -> optax.GradientTransformation | FusedAdamW:
     """The optimizer for an HF `optim` name: AdamW variants are `adamw` (clip by global norm when
     max_grad_norm > 0, torch.optim.AdamW's math with float32 moments, or 8-bit ones for adamw_8bit; applied in
     pieces of at most `chunk_elements` by the train step); "sgd" is an optax chain (clip, weight decay, -lr).
     With `embedding_schedule`, the embedding and head leaves (embedding_labels) step with it instead of
-    `schedule`; weight decay and clipping are shared, as in Unsloth's two torch param groups."""
+    `schedule`; weight decay and clipping are shared, as in Unsloth's two torch param groups.
+    weight_decay_mask (decay_mask(...)): the leaves weight decay applies to, as the trainers pass it (transformers'
+    grouping: no decay on biases and norms); None: every leaf, as one torch.optim.AdamW param group."""
     if optim not in OPTIMIZERS:
         raise ValueError(f"optim {optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
     if optim != "sgd":
         return adamw(schedule, b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon, weight_decay=weight_decay,
                      max_grad_norm=max_grad_norm, eight_bit=optim in ("adamw_8bit", "paged_adamw_8bit"),
-                     embedding_schedule=embedding_schedule, chunk_elements=chunk_elements)
+                     embedding_schedule=embedding_schedule, chunk_elements=chunk_elements,
+                     weight_decay_mask=weight_decay_mask)
     parts = []
     if max_grad_norm and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    parts += [optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+    parts += [optax.add_decayed_weights(weight_decay, mask=weight_decay_mask) if weight_decay else optax.identity(),
               _learning_rate(schedule, embedding_schedule)]
     return optax.chain(*parts)
