@@ -262,6 +262,50 @@ def case_dpo_trainer(seed: int, output_dir: str):
             "single": _dpo_trainer_run(seed, f"{output_dir}/dpo-single", None, 4)}
 
 
+def _vision_trainer_run(family: str, output_dir: str, mesh: str | None, per_device: int) -> dict:
+    """SFTTrainer with UnslothVisionDataCollator for 2 steps of 2 accumulated micro-batches on a tiny random
+    Gemma 3 or Qwen2.5-VL (LoRA on both towers, records with 1 or 2 images of several sizes): its logged losses
+    and grad norms, and how many devices hold the trained LoRA leaves."""
+    import os
+
+    from tests import vl_models, vl_qwen_models as qm
+    from tests.test_vision_qwen_sft import squares
+    from unsloth_jax import FastVisionModel, SFTConfig, SFTTrainer, UnslothVisionDataCollator
+
+    base = f"{output_dir}/{family}-base"
+    if family == "gemma3":
+        hf, processor = vl_models.hf_gemma3(), vl_models.processor()
+        records = vl_models.shapes_dataset(4)
+        records[1]["messages"][0]["content"].insert(0, {"type": "image"})  # 2 images in one row
+        records[1]["images"] = records[1]["images"] * 2
+    else:
+        hf, processor = qm.hf_qwen_vl(processor_vocab=True), qm.processor()
+        records = squares([[(16, 16), (16, 24)], [(24, 16)], [(16, 16)], [(24, 24)]])
+    if not os.path.exists(base):
+        hf.save_pretrained(base)
+    model, _ = FastVisionModel.from_pretrained(base, dtype="float32", load_processor=False)
+    model = FastVisionModel.get_peft_model(model, r=4, lora_alpha=8, finetune_vision_layers=True,
+                                           use_gradient_checkpointing=True, random_state=3)
+    args = SFTConfig(per_device_train_batch_size=per_device, gradient_accumulation_steps=2, max_steps=2,
+                     learning_rate=1e-2, logging_steps=1, output_dir=f"{output_dir}/{family}-{mesh}", report_to="none",
+                     remove_unused_columns=False, dataset_text_field="", save_steps=0,
+                     dataset_kwargs={"skip_prepare_dataset": True}, max_length=64, mesh=mesh)
+    trainer = SFTTrainer(model=model, tokenizer=processor, data_collator=UnslothVisionDataCollator(model, processor),
+                         train_dataset=records, args=args)
+    trainer.train()
+    hist = [e for e in trainer.state.log_history if "grad_norm" in e]
+    return {"losses": [e["loss"] for e in hist], "grad_norms": [e["grad_norm"] for e in hist],
+            "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(lora.split(model)[1])})}
+
+
+def case_vision_trainer(seed: int, output_dir: str):
+    """SFTTrainer on vision-language batches on a mesh (Gemma 3 on data=2, Qwen2.5-VL on fsdp=2) with 1 row per
+    device against one device with 2 rows: the same rows per step, so the same logged losses and grad norms."""
+    return {family: {"mesh": _vision_trainer_run(family, output_dir, mesh, 1),
+                     "single": _vision_trainer_run(family, output_dir, None, 2)}
+            for family, mesh in (("gemma3", "data=2,fsdp=1"), ("qwen2_5_vl", "data=1,fsdp=2"))}
+
+
 # ------------------------------------------------------------------------------------------- HLO
 def _computations(hlo: str) -> dict[str, str]:
     """HLO module text -> {computation name: its text}."""
@@ -446,7 +490,8 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
          "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps,
-         "rl_equal_steps": case_rl_equal_steps, "dpo_trainer": case_dpo_trainer}
+         "rl_equal_steps": case_rl_equal_steps, "dpo_trainer": case_dpo_trainer,
+         "vision_trainer": case_vision_trainer}
 
 
 

@@ -58,7 +58,8 @@ def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
     trainer = dict(output_dir=out, max_steps=4, shard_trainable=True)
     return {
         "2 devices, DPO and GRPO": (2, {"rl_steps": ["rl_equal_steps", {}],
-                                        "dpo_trainer": ["dpo_trainer", dict(output_dir=out)]}),
+                                        "dpo_trainer": ["dpo_trainer", dict(output_dir=out)],
+                                        "vision_trainer": ["vision_trainer", dict(output_dir=out)]}),
         "8 devices": (8, {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
                           "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
                           "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
@@ -261,6 +262,18 @@ def test_dpo_trainer_on_a_mesh_equals_single_device(cases):
     np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4)
     np.testing.assert_allclose(mesh["margins"], single["margins"], rtol=1e-3, atol=1e-6)
     assert abs(single["margins"][-1]) > 1e-3, result  # the steps moved the policy away from the reference
+
+
+def test_vision_sft_trainer_on_a_mesh_equals_single_device(cases):
+    """SFTTrainer with UnslothVisionDataCollator (LoRA on both towers) on a mesh: Gemma 3 on data=2 and
+    Qwen2.5-VL on fsdp=2, one row per device, log the losses and grad norms of two rows per step on one device
+    (the images go whole to every device; the text rows split)."""
+    for family, result in cases("vision_trainer").items():
+        mesh, single = result["mesh"], result["single"]
+        assert len(mesh["losses"]) == 2 and mesh["devices"] == [2] and single["devices"] == [1], (family, result)
+        np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4, err_msg=family)
+        np.testing.assert_allclose(mesh["grad_norms"], single["grad_norms"], rtol=1e-3, err_msg=family)
+        assert single["losses"][-1] < single["losses"][0], (family, result)
 
 
 def test_fsdp8_weights_live_in_8_shards_and_are_gathered_layer_by_layer(cases):

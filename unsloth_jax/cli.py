@@ -706,9 +706,9 @@ def _is_vision_model(model_name) -> bool:
 
 def _train_vision(args, targs, mesh, t_start: float) -> int:
     """`train` for a Gemma 3 or Qwen2.5-VL vision-language model: FastVisionModel + UnslothVisionDataCollator on a
-    .jsonl of chat records with image file paths (docs/VISION.md); --load_in_4bit: QLoRA (NF4 language model).
-    Prints and saves as the text path does."""
-    for flag, unsupported in (("--mesh", mesh is not None), ("--packing", args.packing), ("--save_gguf", args.save_model and args.save_gguf),
+    .jsonl of chat records with image file paths (docs/VISION.md); --load_in_4bit: QLoRA (NF4 language model);
+    --mesh: the devices of this process. Prints and saves as the text path does."""
+    for flag, unsupported in (("--packing", args.packing), ("--save_gguf", args.save_model and args.save_gguf),
                               ("--skip_bad_lines", args.skip_bad_lines)):
         if unsupported:
             raise UsageError(f"{flag} is not supported for vision-language models yet (docs/VISION.md)")
@@ -765,7 +765,7 @@ def _train_vision(args, targs, mesh, t_start: float) -> int:
             saved.append(f"merged_16bit -> {targets['merged_16bit'][0]}")
     seconds = time.perf_counter() - t_start
     print(f"unsloth-jax: {trainer_stats.global_step} steps in {seconds:.0f}s, "
-          f"{_loss_summary(trainer.state.log_history)} | dtype {model.dtype.name} | "
+          f"{_loss_summary(trainer.state.log_history)} | dtype {model.dtype.name}{_mesh_summary(mesh)} | "
           f"kernels: {trainer.kernel_choices} | memory: {_memory_summary()} | metrics -> {out / 'metrics.jsonl'}"
           + (" | " + ", ".join(saved) if saved else ""))
     return rc

@@ -122,6 +122,13 @@ class Family:
         text fields)."""
         return False
 
+    def batch_row_axis(self, key: str, ndim: int) -> int | None:
+        """The axis of a step batch's field `key` (`ndim` dims, the micro-batch axis A first) that runs over the
+        rows, along which a mesh splits the batch (unsloth_jax.distributed); None for a field with no row axis
+        (a per-micro-batch scalar [A]; a vision-language batch's pixels and tower layouts, which every device
+        gets whole)."""
+        return 1 if ndim >= 2 else None
+
     def parse_config(self, raw: dict, source: str = "config.json"):
         """config.json's dict -> this family's frozen config (ConfigError naming `source` and the key)."""
         raise NotImplementedError
@@ -217,6 +224,13 @@ class VisionFamily(Family):
 
     def is_image_field(self, key: str) -> bool:
         return key in self.image_fields
+
+    def batch_row_axis(self, key: str, ndim: int) -> int | None:
+        if key in self.row_fields:  # [A, ..., B, S]: the rows precede the sequence axis
+            return ndim - 2
+        if self.is_image_field(key):  # pixels, patches and tower layouts are not laid out by rows
+            return None
+        return super().batch_row_axis(key, ndim)
 
     def text_name(self, name: str) -> str:
         """A text decoder tensor name (hf/mapping.py's: model.*, lm_head.*) in the canonical spelling."""

@@ -39,7 +39,7 @@ from flax import nnx
 
 from pallas_kernels._common import on_gpu
 from unsloth_jax import ops
-from unsloth_jax.families import family_of
+from unsloth_jax.families import TEXT, Family, family_of
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, Offload, require_policy
 from unsloth_jax.models.moe import load_balancing_loss
@@ -173,7 +173,7 @@ def accumulate(fn, trainable, batch, *, with_grad: bool):
 
 
 def make_step(graphdef: nnx.GraphDef, optimizer, loss: StepLoss, *, remat, mesh=None, donate: bool = True,
-              reference: bool = False, train: bool = True):
+              reference: bool = False, train: bool = True, family: Family = TEXT):
     """The one factory of the jitted steps (SFT, DPO, ORPO, GRPO): `loss` is what each trainer brings.
 
     train=True: step(trainable, frozen, opt_state, [ref_state,] batch) -> (trainable, opt_state, metrics): the
@@ -187,7 +187,9 @@ def make_step(graphdef: nnx.GraphDef, optimizer, loss: StepLoss, *, remat, mesh=
     mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh): the step then has
     in/out shardings from `unsloth_jax.distributed`'s rules (batch rows, axis 1, split over both axes; large
     frozen weights, and a reference state, over fsdp; the rest replicated) and places its arguments there (a
-    no-op for arguments already placed). `batch` is the global batch.
+    no-op for arguments already placed). `batch` is the global batch; `family` (the model's Family) says which
+    axis of each batch field runs over the rows (Family.batch_row_axis: a vision-language batch's images are
+    given whole to every device).
     """
     policy = LayerStackPolicy.parse(remat, argument="remat")
     unsharded = mesh is None or mesh.shape["fsdp"] == 1  # the fused update splits only leaves not sharded
@@ -221,11 +223,11 @@ def make_step(graphdef: nnx.GraphDef, optimizer, loss: StepLoss, *, remat, mesh=
         donate_argnums, options = (), None
     if mesh is None:
         return ops.policy_jit(fn, donate_argnums=donate_argnums, compiler_options=options)
-    return _on_mesh(fn, mesh, kinds, train, donate_argnums, options)
+    return _on_mesh(fn, mesh, kinds, train, donate_argnums, options, family)
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat="full",
-                    loss_chunk: int = 1024, donate: bool = True, mesh=None):
+                    loss_chunk: int = 1024, donate: bool = True, mesh=None, family: Family = TEXT):
     """SFT's jitted `step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics)` (make_step
     with `sft_loss`).
 
@@ -244,9 +246,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     committed arrays, and uncommitted first inputs would make the second call compile the step again.
 
     mesh: a ("data", "fsdp") `jax.sharding.Mesh` (unsloth_jax.distributed.make_mesh) to run on several
-    devices (make_step): a no-op placement for arguments already placed, e.g. by `distributed.shard_state`.
+    devices (make_step): a no-op placement for arguments already placed, e.g. by `distributed.shard_state`;
+    family: the model's Family (families.family_of(model)), for a vision-language batch on a mesh.
     """
-    return make_step(graphdef, optimizer, sft_loss(graphdef, loss_chunk), remat=remat, mesh=mesh, donate=donate)
+    return make_step(graphdef, optimizer, sft_loss(graphdef, loss_chunk), remat=remat, mesh=mesh, donate=donate,
+                     family=family)
 
 
 def sft_loss(graphdef: nnx.GraphDef, loss_chunk: int = 1024) -> StepLoss:
@@ -273,12 +277,12 @@ def sft_loss(graphdef: nnx.GraphDef, loss_chunk: int = 1024) -> StepLoss:
     return StepLoss(micro, finish)
 
 
-def _on_mesh(step, mesh, kinds: tuple[str, ...], train: bool, donate_argnums, compiler_options):
+def _on_mesh(step, mesh, kinds: tuple[str, ...], train: bool, donate_argnums, compiler_options, family: Family):
     """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
     the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
     the kernels' per-shard calls read it there. kinds: per state argument (all but the last, the batch),
     "trainable" (trainable params and their optimizer state) or "frozen"; train: the step returns
-    (trainable, opt_state, metrics), else metrics."""
+    (trainable, opt_state, metrics), else metrics; family: the batch fields' row axes (Family.batch_row_axis)."""
     from unsloth_jax import distributed
 
     built: dict = {}
@@ -286,7 +290,11 @@ def _on_mesh(step, mesh, kinds: tuple[str, ...], train: bool, donate_argnums, co
     def shardings(*args):
         states = tuple(distributed.state_shardings(mesh, a, trainable=kind == "trainable")
                        for kind, a in zip(kinds, args[:-1]))
-        batch = jax.tree.map(lambda x: distributed.batch_sharding(mesh, np.ndim(x)), args[-1])
+        def field(path, x):
+            axis = family.batch_row_axis(path[0].key, np.ndim(x))
+            return distributed.replicated(mesh) if axis is None else distributed.batch_sharding(mesh, np.ndim(x), axis)
+
+        batch = jax.tree_util.tree_map_with_path(field, args[-1])
         outs = (states[0], states[2], distributed.replicated(mesh)) if train else distributed.replicated(mesh)
         return states + (batch,), outs
 

@@ -310,6 +310,8 @@ class SFTTrainer(TrainerBase):
         """The step's batch on the device(s): on a mesh, the global batch assembled from this host's rows."""
         if mesh is None:
             return jax.device_put(self._step_batch(loader, step))
+        if isinstance(loader, VisionLoader):  # one process: the step places the whole batch by its row axes
+            return self._step_batch(loader, step)
         rows = distributed.host_rows(mesh, loader.batch_size)
         return distributed.global_batch(mesh, self._step_batch(loader, step, rows), loader.batch_size)
 
@@ -328,9 +330,9 @@ class SFTTrainer(TrainerBase):
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
         self.mesh = mesh = distributed.resolve_mesh(args.mesh, "TrainingArguments.mesh")
-        if mesh is not None and self.data_collator is not None:
-            raise TrainingError("TrainingArguments.mesh: vision-language batches run on one device for now; "
-                                "leave mesh unset")
+        if mesh is not None and self.data_collator is not None and jax.process_count() > 1:
+            raise TrainingError("TrainingArguments.mesh: vision-language batches run on the devices of one process "
+                                f"for now, not over {jax.process_count()} processes")
         shards = distributed.batch_shards(mesh) if mesh is not None else 1  # the loader yields the global batch
         loader = self._loader(self.train_examples, args.per_device_train_batch_size * shards, shuffle=True)
         self._train_loader = loader
@@ -350,7 +352,8 @@ class SFTTrainer(TrainerBase):
             # compilation on step 2 (2.7-3.9 s at 8B on the H200; reproduced on the CPU with the offload policy).
             trainable, frozen, opt_state = commit_to_devices((trainable, frozen, opt_state))
         self._frozen = frozen
-        self._step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh)
+        self._step_fn = make_train_step(graphdef, optimizer, remat=model.gradient_checkpointing, mesh=mesh,
+                                        family=family_of(model))
         accum = args.gradient_accumulation_steps
         planned = planned_train_samples(args.max_steps, args.per_device_train_batch_size, accum, loader.num_rows,
                                         args.num_train_epochs)
