@@ -24,7 +24,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.families import family_of, vision_family_for
 from unsloth_jax.hf.loading import load_model
-from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.models.decoder import PROJ_PARENT, CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
@@ -755,8 +755,9 @@ class FastVisionModel:
                        finetune_mlp_modules: bool = True, target_modules=None, **kwargs):
         """LoRA with Unsloth's switches (FastLanguageModel.get_peft_model's arguments in kwargs): on the language
         layers (finetune_language_layers) and / or the vision tower's encoder layers (finetune_vision_layers),
-        their attention projections (finetune_attention_modules: language q/k/v/o_proj, vision q/k/v/out_proj)
-        and MLP projections (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
+        their attention projections (finetune_attention_modules: language q/k/v/o_proj and Qwen3.5's
+        linear-attention in_proj_* / out_proj, vision q/k/v/out_proj) and MLP projections
+        (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
         replaces the language choice (the vision choice still follows the switches). The projector stays frozen,
         as in Unsloth."""
         if not isinstance(model, VisionLanguageModel):
@@ -768,9 +769,11 @@ class FastVisionModel:
         mlp = require_bool("finetune_mlp_modules", finetune_mlp_modules)
         if not (attention or mlp) and target_modules is None:
             raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
-        if target_modules is None:
-            target_modules = ((("q_proj", "k_proj", "v_proj", "o_proj") if attention else ())
-                              + (("gate_proj", "up_proj", "down_proj") if mlp else ())) if language else ()
+        if target_modules is None:  # attention: every token mixer's projections (Qwen3.5: linear_attn's too)
+            projs = model.projections()
+            attn_projs = tuple(p for p in projs if PROJ_PARENT[p] != "mlp")
+            mlp_projs = tuple(p for p in projs if PROJ_PARENT[p] == "mlp")
+            target_modules = ((attn_projs if attention else ()) + (mlp_projs if mlp else ())) if language else ()
         elif not language:
             raise ValueError("target_modules names language projections, but finetune_language_layers=False")
         family = family_of(model)

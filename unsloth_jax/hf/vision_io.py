@@ -29,6 +29,7 @@ from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTen
 from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, family_of, vision_family_for
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
+from unsloth_jax.hf.mapping import layer_has
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vision_language_specs, vl_tensor_placer
 from unsloth_jax.lora import LoraSettings, add_lora
@@ -102,13 +103,16 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
     for tower, (projs, layers) in _tower_projections(model).items():
         chosen = []
         for proj in projs:
-            hits = [any(_matches(target_modules, f"{path}.{i}.{layout.module(tower, proj)}.{proj}")
-                        for path in layout.paths(tower)) for i in range(layers)]
-            if all(hits):
+            module = layout.module(tower, proj)
+            held = [i for i in range(layers)  # Qwen3.5: a layer has the projections of its own token mixer
+                    if tower == "vision" or layer_has(model.config, i, f"{module}.{proj}.")]
+            hits = [any(_matches(target_modules, f"{path}.{i}.{module}.{proj}") for path in layout.paths(tower))
+                    for i in held]
+            if hits and all(hits):
                 chosen.append(proj)
             elif any(hits):
                 raise ConfigError(f"{source}: target_modules {target_modules!r} adapts {proj} of the {tower} "
-                                  f"layers {[i for i, h in enumerate(hits) if h]} only; a subset of layers is not "
+                                  f"layers {[i for i, h in zip(held, hits) if h]} only; a subset of layers is not "
                                   "supported")
         out[tower] = tuple(chosen)
     if not out["language"] and not out["vision"]:
@@ -136,10 +140,15 @@ def _adapter_rank_alpha(raw: dict, cfg_path: Path, family: str) -> tuple[int, fl
 
 
 def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers: dict[str, int], r: int,
-                       ) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+                       text_cfg) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     """(tower, projection) -> (lora_a [L, in, r], lora_b [L, r, out]) float32 for every Linear of `lins` (keyed the
-    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer). Raises
-    UnexpectedTensorError (keys that fit no target), ShapeMismatchError, MissingTensorError, naming key and file."""
+    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer; a language layer
+    without the projection, mapping.layer_has of the text config `text_cfg` (Qwen3.5's other token mixer), has no
+    pair and keeps zeros). Raises UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
+    MissingTensorError, naming key and file."""
+    def held(tower: str, proj: str, i: int) -> bool:
+        return tower == "vision" or layer_has(text_cfg, i, f"{layout.module(tower, proj)}.{proj}.")
+
     factors = {k: (np.zeros((layers[k[0]], lin.in_features, r), np.float32),
                    np.zeros((layers[k[0]], r, lin.out_features), np.float32)) for k, lin in lins.items()}
     seen, unexpected = set(), []
@@ -148,7 +157,7 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
             m = layout.key_regex.match(key)
             tower = m and ("language" if m["path"] in layout.language_paths else "vision")
             if (m is None or (tower, m["proj"]) not in lins or m["module"] != layout.module(tower, m["proj"])
-                    or int(m["i"]) >= layers[tower]):
+                    or int(m["i"]) >= layers[tower] or not held(tower, m["proj"], int(m["i"]))):
                 unexpected.append(key)
                 continue
             lin, i, which = lins[(tower, m["proj"])], int(m["i"]), m["which"]
@@ -164,7 +173,8 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
                                     f"{targets['language']}, vision {targets['vision']}) or this model: "
                                     f"{first_names(unexpected, 6)}")
     missing = [f"base_model.model.{layout.paths(t)[0]}.{i}.{layout.module(t, p)}.{p}.lora_{w}.weight"
-               for (t, p) in lins for i in range(layers[t]) for w in "AB" if (t, p, i, w) not in seen]
+               for (t, p) in lins for i in range(layers[t]) for w in "AB" if (t, p, i, w) not in seen
+               and held(t, p, i)]
     if missing:
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): "
                                  f"{first_names(missing, 6)}")
@@ -195,7 +205,8 @@ def load_vision_adapter(model, adapter_dir):
     towers = _tower_projections(model)
     lins = {(tower, p): towers[tower][0][p] for tower, names in (("language", language), ("vision", vision))
             for p in names}
-    factors = _read_lora_factors(weights, family.adapter, lins, {t: n for t, (_, n) in towers.items()}, r)
+    factors = _read_lora_factors(weights, family.adapter, lins, {t: n for t, (_, n) in towers.items()}, r,
+                                 model.config)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=language,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                             use_rslora=bool(raw.get("use_rslora", False)), vision_target_modules=vision or None)
