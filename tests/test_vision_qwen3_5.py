@@ -280,3 +280,31 @@ def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
     for row, hf_row in zip(mine[:, width:], theirs[:, width:]):
         stop = list(hf_row).index(2) + 1 if 2 in hf_row else new
         assert row[:stop].tolist() == hf_row[:stop].tolist(), (mine, theirs)
+
+
+def test_processor_without_torchvision(checkpoint, tmp_path):
+    """A Qwen3.5 folder with processor files (processor_class Qwen3VLProcessor, as released): without torchvision
+    FastVisionModel.from_pretrained builds its processor (images only) with the reference processor's ids, pixels
+    and grids."""
+    import shutil
+
+    from tests.test_vision_qwen_sft import squares
+    from unsloth_jax import FastVisionModel
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(checkpoint[0] / name, folder / name)
+    reference = qm.processor()
+    reference.save_pretrained(folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps(config | {"processor_class": "Qwen3VLProcessor"}))
+    _, processor = FastVisionModel.from_pretrained(folder, dtype="float32")
+    records = squares([[(16, 16), (16, 24)], [(24, 16)]], seed=2)
+    texts = [reference.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    ours = processor(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    ref = reference(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw"):
+        np.testing.assert_array_equal(ours[key], ref[key])
+    with pytest.raises(ValueError, match="videos"):
+        processor(text=texts, videos=[np.zeros((2, 16, 16, 3), np.uint8)])
