@@ -27,9 +27,10 @@ from tests.vl_qwen3_models import mm_token_type_ids  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-# Largest errors measured over 12 random models and inputs (float32): tower 9.7e-7, image-batch logits 3.4e-6,
-# text-batch logits 2.7e-6, PEFT adapter 3.5e-6, merged export 3.5e-6; the bound leaves a margin of over 5x.
-BOUND = 2e-5
+# Largest relative errors over 12 random models and inputs (float32, random LoRA factors on both towers): tower
+# 4.3e-7, image-batch logits 4.2e-6, text-batch logits 4.3e-6, PEFT adapter 5.7e-6, merged export 5.9e-6 (float32
+# rounding in different summation orders); the bound leaves a margin of 5x over the largest.
+BOUND = 3e-5
 
 
 @pytest.fixture(scope="module")
