@@ -54,5 +54,5 @@ def family_of(model_or_config) -> Family:
     return TEXT
 
 
-__all__ = ["AdapterLayout", "Family", "GEMMA3_VL", "ModelInputs", "QWEN2_5_VL", "QWEN3_5", "QWEN3_VL", "TEXT", "TextFamily", "VISION_FAMILIES",
-           "VisionFamily", "family_for", "family_of", "vision_family_for"]
+__all__ = ["AdapterLayout", "Family", "GEMMA3_VL", "ModelInputs", "QWEN2_5_VL", "QWEN3_5", "QWEN3_VL", "TEXT",
+           "TextFamily", "VISION_FAMILIES", "VisionFamily", "family_for", "family_of", "vision_family_for"]

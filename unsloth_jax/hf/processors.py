@@ -59,8 +59,8 @@ def _qwen2_vl_image_processor(model_dir: Path):
 
 
 def image_only_processor(model_dir):
-    """The Qwen2.5-VL / Qwen3-VL / Qwen3.5 processor of `model_dir` without its video processor (module docstring). Raises
-    ValueError for another model type, OSError for missing tokenizer files."""
+    """The Qwen2.5-VL / Qwen3-VL / Qwen3.5 processor of `model_dir` without its video processor (module
+    docstring). Raises ValueError for another model type, OSError for missing tokenizer files."""
     model_dir = Path(model_dir)
     model_type = folder_model_type(model_dir)
     if model_type not in IMAGE_ONLY_TYPES:
