@@ -841,7 +841,7 @@ def _vision_checkpoint_as_text_model(model_dir: Path, max_seq_length, dtype, loa
         if peft_io.is_adapter_dir(model_dir) and not (model_dir / "tokenizer_config.json").is_file():
             source = Path(peft_io.base_model_path(model_dir))
         tokenizer = _load_tokenizer(source)
-    return model, tokenizer
+    return model, _remember_processor(model, tokenizer)
 
 
 class FastModel:
