@@ -241,9 +241,9 @@ def test_greedy_generation_with_images_equals_transformers(checkpoint, rng):
 
 def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
     """FastLanguageModel.from_pretrained of the released layout gives the whole model (as Unsloth hands a
-    vision-language checkpoint to FastModel): the SFT step on text batches lowers the loss, its adapter applies in
-    PEFT to Qwen3_5ForConditionalGeneration with equal logits, and text generation equals transformers'.
-    full_finetuning is refused by name."""
+    vision-language checkpoint to FastModel): its text generation equals transformers', the SFT step on text
+    batches lowers the loss, its adapter applies in PEFT to Qwen3_5ForConditionalGeneration with equal logits and
+    loads back through FastLanguageModel. full_finetuning is refused by name."""
     from flax import nnx
 
     from unsloth_jax import FastLanguageModel, VisionLanguageModel
@@ -254,6 +254,20 @@ def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
         FastLanguageModel.from_pretrained(path, dtype="float32", full_finetuning=True, load_tokenizer=False)
     model, tokenizer = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False)
     assert isinstance(model, VisionLanguageModel) and tokenizer is None
+
+    width, new = 9, 6
+    prompts = np.zeros((2, width), np.int64)
+    pmask = np.zeros_like(prompts)
+    for i, n in enumerate((9, 4)):
+        prompts[i, width - n:], pmask[i, width - n:] = rng.integers(3, 240, n), 1
+    mine = model.generate(input_ids=prompts, attention_mask=pmask, max_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=torch.tensor(prompts), attention_mask=torch.tensor(pmask), max_new_tokens=new,
+                             do_sample=False).numpy()
+    for row, hf_row in zip(mine[:, width:], theirs[:, width:]):
+        stop = list(hf_row).index(2) + 1 if 2 in hf_row else new
+        assert row[:stop].tolist() == hf_row[:stop].tolist(), (mine, theirs)
+
     model = FastLanguageModel.get_peft_model(model, r=4, target_modules="all-linear", use_gradient_checkpointing=False)
     assert {"in_proj_z", "o_proj", "up_proj"} <= set(model.lora.target_modules) and not model.lora.vision_target_modules
     _, trained, _ = lora_steps_lower_the_loss(model, rng)
@@ -267,20 +281,8 @@ def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
     err = rel_err(ours[real], torch_logits(twin, ids, mask)[real])
     print(f"text adapter logits relative error {err:.2e}")
     assert err < BOUND, err
-
-    width, new = 9, 6
-    prompts = np.zeros((2, width), np.int64)
-    pmask = np.zeros_like(prompts)
-    for i, n in enumerate((9, 4)):
-        prompts[i, width - n:], pmask[i, width - n:] = rng.integers(3, 240, n), 1
-    base, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False)
-    mine = base.generate(input_ids=prompts, attention_mask=pmask, max_new_tokens=new, do_sample=False)
-    with torch.no_grad():
-        theirs = hf.generate(input_ids=torch.tensor(prompts), attention_mask=torch.tensor(pmask), max_new_tokens=new,
-                             do_sample=False).numpy()
-    for row, hf_row in zip(mine[:, width:], theirs[:, width:]):
-        stop = list(hf_row).index(2) + 1 if 2 in hf_row else new
-        assert row[:stop].tolist() == hf_row[:stop].tolist(), (mine, theirs)
+    back, _ = FastLanguageModel.from_pretrained(tmp_path / "adapter", dtype="float32", load_tokenizer=False)
+    assert rel_err(np.asarray(back(ids, mask))[real], ours[real]) < 1e-6
 
 
 def test_processor_without_torchvision(checkpoint, tmp_path):
