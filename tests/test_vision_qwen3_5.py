@@ -61,6 +61,7 @@ def test_tower_and_logits_match_transformers(checkpoint, fast, rng):
 
     _, hf, _ = checkpoint
     assert family_of(fast) is QWEN3_5 and not hasattr(fast.visual, "deepstack_merger_0")
+    assert "qwen3_5, text layers=4 (3 linear attention)" in repr(fast)
     ids, mask, pixels, grids = qm.inputs(rng)
     with torch.no_grad():
         tower = hf.model.visual(torch.tensor(pixels), grid_thw=torch.tensor(grids)).pooler_output.numpy()
