@@ -286,25 +286,27 @@ def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
     assert rel_err(np.asarray(back(ids, mask))[real], ours[real]) < 1e-6
 
 
-def test_processor_without_torchvision(checkpoint, tmp_path):
+def test_processor_and_collator_without_torchvision(tmp_path, rng):
     """A Qwen3.5 folder with processor files (processor_class Qwen3VLProcessor, as released): without torchvision
     FastVisionModel.from_pretrained builds its processor (images only) with the reference processor's ids, pixels
-    and grids."""
-    import shutil
+    and grids; UnslothVisionDataCollator's batch (M-RoPE positions, the padded tower layout) gives transformers'
+    loss of the same batch."""
+    import jax.numpy as jnp
 
     from tests.test_vision_qwen_sft import squares
-    from unsloth_jax import FastVisionModel
+    from unsloth_jax import FastVisionModel, UnslothVisionDataCollator
+    from unsloth_jax.data.vision_loader import pad_patches
+    from unsloth_jax.families import family_of
 
     folder = tmp_path / "model"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(checkpoint[0] / name, folder / name)
+    hf = hf_qwen3_5(fresh_seed("qwen3_5 processor-vocab model") % (1 << 31), processor_vocab=True)
+    hf.save_pretrained(folder)
     reference = qm.processor()
     reference.save_pretrained(folder)
     config = json.loads((folder / "processor_config.json").read_text())
     (folder / "processor_config.json").write_text(json.dumps(config | {"processor_class": "Qwen3VLProcessor"}))
-    _, processor = FastVisionModel.from_pretrained(folder, dtype="float32")
-    records = squares([[(16, 16), (16, 24)], [(24, 16)]], seed=2)
+    model, processor = FastVisionModel.from_pretrained(folder, dtype="float32")
+    records = squares([[(16, 16), (16, 24)], [(24, 16)]], seed=int(rng.integers(1 << 16)))
     texts = [reference.apply_chat_template(r["messages"], tokenize=False) for r in records]
     ours = processor(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
     ref = reference(text=texts, images=[r["images"] for r in records], padding=True, return_tensors="np")
@@ -312,3 +314,22 @@ def test_processor_without_torchvision(checkpoint, tmp_path):
         np.testing.assert_array_equal(ours[key], ref[key])
     with pytest.raises(ValueError, match="videos"):
         processor(text=texts, videos=[np.zeros((2, 16, 16, 3), np.uint8)])
+
+    full = UnslothVisionDataCollator(model, processor)(records)
+    fields = pad_patches(full, model.vl_config.vision, full["pixel_values"].shape[0] + 4)
+    batch = {k: jnp.asarray(v) for k, v in fields.items() if k != "image_grid_thw"}
+    inputs = family_of(model).prepare_inputs(batch)
+    logits = np.asarray(model.logits_from_hidden(family_of(model).hidden_states(model, inputs)), np.float64)
+    labels = full["labels"][:, 1:]
+    logp = logits[:, :-1] - np.log(np.exp(logits[:, :-1]).sum(-1, keepdims=True))
+    keep = labels != -100
+    loss = -np.take_along_axis(logp, np.where(keep, labels, 0)[..., None], -1)[..., 0][keep].mean()
+    with torch.no_grad():
+        ref_loss = hf(input_ids=torch.tensor(full["input_ids"]).long(),
+                      attention_mask=torch.tensor(full["attention_mask"]).long(),
+                      pixel_values=torch.tensor(full["pixel_values"]),
+                      image_grid_thw=torch.tensor(full["image_grid_thw"]),
+                      mm_token_type_ids=torch.tensor(mm_token_type_ids(full["input_ids"], qm.P_IMAGE)),
+                      labels=torch.tensor(full["labels"]).long()).loss.item()
+    print(f"collated batch loss {loss:.6f}, transformers {ref_loss:.6f}")
+    assert abs(loss - ref_loss) / ref_loss < 1e-5, (loss, ref_loss)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.vl_qwen_models import IMAGE, VEND, VIDEO, VSTART
+from tests.vl_qwen_models import IMAGE, P_IMAGE, P_VEND, P_VIDEO, P_VSTART, VEND, VIDEO, VSTART
 
 TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -20,13 +20,17 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,)}  # a stand-in for the released checkpoints' mtp.* head
 
 
-def hf_qwen3_5(seed: int = 0):
-    """transformers' Qwen3_5ForConditionalGeneration with random weights everywhere (norms around 1)."""
+def hf_qwen3_5(seed: int = 0, processor_vocab: bool = False):
+    """transformers' Qwen3_5ForConditionalGeneration with random weights everywhere (norms around 1);
+    processor_vocab: 2052 ids with tests.vl_qwen_models.processor()'s vision token ids (else 256 ids)."""
     import torch
     import transformers
 
-    cfg = transformers.Qwen3_5Config(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=IMAGE,
-                                     video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    text, ids = dict(TEXT), (IMAGE, VIDEO, VSTART, VEND)
+    if processor_vocab:
+        text["vocab_size"], ids = 2052, (P_IMAGE, P_VIDEO, P_VSTART, P_VEND)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(VISION), image_token_id=ids[0],
+                                     video_token_id=ids[1], vision_start_token_id=ids[2], vision_end_token_id=ids[3])
     for c in (cfg, cfg.text_config, cfg.vision_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
