@@ -27,8 +27,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.families import family_of
-from unsloth_jax.hf.mapping import layer_has
-from unsloth_jax.hf.vision_checkpoint import skipped_tensors, vision_language_specs
+from unsloth_jax.hf.vision_checkpoint import layer_holds, skipped_tensors, vision_language_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -39,8 +38,7 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     """(module path with {i}, Linear, the layers holding it) of every projection carrying a LoRA pair, under
-    transformers 5's module names (the family's AdapterLayout). A language layer holds a projection unless its
-    token mixer is the other one (Qwen3.5: self_attn or linear_attn, mapping.layer_has)."""
+    transformers 5's module names (the family's AdapterLayout); the layers by vision_checkpoint.layer_holds."""
     layout, lo = family_of(model).adapter, model.lora
     towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
               ("vision", lo.vision_target_modules or (), model.vision_projections(),
@@ -49,8 +47,7 @@ def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     for tower, names, lins, layers in towers:
         for name in names:
             module = layout.module(tower, name)
-            held = [i for i in range(layers)
-                    if tower == "vision" or layer_has(model.config, i, f"{module}.{name}.")]
+            held = [i for i in range(layers) if layer_holds(model.config, tower, module, name, i)]
             out.append((f"{layout.paths(tower)[0]}.{{i}}.{module}.{name}", lins[name], held))
     return out
 

@@ -29,9 +29,9 @@ from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTen
 from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, family_of, vision_family_for
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
-from unsloth_jax.hf.mapping import layer_has
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
-from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vision_language_specs, vl_tensor_placer
+from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, read_vl_checkpoint, vision_language_specs,
+                                             vl_tensor_placer)
 from unsloth_jax.lora import LoraSettings, add_lora
 
 
@@ -104,8 +104,7 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
         chosen = []
         for proj in projs:
             module = layout.module(tower, proj)
-            held = [i for i in range(layers)  # Qwen3.5: a layer has the projections of its own token mixer
-                    if tower == "vision" or layer_has(model.config, i, f"{module}.{proj}.")]
+            held = [i for i in range(layers) if layer_holds(model.config, tower, module, proj, i)]
             hits = [any(_matches(target_modules, f"{path}.{i}.{module}.{proj}") for path in layout.paths(tower))
                     for i in held]
             if hits and all(hits):
@@ -142,12 +141,12 @@ def _adapter_rank_alpha(raw: dict, cfg_path: Path, family: str) -> tuple[int, fl
 def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers: dict[str, int], r: int,
                        text_cfg) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     """(tower, projection) -> (lora_a [L, in, r], lora_b [L, r, out]) float32 for every Linear of `lins` (keyed the
-    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer; a language layer
-    without the projection, mapping.layer_has of the text config `text_cfg` (Qwen3.5's other token mixer), has no
+    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer; a layer without the
+    projection, vision_checkpoint.layer_holds of the text config `text_cfg` (Qwen3.5's other token mixer), has no
     pair and keeps zeros). Raises UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
     MissingTensorError, naming key and file."""
     def held(tower: str, proj: str, i: int) -> bool:
-        return tower == "vision" or layer_has(text_cfg, i, f"{layout.module(tower, proj)}.{proj}.")
+        return layer_holds(text_cfg, tower, layout.module(tower, proj), proj, i)
 
     factors = {k: (np.zeros((layers[k[0]], lin.in_features, r), np.float32),
                    np.zeros((layers[k[0]], r, lin.out_features), np.float32)) for k, lin in lins.items()}
