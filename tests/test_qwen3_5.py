@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
 def test_config_layer_pattern_and_refusals():
     """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch, a layer kind the
     layer scan groups on (8 layers: one segment of 2 groups of 4); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
-    values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is refused by name."""
+    values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is not a text config."""
     cfg = ModelConfig.from_dict(BASE)
     assert cfg.layer_linear == (True, True, True, False, True, True) and cfg.layer_period == 4
     assert ModelConfig.from_dict(BASE | {"num_hidden_layers": 8}).layer_segments == ((0, 4, 2),)
@@ -72,7 +72,7 @@ def test_config_layer_pattern_and_refusals():
                      ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type")]:
         with pytest.raises(ConfigError, match=key):
             ModelConfig.from_dict(BASE | bad)
-    with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
+    with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):  # tests/test_vision_qwen3_5.py
         ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": BASE})
 
 

@@ -24,7 +24,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.families import family_of, vision_family_for
 from unsloth_jax.hf.loading import load_model
-from unsloth_jax.models.decoder import CausalLM
+from unsloth_jax.models.decoder import PROJ_PARENT, CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
 from unsloth_jax.validation import require_bool, require_choice, require_int, require_real
 
@@ -386,6 +386,9 @@ class FastLanguageModel:
         or FP8 base, or a mixture-of-experts model, cannot be fully fine-tuned.
         MoE families also take transformers' config overrides output_router_logits=True (add
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
+        A vision-language checkpoint (e.g. Qwen3.5 as released, model_type "qwen3_5") loads whole, as
+        FastVisionModel.from_pretrained does, with its tokenizer: it trains on text batches, and its saves load in
+        transformers' model class of the checkpoint (_vision_checkpoint_as_text_model).
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         gradient_checkpointing = None
@@ -401,6 +404,9 @@ class FastLanguageModel:
             if key not in _FROM_PRETRAINED_IGNORED and key not in _CONFIG_OVERRIDES:
                 raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}")
         model_dir = _check_model_name(model_name)
+        if _is_vision_checkpoint(model_dir):
+            return _vision_checkpoint_as_text_model(model_dir, max_seq_length, dtype, load_in_4bit, load_in_fp8,
+                                                    full_finetuning, load_tokenizer, progress, kwargs)
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         load_in_4bit = require_bool("load_in_4bit", load_in_4bit)
         load_in_fp8 = require_bool("load_in_fp8", load_in_fp8)
@@ -755,8 +761,9 @@ class FastVisionModel:
                        finetune_mlp_modules: bool = True, target_modules=None, **kwargs):
         """LoRA with Unsloth's switches (FastLanguageModel.get_peft_model's arguments in kwargs): on the language
         layers (finetune_language_layers) and / or the vision tower's encoder layers (finetune_vision_layers),
-        their attention projections (finetune_attention_modules: language q/k/v/o_proj, vision q/k/v/out_proj)
-        and MLP projections (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
+        their attention projections (finetune_attention_modules: language q/k/v/o_proj and Qwen3.5's
+        linear-attention in_proj_* / out_proj, vision q/k/v/out_proj) and MLP projections
+        (finetune_mlp_modules: gate/up/down_proj, fc1/fc2). target_modules, when given,
         replaces the language choice (the vision choice still follows the switches). The projector stays frozen,
         as in Unsloth."""
         if not isinstance(model, VisionLanguageModel):
@@ -768,9 +775,11 @@ class FastVisionModel:
         mlp = require_bool("finetune_mlp_modules", finetune_mlp_modules)
         if not (attention or mlp) and target_modules is None:
             raise ValueError("finetune_attention_modules=False and finetune_mlp_modules=False: nothing to adapt")
-        if target_modules is None:
-            target_modules = ((("q_proj", "k_proj", "v_proj", "o_proj") if attention else ())
-                              + (("gate_proj", "up_proj", "down_proj") if mlp else ())) if language else ()
+        if target_modules is None:  # attention: every token mixer's projections (Qwen3.5: linear_attn's too)
+            projs = model.projections()
+            attn_projs = tuple(p for p in projs if PROJ_PARENT[p] != "mlp")
+            mlp_projs = tuple(p for p in projs if PROJ_PARENT[p] == "mlp")
+            target_modules = ((attn_projs if attention else ()) + (mlp_projs if mlp else ())) if language else ()
         elif not language:
             raise ValueError("target_modules names language projections, but finetune_language_layers=False")
         family = family_of(model)
@@ -805,6 +814,34 @@ def _is_vision_checkpoint(model_name) -> bool:
         return False  # a GGUF file, or a path from_pretrained reports as missing
     cfg, _ = read_config_json(path)
     return vision_family_for(cfg) is not None
+
+
+def _vision_checkpoint_as_text_model(model_dir: Path, max_seq_length, dtype, load_in_4bit, load_in_fp8,
+                                     full_finetuning, load_tokenizer, progress, kwargs: dict):
+    """FastLanguageModel.from_pretrained of a vision-language checkpoint (e.g. Qwen3.5 as released, model_type
+    "qwen3_5"), or of an adapter directory on one: as Unsloth's FastLanguageModel hands such a checkpoint to
+    FastModel, the whole model loads (FastVisionModel.from_pretrained), so it trains on text batches and its saves
+    are the released architecture's (a PEFT adapter for transformers' model class, a merged checkpoint with the
+    vision tower). Returns (VisionLanguageModel, tokenizer or None). full_finetuning, load_in_fp8 and config
+    overrides are refused (ConfigError / TypeError)."""
+    if full_finetuning or load_in_fp8:
+        raise ConfigError(f"{model_dir} is a vision-language checkpoint: full_finetuning=True and load_in_fp8=True "
+                          "are not supported for it; train LoRA, in 16 / 32 bits or with load_in_4bit=True")
+    given = [k for k in kwargs if k in _CONFIG_OVERRIDES]
+    if given:
+        raise TypeError(f"from_pretrained() got config overrides {given} for the vision-language checkpoint "
+                        f"{model_dir}; they apply to mixture-of-experts text models only")
+    from unsloth_jax.hf import peft_io
+
+    model, _ = FastVisionModel.from_pretrained(model_dir, max_seq_length, dtype, load_in_4bit, load_processor=False,
+                                               progress=progress, **kwargs)
+    tokenizer = None
+    if load_tokenizer:
+        source = model_dir
+        if peft_io.is_adapter_dir(model_dir) and not (model_dir / "tokenizer_config.json").is_file():
+            source = Path(peft_io.base_model_path(model_dir))
+        tokenizer = _load_tokenizer(source)
+    return model, _remember_processor(model, tokenizer)
 
 
 class FastModel:

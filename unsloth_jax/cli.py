@@ -688,9 +688,11 @@ def _resume_hint(args, newest: Path | None) -> str:
 def _is_vision_model(model_name) -> bool:
     """Whether `model_name` is a directory whose config.json is a vision-language model FastVisionModel loads:
     Gemma 3 (model_type "gemma3" with a vision_config; its text-only checkpoints are "gemma3_text") or
-    Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL ("qwen3_vl"), or an adapter directory whose base model is one."""
-    from unsloth_jax.config import QWEN3_VL_MODEL_TYPES, QWEN_VL_MODEL_TYPES, read_config_json
+    Qwen2.5-VL ("qwen2_5_vl"), Qwen3-VL ("qwen3_vl") or Qwen3.5 ("qwen3_5"): a config.json a vision-language
+    Family reads), or an adapter directory whose base model is one."""
+    from unsloth_jax.config import read_config_json
     from unsloth_jax.errors import UnslothJaxError
+    from unsloth_jax.families import vision_family_for
     from unsloth_jax.hf import peft_io
 
     try:
@@ -701,7 +703,7 @@ def _is_vision_model(model_name) -> bool:
         return False
     if not isinstance(cfg, dict):
         return False
-    return (cfg.get("model_type") == "gemma3" and "vision_config" in cfg) or cfg.get("model_type") in QWEN_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES
+    return vision_family_for(cfg) is not None
 
 
 def _train_vision(args, targs, mesh, t_start: float) -> int:

@@ -335,13 +335,9 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
 
 def _parse(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
-    if model_type == "qwen3_5":
-        raise UnsupportedArchitectureError(
-            f"{source}: model_type 'qwen3_5' (Qwen3_5ForConditionalGeneration, a vision-language checkpoint) is not "
-            "supported; the text-only Qwen3.5 checkpoints (model_type 'qwen3_5_text', Qwen3_5ForCausalLM) are")
     if model_type in _RAW_DEFAULTS:
         raw = _RAW_DEFAULTS[model_type] | raw
-    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES:
+    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES + QWEN3_5_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
             "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
@@ -1057,6 +1053,7 @@ class QwenVLConfig:
 
 QWEN_VL_MODEL_TYPES = ("qwen2_5_vl",)
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl",)  # Qwen3VLConfig (below)
+QWEN3_5_MODEL_TYPES = ("qwen3_5",)  # Qwen3_5Config (below): Qwen3.5 as released, with its vision tower
 _QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                      "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
 
@@ -1076,10 +1073,12 @@ def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_typ
     theta = params.get("rope_theta", text_raw.get("rope_theta", default_theta))
     text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
     text_raw.update(model_type=text_type, rope_theta=theta)
+    if "partial_rotary_factor" in params:  # Qwen3.5: RoPE (and so M-RoPE) on part of each head
+        text_raw.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
     text = _parse(text_raw, source + " text_config")
-    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.head_dim:
-        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to head_dim / 2 = "
-                          f"{text.head_dim // 2}")
+    if len(section) != 3 or 2 * sum(int(s) for s in section) != text.rope_dim:
+        raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to the rotary dims "
+                          f"/ 2 = {text.rope_dim // 2}")
     return text, section, params
 
 
@@ -1198,6 +1197,16 @@ def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
                                         default_section=(24, 20, 20), default_theta=5000000.0)
     if params.get("mrope_interleaved") is False:
         raise ConfigError(f"{source}: rope_parameters.mrope_interleaved=false is not Qwen3-VL's M-RoPE")
+    vision = _qwen3_vision(raw, source, text, deepstack=True)
+    ids = {k: int(raw.get(k, getattr(QwenVLConfig, k))) for k in
+           ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    return Qwen3VLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+
+
+def _qwen3_vision(raw: dict, source: str, text: ModelConfig, *, deepstack: bool) -> Qwen3VisionConfig:
+    """config.json's vision_config of a Qwen3-VL-style tower, checked against the text decoder `text`.
+    deepstack=False (Qwen3.5, whose Qwen3_5VisionModel deletes DeepStack): deepstack_visual_indexes is ignored,
+    as transformers ignores it, and the tower has no DeepStack mergers."""
     v = dict(raw.get("vision_config") or {})
     if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only "
@@ -1206,9 +1215,9 @@ def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
     d = Qwen3VisionConfig()
     kw = {f.name: int(v.get(f.name, getattr(d, f.name))) for f in dataclasses.fields(Qwen3VisionConfig)
           if f.name not in ("deepstack_visual_indexes", "rope_theta", "layer_norm_eps")}
-    vision = Qwen3VisionConfig(**kw, deepstack_visual_indexes=tuple(
-        int(i) for i in v.get("deepstack_visual_indexes", d.deepstack_visual_indexes)),
-        rope_theta=float(vrope.get("rope_theta", d.rope_theta)))
+    indexes = v.get("deepstack_visual_indexes", d.deepstack_visual_indexes) if deepstack else ()
+    vision = Qwen3VisionConfig(**kw, deepstack_visual_indexes=tuple(int(i) for i in indexes),
+                               rope_theta=float(vrope.get("rope_theta", d.rope_theta)))
     if vision.hidden_size % vision.num_heads or vision.head_dim % 4:
         raise ConfigError(f"{source}: vision_config.hidden_size={vision.hidden_size} must be num_heads="
                           f"{vision.num_heads} times a multiple of 4")
@@ -1225,6 +1234,54 @@ def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
     if vision.out_hidden_size != text.hidden_size:
         raise ConfigError(f"{source}: vision_config.out_hidden_size={vision.out_hidden_size} differs from the text "
                           f"hidden_size={text.hidden_size}")
-    ids = {k: int(raw.get(k, getattr(QwenVLConfig, k))) for k in
+    return vision
+
+
+# ---- Qwen3.5 (model_type "qwen3_5"): Qwen3-VL's tower without DeepStack on the Qwen3.5 text decoder ----
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Config(Qwen3VLConfig):
+    """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration): the qwen3_5_text decoder (gated
+    DeltaNet and gated attention layers, _qwen3_5_fields) rotating its partial RoPE dims by interleaved M-RoPE, and
+    Qwen3-VL's vision tower without DeepStack (vision.deepstack_visual_indexes is empty). Token ids default to
+    transformers' Qwen3_5Config's. Checkpoints may also hold the multi-token-prediction head (mtp.*), which
+    transformers never runs."""
+
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    model_type: str = "qwen3_5"
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3_5Config":
+        return _parse_qwen3_5(raw, source)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Qwen3_5Config":
+        raw, path = read_config_json(model_dir)
+        return _parse_qwen3_5(raw, str(path))
+
+
+def _parse_qwen3_5(raw: dict, source: str) -> Qwen3_5Config:
+    """transformers' Qwen3_5Config: text_config (Qwen3_5TextConfig: rope_parameters with mrope_section,
+    partial_rotary_factor) + vision_config (Qwen3_5VisionConfig) + the token ids at the top level."""
+    if raw.get("model_type") not in QWEN3_5_MODEL_TYPES:
+        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not Qwen3.5 "
+                                           "(qwen3_5)")
+    text_raw = raw.get("text_config") or {}
+    if not isinstance(text_raw, dict):
+        raise ConfigError(f"{source}: text_config must be an object, got {type(text_raw).__name__}")
+    text_raw = dict(text_raw)
+    if text_raw.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'qwen3_5_text'")
+    text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
+    text, section, params = _mrope_text(raw, text_raw, source, family="Qwen3.5", text_type="qwen3_5_text",
+                                        default_section=(11, 11, 10), default_theta=10000.0)
+    if params.get("mrope_interleaved") is False:
+        raise ConfigError(f"{source}: text_config.rope_parameters.mrope_interleaved=false is not Qwen3.5's M-RoPE")
+    vision = _qwen3_vision(raw, source, text, deepstack=False)
+    ids = {k: int(raw.get(k, getattr(Qwen3_5Config, k))) for k in
            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    return Qwen3VLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+    return Qwen3_5Config(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)

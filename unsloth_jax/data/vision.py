@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.data.response_only import IGNORE_INDEX, apply_response_only
 from unsloth_jax.errors import DatasetFormatError
 
@@ -219,10 +220,11 @@ class UnslothVisionDataCollator:
         if train_on_responses_only and not response_part:
             raise ValueError("train_on_responses_only=True needs response_part (e.g. '<start_of_turn>model\\n')")
         cfg = model.vl_config
-        if cfg.model_type not in ("gemma3", "qwen2_5_vl", "qwen3_vl"):
+        is_qwen = isinstance(cfg, QwenVLConfig)  # Qwen2.5-VL and its kin: Qwen3-VL, Qwen3.5
+        if cfg.model_type != "gemma3" and not is_qwen:
             raise NotImplementedError(f"UnslothVisionDataCollator: training {cfg.model_type} is not supported "
-                                      "(Gemma 3, Qwen2.5-VL and Qwen3-VL are)")
-        self.vl_config, self.is_qwen = cfg, cfg.model_type in ("qwen2_5_vl", "qwen3_vl")
+                                      "(Gemma 3, Qwen2.5-VL, Qwen3-VL and Qwen3.5 are)")
+        self.vl_config, self.is_qwen = cfg, is_qwen
         self.processor, self.tokenizer = processor, getattr(processor, "tokenizer", processor)
         self.max_seq_length = max_seq_length
         self.ignore_index = int(ignore_index)

@@ -5,7 +5,7 @@
     inputs = family.prepare_inputs(batch)
 
 Text families share `TEXT` (config.py's ModelConfig parsers, hf/mapping.py's tables, models.decoder.CausalLM); a
-vision-language family is a `VisionFamily` (one module each: gemma3_vl, qwen2_5_vl, qwen3_vl).
+vision-language family is a `VisionFamily` (one module each: gemma3_vl, qwen2_5_vl, qwen3_vl, qwen3_5).
 """
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from unsloth_jax.families.base import AdapterLayout, Family, ModelInputs, TextFa
 from unsloth_jax.families.gemma3_vl import GEMMA3_VL
 from unsloth_jax.families.qwen2_5_vl import QWEN2_5_VL
 from unsloth_jax.families.qwen3_vl import QWEN3_VL
+from unsloth_jax.families.qwen3_5 import QWEN3_5
 from unsloth_jax.models.decoder import CausalLM
 
 TEXT = TextFamily("text decoder", SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES, CausalLM)
-VISION_FAMILIES: dict[str, VisionFamily] = {t: f for f in (GEMMA3_VL, QWEN2_5_VL, QWEN3_VL) for t in f.model_types}
+VISION_FAMILIES: dict[str, VisionFamily] = {t: f for f in (GEMMA3_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5)
+                                         for t in f.model_types}
 
 
 def vision_family_for(raw: dict) -> VisionFamily | None:
@@ -52,5 +54,5 @@ def family_of(model_or_config) -> Family:
     return TEXT
 
 
-__all__ = ["AdapterLayout", "Family", "GEMMA3_VL", "ModelInputs", "QWEN2_5_VL", "QWEN3_VL", "TEXT", "TextFamily", "VISION_FAMILIES",
-           "VisionFamily", "family_for", "family_of", "vision_family_for"]
+__all__ = ["AdapterLayout", "Family", "GEMMA3_VL", "ModelInputs", "QWEN2_5_VL", "QWEN3_5", "QWEN3_VL", "TEXT",
+           "TextFamily", "VISION_FAMILIES", "VisionFamily", "family_for", "family_of", "vision_family_for"]

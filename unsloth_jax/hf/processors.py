@@ -1,6 +1,6 @@
 """Image processors of vision-language checkpoints that transformers' AutoProcessor cannot build here.
 
-transformers' Qwen2.5-VL and Qwen3-VL processors always build their video half, whose processor imports
+transformers' Qwen2.5-VL and Qwen3-VL (also Qwen3.5's) processors always build their video half, whose processor imports
 torchvision; a JAX user's venv rarely has torchvision, and AutoProcessor then fails. Training and generating with
 images never need the video half, so `image_only_processor(model_dir)` builds the same processor without it: the
 folder's tokenizer, its Qwen2-VL image processor (the PIL implementation, no torchvision) and its chat template. Its
@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger("unsloth_jax")
 
-IMAGE_ONLY_TYPES = ("qwen2_5_vl", "qwen3_vl")  # model types image_only_processor builds
+IMAGE_ONLY_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # model types image_only_processor builds
 
 
 def folder_model_type(model_dir: Path) -> str | None:
@@ -59,8 +59,8 @@ def _qwen2_vl_image_processor(model_dir: Path):
 
 
 def image_only_processor(model_dir):
-    """The Qwen2.5-VL / Qwen3-VL processor of `model_dir` without its video processor (module docstring). Raises
-    ValueError for another model type, OSError for missing tokenizer files."""
+    """The Qwen2.5-VL / Qwen3-VL / Qwen3.5 processor of `model_dir` without its video processor (module
+    docstring). Raises ValueError for another model type, OSError for missing tokenizer files."""
     model_dir = Path(model_dir)
     model_type = folder_model_type(model_dir)
     if model_type not in IMAGE_ONLY_TYPES:
@@ -69,8 +69,8 @@ def image_only_processor(model_dir):
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
-    base = Qwen3VLProcessor if model_type == "qwen3_vl" else Qwen2_5_VLProcessor
-    name = "Qwen3-VL" if model_type == "qwen3_vl" else "Qwen2.5-VL"
+    base = Qwen2_5_VLProcessor if model_type == "qwen2_5_vl" else Qwen3VLProcessor  # Qwen3.5 uses Qwen3-VL's
+    name = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5"}[model_type]
 
     class Qwen2_5_VLImageProcessor(base):
         """The Qwen2.5-VL / Qwen3-VL processor with images only (its video processor needs torchvision)."""

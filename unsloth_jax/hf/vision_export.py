@@ -27,7 +27,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.families import family_of
-from unsloth_jax.hf.vision_checkpoint import skipped_tensors, vision_language_specs
+from unsloth_jax.hf.vision_checkpoint import layer_holds, skipped_tensors, vision_language_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -36,15 +36,20 @@ log = logging.getLogger("unsloth_jax")
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def _lora_modules(model) -> list[tuple[str, object, int]]:
-    """(module path with {i}, Linear, layers) of every projection carrying a LoRA pair, under transformers 5's
-    module names (the family's AdapterLayout)."""
+def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
+    """(module path with {i}, Linear, the layers holding it) of every projection carrying a LoRA pair, under
+    transformers 5's module names (the family's AdapterLayout); the layers by vision_checkpoint.layer_holds."""
     layout, lo = family_of(model).adapter, model.lora
     towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
               ("vision", lo.vision_target_modules or (), model.vision_projections(),
                model.vl_config.vision.num_hidden_layers))
-    return [(f"{layout.paths(tower)[0]}.{{i}}.{layout.module(tower, name)}.{name}", lins[name], layers)
-            for tower, names, lins, layers in towers for name in names]
+    out = []
+    for tower, names, lins, layers in towers:
+        for name in names:
+            module = layout.module(tower, name)
+            held = [i for i in range(layers) if layer_holds(model.config, tower, module, name, i)]
+            out.append((f"{layout.paths(tower)[0]}.{{i}}.{module}.{name}", lins[name], held))
+    return out
 
 
 def target_modules_regex(model) -> str:
@@ -68,9 +73,9 @@ def adapter_entries(model) -> list:
     """The adapter's tensors: lora_A [r, in] / lora_B [out, r] float32 per layer under PEFT's names."""
     f32 = np.dtype(np.float32)
     entries = []
-    for path, lin, layers in _lora_modules(model):
+    for path, lin, held in _lora_modules(model):
         a, b = lin.lora_a[...], lin.lora_b[...]
-        for i in range(layers):
+        for i in held:
             p = "base_model.model." + path.format(i=i)
             entries.append(export._Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
                                          lambda a=a, i=i: np.asarray(a[i], np.float32).T))

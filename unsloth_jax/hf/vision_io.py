@@ -30,7 +30,8 @@ from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, f
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
-from unsloth_jax.hf.vision_checkpoint import first_names, read_vl_checkpoint, vision_language_specs, vl_tensor_placer
+from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, read_vl_checkpoint, vision_language_specs,
+                                             vl_tensor_placer)
 from unsloth_jax.lora import LoraSettings, add_lora
 
 
@@ -102,13 +103,15 @@ def resolve_vision_targets(target_modules, model, source: str) -> tuple[tuple[st
     for tower, (projs, layers) in _tower_projections(model).items():
         chosen = []
         for proj in projs:
-            hits = [any(_matches(target_modules, f"{path}.{i}.{layout.module(tower, proj)}.{proj}")
-                        for path in layout.paths(tower)) for i in range(layers)]
-            if all(hits):
+            module = layout.module(tower, proj)
+            held = [i for i in range(layers) if layer_holds(model.config, tower, module, proj, i)]
+            hits = [any(_matches(target_modules, f"{path}.{i}.{module}.{proj}") for path in layout.paths(tower))
+                    for i in held]
+            if hits and all(hits):
                 chosen.append(proj)
             elif any(hits):
                 raise ConfigError(f"{source}: target_modules {target_modules!r} adapts {proj} of the {tower} "
-                                  f"layers {[i for i, h in enumerate(hits) if h]} only; a subset of layers is not "
+                                  f"layers {[i for i, h in zip(held, hits) if h]} only; a subset of layers is not "
                                   "supported")
         out[tower] = tuple(chosen)
     if not out["language"] and not out["vision"]:
@@ -136,10 +139,15 @@ def _adapter_rank_alpha(raw: dict, cfg_path: Path, family: str) -> tuple[int, fl
 
 
 def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers: dict[str, int], r: int,
-                       ) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+                       text_cfg) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     """(tower, projection) -> (lora_a [L, in, r], lora_b [L, r, out]) float32 for every Linear of `lins` (keyed the
-    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer). Raises
-    UnexpectedTensorError (keys that fit no target), ShapeMismatchError, MissingTensorError, naming key and file."""
+    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer; a layer without the
+    projection, vision_checkpoint.layer_holds of the text config `text_cfg` (Qwen3.5's other token mixer), has no
+    pair and keeps zeros). Raises UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
+    MissingTensorError, naming key and file."""
+    def held(tower: str, proj: str, i: int) -> bool:
+        return layer_holds(text_cfg, tower, layout.module(tower, proj), proj, i)
+
     factors = {k: (np.zeros((layers[k[0]], lin.in_features, r), np.float32),
                    np.zeros((layers[k[0]], r, lin.out_features), np.float32)) for k, lin in lins.items()}
     seen, unexpected = set(), []
@@ -148,7 +156,7 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
             m = layout.key_regex.match(key)
             tower = m and ("language" if m["path"] in layout.language_paths else "vision")
             if (m is None or (tower, m["proj"]) not in lins or m["module"] != layout.module(tower, m["proj"])
-                    or int(m["i"]) >= layers[tower]):
+                    or int(m["i"]) >= layers[tower] or not held(tower, m["proj"], int(m["i"]))):
                 unexpected.append(key)
                 continue
             lin, i, which = lins[(tower, m["proj"])], int(m["i"]), m["which"]
@@ -164,7 +172,8 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
                                     f"{targets['language']}, vision {targets['vision']}) or this model: "
                                     f"{first_names(unexpected, 6)}")
     missing = [f"base_model.model.{layout.paths(t)[0]}.{i}.{layout.module(t, p)}.{p}.lora_{w}.weight"
-               for (t, p) in lins for i in range(layers[t]) for w in "AB" if (t, p, i, w) not in seen]
+               for (t, p) in lins for i in range(layers[t]) for w in "AB" if (t, p, i, w) not in seen
+               and held(t, p, i)]
     if missing:
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): "
                                  f"{first_names(missing, 6)}")
@@ -195,7 +204,8 @@ def load_vision_adapter(model, adapter_dir):
     towers = _tower_projections(model)
     lins = {(tower, p): towers[tower][0][p] for tower, names in (("language", language), ("vision", vision))
             for p in names}
-    factors = _read_lora_factors(weights, family.adapter, lins, {t: n for t, (_, n) in towers.items()}, r)
+    factors = _read_lora_factors(weights, family.adapter, lins, {t: n for t, (_, n) in towers.items()}, r,
+                                 model.config)
     settings = LoraSettings(r=r, lora_alpha=alpha, target_modules=language,
                             lora_dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                             use_rslora=bool(raw.get("use_rslora", False)), vision_target_modules=vision or None)
