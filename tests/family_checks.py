@@ -40,15 +40,15 @@ def right_padded(rng, lengths, vocab=256) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def lora_steps_lower_the_loss(model, rng):
+def lora_steps_lower_the_loss(model, rng, vocab=256):
     """Two AdamW steps (lr 1e-3: at 1e-2 the tiny Gemma 4 model's loss rose after a step for some seeds; remat "full") of a LoRA model on one random 2 x 16 micro-batch with a padded row
-    tail: only LoRA factors train and the second loss is below the first. -> (graphdef, trained LoRA state,
-    frozen state)."""
+    tail (tokens in [3, vocab)): only LoRA factors train and the second loss is below the first. -> (graphdef,
+    trained LoRA state, frozen state)."""
     from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
 
     g, t, f = lora.split(model)
     assert {p[-1] for p, _ in nnx.to_flat_state(t)} == {"lora_a", "lora_b"}
-    ids = rng.integers(3, 256, size=(1, 2, 16)).astype(np.int32)
+    ids = rng.integers(3, vocab, size=(1, 2, 16)).astype(np.int32)
     mask = np.ones_like(ids)
     mask[:, -1, -4:] = 0
     batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}

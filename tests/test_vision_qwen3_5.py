@@ -76,7 +76,7 @@ def test_tower_and_logits_match_transformers(checkpoint, fast, rng):
     print(f"image batch logits relative error {err:.2e}")
     assert err < BOUND, err
 
-    ids, mask = right_padded(rng, [13, 6, 9])  # text only: positions equal on the M-RoPE axes
+    ids, mask = right_padded(rng, [13, 6, 9], vocab=qm.IMAGE)  # text only (no vision token ids 250-253)
     real = mask.astype(bool)
     err = rel_err(np.asarray(fast(ids, mask))[real], torch_logits(hf, ids, mask)[real])
     print(f"text batch logits relative error {err:.2e}")
@@ -271,10 +271,10 @@ def test_language_model_loads_whole_and_trains_text(checkpoint, rng, tmp_path):
 
     model = FastLanguageModel.get_peft_model(model, r=4, target_modules="all-linear", use_gradient_checkpointing=False)
     assert {"in_proj_z", "o_proj", "up_proj"} <= set(model.lora.target_modules) and not model.lora.vision_target_modules
-    _, trained, _ = lora_steps_lower_the_loss(model, rng)
+    _, trained, _ = lora_steps_lower_the_loss(model, rng, vocab=qm.IMAGE)  # text only
     nnx.update(model, trained)
 
-    ids, mask = right_padded(rng, [11, 5])
+    ids, mask = right_padded(rng, [11, 5], vocab=qm.IMAGE)
     real = mask.astype(bool)
     ours = np.asarray(model(ids, mask))
     model.save_pretrained(tmp_path / "adapter")
