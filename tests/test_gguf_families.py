@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from tests.conftest import fresh_seed  # noqa: E402
+from tests.family_checks import torch_logits  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 from tests.hf_moe_models import make_hf_glm4_moe  # noqa: E402
 from tests.test_gguf import ASSET_TOKENIZER, _convert_with_llama_cpp, _read  # noqa: E402
@@ -31,7 +33,8 @@ QWEN35_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
                   "in_proj_z", "out_proj"]
 # HF suffix after model.layers.{i}. -> GGUF name after blk.{i}. (checked against llama.cpp's converter)
 _COMMON = {"input_layernorm.weight": "attn_norm.weight",
-           "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+           "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+           "self_attn.k_proj.weight": "attn_k.weight",
            "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
            "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
            "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
@@ -209,6 +212,26 @@ def test_q8_0_types(family, cases, tmp_path):
             deq = gguf.quants.dequantize(np.asarray(t.data), Q.Q8_0).reshape(w.shape)
             step = np.abs(w.reshape(*w.shape[:-1], -1, 32)).max(-1, keepdims=True) / 127
             assert np.all(np.abs(deq - w).reshape(step.shape[:-1] + (32,)) <= 0.6 * step + 1e-7), name
+
+
+@pytest.mark.parametrize("family", ["qwen35", "glm4_moe"])
+def test_f32_file_loads_back_with_the_merged_models_logits(family, cases, tmp_path, rng):
+    """Our GGUF reader (from_pretrained on the .gguf) inverts the export: its config is the source's where the
+    file describes it, and its logits equal transformers' on the merged weights (transformers has no qwen35 /
+    glm4moe GGUF loader to compare with directly)."""
+    model, tok, hf, _ = cases[family]
+    path = model.save_pretrained_gguf(tmp_path, tok, quantization_method="f32")
+    back, back_tok = FastLanguageModel.from_pretrained(path, dtype="float32", progress=False)
+    cfg, src = back.config, model.config
+    for field in ("num_hidden_layers", "layer_linear", "linear_num_value_heads", "rotary_dim", "layer_sparse",
+                  "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "shared_expert_size",
+                  "qkv_bias", "qk_norm", "num_experts"):
+        assert getattr(cfg, field) == getattr(src, field), field
+    ref = hf.__class__(hf.config).eval()
+    ref.load_state_dict({k: torch.tensor(v) for k, v in _merged_state(model, hf).items()}, strict=False)
+    ids = rng.integers(3, hf.config.vocab_size, size=(2, 12))
+    assert rel_err(np.asarray(back(ids)), torch_logits(ref, ids)) < 1e-5
+    assert back_tok.encode("hello world") == tok.encode("hello world")
 
 
 def _config(model_type: str, **fields) -> ModelConfig:

@@ -228,3 +228,106 @@ def add_hparams(w, model, raw: dict, ftype) -> None:
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_nextn_predict_layers(0)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+# llama.cpp arch name -> (our model_type, transformers class), for gguf_loading
+READ_ARCHS = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM")}
+_PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+
+
+def config_fields(f, raw: dict, names: set) -> dict:
+    """The config.json fields of a qwen35 / glm4moe file beyond the common ones gguf_loading.hf_config reads
+    (`f`: its GGUFFile). Multi-token-prediction blocks past the decoder (nextn_predict_layers) are left out."""
+    a = f.arch + "."
+    layers = raw["num_hidden_layers"] - int(f.get(a + "nextn_predict_layers", 0))
+    rotary = int(f.get(a + "rope.dimension_count", raw["head_dim"]))
+    rope = {"rope_type": "default", "rope_theta": raw["rope_theta"], "partial_rotary_factor": rotary / raw["head_dim"]}
+    if "rope_scaling" in raw:  # linear
+        rope.update(raw.pop("rope_scaling"))
+    out = {"num_hidden_layers": layers, "rope_parameters": rope, "hidden_act": "silu"}
+    if f.arch == "qwen35":
+        k = int(f.get(a + "full_attention_interval", 4))
+        state = int(f.need(a + "ssm.state_size"))
+        out.update(layer_types=["linear_attention" if (i + 1) % k else "full_attention" for i in range(layers)],
+                   linear_conv_kernel_dim=int(f.need(a + "ssm.conv_kernel")), linear_key_head_dim=state,
+                   linear_value_head_dim=state, linear_num_key_heads=int(f.need(a + "ssm.group_count")),
+                   linear_num_value_heads=int(f.need(a + "ssm.time_step_rank")), attention_bias=False)
+        return out
+    first_dense = int(f.get(a + "leading_dense_block_count", 0))
+    out.update(n_routed_experts=int(f.need(a + "expert_count")),
+               num_experts_per_tok=int(f.need(a + "expert_used_count")), moe_intermediate_size=int(f.need(a + "expert_feed_forward_length")),
+               n_shared_experts=int(f.need(a + "expert_shared_count")), first_k_dense_replace=first_dense,
+               n_group=int(f.get(a + "expert_group_count", 1) or 1),
+               topk_group=int(f.get(a + "expert_group_used_count", 1) or 1),
+               routed_scaling_factor=float(f.get(a + "expert_weights_scale", 1.0) or 1.0),
+               norm_topk_prob=bool(f.get(a + "expert_weights_norm", False)), num_nextn_predict_layers=0,
+               use_qk_norm="blk.0.attn_q_norm.weight" in names, attention_bias="blk.0.attn_q.bias" in names)
+    return out
+
+
+def gguf_names(cfg, name_map) -> dict:
+    """GGUF tensor name -> the TensorSpec it fills (GLM-4.5's experts: the fused stacks; gate_exps and up_exps
+    both name the gate_up stack)."""
+    from unsloth_jax.hf.mapping import tensor_specs
+
+    out = {}
+    for hf_name, spec in tensor_specs(cfg, "fused" if cfg.is_moe else None).items():
+        if hf_name.endswith("mlp.experts.gate_up_proj"):
+            base = hf_name.removesuffix("gate_up_proj")
+            out[name_map.get_name(base + "gate_proj.weight", try_suffixes=(".weight",))] = spec
+            out[name_map.get_name(base + "up_proj.weight", try_suffixes=(".weight",))] = spec
+            continue
+        if hf_name.endswith("mlp.experts.down_proj"):
+            hf_name += ".weight"
+        hf_name = hf_name.replace(".dt_bias", ".dt_proj.bias").replace("e_score_correction_bias",
+                                                                         "e_score_correction.bias")
+        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise UnsupportedArchitectureError(f"gguf has no {cfg.model_type} tensor name for '{hf_name}'")
+        out[name] = spec
+    return out
+
+
+def is_mtp_tensor(cfg, name: str) -> bool:
+    """Whether GGUF tensor `name` belongs to a multi-token-prediction block past the decoder's layers."""
+    parts = name.split(".")
+    return parts[0] == "blk" and int(parts[1]) >= cfg.num_hidden_layers
+
+
+def restore(cfg, name: str, w: np.ndarray, held: dict) -> np.ndarray | None:
+    """A qwen35 / glm4moe tensor (float32, HF order) back in the HF checkpoint's layout and values: the inverse
+    of `plan`'s transforms. GLM-4.5's gate_exps / up_exps: None for the first of a layer's pair (kept in `held`),
+    the fused [E, 2F, D] stack for the second."""
+    leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    if cfg.model_type == "glm4_moe":
+        if leaf in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            layer = name.split(".")[1]
+            other = held.pop(layer, None)
+            if other is None:
+                held[layer] = (leaf, w)
+                return None
+            pair = dict([other, (leaf, w)])
+            return np.concatenate([pair["ffn_gate_exps.weight"], pair["ffn_up_exps.weight"]], axis=1)
+        return w
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    key, dv = 2 * nk * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = nv // nk
+
+    def grouped(x, axis, head_dim):  # tiled -> grouped by key head: the same swap with the roles exchanged
+        return _tiled_v_heads(x, axis, r, nk, head_dim) if r > 1 else x
+
+    if leaf in _PLUS_ONE or name == "output_norm.weight":
+        return w - np.float32(1)
+    if leaf in ("attn_qkv.weight", "ssm_conv1d.weight"):
+        w = np.concatenate([w[:key], grouped(w[key:], 0, dv)])
+        return w[:, None, :] if leaf == "ssm_conv1d.weight" else w
+    if leaf == "attn_gate.weight":
+        return grouped(w, 0, dv)
+    if leaf in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias"):
+        return grouped(w, 0, 1)
+    if leaf == "ssm_a":
+        return np.log(-grouped(w, 0, 1).astype(np.float64)).astype(np.float32)
+    if leaf == "ssm_out.weight":
+        return grouped(w, 1, dv)
+    return w
