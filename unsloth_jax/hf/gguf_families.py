@@ -256,7 +256,8 @@ def config_fields(f, raw: dict, names: set) -> dict:
         return out
     first_dense = int(f.get(a + "leading_dense_block_count", 0))
     out.update(n_routed_experts=int(f.need(a + "expert_count")),
-               num_experts_per_tok=int(f.need(a + "expert_used_count")), moe_intermediate_size=int(f.need(a + "expert_feed_forward_length")),
+               num_experts_per_tok=int(f.need(a + "expert_used_count")),
+               moe_intermediate_size=int(f.need(a + "expert_feed_forward_length")),
                n_shared_experts=int(f.need(a + "expert_shared_count")), first_k_dense_replace=first_dense,
                n_group=int(f.get(a + "expert_group_count", 1) or 1),
                topk_group=int(f.get(a + "expert_group_used_count", 1) or 1),
