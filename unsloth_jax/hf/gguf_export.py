@@ -9,12 +9,15 @@ The file is what llama.cpp's convert_hf_to_gguf.py writes for the merged 16-bit 
   llama.cpp hard-codes its NoPE layers as every 4th, so other no_rope_layers patterns and sliding windows are
   refused), phi3 (its fused qkv_proj / gate_up_proj
   written back as attn_qkv / ffn_up; LongRoPE as rope_factors_long / rope_factors_short tensors plus
-  rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does); Gemma 3 is refused;
+  rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does), qwen35 (Qwen3.5 text)
+  and glm4moe (GLM-4.5 MoE: the first MoE family here), whose tensor transforms and keys are in gguf_families.py;
+  Gemma 3 and the other MoE families are refused;
 * tensors: llama.cpp names (token_embd, blk.N.attn_q, ..., output_norm, output); a tensor that is not float16 or
   float32 in the HF checkpoint (bf16) is converted to float32 first; Llama/Mistral q_proj/k_proj rows are
   permuted from HF's rotate-half RoPE layout to llama.cpp's interleaved one; Gemma norms are stored as 1 + w;
   Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency factors;
-* types: 1-D tensors, norms and biases stay F32; other weights take the requested type (F32, F16, BF16, Q8_0,
+* types: 1-D tensors, norms, biases, MoE routers (ffn_gate_inp) and conv kernels (ssm_conv1d) stay F32; other
+  weights take the requested type (F32, F16, BF16, Q8_0,
   and the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 that gguf.quants can produce); a row length that the block size
   does not divide falls back to F16, as the converter does. For the 4/5-bit types the output head (or the
   tied embedding) is kept in Q8_0 (llama-quantize keeps it at higher precision too);
