@@ -25,7 +25,7 @@ from tests.test_gguf import ASSET_TOKENIZER, _convert_with_llama_cpp, _read  # n
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
-from unsloth_jax.hf import gguf_families  # noqa: E402
+from unsloth_jax.hf import gguf_families, gguf_loading  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 GLM_SPECIALS = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]
@@ -232,6 +232,27 @@ def test_f32_file_loads_back_with_the_merged_models_logits(family, cases, tmp_pa
     ids = rng.integers(3, hf.config.vocab_size, size=(2, 12))
     assert rel_err(np.asarray(back(ids)), torch_logits(ref, ids)) < 1e-5
     assert back_tok.encode("hello world") == tok.encode("hello world")
+
+
+def test_qwen35_split_regex_names_its_pre_tokenizer_both_ways(cases, tmp_path):
+    """A byte-level BPE tokenizer splitting text by Qwen3.5's regex (digits one by one, combining marks kept with
+    their letters) is written with tokenizer.ggml.pre "qwen35" (its hash unknown: the regex decides), and our
+    reader's tokenizer splits as llama.cpp's qwen35 pre-tokenizer does: the same ids as the source tokenizer."""
+    from tokenizers import Regex, pre_tokenizers
+
+    model, tok, _, _ = cases["qwen35"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(ASSET_TOKENIZER))
+    split = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|"
+             "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                           use_regex=False)])
+    path = model.save_pretrained_gguf(tmp_path, tok, quantization_method="q8_0")
+    _, _, kv = _read(path)
+    assert kv["tokenizer.ggml.pre"] == "qwen35"
+    back = gguf_loading.gguf_tokenizer(path)
+    text = "It's 12345 he\u0301llo  wo\u0308rld!!\n\n  x -- y"
+    assert back.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
 
 
 def _config(model_type: str, **fields) -> ModelConfig:

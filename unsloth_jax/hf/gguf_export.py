@@ -106,6 +106,8 @@ _LLAMA3_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N
                "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _QWEN2_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
               "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_QWEN35_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+"
+               "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 
 
 def _gguf():
@@ -365,6 +367,8 @@ def _pre_tokenizer(tokenizer, tok_json: dict) -> str:
         return "llama-bpe"
     if _QWEN2_PAT in regexes:
         return "qwen2"
+    if _QWEN35_PAT in regexes:
+        return "qwen35"
     if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
         return "gpt-2"
     log.warning("unsloth_jax: the BPE pre-tokenizer (hash %s) is not one llama.cpp's converter knows for the "
