@@ -6,6 +6,7 @@ rules re-derived below from llama.cpp's converter (conversion/qwen.py, conversio
 (test_identical_to_llama_cpp_converter, LLAMA_CPP_DIR=<llama.cpp checkout>: tensor by tensor and key by key)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -242,8 +243,8 @@ def test_qwen35_split_regex_names_its_pre_tokenizer_both_ways(cases, tmp_path):
 
     model, tok, _, _ = cases["qwen35"]
     tok = transformers.AutoTokenizer.from_pretrained(str(ASSET_TOKENIZER))
-    split = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|"
-             "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+    split = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+"
+             "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                            use_regex=False)])
@@ -303,3 +304,37 @@ def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
         assert ta[name].tensor_type == tb[name].tensor_type, name
         assert list(ta[name].shape) == list(tb[name].shape), name
         np.testing.assert_array_equal(np.asarray(ta[name].data), np.asarray(tb[name].data), err_msg=name)
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="set LLAMA_CPP_DIR to a llama.cpp checkout to "
+                    "read a file its convert_hf_to_gguf.py wrote")
+def test_reads_converter_file_with_mtp_block(cases, tmp_path, rng):
+    """llama.cpp's converter writes Qwen3.5's multi-token-prediction head (mtp.*, mtp_num_hidden_layers) as an
+    extra block past the decoder (nextn_predict_layers); our reader skips it and gives the merged model's logits."""
+    from safetensors.numpy import load_file, save_file
+
+    model, tok, hf, _ = cases["qwen35"]
+    merged = tmp_path / "merged"
+    model.save_pretrained_merged(merged, tok, dtype="float32")
+    (shard,) = merged.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    d = hf.config.hidden_size
+    extra = {f"mtp.{k}": rng.standard_normal(shape).astype(np.float32) * 0.05 for k, shape in (
+        ("fc.weight", (d, 2 * d)), ("pre_fc_norm_embedding.weight", (d,)), ("pre_fc_norm_hidden.weight", (d,)),
+        ("norm.weight", (d,)))}
+    full = hf.config.layer_types.index("full_attention")
+    for k, v in tensors.items():  # a full-attention decoder layer's tensors as the MTP block's
+        if k.startswith(f"model.layers.{full}."):
+            extra["mtp.layers.0." + k.split(".", 3)[3]] = v
+    save_file(tensors | extra, str(shard), metadata={"format": "pt"})
+    raw = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps(raw | {"mtp_num_hidden_layers": 1}))
+    ref = tmp_path / "ref.gguf"
+    _convert_with_llama_cpp(Path(os.environ["LLAMA_CPP_DIR"]), merged, ref, "f32", "gpt-2")
+    _, tensors_ref, kv = _read(ref)
+    assert kv["qwen35.nextn_predict_layers"] == 1
+    assert f"blk.{hf.config.num_hidden_layers}.nextn.eh_proj.weight" in tensors_ref
+    back, _ = FastLanguageModel.from_pretrained(ref, dtype="float32", progress=False)
+    assert back.config.num_hidden_layers == hf.config.num_hidden_layers
+    ids = rng.integers(3, hf.config.vocab_size, size=(2, 12))
+    assert rel_err(np.asarray(back(ids)), np.asarray(model(ids))) < 1e-5
