@@ -287,7 +287,8 @@ def test_settings_llama_cpp_cannot_represent_are_refused():
                                             ("glm4_moe", "f16"), ("glm4_moe", "q8_0"), ("glm4_moe", "f32")])
 def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
     """Our file equals what llama.cpp's converter writes for our merged float32 export: every key but
-    general.name and every tensor's name, type, shape and bytes."""
+    general.name and every tensor's name, type, shape and bytes, except Qwen3.5's ssm_a = -exp(A_log): ours is
+    exp correctly rounded to float32, torch's float32 exp (the converter's) can be 1 ulp off it."""
     model, tok, _, _ = cases[family]
     merged = tmp_path / "merged"
     model.save_pretrained_merged(merged, tok, dtype="float32")
@@ -303,6 +304,9 @@ def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
     for name in ta:
         assert ta[name].tensor_type == tb[name].tensor_type, name
         assert list(ta[name].shape) == list(tb[name].shape), name
+        if name.endswith(".ssm_a"):
+            np.testing.assert_array_max_ulp(np.asarray(ta[name].data), np.asarray(tb[name].data), maxulp=1)
+            continue
         np.testing.assert_array_equal(np.asarray(ta[name].data), np.asarray(tb[name].data), err_msg=name)
 
 

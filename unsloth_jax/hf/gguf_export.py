@@ -170,7 +170,7 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     if cfg.model_type in gguf_families.ARCHS:
         entries = export.merged_entries(model, hf_dtype)
         return [_Tensor(name, shape, _qtype(name, shape, method, head_names), make)
-                for name, shape, make in gguf_families.plan(model, entries, name_map)]
+                for name, shape, make in gguf_families.plan(model, entries, name_map, hf_dtype)]
     for e in export.merged_entries(model, hf_dtype):
         if gemma and e.name == "lm_head.weight":
             continue

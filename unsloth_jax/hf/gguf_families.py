@@ -6,7 +6,8 @@ Glm4MoeModel; conversion/base.py TextModel) and its loaders (src/models/qwen35.c
 
 qwen35 (from the merged HF tensors, float32):
 * every RMSNorm weight but the gated DeltaNet's own `linear_attn.norm` is stored as 1 + w;
-* linear_attn.A_log -> ssm_a = -exp(A_log); dt_bias -> ssm_dt.bias; conv1d [C, 1, K] -> ssm_conv1d [C, K];
+* linear_attn.A_log -> ssm_a = -exp(A_log) (exp correctly rounded; the converter's torch float32 exp may differ
+  by an ulp); dt_bias -> ssm_dt.bias; conv1d [C, 1, K] -> ssm_conv1d [C, K];
   in_proj_qkv -> attn_qkv, in_proj_z -> attn_gate, in_proj_b / in_proj_a -> ssm_beta / ssm_alpha, norm ->
   ssm_norm, out_proj -> ssm_out; the gated attention's q_proj (query and gate per head) stays one attn_q;
 * with fewer key heads than value heads, the value heads are reordered from grouped by key head (k0: v0..v{r-1},
@@ -113,11 +114,11 @@ def _qwen35_transform(cfg, suffix: str) -> Callable[[np.ndarray], np.ndarray]:
     if suffix in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias"):
         return lambda x: tiled(x, 0, 1)
     if suffix == "linear_attn.A_log":  # exp in float64, rounded once (torch's float32 exp may differ by an ulp)
-        return lambda x: (-np.exp(tiled(x, 0, 1).astype(np.float64))).astype(np.float32)
+        return lambda x: (-np.exp(tiled(x, 0, 1).astype(np.float64))).astype(x.dtype)
     if suffix == "linear_attn.out_proj.weight":
         return lambda x: tiled(x, 1, dv)
     if suffix.endswith("norm.weight") and suffix != "linear_attn.norm.weight":
-        return lambda x: x + np.float32(1)
+        return lambda x: x + x.dtype.type(1)  # in the tensor's own precision (float16 stays float16)
     return lambda x: x
 
 
@@ -128,9 +129,11 @@ def _as_f32(make):
     return run
 
 
-def plan(model, entries, name_map) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+def plan(model, entries, name_map, out_dtype) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """(GGUF name, numpy shape, make) of every tensor, in write order, from export.merged_entries' `entries`
-    (HF names and makers of the merged checkpoint); make() gives float16 / float32 data."""
+    (HF names and makers of the merged checkpoint in `out_dtype`, the merged export's dtype); make() gives
+    float16 / float32 data (other dtypes widened to float32 after rounding to theirs, as the converter reads
+    the merged checkpoint)."""
     cfg = model.config
     out = []
 
@@ -152,10 +155,10 @@ def plan(model, entries, name_map) -> list[tuple[str, tuple[int, ...], Callable[
             fn = _qwen35_transform(cfg, suffix)
             out.append((name_of(hf_name), shape, lambda make=_as_f32(e.make), fn=fn: fn(np.asarray(make()))))
         return out
-    return _glm4_moe_plan(model, entries, name_of)
+    return _glm4_moe_plan(model, entries, name_of, out_dtype)
 
 
-def _glm4_moe_plan(model, entries, name_of):
+def _glm4_moe_plan(model, entries, name_of, out_dtype):
     from unsloth_jax.hf.mapping import moe_specs
     from unsloth_jax.hf.moe_io import MergedExperts
 
@@ -172,7 +175,7 @@ def _glm4_moe_plan(model, entries, name_of):
     for spec in moe_specs(cfg, "fused").values():
         if spec.kind != "experts":
             continue
-        make = _as_f32(experts.maker(spec, np.float32))
+        make = _as_f32(experts.maker(spec, out_dtype))
         prefix = f"model.layers.{spec.layer}.mlp.experts."
         e_, rows, cols = spec.hf_shape
         if spec.hf_name.endswith("gate_up_proj"):
