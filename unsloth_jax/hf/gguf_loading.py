@@ -182,7 +182,7 @@ def hf_config(path_or_file) -> dict:
     if rope_dims is not None and int(rope_dims) != head_dim and model_type not in ("phi3", "qwen3_5_text",
                                                                                  "glm4_moe"):
         raise ConfigError(f"{f.path}: GGUF metadata '{a}rope.dimension_count' = {rope_dims} rotates part of the "
-                          f"{head_dim}-dim heads; partial RoPE is supported for phi3 only")
+                          f"{head_dim}-dim heads; partial RoPE is supported for phi3, qwen35 and glm4moe only")
     scaling = f.get(a + "rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
