@@ -312,33 +312,39 @@ def test_identical_to_llama_cpp_converter(family, outtype, cases, tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"), reason="set LLAMA_CPP_DIR to a llama.cpp checkout to "
                     "read a file its convert_hf_to_gguf.py wrote")
-def test_reads_converter_file_with_mtp_block(cases, tmp_path, rng):
-    """llama.cpp's converter writes Qwen3.5's multi-token-prediction head (mtp.*, mtp_num_hidden_layers) as an
-    extra block past the decoder (nextn_predict_layers); our reader skips it and gives the merged model's logits."""
+@pytest.mark.parametrize("family", ["qwen35", "glm4_moe"])
+def test_reads_converter_file_with_mtp_block(family, cases, tmp_path, rng):
+    """llama.cpp's converter writes the multi-token-prediction block (Qwen3.5's mtp.* with mtp_num_hidden_layers,
+    GLM-4.5's model.layers.{L}.* with num_nextn_predict_layers) as an extra block past the decoder
+    (nextn_predict_layers); our reader skips it and gives the merged model's logits."""
     from safetensors.numpy import load_file, save_file
 
-    model, tok, hf, _ = cases["qwen35"]
+    model, tok, hf, _ = cases[family]
     merged = tmp_path / "merged"
     model.save_pretrained_merged(merged, tok, dtype="float32")
     (shard,) = merged.glob("*.safetensors")
     tensors = load_file(str(shard))
-    d = hf.config.hidden_size
-    extra = {f"mtp.{k}": rng.standard_normal(shape).astype(np.float32) * 0.05 for k, shape in (
-        ("fc.weight", (d, 2 * d)), ("pre_fc_norm_embedding.weight", (d,)), ("pre_fc_norm_hidden.weight", (d,)),
-        ("norm.weight", (d,)))}
-    full = hf.config.layer_types.index("full_attention")
-    for k, v in tensors.items():  # a full-attention decoder layer's tensors as the MTP block's
-        if k.startswith(f"model.layers.{full}."):
-            extra["mtp.layers.0." + k.split(".", 3)[3]] = v
+    d, n = hf.config.hidden_size, hf.config.num_hidden_layers
+    qwen = family == "qwen35"
+    prefix = "mtp." if qwen else f"model.layers.{n}."
+    names = (("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm") if qwen else
+             ("eh_proj", "enorm", "hnorm", "shared_head.norm"))
+    extra = {f"{prefix}{k}.weight": rng.standard_normal(shape).astype(np.float32) * 0.05
+             for k, shape in zip(names, ((d, 2 * d), (d,), (d,), (d,)))}
+    copied = hf.config.layer_types.index("full_attention") if qwen else n - 1  # the block's decoder layer
+    for k, v in tensors.items():
+        if k.startswith(f"model.layers.{copied}."):
+            extra[("mtp.layers.0." if qwen else f"model.layers.{n}.") + k.split(".", 3)[3]] = v
     save_file(tensors | extra, str(shard), metadata={"format": "pt"})
     raw = json.loads((merged / "config.json").read_text())
-    (merged / "config.json").write_text(json.dumps(raw | {"mtp_num_hidden_layers": 1}))
+    key = "mtp_num_hidden_layers" if qwen else "num_nextn_predict_layers"
+    (merged / "config.json").write_text(json.dumps(raw | {key: 1}))
     ref = tmp_path / "ref.gguf"
     _convert_with_llama_cpp(Path(os.environ["LLAMA_CPP_DIR"]), merged, ref, "f32", "gpt-2")
     _, tensors_ref, kv = _read(ref)
-    assert kv["qwen35.nextn_predict_layers"] == 1
-    assert f"blk.{hf.config.num_hidden_layers}.nextn.eh_proj.weight" in tensors_ref
+    assert kv[ARCH[family] + ".nextn_predict_layers"] == 1 and kv[ARCH[family] + ".block_count"] == n + 1
+    assert f"blk.{n}.nextn.eh_proj.weight" in tensors_ref
     back, _ = FastLanguageModel.from_pretrained(ref, dtype="float32", progress=False)
-    assert back.config.num_hidden_layers == hf.config.num_hidden_layers
+    assert back.config.num_hidden_layers == n
     ids = rng.integers(3, hf.config.vocab_size, size=(2, 12))
     assert rel_err(np.asarray(back(ids)), np.asarray(model(ids))) < 1e-5
