@@ -52,14 +52,24 @@ _GLM_NAMES = _COMMON | {
     "ffn_gate_shexp.weight", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
 ARCH = {"qwen35": "qwen35", "glm4_moe": "glm4moe"}
+EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # GLM-4.5's LoRA target_parameters
+
+
+def _expert_stack(model, name: str):
+    """The GroupedLinear of expert stack `name` (kernel [L, E, in, out], lora_a [L, E, in, r], lora_b [L, E, r,
+    out])."""
+    node = model.model.layers
+    for part in name.split("."):
+        node = getattr(node, part)
+    return node
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """family -> (our model with random nonzero LoRA, tokenizer, transformers model, source dir). Qwen3.5: 4 value
     heads on 2 key heads (the V-head reordering), LoRA on the linear attention's projections too. GLM-4.5: a
-    dense first layer, 8 experts in 4 groups, a shared expert, q/k norms and biases; no MTP layer (the converter
-    would announce one without its tensors); the GLM special tokens its tokenizer has."""
+    dense first layer, 8 experts in 4 groups, a shared expert, q/k norms and biases, LoRA on the experts too; no
+    MTP layer (the converter would announce one without its tensors); the GLM special tokens its tokenizer has."""
     seed = fresh_seed("gguf families")
     rng = np.random.default_rng(seed)
     out = {}
@@ -72,12 +82,15 @@ def cases(tmp_path_factory):
             tok.add_tokens(GLM_SPECIALS, special_tokens=True)
             hf = make_hf_glm4_moe(seed=seed % 10_000 + 1, vocab_size=2112, num_nextn_predict_layers=0)
             targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        experts = {"target_parameters": list(EXPERT_STACKS)} if family == "glm4_moe" else {}
         path = tmp_path_factory.mktemp(family)
         hf.save_pretrained(str(path))
         model, _ = FastLanguageModel.from_pretrained(path, dtype="float32", load_tokenizer=False, progress=False)
         model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=targets,
-                                                 use_gradient_checkpointing=False)
-        for lin in model.projections().values():
+                                                 use_gradient_checkpointing=False, **experts)
+        lins = list(model.projections().values()) + [_expert_stack(model, p) for p in experts.get(
+            "target_parameters", ())]
+        for lin in lins:
             if lin.lora_b is not None:
                 lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
         out[family] = (model, tok, hf, path)
@@ -100,6 +113,15 @@ def _merged_state(model, hf) -> dict[str, np.ndarray]:
             if key in sd:
                 a, b = np.asarray(lin.lora_a[...][i]), np.asarray(lin.lora_b[...][i])  # [in, r], [r, out]
                 sd[key] = sd[key] + model.lora.scale * (a @ b).T
+    for name in EXPERT_STACKS if model.config.is_moe else ():  # transformers' stacks are [E, out, in]
+        stack = _expert_stack(model, name)
+        if stack.lora_a is None:
+            continue
+        for i in range(model.config.num_hidden_layers):
+            key = f"model.layers.{i}.{name}"
+            if key in sd:
+                a, b = np.asarray(stack.lora_a[...][i]), np.asarray(stack.lora_b[...][i])
+                sd[key] = sd[key] + model.lora.scale * np.stack([(a[e] @ b[e]).T for e in range(a.shape[0])])
     return sd
 
 
