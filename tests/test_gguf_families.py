@@ -3,7 +3,9 @@
 Truth: the transformers model's own state dict with the random LoRA pairs folded in here, transformed by the
 rules re-derived below from llama.cpp's converter (conversion/qwen.py, conversion/glm.py). The name table
 (`_QWEN35_NAMES`, `_GLM_NAMES`) and the keys were checked once against the converter's output at these configs
-(test_identical_to_llama_cpp_converter, LLAMA_CPP_DIR=<llama.cpp checkout>: tensor by tensor and key by key)."""
+(test_identical_to_llama_cpp_converter, LLAMA_CPP_DIR=<llama.cpp checkout>: tensor by tensor and key by key).
+Reading (hf/gguf_loading.py): our file, and with LLAMA_CPP_DIR a converter-made one with an MTP block, loads
+back with the logits of transformers on the merged weights (transformers has no qwen35 / glm4moe GGUF loader)."""
 from __future__ import annotations
 
 import json
