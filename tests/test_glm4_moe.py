@@ -1,7 +1,8 @@
 """GLM-4.5 MoE (glm4_moe) against transformers' Glm4MoeForCausalLM in float32 on a tiny random checkpoint
 (tests/hf_moe_models.GLM4_MOE: a dense first layer, grouped sigmoid routing with n_group > 1 and a
 score-correction bias, a shared expert, partial rotary, q/k norms and biases): config, logits, LoRA training,
-the PEFT adapter and the merged export read back by PEFT / transformers, greedy generation, GGUF refusal."""
+the PEFT adapter and the merged export read back by PEFT / transformers, greedy generation (GGUF export:
+tests/test_gguf_families.py)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from tests.helpers import rel_err  # noqa: E402
 from tests.hf_moe_models import GLM4_MOE, make_hf_glm4_moe  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
-from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
+from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.models.moe import EXPERT_PARAMETERS  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
@@ -157,15 +158,13 @@ def test_greedy_generation_matches_transformers(glm, rng):
 
 
 def test_refusals_and_mtp_layers(glm, tmp_path):
-    """GGUF export is refused (MoE); PEFT cannot load LoRA on the dense/shared MLP projections of glm4_moe (it
+    """PEFT cannot load LoRA on the dense/shared MLP projections of glm4_moe (it
     maps gate/up/down_proj onto the experts), so save_pretrained refuses; the checkpoint's multi-token-
     prediction layers past num_hidden_layers (GLM-4.5's model.layers.46.*) are skipped as transformers does."""
     path, _ = glm
     model = load_f32(path)
     FastLanguageModel.get_peft_model(model, r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj"],
                                      use_gradient_checkpointing=False)
-    with pytest.raises(UnsupportedArchitectureError, match="GGUF export of glm4_moe is not supported"):
-        model.save_pretrained_gguf(tmp_path / "gguf", None)
     with pytest.raises(ConfigError, match="dense MLP projections"):
         model.save_pretrained(tmp_path / "refused")
     from safetensors.numpy import load_file, save_file

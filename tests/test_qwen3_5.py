@@ -2,8 +2,8 @@
 full-attention layers, against transformers' Qwen3_5ForCausalLM in float32: config parsing and refusals, the 3:1
 pattern as one layer segment under the remat / offload policies, logits of right-padded and packed rows, one LoRA
 step (linear-attention projections included), the PEFT adapter and the merged checkpoint in PEFT / transformers,
-greedy generation on the engine with rows admitted while others decode, checkpoint extras transformers skips, and
-the GGUF refusal."""
+greedy generation on the engine with rows admitted while others decode, and checkpoint extras transformers skips
+(GGUF export: tests/test_gguf_families.py)."""
 from __future__ import annotations
 
 import json
@@ -231,11 +231,3 @@ def test_checkpoint_extras_skipped_and_missing_tensor_named(tiny, tmp_path):
                                   np.asarray(model.model.layers.linear_attn.A_log[...]))
     with pytest.raises(MissingTensorError, match="model.layers.4.linear_attn.A_log"):
         load_f32(tmp_path / "missing")
-
-
-def test_gguf_export_refused(tiny, tmp_path):
-    """The GGUF exporter has no Qwen3.5 mapping (the gguf package names llama.cpp's qwen35 architecture, but its
-    tensor transforms are not written here): save_pretrained_gguf refuses the model type by name."""
-    _, _, model = tiny
-    with pytest.raises(UnsupportedArchitectureError, match="qwen3_5_text"):
-        model.save_pretrained_gguf(tmp_path / "gguf", None, quantization_method="f32")

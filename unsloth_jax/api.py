@@ -107,9 +107,9 @@ class Model(_PeftMethods, CausalLM):
     def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16"):
         """Write a llama.cpp GGUF file of the merged model and return its path; quantization_method may be a list
         (as Unsloth's), one file per method, and then the paths come back as a list."""
-        from unsloth_jax.hf import gguf_export
+        from unsloth_jax.hf import gguf_export, gguf_families
 
-        if self.config.is_moe:
+        if self.config.is_moe and self.config.model_type not in gguf_families.ARCHS:  # GLM-4.5 has a GGUF export
             from unsloth_jax.errors import UnsupportedArchitectureError
 
             raise UnsupportedArchitectureError(

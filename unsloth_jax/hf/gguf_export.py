@@ -9,12 +9,15 @@ The file is what llama.cpp's convert_hf_to_gguf.py writes for the merged 16-bit 
   llama.cpp hard-codes its NoPE layers as every 4th, so other no_rope_layers patterns and sliding windows are
   refused), phi3 (its fused qkv_proj / gate_up_proj
   written back as attn_qkv / ffn_up; LongRoPE as rope_factors_long / rope_factors_short tensors plus
-  rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does); Gemma 3 is refused;
+  rope.scaling.attn_factor, partial rotary as rope.dimension_count, as Phi3MiniModel does), qwen35 (Qwen3.5 text)
+  and glm4moe (GLM-4.5 MoE: the first MoE family here), whose tensor transforms and keys are in gguf_families.py;
+  Gemma 3 and the other MoE families are refused;
 * tensors: llama.cpp names (token_embd, blk.N.attn_q, ..., output_norm, output); a tensor that is not float16 or
   float32 in the HF checkpoint (bf16) is converted to float32 first; Llama/Mistral q_proj/k_proj rows are
   permuted from HF's rotate-half RoPE layout to llama.cpp's interleaved one; Gemma norms are stored as 1 + w;
   Llama 3 rope scaling becomes a `rope_freqs.weight` tensor of per-frequency factors;
-* types: 1-D tensors, norms and biases stay F32; other weights take the requested type (F32, F16, BF16, Q8_0,
+* types: 1-D tensors, norms, biases, MoE routers (ffn_gate_inp) and conv kernels (ssm_conv1d) stay F32; other
+  weights take the requested type (F32, F16, BF16, Q8_0,
   and the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 that gguf.quants can produce); a row length that the block size
   does not divide falls back to F16, as the converter does. For the 4/5-bit types the output head (or the
   tied embedding) is kept in Q8_0 (llama-quantize keeps it at higher precision too);
@@ -49,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
-from unsloth_jax.hf import export
+from unsloth_jax.hf import export, gguf_families
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.gguf_common import llama3_rope_factors
 
@@ -76,6 +79,9 @@ _ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3
 _ARCH["smollm3"] = "SMOLLM3"
 _LLAMA_LAYOUT = ("LLAMA", "SMOLLM3")  # archs whose q/k rows take llama.cpp's interleaved RoPE layout
 SMOLLM3_GGUF_NOPE_STEP = 4
+_ARCH.update(gguf_families.ARCHS)  # qwen35, glm4moe: their tensors and keys in gguf_families.py
+# tensors the converter keeps in F32 whatever the file type (name suffixes): routers, conv kernels
+_F32_TENSORS = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 
 # convert_hf_to_gguf.py's pre-tokenizer check text and the hashes of the families this package supports.
 _CHKTXT = ('\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ '
@@ -89,12 +95,19 @@ _PRE_HASHES = {
     "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # gpt2
     "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",
     "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",  # Mistral Nemo
+    "d30d75d9059f1aa2c19359de71047b3ae408c70875e8a3ccf8c5fba56c9d8af4": "qwen35",  # Qwen3.5
+    "9ca2dd618e8afaf09731a7cf6e2105b373ba6a1821559f258b272fe83e6eb902": "glm4",  # GLM-4.5-Air
 }
+# GLM-4.5 (the converter's _set_vocab_glm): special token kinds taken from these added tokens, where the
+# tokenizer files do not already name one of the kind
+_GLM_SPECIALS = (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"), ("eom", "<|observation|>"))
 # tokenizer.json split regexes of those pre-tokenizers (fallback when the hash is unknown, e.g. a resized vocab)
 _LLAMA3_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
                "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _QWEN2_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
               "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_QWEN35_PAT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+"
+               "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 
 
 def _gguf():
@@ -141,7 +154,6 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     cfg = model.config
     arch = getattr(gguf.MODEL_ARCH, _ARCH[cfg.model_type])
     name_map = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    want = getattr(gguf.GGMLQuantizationType, _METHODS[method][0])
     Q = gguf.GGMLQuantizationType
     # The merged weights at the model's own precision (a float32 model is not rounded to 16 bits first); each
     # tensor is then converted to its GGUF type.
@@ -155,6 +167,10 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
     if cfg.model_type == "phi3":
         plan += _phi3_rope_tensors(model)
     head_names = {"output.weight"} | ({"token_embd.weight"} if cfg.tie_word_embeddings else set())
+    if cfg.model_type in gguf_families.ARCHS:
+        entries = export.merged_entries(model, hf_dtype)
+        return [_Tensor(name, shape, _qtype(name, shape, method, head_names), make)
+                for name, shape, make in gguf_families.plan(model, entries, name_map, hf_dtype)]
     for e in export.merged_entries(model, hf_dtype):
         if gemma and e.name == "lm_head.weight":
             continue
@@ -174,18 +190,25 @@ def _plan_tensors(model, method: str) -> list[_Tensor]:
                 data = data + data.dtype.type(1)
             return data
 
-        if len(e.shape) <= 1 or new_name.endswith("_norm.weight") or not new_name.endswith(".weight"):
-            qtype = Q.F32
-        else:
-            qtype = Q.Q8_0 if (method in _LOW_BIT and new_name in head_names) else want
-            if qtype not in (Q.F32, Q.F16):
-                block = gguf.GGML_QUANT_SIZES[qtype][0]
-                if e.shape[-1] % block:
-                    log.warning("unsloth_jax: %s has rows of %d values, not a multiple of %s's block of %d; "
-                                "storing it as F16", new_name, e.shape[-1], qtype.name, block)
-                    qtype = Q.F16
-        plan.append(_Tensor(new_name, e.shape, qtype, make))
+        plan.append(_Tensor(new_name, e.shape, _qtype(new_name, e.shape, method, head_names), make))
     return plan
+
+
+def _qtype(new_name: str, shape, method: str, head_names: set):
+    """The GGML type of a tensor, by the converter's rules: 1-D tensors, norms, biases, routers and conv kernels
+    F32; the output head of a 4/5-bit file Q8_0; rows the block size does not divide F16; else the method's."""
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or new_name.endswith(("_norm.weight",) + _F32_TENSORS) or not new_name.endswith(".weight"):
+        return Q.F32
+    qtype = Q.Q8_0 if (method in _LOW_BIT and new_name in head_names) else getattr(Q, _METHODS[method][0])
+    if qtype not in (Q.F32, Q.F16):
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if shape[-1] % block:
+            log.warning("unsloth_jax: %s has rows of %d values, not a multiple of %s's block of %d; "
+                        "storing it as F16", new_name, shape[-1], qtype.name, block)
+            qtype = Q.F16
+    return qtype
 
 
 def _nbytes(shape, qtype) -> int:
@@ -238,6 +261,9 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
         return
     if mt == "phi3":
         _add_phi3_hparams(w, model, raw, ftype)
+        return
+    if mt in gguf_families.ARCHS:
+        gguf_families.add_hparams(w, model, raw, ftype)
         return
     # TextModel.set_gguf_parameters
     _add_shape(w, cfg)
@@ -341,6 +367,8 @@ def _pre_tokenizer(tokenizer, tok_json: dict) -> str:
         return "llama-bpe"
     if _QWEN2_PAT in regexes:
         return "qwen2"
+    if _QWEN35_PAT in regexes:
+        return "qwen35"
     if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
         return "gpt-2"
     log.warning("unsloth_jax: the BPE pre-tokenizer (hash %s) is not one llama.cpp's converter knows for the "
@@ -544,6 +572,11 @@ def _add_vocab_impl(w, model, tokenizer, raw_config: dict) -> None:
             w.add_token_list(tokens)
             w.add_token_types(types)
             special = gguf.SpecialVocab(td, load_merges=True)
+        if cfg.model_type == "glm4_moe":
+            added = tokenizer.get_added_vocab()
+            for kind, text in _GLM_SPECIALS:
+                if text in added:
+                    special._set_special_token(kind, added[text])
         if cfg.model_type == "smollm3" and isinstance(special.chat_template, str):
             # SmolLM3Model.set_vocab: llama.cpp's template engine has no [:] slicing, which SmolLM3's uses
             special.chat_template = special.chat_template.replace("[:]", "")
@@ -574,6 +607,9 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
             "convert_hf_to_gguf.py")
     if cfg.model_type == "smollm3":
         _check_smollm3(cfg)
+    raw = _source_config(model)
+    if cfg.model_type in gguf_families.ARCHS:
+        gguf_families.check(cfg, raw)
     if tokenizer is None:
         if model.model_dir is None:
             raise ConfigError("save_gguf needs the tokenizer (pass the one from_pretrained returned)")
@@ -590,7 +626,6 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"unsloth.{_METHODS[method][0]}.gguf"
-    raw = _source_config(model)
     plan = _plan_tensors(model, method)
 
     w = gguf.GGUFWriter(path=None, arch=arch_name)

@@ -8,8 +8,10 @@
 Facts from transformers' GGUF loader (integrations/ggml.py, modeling_gguf_pytorch_utils.py,
 integrations/gguf/gguf_tokenizer_mapping.py) and llama.cpp (convert_hf_to_gguf.py, llama-vocab.cpp):
 
-* architectures: llama, qwen2, qwen3, gemma, gemma2, phi3 (no mixture-of-experts file: one with an
-  `<arch>.expert_count`, or qwen3moe / gpt-oss, raises UnsupportedArchitectureError). Metadata `<arch>.*` keys become config.json fields
+* architectures: llama, qwen2, qwen3, gemma, gemma2, phi3, smollm3, and qwen35 / glm4moe (Qwen3.5 text, GLM-4.5
+  MoE: gguf_families.py inverts the export's transforms; their multi-token-prediction blocks are skipped); any
+  other mixture-of-experts file (an `<arch>.expert_count`, qwen3moe, gpt-oss) raises
+  UnsupportedArchitectureError. Metadata `<arch>.*` keys become config.json fields
   (embedding_length -> hidden_size, block_count -> num_hidden_layers, ...); the embeddings are tied when the
   file has no `output.weight`. Where the file is silent, llama.cpp's rule is used: Gemma 2's attention scale is
   head_dim ** -0.5, or (hidden / heads) ** -0.5 for the 46-layer 27B (transformers would take the config
@@ -39,6 +41,7 @@ from tqdm.auto import tqdm
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError, UnsupportedArchitectureError)
+from unsloth_jax.hf import gguf_families
 from unsloth_jax.hf.gguf_common import llama3_rope_factors
 from unsloth_jax.hf.loading import Placer, default_placer, model_from_params, place
 from unsloth_jax.hf.mapping import tensor_specs
@@ -51,14 +54,18 @@ ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCau
          "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma": ("gemma", "GemmaForCausalLM"),
          "gemma2": ("gemma2", "Gemma2ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
 ARCHS["smollm3"] = ("smollm3", "SmolLM3ForCausalLM")  # llama's layout; NoPE on every 4th layer (llama.cpp's rule)
+ARCHS.update(gguf_families.READ_ARCHS)  # qwen35, glm4moe: their fields and tensor layouts in gguf_families.py
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
 # tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's names; others: GPT-2's)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_PRE_SPLITS.update({"qwen35": _QWEN35_SPLIT, "glm4": _LLAMA3_SPLIT, "chatglm-bpe": _LLAMA3_SPLIT})  # llama-vocab.cpp
 # llama.cpp's names of the MoE families unsloth_jax loads from safetensors only (Mixtral's GGUF files are
 # "llama" with an expert_count; any file with an expert_count is refused the same way)
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
@@ -125,7 +132,7 @@ def hf_config(path_or_file) -> dict:
     f = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     arch = f.arch
     experts = f.get(arch + ".expert_count", 0)
-    if arch in MOE_ARCHS or experts:
+    if arch in MOE_ARCHS or (experts and arch not in gguf_families.READ_ARCHS):
         raise UnsupportedArchitectureError(
             f"{f.path}: a mixture-of-experts GGUF file (architecture {arch!r}"
             f"{f', {arch}.expert_count={experts}' if experts else ''}) is not supported as a model source; load the "
@@ -172,9 +179,10 @@ def hf_config(path_or_file) -> dict:
         raw["attention_bias"] = "blk.0.attn_q.bias" in names
         raw["mlp_bias"] = "blk.0.ffn_gate.bias" in names
     rope_dims = f.get(a + "rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim and model_type != "phi3":
+    if rope_dims is not None and int(rope_dims) != head_dim and model_type not in ("phi3", "qwen3_5_text",
+                                                                                 "glm4_moe"):
         raise ConfigError(f"{f.path}: GGUF metadata '{a}rope.dimension_count' = {rope_dims} rotates part of the "
-                          f"{head_dim}-dim heads; partial RoPE is supported for phi3 only")
+                          f"{head_dim}-dim heads; partial RoPE is supported for phi3, qwen35 and glm4moe only")
     scaling = f.get(a + "rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -194,6 +202,8 @@ def hf_config(path_or_file) -> dict:
         raw["hidden_activation"] = "gelu_pytorch_tanh"
     if model_type == "phi3":
         raw.update(_phi3_config(f, head_dim))
+    if arch in gguf_families.READ_ARCHS:
+        raw.update(gguf_families.config_fields(f, raw, names))
     return raw
 
 
@@ -276,6 +286,8 @@ def gguf_names(cfg: ModelConfig, arch: str) -> dict:
     gguf = _gguf()
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    if arch in gguf_families.READ_ARCHS:
+        return gguf_families.gguf_names(cfg, name_map)
     out = {}
     for hf_name, spec in tensor_specs(cfg).items():
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -293,7 +305,9 @@ def load_gguf_params(f: GGUFFile, cfg: ModelConfig, dtype, *, placer: Placer | N
     """Every tensor of the GGUF file, dequantized, in the nested param dict of `cfg` (as hf.loading.load_params)."""
     placer = placer or default_placer
     by_name = gguf_names(cfg, f.arch)
-    unknown = [n for n in f.tensors if n not in by_name and n not in _DERIVED]
+    family = f.arch in gguf_families.READ_ARCHS
+    unknown = [n for n in f.tensors if n not in by_name and n not in _DERIVED
+               and not (family and gguf_families.is_mtp_tensor(cfg, n))]
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         raise UnexpectedTensorError(f"{f.path}: tensors a {f.arch} model with this metadata does not use: {shown}")
@@ -304,10 +318,15 @@ def load_gguf_params(f: GGUFFile, cfg: ModelConfig, dtype, *, placer: Placer | N
     permute = f.arch in ("llama", "smollm3")
     gemma_norms = f.arch in ("gemma", "gemma2")
     params: dict = {}
+    held: dict = {}  # gguf_families.restore: the first half of a GLM-4.5 gate/up expert pair
     names = [n for n in f.tensors if n in by_name]
     for name in tqdm(names, desc=f"Loading {f.path.name}", unit="tensor", disable=not progress, leave=False):
         spec = by_name[name]
         w = _dequantized(f, name)
+        if family:
+            w = gguf_families.restore(cfg, name, w, held)
+            if w is None:
+                continue
         if w.shape != spec.hf_shape:
             raise ShapeMismatchError(f"{f.path}: tensor '{name}' has shape {list(w.shape)} (HF order), but the "
                                      f"metadata implies {list(spec.hf_shape)} for '{spec.hf_name}'")
