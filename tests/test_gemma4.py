@@ -159,6 +159,7 @@ def test_lora_gradients_match_peft(tiny, tmp_path, rng):
         lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
     model.save_pretrained(tmp_path / "adapter")
     pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"), is_trainable=True)
+    assert model.get_nb_trainable_parameters() == pm.get_nb_trainable_parameters()  # KV-shared layers: no k/v pairs
     ids, mask = right_padded(rng, [14, 10])
     labels = np.where(mask == 1, ids, -100)
     out = pm(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))

@@ -255,7 +255,8 @@ def test_f32_file_loads_back_with_the_merged_models_logits(family, cases, tmp_pa
     ref = hf.__class__(hf.config).eval()
     ref.load_state_dict({k: torch.tensor(v) for k, v in _merged_state(model, hf).items()}, strict=False)
     ids = rng.integers(3, hf.config.vocab_size, size=(2, 12))
-    assert rel_err(np.asarray(back(ids)), torch_logits(ref, ids)) < 1e-5
+    # Qwen3.5: 5e-5, transformers' chunked delta rule rounds differently in float32 (tests/test_qwen3_5.py)
+    assert rel_err(np.asarray(back(ids)), torch_logits(ref, ids)) < (5e-5 if family == "qwen35" else 1e-5)
     assert back_tok.encode("hello world") == tok.encode("hello world")
 
 

@@ -110,7 +110,8 @@ def test_logits_right_padded_and_packed(tiny, rng):
     """One call over three rows: a full row, a right-padded row (13 of 20 tokens) and a packed row of two
     sequences (7 + 9 tokens, positions restarting, then padding). Logits of every real token equal transformers'
     on each sequence alone: padding leaves the real tokens alone, and a segment start restarts the recurrent
-    state and the causal conv."""
+    state and the causal conv. Bound 5e-5, as the merged export's below: transformers' chunked delta rule rounds
+    differently in float32 (a CI run's random model gave 1.1e-5 on a 9-token segment; typically 2-4e-6)."""
     _, hf, model = tiny
     assert model.config.layer_period == 4 and model.config.num_hidden_layers == 5
     seqs = [rng.integers(3, 256, size=n) for n in (20, 13, 7, 9)]
@@ -125,10 +126,10 @@ def test_logits_right_padded_and_packed(tiny, rng):
     ours = np.asarray(model(ids, mask, positions=pos, segment_ids=seg))
     spans = [(0, slice(0, 20)), (1, slice(0, 13)), (2, slice(0, 7)), (2, slice(7, 16))]
     for (row, span), seq in zip(spans, seqs):
-        assert rel_err(ours[row, span], torch_logits(hf, seq[None])[0]) < 1e-5, (row, span)
+        assert rel_err(ours[row, span], torch_logits(hf, seq[None])[0]) < 5e-5, (row, span)
     # right padding alone, as transformers takes it (attention_mask, no segments)
     padded = np.asarray(model(ids[:2], mask[:2]))
-    assert rel_err(padded[1, :13], torch_logits(hf, ids[:2], mask[:2])[1, :13]) < 1e-5
+    assert rel_err(padded[1, :13], torch_logits(hf, ids[:2], mask[:2])[1, :13]) < 5e-5
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
@@ -160,8 +161,9 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
         keys = set(fh.keys())
     assert any(".layers.0.linear_attn.in_proj_qkv.lora_A" in k for k in keys)
     assert not any(".layers.0.self_attn." in k or ".layers.3.linear_attn." in k for k in keys)
-    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
-    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5  # measured over 14 seeds: max 3.5e-6
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"), is_trainable=True)
+    assert model.get_nb_trainable_parameters() == pm.get_nb_trainable_parameters()  # one mixer per layer counted
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 5e-5  # as the logits test's bound
     back = load_f32(tmp_path / "adapter")  # our loader reads the adapter back onto the base
     assert set(back.lora.target_modules) == set(ALL)
     for name, lin in back.projections().items():  # the layers that have the projection (the others hold zeros)

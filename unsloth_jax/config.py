@@ -1285,3 +1285,21 @@ def _parse_qwen3_5(raw: dict, source: str) -> Qwen3_5Config:
     ids = {k: int(raw.get(k, getattr(Qwen3_5Config, k))) for k in
            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     return Qwen3_5Config(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+
+
+# ------------------------------------------------------------------------------ which layers hold what
+KV_SHARED_SKIPS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")  # HF suffix prefixes
+
+
+def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
+    """Whether decoder layer `layer` holds the per-layer tensor (or PEFT module) `suffix`, in HF's names, which are
+    also this package's module paths under a layer (e.g. "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."):
+    a Qwen3.5 layer has the tensors of its own token mixer only (self_attn on its full-attention layers,
+    linear_attn on its linear-attention layers); a Gemma 4 KV-shared layer has no key/value projections or key
+    norm; every layer has every other tensor. (The stacked state keeps every kind's slot in every layer.)"""
+    parent = suffix.split(".", 1)[0]
+    if parent in ("self_attn", "linear_attn") and cfg.layer_linear:
+        return cfg.layer_linear[layer] == (parent == "linear_attn")
+    if parent == "linear_attn":
+        return False
+    return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from unsloth_jax.config import ModelConfig, layer_has
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
-from unsloth_jax.models.layers import Linear, value_of
+from unsloth_jax.models.layers import Buffer, Linear, value_of
 from unsloth_jax.models.linear_attention import LINEAR_PROJS
 from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.quant import dense_kernel, is_quantized
@@ -262,21 +263,29 @@ def split(model: CausalLM, trainable=None):
     return nnx.split(model, wrt, ...)
 
 
-def _variables(tree):
-    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def count(tree) -> int:
-    """Number of scalar parameters in a module or state (4-bit and FP8 weights count their original elements)."""
+def count(tree, config: ModelConfig | None = None) -> int:
+    """Number of scalar parameters in a module or state (4-bit and FP8 weights count their original elements;
+    a Buffer, which transformers holds as a buffer, is no parameter).
+    config: the text decoder's config: a leaf of its layer stack (under model.layers) counts only the layers that
+    hold it (config.layer_has: Qwen3.5's other token mixer and Gemma 4's KV-shared key/value slots are not
+    parameters of the HF model), so the counts are transformers' and PEFT's."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     total = 0
-    for var in _variables(tree):
+    for path, var in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        if isinstance(var, Buffer):
+            continue
         value = value_of(var) if isinstance(var, nnx.Variable) else var
         if is_quantized(value):  # original elements, times the stacked layers
-            total += value.numel * int(np.prod(value.stack_shape))
+            n = value.numel * int(np.prod(value.stack_shape))
         else:
-            total += int(np.prod(np.shape(value)))
+            n = int(np.prod(np.shape(value)))
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if config is not None and names[:2] == ["model", "layers"]:
+            layers = config.num_hidden_layers
+            held = sum(layer_has(config, i, ".".join(names[2:]) + ".") for i in range(layers))
+            n = n // layers * held
+        total += n
     return total
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.config import ModelConfig, layer_has  # noqa: F401 (layer_has: read here by hf/)
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
@@ -92,20 +92,6 @@ _GEMMA4_PLE = [
     ("post_per_layer_input_norm.weight", ("post_per_layer_input_norm", "weight"), "norm"),
 ]
 FAMILY_LAYER_TENSORS["gemma4_text"] = _LLAMA + _SANDWICH + _QK_NORM + [("layer_scalar", ("layer_scalar",), "norm")]
-KV_SHARED_SKIPS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")  # HF suffix prefixes
-
-
-def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
-    """Whether layer `layer` of the checkpoint holds the per-layer tensor (or PEFT module) `suffix` (e.g.
-    "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."): a Qwen3.5 layer has the tensors of its own token
-    mixer only (self_attn on its full-attention layers, linear_attn on its linear-attention layers); a Gemma 4
-    KV-shared layer has no key/value projections or key norm; every layer has every other tensor."""
-    parent = suffix.split(".", 1)[0]
-    if parent in ("self_attn", "linear_attn") and cfg.layer_linear:
-        return cfg.layer_linear[layer] == (parent == "linear_attn")
-    if parent == "linear_attn":
-        return False
-    return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
 
 
 def _gemma4_model_specs(cfg: ModelConfig) -> dict[str, "TensorSpec"]:

@@ -36,7 +36,7 @@ from unsloth_jax.config import ModelConfig
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_linear, layer_ropes, layer_sparse,
                                             layer_windows, require_policy, run_layers)
-from unsloth_jax.models.layers import Embedding, Linear, RMSNorm
+from unsloth_jax.models.layers import Buffer, Embedding, Linear, RMSNorm
 from unsloth_jax.models.linear_attention import LINEAR_PROJS, GatedDeltaNet
 from unsloth_jax.models.mlp import MLP
 from unsloth_jax.models.moe import SparseMLP
@@ -71,9 +71,8 @@ class DecoderLayer(nnx.Module):
         self.per_layer_projection = nnx.data(Linear(p, cfg.hidden_size, stack=stack, dtype=dtype, rngs=rngs)
                                              if p else None)
         self.post_per_layer_input_norm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if p else None)
-        # Gemma 4: the layer's output scale [*stack, 1] (a buffer in transformers, which never trains it: its
-        # gradient is stopped here; full fine-tuning's weight decay would still shrink it)
-        self.layer_scalar = nnx.data(nnx.Param(jnp.ones((*stack, 1), dtype)) if cfg.layer_scalar else None)
+        # Gemma 4: the layer's output scale [*stack, 1] (a buffer in transformers, which never trains it)
+        self.layer_scalar = nnx.data(Buffer(jnp.ones((*stack, 1), dtype)) if cfg.layer_scalar else None)
         if cfg.has_linear_layers:  # Qwen3.5: every layer holds both mixers; each layer runs its own (layer_linear)
             self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype, rngs=rngs)
 

@@ -6,7 +6,9 @@ Variable types say what trains (flax.nnx filters select on them):
   nnx.LoRAParam  the LoRA factors `lora_a` [in, r] and `lora_b` [r, out] (Flax's own type);
   NF4Param       a 4-bit NF4 base weight (an `NF4Weight` pytree in HF's [out, in] layout); never trained;
   FP8Param       an FP8 base weight (an `FP8Weight`: e4m3 values [out, in], per-output-channel scales); never
-                 trained.
+                 trained;
+  Buffer         a tensor transformers keeps as a buffer (nn.Buffer: in the checkpoint, not a parameter): loaded
+                 and exported like a weight, never trained, not counted among the parameters.
 
 Every module may be built with leading `stack` axes (the decoder stacks its layers on axis 0 and scans over
 them); `__call__` then runs on one slice of the stack, which the scan hands it. Names follow Hugging Face:
@@ -30,6 +32,12 @@ class NF4Param(nnx.Variable):
 
 class FP8Param(nnx.Variable):
     """A frozen FP8 base weight: an `FP8Weight` (float8_e4m3fn [out, in] per layer, float32 scale [out])."""
+
+
+class Buffer(nnx.Variable):
+    """A checkpoint tensor that transformers holds as a buffer, not a parameter (Gemma 4's layer_scalar, GLM-4.5's
+    e_score_correction_bias): never trained (not an nnx.Param, so full fine-tuning leaves it frozen), and left out
+    of the parameter counts, as in transformers and PEFT."""
 
 
 def gathered(tree):

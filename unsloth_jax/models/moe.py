@@ -42,7 +42,7 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.config import ModelConfig
-from unsloth_jax.models.layers import INIT_STD, Linear
+from unsloth_jax.models.layers import INIT_STD, Buffer, Linear
 
 EXPERT_PROJS = ("gate_up_proj", "down_proj")
 # PEFT's target_parameters names of the expert weights (the parameter paths under a decoder layer).
@@ -170,8 +170,8 @@ class Router(nnx.Module):
         shape = (*stack, int(hidden), int(num_experts))
         self.kernel = nnx.Param((INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((*stack, int(num_experts)), dtype)) if use_bias else None)
-        self.e_score_correction_bias = nnx.data(
-            nnx.Param(jnp.zeros((*stack, int(num_experts)), dtype)) if score_bias else None)
+        self.e_score_correction_bias = nnx.data(  # a buffer in transformers
+            Buffer(jnp.zeros((*stack, int(num_experts)), dtype)) if score_bias else None)
 
     def score_bias(self) -> jax.Array | None:
         """The e_score_correction_bias [E] float32 (frozen), or None."""

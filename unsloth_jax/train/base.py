@@ -247,7 +247,7 @@ class TrainerBase:
 
     def _summary_line(self, run: RunPlan) -> str:
         a, model = self.args, self.model
-        n_train = lora.count(run.train_state["trainable"])
+        n_train = lora.count(run.train_state["trainable"], model.config)
         label = f"unsloth_jax {self.name}:" if self.name else "unsloth_jax:"
         return (f"{label} {run.summary}, batch {a.per_device_train_batch_size} x {a.gradient_accumulation_steps} "
                 f"accumulation{mesh_note(self.mesh)}, {model.dtype.name}{base_label(model)}, "
