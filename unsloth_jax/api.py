@@ -697,19 +697,20 @@ def _load_processor(model_dir: Path):
 
 
 class FastVisionModel:
-    """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration) and Qwen2.5-VL
-    (Qwen2_5_VLForConditionalGeneration): loading (16 / 32 bits or NF4), saved adapters, LoRA, SFT, generation."""
+    """Unsloth's vision-language entry points, for JAX: Gemma 3 (Gemma3ForConditionalGeneration), Qwen2.5-VL,
+    Qwen3-VL and Qwen3.5 (each family of unsloth_jax.families.VISION_FAMILIES): loading (16 / 32 bits or NF4),
+    saved adapters, LoRA, SFT, generation."""
 
     @staticmethod
     def from_pretrained(model_name: str | os.PathLike, max_seq_length: int = 2048, dtype=None,
                         load_in_4bit: bool = False, *, load_processor: bool = True, progress: bool = True, **kwargs):
-        """Load a local Gemma 3 or Qwen2.5-VL directory (config.json model_type "gemma3" / "qwen2_5_vl"), or a
-        PEFT adapter directory of either family (a VisionLanguageModel's save_pretrained, or PEFT on
-        transformers' model: its base_model_name_or_path is loaded, then the adapter's LoRA pairs on both towers:
-        hf.vision_io.load_vision_adapter). Returns (VisionLanguageModel, processor): transformers'
+        """Load a local vision-language directory (config.json model_type "gemma3" with a vision_config,
+        "qwen2_5_vl", "qwen3_vl" or "qwen3_5"), or a PEFT adapter directory of such a model (a
+        VisionLanguageModel's save_pretrained, or PEFT on transformers' model: its base_model_name_or_path is
+        loaded, then the adapter's LoRA pairs on both towers: hf.vision_io.load_vision_adapter). Returns (VisionLanguageModel, processor): transformers'
         AutoProcessor of the directory (an adapter's own, else its base's), or None where it has none (no
         preprocessor_config.json or processor_config.json) or it cannot be built. dtype as
-        FastLanguageModel.from_pretrained. load_in_4bit=True (both families, also under an adapter): the language
+        FastLanguageModel.from_pretrained. load_in_4bit=True (every family, also under an adapter): the language
         model's projections in NF4 (QLoRA; the vision tower and projector / merger stay in `dtype`, as Unsloth's
         default)."""
         from unsloth_jax.hf import peft_io
@@ -741,7 +742,7 @@ class FastVisionModel:
         max_seq_length = require_int("max_seq_length", max_seq_length, minimum=1)
         compute_dtype = resolve_dtype(dtype)
         start = time.perf_counter()
-        family, cfg = checkpoint_family(model_dir)  # Gemma 3 or Qwen2.5-VL
+        family, cfg = checkpoint_family(model_dir)
         from unsloth_jax.quant import nf4_placer
 
         model = load_vision_language_model(model_dir, cfg, compute_dtype, model_class=loaded_vision_class(family),

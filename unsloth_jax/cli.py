@@ -707,9 +707,9 @@ def _is_vision_model(model_name) -> bool:
 
 
 def _train_vision(args, targs, mesh, t_start: float) -> int:
-    """`train` for a Gemma 3 or Qwen2.5-VL vision-language model: FastVisionModel + UnslothVisionDataCollator on a
-    .jsonl of chat records with image file paths (docs/VISION.md); --load_in_4bit: QLoRA (NF4 language model);
-    --mesh: the devices of this process. Prints and saves as the text path does."""
+    """`train` for a vision-language model (families.VISION_FAMILIES): FastVisionModel +
+    UnslothVisionDataCollator on a .jsonl of chat records with image file paths (docs/VISION.md); --load_in_4bit:
+    QLoRA (NF4 language model); --mesh: the devices of this process. Prints and saves as the text path does."""
     for flag, unsupported in (("--packing", args.packing), ("--save_gguf", args.save_model and args.save_gguf),
                               ("--skip_bad_lines", args.skip_bad_lines)):
         if unsupported:
