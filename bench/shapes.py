@@ -1,4 +1,5 @@
-"""The ANCHORS.md model shapes (and the Gemma 3 / Phi-3 ones of issue 18) as transformers config kwargs."""
+"""The ANCHORS.md model shapes (and the Gemma 3 / Phi-3 ones of issue 18, issue 46's Qwen3.5 / SmolLM3 / GLM-4.5)
+as transformers config kwargs."""
 SHAPES = {
     "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -44,6 +45,56 @@ SHAPES = {
     "llama3-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=500000.0,
                         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    # ---- issue 46's families (bench/smoke.py rows, bench/qwen35_ab.py), each with its --tiny twin ----
+    # Qwen3.5-9B's text decoder (the largest released dense size whose bf16 LoRA step at 4 x 2048 fits one 80 GB
+    # card; 27B's bf16 weights alone take 54 GB). Sizes from the Qwen3.5-9B model card: 32 layers as 8 x (3 gated
+    # DeltaNet + 1 gated attention), hidden 4096, FFN 12288, vocabulary 248320, attention 16 q / 4 kv heads of 256
+    # with 64 rotary dims (partial 0.25), DeltaNet 16 qk / 32 v heads of 128; rope_theta 1e7 from the released
+    # GGUF's metadata (freq_base); untied head as transformers' Qwen3_5TextConfig defaults (which are these sizes).
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                       full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+                       max_position_embeddings=262144, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "qwen3.5-tiny": dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+                         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    # SmolLM3-3B: config.json of HuggingFaceTB/SmolLM3-3B (36 layers, every 4th NoPE, tied, 64k positions; also
+    # transformers' SmolLM3Config defaults). Its rope_theta was not found in the stored pages: 2e6, the value of
+    # optimum-intel's tiny-random-smollm3 config, stands in (it does not change the step's cost).
+    "smollm3-3b": dict(model_type="smollm3", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=4, vocab_size=128256, no_rope_layer_interval=4,
+                       rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
+                       max_position_embeddings=65536, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                       bos_token_id=128000, eos_token_id=128012, pad_token_id=128004),
+    "smollm3-tiny": dict(model_type="smollm3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, no_rope_layer_interval=4,
+                         rope_parameters=dict(rope_type="default", rope_theta=2000000.0),
+                         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # GLM-4.5-Air cut to 3 of its 46 layers (the first dense, two MoE), about 13 GB of bf16 weights: its
+    # config.json values (as in PrimeIntellect/INTELLECT-3-Base, a GLM-4.5-Air continuation with the same
+    # architecture): hidden 4096, dense FFN 10944, 128 routed experts of 1408 + 1 shared, top 8 of 1 group
+    # (routed_scaling_factor 1.0, normalized), 96 q / 8 kv heads of 128, half-rotary RoPE 1e6, attention bias, no
+    # q/k norm, vocabulary 151552, untied; its MTP layer (num_nextn_predict_layers 1) left out of the cut.
+    "glm4.5-air-3l": dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, num_hidden_layers=3,
+                          num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+                          moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+                          num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True,
+                          routed_scaling_factor=1.0, first_k_dense_replace=1, partial_rotary_factor=0.5,
+                          attention_bias=True, use_qk_norm=False, rope_theta=1000000.0,
+                          max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "glm4.5-tiny": dict(model_type="glm4_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                        first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True,
+                        use_qk_norm=False, rope_theta=1000000.0, max_position_embeddings=4096,
+                        tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 
 
