@@ -9,8 +9,10 @@
 Rows (ROW_SPECS): a LoRA and a QLoRA train step of Qwen2-1.5B at 4 x 2048, a Llama-3-8B QLoRA step at 2 x 2048, the
 vision-language LoRA steps with images of Qwen2.5-VL-7B and Gemma-3-4B (bench/vision_bench.py), two GRPO steps
 (bench/grpo_bench.py), fast_generate at 16 rows, the merged 16-bit and the q8_0 GGUF export (transformers loads the
-merged folder, the gguf package reads the file), a 32k-token step of Qwen2-1.5B (batch 1) and a DPO step (the
-public DPOTrainer, 2 pairs of 1024 tokens). Train rows: one warm-up step and 2 timed steps.
+merged folder, the gguf package reads the file), a 32k-token step of Qwen2-1.5B (batch 1), a DPO step (the
+public DPOTrainer, 2 pairs of 1024 tokens), and issue 46's families: LoRA steps at 4 x 2048 of Qwen3.5-9B's text
+decoder, SmolLM3-3B and GLM-4.5-Air cut to 3 layers (bench/shapes.py says where each size came from). Train rows:
+one warm-up step and 2 timed steps.
 
 Random-init checkpoints (bench/make_checkpoint.py, vision_bench.py make; bf16) are "prep" items written once under
 --ckpt-dir (default /tmp/ckpt, as bench/gpu_session.sh: a checkpoint already there is reused), each through a
@@ -83,7 +85,11 @@ def _self(*args) -> list[str]:
 
 
 # name -> (GPU arguments, tiny arguments). Checkpoints: text shapes of bench/shapes.py SHAPES and VL_SHAPES.
-TEXT_CHECKPOINTS = {"qwen2-1.5b": "qwen2-tiny", "llama3-8b": "llama3-tiny", "llama-0.5b-tok2k": None}
+TEXT_CHECKPOINTS = {"qwen2-1.5b": "qwen2-tiny", "llama3-8b": "llama3-tiny", "llama-0.5b-tok2k": None,
+                    "qwen3.5-9b": "qwen3.5-tiny", "smollm3-3b": "smollm3-tiny", "glm4.5-air-3l": "glm4.5-tiny"}
+# rough device memory (GiB) of writing each checkpoint (torch holds the bf16 model on the GPU)
+CHECKPOINT_GIB = {"qwen2-1.5b": 4, "llama3-8b": 17, "llama-0.5b-tok2k": 2, "qwen3.5-9b": 18, "smollm3-3b": 7,
+                  "glm4.5-air-3l": 13}
 VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): "tiny", ("gemma3", "4b"): "tiny"}
 
 
@@ -101,9 +107,9 @@ def items(tiny: bool, ck: str) -> list[Item]:
             continue
         path = os.path.join(ck, shape)
         text[name] = path
-        gib = {"qwen2-1.5b": 4, "llama3-8b": 17, "llama-0.5b-tok2k": 2}[name]
         out.append(Item(f"checkpoint_{shape}", f"random-init bf16 checkpoint of {shape} (bench/make_checkpoint.py)",
-                        _self("_make", "text", shape, path), timeout=240, gib=1 if tiny else gib, prep=True,
+                        _self("_make", "text", shape, path), timeout=240, gib=1 if tiny else CHECKPOINT_GIB[name],
+                        prep=True,
                         skip_if=os.path.join(path, "config.json")))
     vision = {}
     for (family, shape), tiny_shape in VISION_CHECKPOINTS.items():
@@ -115,7 +121,7 @@ def items(tiny: bool, ck: str) -> list[Item]:
                         "(bench/vision_bench.py make)", _self("_make", "vision", f"{family}:{s}", path), timeout=300,
                         gib=1 if tiny else gib, prep=True, skip_if=os.path.join(path, "config.json")))
     q15, l8, exp = text["qwen2-1.5b"], text["llama3-8b"], text["llama-0.5b-tok2k"]
-    need = {q15: "checkpoint_" + os.path.basename(q15), l8: "checkpoint_" + os.path.basename(l8)}
+    need = {path: "checkpoint_" + os.path.basename(path) for path in text.values() if path != TINY_LLAMA}
     batch, seq = (2, 128) if tiny else (4, 2048)
     # ----------------------------------------------------------------------------------------------- rows
     for family, label in (("qwen2_5_vl", "vision_qwen2_5_vl_7b"), ("gemma3", "vision_gemma3_4b")):
@@ -158,6 +164,22 @@ def items(tiny: bool, ck: str) -> list[Item]:
                                                                            "--prompt-len", 16 if tiny else 64,
                                                                            "--new", gen_new * 2),
                     timeout=240, gib=2 if tiny else 8, needs=(need[q15],)))
+    # issue 46's families: a LoRA r=16 step each at 4 x 2048 (train_bench: the seven attention / MLP projections,
+    # remat unsloth), after the rows above so that those keep the stage's budget first
+    q35, smol, glm = text["qwen3.5-9b"], text["smollm3-3b"], text["glm4.5-air-3l"]
+    out.append(Item("lora_qwen3_5_9b", f"LoRA r=16 train step, Qwen3.5-9B text shape (24 gated DeltaNet + 8 gated "
+                    f"attention layers), {batch} x {seq}, remat unsloth: tokens/s",
+                    _bench("train_bench.py", q35, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
+                    timeout=300, gib=2 if tiny else 36, needs=(need[q35],)))
+    out.append(Item("lora_smollm3_3b", f"LoRA r=16 train step, SmolLM3-3B shape (every 4th layer NoPE), {batch} x "
+                    f"{seq}, remat unsloth: tokens/s",
+                    _bench("train_bench.py", smol, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
+                    timeout=240, gib=2 if tiny else 14, needs=(need[smol],)))
+    out.append(Item("lora_glm4_5_air_3l", f"LoRA r=16 train step (attention, dense and shared-expert MLP; routed "
+                    f"experts frozen), GLM-4.5-Air shape cut to 3 of 46 layers (1 dense + 2 MoE, 128 experts top 8; "
+                    f"about 13 GB of bf16 weights, so the row stays near 20 GB), {batch} x {seq}, remat unsloth: "
+                    "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
+                                       *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
     exp_needs = () if tiny else ("checkpoint_llama-0.5b-tok2k",)
     out.append(Item("export_merged_gguf", "save_pretrained_merged (16-bit) + save_pretrained_gguf q8_0 after a LoRA "
                     "init with B != 0; transformers loads the merged folder and its logits match ours; gguf.GGUFReader "

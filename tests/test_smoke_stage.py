@@ -12,7 +12,8 @@ from bench import smoke
 from tests.helpers import ROOT, quick_codegen_flags, subprocess_env
 
 ROWS = {"lora_qwen2_1.5b", "qlora_qwen2_1.5b", "qlora_llama3_8b", "vision_qwen2_5_vl_7b", "vision_gemma3_4b",
-        "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b"}
+        "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b",
+        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l"}
 FIELDS = {"name", "ran", "error", "tokens_per_s", "peak_gib", "seconds", "measures", "command"}
 
 
@@ -31,6 +32,9 @@ def test_table(tiny):
         assert "--batch 4 --seq 2048" in cmd["lora_qwen2_1.5b"] and "--load-in-4bit" in cmd["qlora_qwen2_1.5b"]
         assert "/ck/llama3-8b" in cmd["qlora_llama3_8b"] and "--seq 32768" in cmd["long_context_32k"]
         assert "--shape 7b" in cmd["vision_qwen2_5_vl_7b"] and "--shape 4b" in cmd["vision_gemma3_4b"]
+        for row, ckpt in (("lora_qwen3_5_9b", "qwen3.5-9b"), ("lora_smollm3_3b", "smollm3-3b"),
+                          ("lora_glm4_5_air_3l", "glm4.5-air-3l")):
+            assert f"/ck/{ckpt} --batch 4 --seq 2048" in cmd[row], row
 
 
 def test_list_dry_run_and_only():
@@ -104,3 +108,20 @@ def test_every_row_runs_at_tiny_shapes(tmp_path):
         assert r["seconds"] > 0 and (r["tokens_per_s"] or 0) > 0 or name == "export_merged_gguf", name
     assert rows["export_merged_gguf"]["result"]["checks_passed"]
     assert rows["grpo_qwen2_1.5b"]["result"]["generated_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-9b", "qwen3.5-tiny", "smollm3-3b", "smollm3-tiny", "glm4.5-air-3l",
+                                   "glm4.5-tiny"])
+def test_issue46_shapes_parse(shape):
+    """transformers builds each issue-46 shape's config and unsloth_jax reads its config.json form (the rows'
+    checkpoints are written from these); the real shapes keep their released layer pattern."""
+    transformers = pytest.importorskip("transformers")
+    from bench.shapes import SHAPES
+    from unsloth_jax.config import ModelConfig
+
+    kw = dict(SHAPES[shape])
+    raw = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw).to_dict()
+    cfg = ModelConfig.from_dict(json.loads(json.dumps(raw)))
+    assert cfg.num_hidden_layers == kw["num_hidden_layers"] and cfg.vocab_size == kw["vocab_size"]
+    if shape == "qwen3.5-9b":  # 8 x (3 gated DeltaNet + 1 gated attention), 64 rotary dims of 256
+        assert cfg.layer_linear == (True, True, True, False) * 8 and cfg.rotary_dim == 64
