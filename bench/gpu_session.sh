@@ -4,7 +4,7 @@
 # with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
 # benchmarks/data/logs/) and updates BENCHMARKS.md.
 # Stages: smoke tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
-# longctx rematmem gateddelta
+# longctx rematmem gateddelta qwen35
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
@@ -20,6 +20,10 @@
 # of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
 # XLA form and the token scan, each in its own process: ms and peak memory, gated_delta.jsonl; the test log in
 # pytest_gated_delta.txt)
+# qwen35 (issue 46's Show rows, one call: bench/qwen35_ab.py, the Qwen3.5-9B-shaped LoRA step (4 x 2048, bf16, r=16,
+# gradient checkpointing) of ours and of transformers + PEFT, each side in its own process: tokens/s, peak memory and
+# which gated-delta / conv1d path transformers ran, qwen35.jsonl; then bench/gated_delta_bench.py (no tests): the
+# kernel beside the chunked XLA form and the token scan, forward + backward at 4 x 2048, gated_delta.jsonl)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
@@ -33,13 +37,15 @@
 # VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
 # SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
 # SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
-# bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep).
+# bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep),
+# QWEN35_MODEL (a bench/shapes.py name, default qwen3.5-9b), QWEN35_FLAGS (qwen35_ab flags joined with +, e.g.
+# --sides+hf), QWEN35_TIMEOUT (the A/B, both sides, default 600 s), CK (the checkpoints' folder, default /tmp/ckpt).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 PY=${PY:-python3}
-CK=/tmp/ckpt
+CK=${CK:-/tmp/ckpt}
 stages=${*:-tests kernels train15}
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
 # train_variants MODEL VARIANT...: one train_bench run (batch 4 x 2048) per "remat|impl overrides|extra flags"
@@ -107,6 +113,15 @@ for st in $stages; do
         >"$OUT/pytest_gated_delta.txt" 2>&1
       tail -3 "$OUT/pytest_gated_delta.txt" | tee -a "$OUT/session.log"
       log "bench gated_delta"
+      timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
+        | tee -a "$OUT/gated_delta.jsonl" ;;
+    qwen35)
+      m=${QWEN35_MODEL:-qwen3.5-9b}
+      $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+      log "qwen35 A/B $m ${QWEN35_FLAGS:-}"
+      timeout ${QWEN35_TIMEOUT:-600} $PY bench/qwen35_ab.py $CK/$m ${QWEN35_FLAGS:+${QWEN35_FLAGS//+/ }} \
+        2>>"$OUT/qwen35_err.txt" | tee -a "$OUT/qwen35.jsonl" | cut -c1-600
+      log "bench gated_delta ${GDN_FLAGS:-}"
       timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
         | tee -a "$OUT/gated_delta.jsonl" ;;
     attention)
