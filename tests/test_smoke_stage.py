@@ -125,3 +125,32 @@ def test_issue46_shapes_parse(shape):
     assert cfg.num_hidden_layers == kw["num_hidden_layers"] and cfg.vocab_size == kw["vocab_size"]
     if shape == "qwen3.5-9b":  # 8 x (3 gated DeltaNet + 1 gated attention), 64 rotary dims of 256
         assert cfg.layer_linear == (True, True, True, False) * 8 and cfg.rotary_dim == 64
+
+
+def test_checkpoints_wait_for_disk_and_unneeded_ones_are_removed(tmp_path):
+    """A simulated 16 GiB disk (10 GiB a written checkpoint folder): B waits until the row that needs A has ended,
+    then A is removed and B written; C never fits: it fails and its row is not run."""
+    ck = tmp_path / "ck"
+
+    def prep(name, disk):
+        folder = ck / name
+        code = f"import os; os.makedirs({str(folder)!r}); open({str(folder / 'config.json')!r}, 'w').close()"
+        return smoke.Item(f"checkpoint_{name}", "test", [sys.executable, "-c", code], timeout=30, gib=1, prep=True,
+                          skip_if=str(folder / "config.json"), disk=disk)
+
+    def disk_free():
+        return 16.0 - 10.0 * sum((d / "config.json").exists() for d in ck.iterdir()) if ck.exists() else 16.0
+
+    row = "import time; time.sleep(1); print('{\"tokens_per_s\": 1.0}')"
+    table = [prep("a", 10), prep("b", 10), prep("c", 20),
+             _item("row_a", row, needs=("checkpoint_a",)), _item("row_b", row, needs=("checkpoint_b",)),
+             _item("row_c", row, needs=("checkpoint_c",))]
+    records = smoke.run_stage(table, jobs=3, budget=120, mem_gib=float("inf"), log_dir=str(tmp_path), out_file=None,
+                              env=subprocess_env(), disk_free=disk_free)
+    order = [r["name"] for r in records]
+    by = {r["name"]: r for r in records}
+    assert by["row_a"]["ran"] and by["row_b"]["ran"] and by["checkpoint_b"]["ran"]
+    assert order.index("row_a") < order.index("checkpoint_b")
+    assert not (ck / "a").exists() and (ck / "b" / "config.json").exists()
+    assert by["checkpoint_c"]["error"].startswith("not started: ") and "it writes 20 GiB" in by["checkpoint_c"]["error"]
+    assert by["row_c"]["error"] == "not run: checkpoint_c failed"
