@@ -11,10 +11,11 @@
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
-# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape in about 8 minutes, each row its own
+# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape (about 8 minutes before issue 46's rows), each row its own
 # process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
 # QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
-# 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
+# 32k-token step, DPO, then issue 46's LoRA rows (Qwen3.5-9B, SmolLM3-3B, GLM-4.5-Air cut to 3 layers; checkpoints
+# written as the disk allows, unneeded ones removed); one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
 # process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
 # gateddelta (issue 46: tests/kernels/test_gated_delta.py on the GPU, then bench/gated_delta_bench.py: forward + backward
 # of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
@@ -117,6 +118,11 @@ for st in $stages; do
         | tee -a "$OUT/gated_delta.jsonl" ;;
     qwen35)
       m=${QWEN35_MODEL:-qwen3.5-9b}
+      # the smoke stage's checkpoints may fill the disk: the others go when this one (17 GiB at 9B) would not fit
+      mkdir -p $CK
+      if [ ! -f $CK/$m/config.json ] && [ "$(df -BG --output=avail $CK | tail -1 | tr -dc 0-9)" -lt 22 ]; then
+        for d in $CK/*/; do [ "${d%/}" != "$CK/$m" ] && rm -rf "$d"; done
+      fi
       $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
       log "qwen35 A/B $m ${QWEN35_FLAGS:-}"
       timeout ${QWEN35_TIMEOUT:-600} $PY bench/qwen35_ab.py $CK/$m ${QWEN35_FLAGS:+${QWEN35_FLAGS//+/ }} \
