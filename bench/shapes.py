@@ -113,6 +113,21 @@ def _qwen2_5_vl(ids: tuple[int, int, int, int], text: dict, mrope_section: list[
                                    tokens_per_second=2, hidden_act="silu"))
 
 
+def _qwen3_vl(ids: tuple[int, int, int, int], text: dict, mrope_section: list[int], rope_theta: float,
+              vision: dict) -> dict:
+    """A Qwen3-VL config: ids (vision_start, image, vision_end, video), the text and vision sizes; what every
+    Qwen3-VL shares (untied head, SiLU text MLP, GELU-tanh tower, RMSNorm eps 1e-6, interleaved M-RoPE, temporal
+    patch 2, merge 2) filled in."""
+    start, image, end, video = ids
+    return dict(model_type="qwen3_vl", vision_start_token_id=start, image_token_id=image, vision_end_token_id=end,
+                video_token_id=video, tie_word_embeddings=False,
+                text_config=dict(text, tie_word_embeddings=False, rms_norm_eps=1e-6, hidden_act="silu",
+                                 rope_parameters=dict(rope_type="default", rope_theta=rope_theta,
+                                                      mrope_section=mrope_section, mrope_interleaved=True)),
+                vision_config=dict(vision, in_channels=3, temporal_patch_size=2, spatial_merge_size=2,
+                                   hidden_act="gelu_pytorch_tanh"))
+
+
 def _gemma3(ids: tuple[int, int, int], mm_tokens_per_image: int, text: dict, pattern: int, full_rope: dict,
             vision: dict) -> dict:
     """A Gemma 3 vision-language config: ids (boi, image, eoi), the text sizes with every pattern-th layer global
@@ -134,7 +149,8 @@ def _gemma3(ids: tuple[int, int, int], mm_tokens_per_image: int, text: dict, pat
 
 # Vision-language shapes of bench/vision_bench.py: VL_SHAPES[family][shape] = {"config": transformers config kwargs
 # (model_type, text_config, vision_config, token ids), "image_side": the side in pixels of each benchmark image}.
-# 7b: Qwen2.5-VL-7B-Instruct; 4b: gemma-3-4b-it (docs/VISION.md, "Benchmark", says where each number was checked).
+# 7b: Qwen2.5-VL-7B-Instruct; 4b: gemma-3-4b-it (docs/VISION.md, "Benchmark", says where each number was checked);
+# 8b: Qwen3-VL-8B-Instruct (its comment below).
 # tiny: two layers of width 32-64 and 32-pixel images, for the CPU smoke run and tests/test_vision_bench.py.
 VL_SHAPES = {
     "qwen2_5_vl": {
@@ -156,6 +172,30 @@ VL_SHAPES = {
                      [2, 3, 3], 10000.0,
                      dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                           patch_size=4, window_size=16, fullatt_block_indexes=[1]))},
+    },
+    # 8b: Qwen3-VL-8B-Instruct, from the released GGUF's metadata (ollama qwen3-vl:8b-instruct-bf16: 36 layers of
+    # 4096, FFN 12288, 32 q / 8 kv heads of 128, rope 5e6; tower 27 blocks of 1152, 16 heads, patch 16, DeepStack
+    # from blocks 8, 16, 24) and a Qwen3-VL-8B-derived config.json (Steinate/Cortex: vocabulary 151936, tower FFN
+    # 4304, 2304 position embeddings, M-RoPE sections [24, 20, 20] interleaved, the vision token ids).
+    "qwen3_vl": {
+        "8b": {"image_side": 512,  # patch 16: grid 1 x 32 x 32 = 1024 patches -> 256 image tokens
+               "config": _qwen3_vl(
+                   (151652, 151655, 151653, 151656),
+                   dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+                        bos_token_id=151643, eos_token_id=151645),
+                   [24, 20, 20], 5000000.0,
+                   dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                        patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]))},
+        "tiny": {"image_side": 32,  # patch 4: grid 1 x 8 x 8 = 64 patches -> 16 image tokens
+                 "config": _qwen3_vl(
+                     (510, 508, 511, 509),
+                     dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=2),
+                     [4, 2, 2], 10000.0,
+                     dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                          patch_size=4, num_position_embeddings=16, deepstack_visual_indexes=[0]))},
     },
     "gemma3": {
         "4b": {"image_side": 896,  # SigLIP 896 / 14 = 64 x 64 patches, pooled to 256 image tokens
