@@ -11,8 +11,8 @@ vision-language LoRA steps with images of Qwen2.5-VL-7B and Gemma-3-4B (bench/vi
 (bench/grpo_bench.py), fast_generate at 16 rows, the merged 16-bit and the q8_0 GGUF export (transformers loads the
 merged folder, the gguf package reads the file), a 32k-token step of Qwen2-1.5B (batch 1), a DPO step (the
 public DPOTrainer, 2 pairs of 1024 tokens), and issue 46's families: LoRA steps at 4 x 2048 of Qwen3.5-9B's text
-decoder, SmolLM3-3B and GLM-4.5-Air cut to 3 layers (bench/shapes.py says where each size came from). Train rows:
-one warm-up step and 2 timed steps.
+decoder, SmolLM3-3B and GLM-4.5-Air cut to 3 layers, and a Qwen3-VL-8B LoRA step with images (bench/shapes.py
+says where each size came from). Train rows: one warm-up step and 2 timed steps.
 
 Random-init checkpoints (bench/make_checkpoint.py, vision_bench.py make; bf16) are "prep" items written once under
 --ckpt-dir (default /tmp/ckpt, as bench/gpu_session.sh: a checkpoint already there is reused), each through a
@@ -92,9 +92,10 @@ def _self(*args) -> list[str]:
 TEXT_CHECKPOINTS = {"qwen2-1.5b": ("qwen2-tiny", 4, 3), "llama3-8b": ("llama3-tiny", 17, 15),
                     "llama-0.5b-tok2k": (None, 2, 1), "qwen3.5-9b": ("qwen3.5-tiny", 18, 17),
                     "smollm3-3b": ("smollm3-tiny", 7, 6), "glm4.5-air-3l": ("glm4.5-tiny", 13, 12)}
-VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): ("tiny", 18, 16), ("gemma3", "4b"): ("tiny", 10, 8)}
+VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): ("tiny", 18, 16), ("gemma3", "4b"): ("tiny", 10, 8),
+                      ("qwen3_vl", "8b"): ("tiny", 18, 17)}
 # issue 46's checkpoints, written after the others (their rows come last)
-LATE_CHECKPOINTS = ("qwen3.5-9b", "smollm3-3b", "glm4.5-air-3l")
+LATE_CHECKPOINTS = ("qwen3.5-9b", "smollm3-3b", "glm4.5-air-3l", ("qwen3_vl", "8b"))
 DISK_MARGIN_GIB = 4.0  # kept free beside a checkpoint being written (logs, compilation caches)
 
 
@@ -119,11 +120,10 @@ def items(tiny: bool, ck: str) -> list[Item]:
                         _self("_make", "text", shape, path), timeout=240, gib=1 if tiny else gib, prep=True,
                         skip_if=os.path.join(path, "config.json"), disk=0.0 if tiny else disk))
 
-    for name in TEXT_CHECKPOINTS:
-        if name not in LATE_CHECKPOINTS:
-            text_checkpoint(name)
     vision = {}
-    for (family, shape), (tiny_shape, gib, disk) in VISION_CHECKPOINTS.items():
+
+    def vision_checkpoint(key: tuple[str, str]) -> None:
+        (family, shape), (tiny_shape, gib, disk) = key, VISION_CHECKPOINTS[key]
         s = tiny_shape if tiny else shape
         path = os.path.join(ck, f"{family}-{s}")
         vision[family] = (s, path)
@@ -131,8 +131,12 @@ def items(tiny: bool, ck: str) -> list[Item]:
                         "(bench/vision_bench.py make)", _self("_make", "vision", f"{family}:{s}", path), timeout=300,
                         gib=1 if tiny else gib, prep=True, skip_if=os.path.join(path, "config.json"),
                         disk=0.0 if tiny else disk))
-    for name in LATE_CHECKPOINTS:
-        text_checkpoint(name)
+
+    for key in (*TEXT_CHECKPOINTS, *VISION_CHECKPOINTS):
+        if key not in LATE_CHECKPOINTS:
+            (text_checkpoint if key in TEXT_CHECKPOINTS else vision_checkpoint)(key)
+    for key in LATE_CHECKPOINTS:
+        (text_checkpoint if key in TEXT_CHECKPOINTS else vision_checkpoint)(key)
     q15, l8, exp = text["qwen2-1.5b"], text["llama3-8b"], text["llama-0.5b-tok2k"]
     need = {path: "checkpoint_" + os.path.basename(path) for path in text.values() if path != TINY_LLAMA}
     batch, seq = (2, 128) if tiny else (4, 2048)
@@ -193,6 +197,13 @@ def items(tiny: bool, ck: str) -> list[Item]:
                     f"about 13 GB of bf16 weights, so the row stays near 20 GB), {batch} x {seq}, remat unsloth: "
                     "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
                                        *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
+    s, path = vision["qwen3_vl"]
+    vb, vs = (1, 128) if tiny else (2, 2048)
+    out.append(Item("vision_qwen3_vl_8b", f"vision-language LoRA step with images (qwen3_vl {s}, {vb} x {vs}, 2 "
+                    "images a row, DeepStack, both towers adapted; bench/vision_bench.py run --side ours): tokens/s",
+                    _bench("vision_bench.py", "run", "--side", "ours", "--family", "qwen3_vl", "--shape", s,
+                           "--checkpoint", path, "--batch", vb, "--seq", vs, *steps),
+                    timeout=300, gib=2 if tiny else 30, needs=(f"checkpoint_qwen3_vl-{s}",), read="vision"))
     exp_needs = () if tiny else ("checkpoint_llama-0.5b-tok2k",)
     out.append(Item("export_merged_gguf", "save_pretrained_merged (16-bit) + save_pretrained_gguf q8_0 after a LoRA "
                     "init with B != 0; transformers loads the merged folder and its logits match ours; gguf.GGUFReader "

@@ -13,7 +13,7 @@ from tests.helpers import ROOT, quick_codegen_flags, subprocess_env
 
 ROWS = {"lora_qwen2_1.5b", "qlora_qwen2_1.5b", "qlora_llama3_8b", "vision_qwen2_5_vl_7b", "vision_gemma3_4b",
         "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b",
-        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l"}
+        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l", "vision_qwen3_vl_8b"}
 FIELDS = {"name", "ran", "error", "tokens_per_s", "peak_gib", "seconds", "measures", "command"}
 
 
@@ -35,6 +35,7 @@ def test_table(tiny):
         for row, ckpt in (("lora_qwen3_5_9b", "qwen3.5-9b"), ("lora_smollm3_3b", "smollm3-3b"),
                           ("lora_glm4_5_air_3l", "glm4.5-air-3l")):
             assert f"/ck/{ckpt} --batch 4 --seq 2048" in cmd[row], row
+        assert "--family qwen3_vl --shape 8b --checkpoint /ck/qwen3_vl-8b" in cmd["vision_qwen3_vl_8b"]
 
 
 def test_list_dry_run_and_only():
