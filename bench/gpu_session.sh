@@ -11,13 +11,13 @@
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
-# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape (about 8 minutes before issue 46's rows), each row its own
-# process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
-# QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
-# 32k-token step, DPO, then issue 46's LoRA rows (Qwen3.5-9B, SmolLM3-3B, GLM-4.5-Air cut to 3 layers, Qwen3-VL-8B
-# with images; checkpoints
-# written as the disk allows, unneeded ones removed); one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
-# process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
+# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape (about 8 minutes before issue 46's
+# rows), each row its own process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and
+# QLoRA 4 x 2048, Llama-3-8B QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows,
+# merged + q8_0 GGUF export, a 32k-token step, DPO, then issue 46's LoRA rows (Qwen3.5-9B, SmolLM3-3B, GLM-4.5-Air
+# cut to 3 layers, Qwen3-VL-8B with images; checkpoints written as the disk allows, unneeded ones removed); one JSON
+# line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each process's output in smoke_logs/,
+# then "smoke: N of M rows ran"; run it first)
 # gateddelta (issue 46: tests/kernels/test_gated_delta.py on the GPU, then bench/gated_delta_bench.py: forward + backward
 # of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
 # XLA form and the token scan, each in its own process: ms and peak memory, gated_delta.jsonl; the test log in
@@ -36,7 +36,8 @@
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
 # LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
-# VISION_SHAPES (family:shape ..., e.g. qwen3_vl:8b too), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
+# VISION_SHAPES (family:shape ..., qwen3_vl:8b too),
+# VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
 # SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
 # SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
 # bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep),

@@ -4,13 +4,14 @@
     python bench/qwen35_ab.py CKPT --side hf     # one side in this process (what the line above spawns)
 
 Both sides train the same random-init bf16 checkpoint (bench/make_checkpoint.py qwen3.5-9b: Qwen3_5ForCausalLM) on
-batches of --batch rows of --seq random token ids drawn alike (numpy default_rng(0), as train_bench), every token labelled;
-LoRA r=16, alpha 16, dropout 0 on the seven attention / MLP projections (q/k/v/o_proj of the gated-attention
+batches of --batch rows of --seq random token ids drawn alike (numpy default_rng(0), as train_bench), every token
+labelled; LoRA r=16, alpha 16, dropout 0 on the seven attention / MLP projections (q/k/v/o_proj of the gated-attention
 layers, gate/up/down_proj of every layer; the DeltaNet projections are not targets on either side), AdamW lr 1e-4,
 gradient clipping at 1.0, gradient checkpointing, bf16 weights.
 
 - side "ours": bench/train_bench.py (FastLanguageModel + SFTTrainer, --remat unsloth: Unsloth's
-  use_gradient_checkpointing="unsloth"), its JSON line with "side": "ours".
+  use_gradient_checkpointing="unsloth"), its JSON line with "side": "ours". Its trainable_params counts the layer
+  stacks' factors, the attention projections' slots of the DeltaNet layers (unused) included, so it exceeds PEFT's.
 - side "hf": transformers Qwen3_5ForCausalLM bf16 (sdpa attention) + peft.get_peft_model, gradient checkpointing
   (use_reentrant=False, as Unsloth's "unsloth" setting is for PEFT), torch.optim.AdamW; forward(labels) + backward
   + clip + step, each step synchronised. Which gated-delta / conv1d path transformers ran is recorded: the
