@@ -22,10 +22,10 @@
 # of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
 # XLA form and the token scan, each in its own process: ms and peak memory, gated_delta.jsonl; the test log in
 # pytest_gated_delta.txt)
-# qwen35 (issue 46's Show rows, one call: bench/qwen35_ab.py, the Qwen3.5-9B-shaped LoRA step (4 x 2048, bf16, r=16,
-# gradient checkpointing) of ours and of transformers + PEFT, each side in its own process: tokens/s, peak memory and
-# which gated-delta / conv1d path transformers ran, qwen35.jsonl; then bench/gated_delta_bench.py (no tests): the
-# kernel beside the chunked XLA form and the token scan, forward + backward at 4 x 2048, gated_delta.jsonl)
+# qwen35 (issue 46's Show rows, one call: bench/gated_delta_bench.py (no tests): the kernel beside the chunked XLA form
+# and the token scan, forward + backward at 4 x 2048, gated_delta.jsonl; then bench/qwen35_ab.py, the
+# Qwen3.5-9B-shaped LoRA step (4 x 2048, bf16, r=16, gradient checkpointing) of ours and of transformers + PEFT, each
+# side in its own process: tokens/s, peak memory and which gated-delta / conv1d path transformers ran, qwen35.jsonl)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
@@ -42,7 +42,8 @@
 # SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
 # bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep),
 # QWEN35_MODEL (a bench/shapes.py name, default qwen3.5-9b), QWEN35_FLAGS (qwen35_ab flags joined with +, e.g.
-# --sides+hf), QWEN35_TIMEOUT (the A/B, both sides, default 600 s), CK (the checkpoints' folder, default /tmp/ckpt).
+# --sides+hf or --timeout+240: each side's limit, default 300 s), QWEN35_TIMEOUT (the A/B, both sides, default
+# 480 s), CK (the checkpoints' folder, default /tmp/ckpt).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -125,13 +126,14 @@ for st in $stages; do
       if [ ! -f $CK/$m/config.json ] && [ "$(df -BG --output=avail $CK | tail -1 | tr -dc 0-9)" -lt 22 ]; then
         for d in $CK/*/; do [ "${d%/}" != "$CK/$m" ] && rm -rf "$d"; done
       fi
-      $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
-      log "qwen35 A/B $m ${QWEN35_FLAGS:-}"
-      timeout ${QWEN35_TIMEOUT:-600} $PY bench/qwen35_ab.py $CK/$m ${QWEN35_FLAGS:+${QWEN35_FLAGS//+/ }} \
-        2>>"$OUT/qwen35_err.txt" | tee -a "$OUT/qwen35.jsonl" | cut -c1-600
+      # the kernel bench first (short): a call cut at its 10 minutes still has it; each line is kept as it ends
       log "bench gated_delta ${GDN_FLAGS:-}"
       timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
-        | tee -a "$OUT/gated_delta.jsonl" ;;
+        | tee -a "$OUT/gated_delta.jsonl"
+      $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+      log "qwen35 A/B $m ${QWEN35_FLAGS:-}"
+      timeout ${QWEN35_TIMEOUT:-480} $PY bench/qwen35_ab.py $CK/$m ${QWEN35_FLAGS:+${QWEN35_FLAGS//+/ }} \
+        2>>"$OUT/qwen35_err.txt" | tee -a "$OUT/qwen35.jsonl" | cut -c1-600 ;;
     attention)
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--side", choices=("hf",), help="run the transformers + PEFT side in this process")
     ap.add_argument("--sides", default="ours,hf", help="the sides to run, in order (default ours,hf)")
-    ap.add_argument("--timeout", type=int, default=400, help="seconds for each side's process")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds for each side's process")
     a = ap.parse_args(argv)
     if a.steps <= a.warmup:
         ap.error(f"--steps {a.steps} must exceed --warmup {a.warmup}")

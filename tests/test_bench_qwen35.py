@@ -64,9 +64,9 @@ def test_hf_side_trains_the_seven_projections(tmp_path):
 
 
 def test_stage_commands(tmp_path):
-    """`bash bench/gpu_session.sh qwen35` with a stand-in interpreter that logs its arguments: the checkpoint of
-    QWEN35_MODEL written under CK, the A/B on it with QWEN35_FLAGS split at +, then the gated delta bench with
-    GDN_FLAGS; each bench's stdout lands in its JSONL under $OUT (the scripts themselves: the tests above, the
+    """`bash bench/gpu_session.sh qwen35` with a stand-in interpreter that logs its arguments: the gated delta
+    bench with GDN_FLAGS, the checkpoint of QWEN35_MODEL written under CK, then the A/B on it with QWEN35_FLAGS
+    split at +; each bench's stdout lands in its JSONL under $OUT (the scripts themselves: the tests above, the
     smoke stage's lora_qwen3_5_9b row, tests/kernels/test_gated_delta.py)."""
     log = tmp_path / "argv.txt"
     fake = tmp_path / "python"
@@ -80,8 +80,8 @@ def test_stage_commands(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     calls = [ln for ln in log.read_text().splitlines() if ln.startswith("bench/")]
     ck = tmp_path / "ck" / "qwen3.5-tiny"
-    assert calls == [f"bench/make_checkpoint.py qwen3.5-tiny {ck}", f"bench/qwen35_ab.py {ck} --batch 1 --seq 64",
-                     "bench/gated_delta_bench.py --tiny --sweep"], calls
+    assert calls == ["bench/gated_delta_bench.py --tiny --sweep", f"bench/make_checkpoint.py qwen3.5-tiny {ck}",
+                     f"bench/qwen35_ab.py {ck} --batch 1 --seq 64"], calls
     out = tmp_path / "out"
     assert json.loads((out / "qwen35.jsonl").read_text()) == {"script": "bench/qwen35_ab.py"}
     assert json.loads((out / "gated_delta.jsonl").read_text()) == {"script": "bench/gated_delta_bench.py"}
