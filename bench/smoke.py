@@ -192,8 +192,8 @@ def items(tiny: bool, ck: str) -> list[Item]:
                     f"{seq}, remat unsloth: tokens/s",
                     _bench("train_bench.py", smol, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
                     timeout=240, gib=2 if tiny else 14, needs=(need[smol],)))
-    out.append(Item("lora_glm4_5_air_3l", f"LoRA r=16 train step (attention, dense and shared-expert MLP; routed "
-                    f"experts frozen), GLM-4.5-Air shape cut to 3 of 46 layers (1 dense + 2 MoE, 128 experts top 8; "
+    out.append(Item("lora_glm4_5_air_3l", f"LoRA r=16 train step (attention and the dense layer's MLP; routed and "
+                    f"shared experts frozen), GLM-4.5-Air shape cut to 3 of 46 layers (1 dense + 2 MoE, 128 experts top 8; "
                     f"about 13 GB of bf16 weights, so the row stays near 20 GB), {batch} x {seq}, remat unsloth: "
                     "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
                                        *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
