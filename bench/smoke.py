@@ -194,7 +194,7 @@ def items(tiny: bool, ck: str) -> list[Item]:
                     timeout=240, gib=2 if tiny else 14, needs=(need[smol],)))
     out.append(Item("lora_glm4_5_air_3l", f"LoRA r=16 train step (attention and the dense layer's MLP; routed and "
                     f"shared experts frozen), GLM-4.5-Air shape cut to 3 of 46 layers (1 dense + 2 MoE, 128 experts top 8; "
-                    f"about 13 GB of bf16 weights, so the row stays near 20 GB), {batch} x {seq}, remat unsloth: "
+                    f"about 13 GB of bf16 weights: the cut aims the row at about 20 GB), {batch} x {seq}, remat unsloth: "
                     "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
                                        *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
     s, path = vision["qwen3_vl"]
