@@ -46,7 +46,7 @@ SHAPES = {
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, rope_theta=500000.0,
                         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5),
     # ---- issue 46's families (bench/smoke.py rows, bench/qwen35_ab.py), each with its --tiny twin ----
-    # Qwen3.5-9B's text decoder: the largest released dense size (0.8B, 2B, 4B, 9B, 27B) whose bf16 LoRA step at
+    # Qwen3.5-9B's text decoder: the largest released dense size (4B, 9B, 27B among them) whose bf16 LoRA step at
     # 4 x 2048 leaves both sides of bench/qwen35_ab.py room on an 80 GB card (transformers materialises the
     # 248320-wide logits); 27B's bf16 weights alone take 54 GB. Sizes from the Qwen3.5-9B model card: 32 layers as 8 x (3 gated
     # DeltaNet + 1 gated attention), hidden 4096, FFN 12288, vocabulary 248320, attention 16 q / 4 kv heads of 256
