@@ -155,3 +155,15 @@ def test_checkpoints_wait_for_disk_and_unneeded_ones_are_removed(tmp_path):
     assert not (ck / "a").exists() and (ck / "b" / "config.json").exists()
     assert by["checkpoint_c"]["error"].startswith("not started: ") and "it writes 20 GiB" in by["checkpoint_c"]["error"]
     assert by["row_c"]["error"] == "not run: checkpoint_c failed"
+
+
+def test_qwen3_vl_8b_shape_parses():
+    """The Qwen3-VL-8B row's checkpoint config (bench/vision_bench.py make) as unsloth_jax reads it: 36 text layers,
+    27 tower blocks with DeepStack from blocks 8, 16 and 24."""
+    pytest.importorskip("transformers")
+    from bench import vision_bench
+    from unsloth_jax.families.qwen3_vl import QWEN3_VL
+
+    cfg = QWEN3_VL.parse_config(json.loads(json.dumps(vision_bench.hf_config("qwen3_vl", "8b").to_dict())))
+    assert (cfg.text.num_hidden_layers, cfg.vision.depth) == (36, 27)
+    assert tuple(cfg.vision.deepstack_visual_indexes) == (8, 16, 24)
