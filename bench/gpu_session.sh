@@ -4,22 +4,28 @@
 # with bench/add_results.py (benchmarks/data/index.json maps each $OUT file to its area; logs go to
 # benchmarks/data/logs/) and updates BENCHMARKS.md.
 # Stages: smoke tests kernels train15 (alias final) traingemma2 train8b parity attention ab fp8probe offloadprobe offloadab
-# longctx rematmem gateddelta
+# longctx rematmem gateddelta qwen35
 # grpo fullft
 # speed (issue 16's table: each row of SPEED_ROWS run with the default kernels and with every Pallas kernel off,
 # one after the other; tokens/s, peak memory, MFU; the first row also profiled for its step-time breakdown) moe
 # (bench/moe_bench.py: the Qwen3-30B-A3B-shaped MoE LoRA step) vision (issue 39: bench/vision_bench.py, the
 # vision-language LoRA step with images on the Qwen2.5-VL-7B and Gemma-3-4B shapes: transformers + PEFT bf16 LoRA,
 # ours bf16 LoRA, ours NF4 QLoRA; tokens/s and peak memory, vision.jsonl)
-# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape in about 8 minutes, each row its own
-# process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and QLoRA 4 x 2048, Llama-3-8B
-# QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows, merged + q8_0 GGUF export, a
-# 32k-token step, DPO; one JSON line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each
-# process's output in smoke_logs/, then "smoke: N of M rows ran"; run it first)
+# smoke (issue 47: bench/smoke.py, every mission feature once at a real shape (about 8 minutes before issue 46's
+# rows), each row its own process and timeout, up to 5 at once as the card's free memory allows: Qwen2-1.5B LoRA and
+# QLoRA 4 x 2048, Llama-3-8B QLoRA, Qwen2.5-VL-7B and Gemma-3-4B LoRA with images, GRPO, fast_generate 16 rows,
+# merged + q8_0 GGUF export, a 32k-token step, DPO, then issue 46's LoRA rows (Qwen3.5-9B, SmolLM3-3B, GLM-4.5-Air
+# cut to 3 layers, Qwen3-VL-8B with images; checkpoints written as the disk allows, unneeded ones removed); one JSON
+# line a row in smoke.jsonl (ran, error, tokens_per_s, peak_gib, seconds), each process's output in smoke_logs/,
+# then "smoke: N of M rows ran"; run it first)
 # gateddelta (issue 46: tests/kernels/test_gated_delta.py on the GPU, then bench/gated_delta_bench.py: forward + backward
 # of the gated delta rule at Qwen3.5's shape, B=4 T=2048 Hk=16 Hv=32 Dk=Dv=128 bf16, for the Pallas kernel, the chunked
 # XLA form and the token scan, each in its own process: ms and peak memory, gated_delta.jsonl; the test log in
 # pytest_gated_delta.txt)
+# qwen35 (issue 46's Show rows, one call: bench/gated_delta_bench.py (no tests): the kernel beside the chunked XLA form
+# and the token scan, forward + backward at 4 x 2048, gated_delta.jsonl; then bench/qwen35_ab.py, the
+# Qwen3.5-9B-shaped LoRA step (4 x 2048, bf16, r=16, gradient checkpointing) of ours and of transformers + PEFT, each
+# side in its own process: tokens/s, peak memory and which gated-delta / conv1d path transformers ran, qwen35.jsonl)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
 # Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
@@ -30,16 +36,20 @@
 # GRPO_TIMEOUT, FULLFT_VARIANTS, FULLFT_FIT_SHAPES, FULLFT_FIT_OPTIMS, FIT_TIMEOUT, FULLFT_RUN_LARGEST (1: train the
 # largest shape that fits), FULLFT_BIG_TIMEOUT, SPEED_ROWS, SPEED_IMPLS, SPEED_TIMEOUT, MOE_LAYERS, MOE_FULL, MOE_TIMEOUT,
 # LONGCTX_SEQS, LONGCTX_REMAT (remat modes), LONGCTX_SIDES (old new), LONGCTX_XFLAGS (sets of extra XLA flags and NAME=VALUE environment settings, + joined; none = no extra), LONGCTX_FALLBACK (the remat retried when a run prints nothing; default true, empty: none), OFFLOADPROBE_FLAGS, LONGCTX_FLAGS (e.g. --layers-per-checkpoint+4), OFFLOADAB_RUNS, OFFLOADAB_TIMEOUT, REMATMEM_SEQS, REMATMEM_MODES, REMATMEM_TIMEOUT,
-# VISION_SHAPES (family:shape ...), VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
+# VISION_SHAPES (family:shape ..., qwen3_vl:8b too),
+# VISION_FLAGS (vision_bench run flags joined with +, e.g. --batch+4), VISION_TIMEOUT,
 # SMOKE_FLAGS (bench/smoke.py flags joined with +, e.g. --only+dpo_qwen2_1.5b,export_merged_gguf or --budget+420+--jobs+3),
 # SMOKE_TIMEOUT (the stage's hard limit, default 540 s; smoke.py's own budget is 480 s), GDN_TIMEOUT (the gated delta
-# bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep).
+# bench, default 300 s; its tests get TEST_TIMEOUT), GDN_FLAGS (gated_delta_bench flags, e.g. --sweep),
+# QWEN35_MODEL (a bench/shapes.py name, default qwen3.5-9b), QWEN35_FLAGS (qwen35_ab flags joined with +, e.g.
+# --sides+hf or --timeout+240: each side's limit, default 300 s), QWEN35_TIMEOUT (the A/B, both sides, default
+# 480 s), CK (the checkpoints' folder, default /tmp/ckpt).
 # A GPU time breakdown of a train step: add --profile+/tmp/p15 to a variant's flags (train_bench --profile).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 PY=${PY:-python3}
-CK=/tmp/ckpt
+CK=${CK:-/tmp/ckpt}
 stages=${*:-tests kernels train15}
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
 # train_variants MODEL VARIANT...: one train_bench run (batch 4 x 2048) per "remat|impl overrides|extra flags"
@@ -109,6 +119,21 @@ for st in $stages; do
       log "bench gated_delta"
       timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
         | tee -a "$OUT/gated_delta.jsonl" ;;
+    qwen35)
+      m=${QWEN35_MODEL:-qwen3.5-9b}
+      # the smoke stage's checkpoints may fill the disk: the others go when this one (17 GiB at 9B) would not fit
+      mkdir -p $CK
+      if [ ! -f $CK/$m/config.json ] && [ "$(df -BG --output=avail $CK | tail -1 | tr -dc 0-9)" -lt 22 ]; then
+        for d in $CK/*/; do [ "${d%/}" != "$CK/$m" ] && rm -rf "$d"; done
+      fi
+      # the kernel bench first (short): a call cut at its 10 minutes still has it; each line is kept as it ends
+      log "bench gated_delta ${GDN_FLAGS:-}"
+      timeout ${GDN_TIMEOUT:-300} $PY bench/gated_delta_bench.py ${GDN_FLAGS:-} 2>>"$OUT/bench_err.txt" \
+        | tee -a "$OUT/gated_delta.jsonl"
+      $PY bench/make_checkpoint.py $m $CK/$m 2>&1 | tail -1
+      log "qwen35 A/B $m ${QWEN35_FLAGS:-}"
+      timeout ${QWEN35_TIMEOUT:-480} $PY bench/qwen35_ab.py $CK/$m ${QWEN35_FLAGS:+${QWEN35_FLAGS//+/ }} \
+        2>>"$OUT/qwen35_err.txt" | tee -a "$OUT/qwen35.jsonl" | cut -c1-600 ;;
     attention)
       log "bench attention"
       timeout ${ATTN_TIMEOUT:-240} $PY bench/attention.py ${ATTN_BENCH_FLAGS:-} 2>>"$OUT/bench_err.txt" | tee -a "$OUT/bench_attention.jsonl" ;;

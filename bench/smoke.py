@@ -9,13 +9,17 @@
 Rows (ROW_SPECS): a LoRA and a QLoRA train step of Qwen2-1.5B at 4 x 2048, a Llama-3-8B QLoRA step at 2 x 2048, the
 vision-language LoRA steps with images of Qwen2.5-VL-7B and Gemma-3-4B (bench/vision_bench.py), two GRPO steps
 (bench/grpo_bench.py), fast_generate at 16 rows, the merged 16-bit and the q8_0 GGUF export (transformers loads the
-merged folder, the gguf package reads the file), a 32k-token step of Qwen2-1.5B (batch 1) and a DPO step (the
-public DPOTrainer, 2 pairs of 1024 tokens). Train rows: one warm-up step and 2 timed steps.
+merged folder, the gguf package reads the file), a 32k-token step of Qwen2-1.5B (batch 1), a DPO step (the
+public DPOTrainer, 2 pairs of 1024 tokens), and issue 46's families: LoRA steps at 4 x 2048 of Qwen3.5-9B's text
+decoder, SmolLM3-3B and GLM-4.5-Air cut to 3 layers, and a Qwen3-VL-8B LoRA step with images (bench/shapes.py
+says where each size came from). Train rows: one warm-up step and 2 timed steps.
 
 Random-init checkpoints (bench/make_checkpoint.py, vision_bench.py make; bf16) are "prep" items written once under
 --ckpt-dir (default /tmp/ckpt, as bench/gpu_session.sh: a checkpoint already there is reused), each through a
 temporary folder renamed when complete, so a killed write leaves nothing that looks whole. The rows that need one
-wait for it; a row whose checkpoint failed is reported failed without running.
+wait for it; a row whose checkpoint failed is reported failed without running. The checkpoints together outgrow a
+64 GiB disk, so each is written only when its size (Item.disk) fits the free disk; when it does not, checkpoints
+no row left needs are removed first (a later stage then writes its own again).
 
 Every item runs in its own subprocess with its own timeout (and the stage's --budget, 480 s by default on a GPU:
 an item is started only while enough of it is left), so one failure, hang or OOM never stops the others. Up to
@@ -69,6 +73,7 @@ class Item:
     prep: bool = False
     read: str = "last"  # how the row's JSON lines become its fields: a key of READERS
     skip_if: str | None = None  # a prep item: the file whose presence means the checkpoint is already there
+    disk: float = 0.0  # a prep item: GiB it writes (the folder of skip_if), for scheduling against free disk
 
     def command(self) -> str:
         return shlex.join(self.argv)
@@ -82,40 +87,58 @@ def _self(*args) -> list[str]:
     return [PY, os.path.abspath(__file__), *map(str, args)]
 
 
-# name -> (GPU arguments, tiny arguments). Checkpoints: text shapes of bench/shapes.py SHAPES and VL_SHAPES.
-TEXT_CHECKPOINTS = {"qwen2-1.5b": "qwen2-tiny", "llama3-8b": "llama3-tiny", "llama-0.5b-tok2k": None}
-VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): "tiny", ("gemma3", "4b"): "tiny"}
+# Checkpoints: text shapes of bench/shapes.py SHAPES and VL_SHAPES; name -> (tiny twin, device GiB while it is
+# written (torch holds the bf16 model on the GPU), disk GiB of its bf16 files).
+TEXT_CHECKPOINTS = {"qwen2-1.5b": ("qwen2-tiny", 4, 3), "llama3-8b": ("llama3-tiny", 17, 15),
+                    "llama-0.5b-tok2k": (None, 2, 1), "qwen3.5-9b": ("qwen3.5-tiny", 18, 17),
+                    "smollm3-3b": ("smollm3-tiny", 7, 6), "glm4.5-air-3l": ("glm4.5-tiny", 13, 12)}
+VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): ("tiny", 18, 16), ("gemma3", "4b"): ("tiny", 10, 8),
+                      ("qwen3_vl", "8b"): ("tiny", 18, 17)}
+# issue 46's checkpoints, written after the others (their rows come last)
+LATE_CHECKPOINTS = ("qwen3.5-9b", "smollm3-3b", "glm4.5-air-3l", ("qwen3_vl", "8b"))
+DISK_MARGIN_GIB = 4.0  # kept free beside a checkpoint being written (logs, compilation caches)
 
 
 def items(tiny: bool, ck: str) -> list[Item]:
-    """The stage's items in start order: checkpoints first (the fast, most used one first), then the rows, longest
-    first (the scheduler starts the first item whose checkpoints are ready and whose memory fits)."""
+    """The stage's items in start order: checkpoints first (the fast, most used one first; issue 46's last), then
+    the rows, longest first (the scheduler starts the first item whose checkpoints are ready and whose memory and
+    disk fit)."""
     steps = ["--steps", 3, "--warmup", 1]  # one warm-up step, 2 timed
     out: list[Item] = []
     # ------------------------------------------------------------------ checkpoints (bf16, written once, reused)
     text = {}
-    for name, tiny_name in TEXT_CHECKPOINTS.items():
+
+    def text_checkpoint(name: str) -> None:
+        tiny_name, gib, disk = TEXT_CHECKPOINTS[name]
         shape = tiny_name if tiny else name
         if shape is None:  # the export row at tiny shape: the bundled tiny-llama (it has a tokenizer)
             text[name] = TINY_LLAMA
-            continue
+            return
         path = os.path.join(ck, shape)
         text[name] = path
-        gib = {"qwen2-1.5b": 4, "llama3-8b": 17, "llama-0.5b-tok2k": 2}[name]
         out.append(Item(f"checkpoint_{shape}", f"random-init bf16 checkpoint of {shape} (bench/make_checkpoint.py)",
                         _self("_make", "text", shape, path), timeout=240, gib=1 if tiny else gib, prep=True,
-                        skip_if=os.path.join(path, "config.json")))
+                        skip_if=os.path.join(path, "config.json"), disk=0.0 if tiny else disk))
+
     vision = {}
-    for (family, shape), tiny_shape in VISION_CHECKPOINTS.items():
+
+    def vision_checkpoint(key: tuple[str, str]) -> None:
+        (family, shape), (tiny_shape, gib, disk) = key, VISION_CHECKPOINTS[key]
         s = tiny_shape if tiny else shape
         path = os.path.join(ck, f"{family}-{s}")
         vision[family] = (s, path)
-        gib = {"qwen2_5_vl": 18, "gemma3": 10}[family]
         out.append(Item(f"checkpoint_{family}-{s}", f"random-init bf16 checkpoint of {family} {s} "
                         "(bench/vision_bench.py make)", _self("_make", "vision", f"{family}:{s}", path), timeout=300,
-                        gib=1 if tiny else gib, prep=True, skip_if=os.path.join(path, "config.json")))
+                        gib=1 if tiny else gib, prep=True, skip_if=os.path.join(path, "config.json"),
+                        disk=0.0 if tiny else disk))
+
+    for key in (*TEXT_CHECKPOINTS, *VISION_CHECKPOINTS):
+        if key not in LATE_CHECKPOINTS:
+            (text_checkpoint if key in TEXT_CHECKPOINTS else vision_checkpoint)(key)
+    for key in LATE_CHECKPOINTS:
+        (text_checkpoint if key in TEXT_CHECKPOINTS else vision_checkpoint)(key)
     q15, l8, exp = text["qwen2-1.5b"], text["llama3-8b"], text["llama-0.5b-tok2k"]
-    need = {q15: "checkpoint_" + os.path.basename(q15), l8: "checkpoint_" + os.path.basename(l8)}
+    need = {path: "checkpoint_" + os.path.basename(path) for path in text.values() if path != TINY_LLAMA}
     batch, seq = (2, 128) if tiny else (4, 2048)
     # ----------------------------------------------------------------------------------------------- rows
     for family, label in (("qwen2_5_vl", "vision_qwen2_5_vl_7b"), ("gemma3", "vision_gemma3_4b")):
@@ -158,6 +181,29 @@ def items(tiny: bool, ck: str) -> list[Item]:
                                                                            "--prompt-len", 16 if tiny else 64,
                                                                            "--new", gen_new * 2),
                     timeout=240, gib=2 if tiny else 8, needs=(need[q15],)))
+    # issue 46's families: a LoRA r=16 step each at 4 x 2048 (train_bench: the seven attention / MLP projections,
+    # remat unsloth), after the rows above so that those keep the stage's budget first
+    q35, smol, glm = text["qwen3.5-9b"], text["smollm3-3b"], text["glm4.5-air-3l"]
+    out.append(Item("lora_qwen3_5_9b", f"LoRA r=16 train step, Qwen3.5-9B text shape (24 gated DeltaNet + 8 gated "
+                    f"attention layers), {batch} x {seq}, remat unsloth: tokens/s",
+                    _bench("train_bench.py", q35, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
+                    timeout=300, gib=2 if tiny else 36, needs=(need[q35],)))
+    out.append(Item("lora_smollm3_3b", f"LoRA r=16 train step, SmolLM3-3B shape (every 4th layer NoPE), {batch} x "
+                    f"{seq}, remat unsloth: tokens/s",
+                    _bench("train_bench.py", smol, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
+                    timeout=240, gib=2 if tiny else 14, needs=(need[smol],)))
+    out.append(Item("lora_glm4_5_air_3l", f"LoRA r=16 train step (attention and the dense layer's MLP; routed and "
+                    f"shared experts frozen), GLM-4.5-Air shape cut to 3 of 46 layers (1 dense + 2 MoE, 128 experts top 8; "
+                    f"about 13 GB of bf16 weights: the cut aims the row at about 20 GB), {batch} x {seq}, remat unsloth: "
+                    "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
+                                       *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
+    s, path = vision["qwen3_vl"]
+    vb, vs = (1, 128) if tiny else (2, 2048)
+    out.append(Item("vision_qwen3_vl_8b", f"vision-language LoRA step with images (qwen3_vl {s}, {vb} x {vs}, 2 "
+                    "images a row, DeepStack, both towers adapted; bench/vision_bench.py run --side ours): tokens/s",
+                    _bench("vision_bench.py", "run", "--side", "ours", "--family", "qwen3_vl", "--shape", s,
+                           "--checkpoint", path, "--batch", vb, "--seq", vs, *steps),
+                    timeout=300, gib=2 if tiny else 30, needs=(f"checkpoint_qwen3_vl-{s}",), read="vision"))
     exp_needs = () if tiny else ("checkpoint_llama-0.5b-tok2k",)
     out.append(Item("export_merged_gguf", "save_pretrained_merged (16-bit) + save_pretrained_gguf q8_0 after a LoRA "
                     "init with B != 0; transformers loads the merged folder and its logits match ours; gguf.GGUFReader "
@@ -287,9 +333,13 @@ def gpu_free_gib() -> float | None:
 
 
 def run_stage(chosen: list[Item], *, jobs: int, budget: float, mem_gib: float, log_dir: str, out_file,
-              env: dict) -> list[dict]:
+              env: dict, disk_free=None) -> list[dict]:
     """Run the items: up to `jobs` at once, in order as their checkpoints are ready and their memory fits, none
-    started once less than 20 s of the `budget` is left. Records in finishing order (each written to out_file)."""
+    started once less than 20 s of the `budget` is left. With `disk_free` (a function: GiB free where the
+    checkpoints go), a checkpoint is started only when its Item.disk fits beside the ones being written, with
+    DISK_MARGIN_GIB to spare; when it does not, written checkpoints that no pending or running row needs are
+    removed, and failing that it waits for rows to end (it fails when nothing is left running). Records in
+    finishing order (each written to out_file)."""
     t_start = time.time()
     deadline = t_start + budget
     pending = list(chosen)
@@ -309,6 +359,30 @@ def run_stage(chosen: list[Item], *, jobs: int, budget: float, mem_gib: float, l
                 else "cached" if rec.get("cached") else "ok" if rec["ran"] else f"FAILED: {rec['error']}")
         print(f"== {time.time() - t_start:6.1f}s {rec['name']}: {what} ({rec['seconds']} s)", flush=True)
 
+    def disk_short(item: Item) -> float:
+        """GiB missing on the disk to write `item` now (0 when it fits, needs nothing or is already there)."""
+        if disk_free is None or not item.disk or (item.skip_if and os.path.exists(item.skip_if)):
+            return 0.0
+        writing = sum(i.disk for i in running.values() if i.prep)
+        return max(0.0, item.disk + DISK_MARGIN_GIB + writing - disk_free())
+
+    def remove_unneeded(short: float) -> None:
+        """Remove written checkpoints no pending or running item needs, in start order, until `short` GiB are freed;
+        none when all of them together (by Item.disk) would not free that much."""
+        wanted = {n for i in (*pending, *running.values()) for n in i.needs}
+        spare = [p for p in chosen if p.prep and p.skip_if and status.get(p.name) and p.name not in wanted
+                 and os.path.isdir(os.path.dirname(p.skip_if))]
+        if sum(p.disk for p in spare) < short:
+            return
+        for prep in spare:
+            if short <= 0:
+                return
+            folder = os.path.dirname(prep.skip_if)
+            before = disk_free()
+            shutil.rmtree(folder, ignore_errors=True)
+            short -= disk_free() - before
+            print(f"== {time.time() - t_start:6.1f}s removed {folder} (no row left needs it) for the disk", flush=True)
+
     def worker(item: Item, timeout: float) -> None:
         t0 = time.time()
         try:
@@ -321,6 +395,7 @@ def run_stage(chosen: list[Item], *, jobs: int, budget: float, mem_gib: float, l
 
     while pending or running:
         used = sum(i.gib for i in running.values())
+        blocked: list[Item] = []  # checkpoints waiting for disk this round
         for item in list(pending):
             failed = [n for n in item.needs if status.get(n) is False]
             if failed:
@@ -340,11 +415,22 @@ def run_stage(chosen: list[Item], *, jobs: int, budget: float, mem_gib: float, l
                 continue
             if len(running) >= jobs or (running and used + item.gib > mem_gib):
                 continue
+            if disk_short(item) > 0:
+                remove_unneeded(disk_short(item))
+                if disk_short(item) > 0:
+                    blocked.append(item)  # rows still to run may free their checkpoints when they end
+                    continue
             pending.remove(item)
             running[item.name] = item
             used += item.gib
             threading.Thread(target=worker, args=(item, min(item.timeout, left)), daemon=True).start()
-        if not running:
+        if not running:  # nothing left to end and free the disk: the checkpoints still waiting fail
+            for item in blocked:
+                pending.remove(item)
+                emit({"name": item.name, "ran": False, "error": f"not started: {disk_free():.1f} GiB free on the "
+                      f"disk, it writes {item.disk:.0f} GiB (+{DISK_MARGIN_GIB:.0f} kept free)", "tokens_per_s": None,
+                      "peak_gib": None, "seconds": 0.0, "measures": item.measures, "command": item.command(),
+                      "prep": True})
             continue
         try:
             item, rec, t0, t1 = done.get(timeout=1.0)
@@ -413,7 +499,7 @@ def main(argv=None) -> int:
     out_file = open(a.out, "a") if a.out else None
     try:
         records = run_stage(table, jobs=jobs, budget=budget, mem_gib=mem, log_dir=log_dir, out_file=out_file,
-                            env=env)
+                            env=env, disk_free=lambda: shutil.disk_usage(ck).free / 2**30)
     finally:
         if out_file is not None:
             out_file.close()

@@ -6,7 +6,8 @@
     python bench/vision_bench.py run --side hf --family gemma3 --shape 4b
 
 `make` writes a random-init bfloat16 checkpoint of a VL_SHAPES entry (bench/shapes.py) with transformers
-(Qwen2_5_VLForConditionalGeneration / Gemma3ForConditionalGeneration from the config, on the GPU if present) to
+(Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration / Gemma3ForConditionalGeneration from the
+config, on the GPU if present) to
 --checkpoint (default /tmp/ckpt/FAMILY-SHAPE), unless it holds a config.json already. Every weight is redrawn at
 1/sqrt(fan-in) (norms around their unit scale), so activations stay near unit size at any width and the first loss
 depends on the images (transformers starts Gemma 3's projector at zero).
@@ -14,7 +15,8 @@ depends on the images (transformers starts Gemma 3's projector at zero).
 `run` trains one side for --steps steps on one fixed batch, built directly from the config (no processor; the
 same ids, labels and pixels on both sides): --batch rows of --seq tokens, each row a few random text tokens, then
 --images-per-row images framed as the chat templates frame them (Qwen2.5-VL: <|vision_start|>, 256 x
-<|image_pad|> for a 448 x 448 image (grid 1 x 32 x 32), <|vision_end|>; Gemma 3: <start_of_image>, 256 image
+<|image_pad|> for a 448 x 448 image (grid 1 x 32 x 32), <|vision_end|>; Qwen3-VL the same for a 512 x 512
+image (patch 16); Gemma 3: <start_of_image>, 256 image
 tokens for its 896 x 896 image, <end_of_image>), then random text to the end of the row, the loss on that text
 (labels -100 on the prompt and the image blocks; no padding, so every token is real).
 
@@ -50,13 +52,16 @@ import numpy as np  # noqa: E402
 
 from bench.shapes import VL_SHAPES  # noqa: E402
 
-HF_CLASS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
+HF_CLASS = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "gemma3": "Gemma3ForConditionalGeneration"}
+QWEN_FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # patches + image_grid_thw + M-RoPE positions
 PROMPT_TOKENS = 8  # text tokens before the images of a row
 LR = 1e-4
 # PEFT targets (regexes matched in full against transformers' module names) of the modules ours adapts
 _LANGUAGE_TARGETS = r".*language_model.*\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)"
 _VISION_TARGETS = {
     "qwen2_5_vl": r".*visual\.blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.(?:gate|up|down)_proj)",
+    "qwen3_vl": r".*visual\.blocks\.\d+\.(?:attn\.(?:qkv|proj)|mlp\.linear_fc[12])",
     "gemma3": r".*vision_tower.*encoder\.layers\.\d+\.(?:self_attn\.(?:q|k|v|out)_proj|mlp\.fc[12])",
 }
 
@@ -127,7 +132,7 @@ def image_framing(family: str, shape: str) -> ImageFraming:
     """The image-token block of one image of VL_SHAPES[family][shape] at its image_side."""
     entry = VL_SHAPES[family][shape]
     cfg, side = entry["config"], entry["image_side"]
-    if family == "qwen2_5_vl":
+    if family in QWEN_FAMILIES:
         v = cfg["vision_config"]
         per_side = side // v["patch_size"]
         count = per_side * per_side // v["spatial_merge_size"] ** 2
@@ -161,7 +166,7 @@ def image_pixels(family: str, shape: str, images: int, rng) -> dict:
     pixel_values [images, C, H, W]."""
     entry = VL_SHAPES[family][shape]
     v, side = entry["config"]["vision_config"], entry["image_side"]
-    if family == "qwen2_5_vl":
+    if family in QWEN_FAMILIES:
         per_side = side // v["patch_size"]
         patch_dim = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
         pixels = rng.standard_normal((images * per_side * per_side, patch_dim), dtype=np.float32)
@@ -197,7 +202,7 @@ def ours_collator_class():
             from unsloth_jax.models.vision_qwen2_5 import mrope_positions
 
             cfg = model.vl_config
-            self.vl_config, self.is_qwen = cfg, cfg.model_type == "qwen2_5_vl"
+            self.vl_config, self.is_qwen = cfg, cfg.model_type in QWEN_FAMILIES
             self.pad_token_id, self.max_seq_length = 0, None
             out = {k: batch[k] for k in ("input_ids", "attention_mask", "labels", "pixel_values")}
             if self.is_qwen:
@@ -396,7 +401,7 @@ def parse_args(argv=None):
     for name in ("make", "run"):
         p = sub.add_parser(name)
         p.add_argument("--family", required=True, choices=sorted(VL_SHAPES))
-        p.add_argument("--shape", required=True, help="7b (qwen2_5_vl), 4b (gemma3) or tiny")
+        p.add_argument("--shape", required=True, help="7b (qwen2_5_vl), 8b (qwen3_vl), 4b (gemma3) or tiny")
         p.add_argument("--checkpoint", help="the checkpoint folder (default /tmp/ckpt/FAMILY-SHAPE)")
     run = sub.choices["run"]
     run.add_argument("--side", required=True, choices=("ours", "hf"))

@@ -12,7 +12,8 @@ from bench import smoke
 from tests.helpers import ROOT, quick_codegen_flags, subprocess_env
 
 ROWS = {"lora_qwen2_1.5b", "qlora_qwen2_1.5b", "qlora_llama3_8b", "vision_qwen2_5_vl_7b", "vision_gemma3_4b",
-        "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b"}
+        "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b",
+        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l", "vision_qwen3_vl_8b"}
 FIELDS = {"name", "ran", "error", "tokens_per_s", "peak_gib", "seconds", "measures", "command"}
 
 
@@ -31,6 +32,10 @@ def test_table(tiny):
         assert "--batch 4 --seq 2048" in cmd["lora_qwen2_1.5b"] and "--load-in-4bit" in cmd["qlora_qwen2_1.5b"]
         assert "/ck/llama3-8b" in cmd["qlora_llama3_8b"] and "--seq 32768" in cmd["long_context_32k"]
         assert "--shape 7b" in cmd["vision_qwen2_5_vl_7b"] and "--shape 4b" in cmd["vision_gemma3_4b"]
+        for row, ckpt in (("lora_qwen3_5_9b", "qwen3.5-9b"), ("lora_smollm3_3b", "smollm3-3b"),
+                          ("lora_glm4_5_air_3l", "glm4.5-air-3l")):
+            assert f"/ck/{ckpt} --batch 4 --seq 2048" in cmd[row], row
+        assert "--family qwen3_vl --shape 8b --checkpoint /ck/qwen3_vl-8b" in cmd["vision_qwen3_vl_8b"]
 
 
 def test_list_dry_run_and_only():
@@ -104,3 +109,61 @@ def test_every_row_runs_at_tiny_shapes(tmp_path):
         assert r["seconds"] > 0 and (r["tokens_per_s"] or 0) > 0 or name == "export_merged_gguf", name
     assert rows["export_merged_gguf"]["result"]["checks_passed"]
     assert rows["grpo_qwen2_1.5b"]["result"]["generated_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-9b", "qwen3.5-tiny", "smollm3-3b", "smollm3-tiny", "glm4.5-air-3l",
+                                   "glm4.5-tiny"])
+def test_issue46_shapes_parse(shape):
+    """transformers builds each issue-46 shape's config and unsloth_jax reads its config.json form (the rows'
+    checkpoints are written from these); the real shapes keep their released layer pattern."""
+    transformers = pytest.importorskip("transformers")
+    from bench.shapes import SHAPES
+    from unsloth_jax.config import ModelConfig
+
+    kw = dict(SHAPES[shape])
+    raw = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw).to_dict()
+    cfg = ModelConfig.from_dict(json.loads(json.dumps(raw)))
+    assert cfg.num_hidden_layers == kw["num_hidden_layers"] and cfg.vocab_size == kw["vocab_size"]
+    if shape == "qwen3.5-9b":  # 8 x (3 gated DeltaNet + 1 gated attention), 64 rotary dims of 256
+        assert cfg.layer_linear == (True, True, True, False) * 8 and cfg.rotary_dim == 64
+
+
+def test_checkpoints_wait_for_disk_and_unneeded_ones_are_removed(tmp_path):
+    """A simulated 16 GiB disk (10 GiB a written checkpoint folder): B waits until the row that needs A has ended,
+    then A is removed and B written; C never fits: it fails and its row is not run."""
+    ck = tmp_path / "ck"
+
+    def prep(name, disk):
+        folder = ck / name
+        code = f"import os; os.makedirs({str(folder)!r}); open({str(folder / 'config.json')!r}, 'w').close()"
+        return smoke.Item(f"checkpoint_{name}", "test", [sys.executable, "-c", code], timeout=30, gib=1, prep=True,
+                          skip_if=str(folder / "config.json"), disk=disk)
+
+    def disk_free():
+        return 16.0 - 10.0 * sum((d / "config.json").exists() for d in ck.iterdir()) if ck.exists() else 16.0
+
+    row = "import time; time.sleep(1); print('{\"tokens_per_s\": 1.0}')"
+    table = [prep("a", 10), prep("b", 10), prep("c", 20),
+             _item("row_a", row, needs=("checkpoint_a",)), _item("row_b", row, needs=("checkpoint_b",)),
+             _item("row_c", row, needs=("checkpoint_c",))]
+    records = smoke.run_stage(table, jobs=3, budget=120, mem_gib=float("inf"), log_dir=str(tmp_path), out_file=None,
+                              env=subprocess_env(), disk_free=disk_free)
+    order = [r["name"] for r in records]
+    by = {r["name"]: r for r in records}
+    assert by["row_a"]["ran"] and by["row_b"]["ran"] and by["checkpoint_b"]["ran"]
+    assert order.index("row_a") < order.index("checkpoint_b")
+    assert not (ck / "a").exists() and (ck / "b" / "config.json").exists()
+    assert by["checkpoint_c"]["error"].startswith("not started: ") and "it writes 20 GiB" in by["checkpoint_c"]["error"]
+    assert by["row_c"]["error"] == "not run: checkpoint_c failed"
+
+
+def test_qwen3_vl_8b_shape_parses():
+    """The Qwen3-VL-8B row's checkpoint config (bench/vision_bench.py make) as unsloth_jax reads it: 36 text layers,
+    27 tower blocks with DeepStack from blocks 8, 16 and 24."""
+    pytest.importorskip("transformers")
+    from bench import vision_bench
+    from unsloth_jax.families.qwen3_vl import QWEN3_VL
+
+    cfg = QWEN3_VL.parse_config(json.loads(json.dumps(vision_bench.hf_config("qwen3_vl", "8b").to_dict())))
+    assert (cfg.text.num_hidden_layers, cfg.vision.depth) == (36, 27)
+    assert tuple(cfg.vision.deepstack_visual_indexes) == (8, 16, 24)
