@@ -138,7 +138,9 @@ def main() -> None:
             # what each op ran (FP8 rows: linear=fp8, or nf4_gemm=fp8 for an NF4 base multiplied in FP8)
             "impls": ops.chosen_impls(), "unsloth_jax_impl": os.environ.get(ops.ENV_VAR, "")}
     if arg_specs is not None:  # the step's (trainable, frozen, opt_state, batch) as the first call saw them
+        # the step's trainable arrays (Qwen3.5: both token mixers' slots in every layer), and PEFT's count
         line["trainable_params"] = int(sum(np.prod(x.shape) for x in jax.tree.leaves(arg_specs[0])))
+        line["trainable_params_peft"] = int(model.get_nb_trainable_parameters()[0])
         line["optimizer_state_dtypes"] = sorted({str(x.dtype) for x in jax.tree.leaves(arg_specs[2]) if x.ndim})
         line["optimizer_state_gib"] = round(sum(np.prod(x.shape) * x.dtype.itemsize
                                                 for x in jax.tree.leaves(arg_specs[2])) / 2**30, 3)
