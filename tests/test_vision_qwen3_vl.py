@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from tests.helpers import rel_err  # noqa: E402
 from tests import vl_qwen_models as qm  # noqa: E402
-from tests.vl_qwen3_models import hf_qwen3_vl, mm_token_type_ids  # noqa: E402
+from tests.vl_qwen3_models import assert_greedy_with_images_matches, hf_qwen3_vl, mm_token_type_ids  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -185,25 +185,7 @@ def test_greedy_generation_with_images_equals_transformers(checkpoint, rng):
 
     path, hf = checkpoint
     model, _ = FastVisionModel.from_pretrained(path, dtype="float32", load_processor=False)
-    grids = np.array([[1, 4, 8], [1, 6, 4], [1, 4, 4]])
-    text = lambda n: rng.integers(3, 240, n).tolist()  # noqa: E731
-    image = lambda n: [qm.VSTART] + [qm.IMAGE] * n + [qm.VEND]  # noqa: E731
-    rows = [text(3) + image(8) + text(2) + image(6) + text(4), text(2) + image(4) + text(3)]
-    width = max(map(len, rows))
-    ids, mask = np.zeros((2, width), np.int64), np.zeros((2, width), np.int64)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    pixels = rng.standard_normal((int(grids.prod(-1).sum()), qm.PATCH_DIM)).astype(np.float32)
-    new = 8
-    ours = model.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
-                          max_new_tokens=new, do_sample=False)
-    with torch.no_grad():
-        theirs = hf.generate(**_hf_kwargs(ids, mask, pixels, grids), max_new_tokens=new, do_sample=False).numpy()
-    print("ours", ours[:, -new:].tolist(), "transformers", theirs[:, -new:].tolist())
-    np.testing.assert_array_equal(ours[:, :width], ids)
-    for mine, hf_row in zip(ours[:, width:], theirs[:, width:]):  # each row up to its first eos (both stop there)
-        stop = list(hf_row).index(2) + 1 if 2 in hf_row else new
-        assert mine[:stop].tolist() == hf_row[:stop].tolist()
+    assert_greedy_with_images_matches(model, hf, rng, _hf_kwargs)
 
 
 def test_processor_collator_and_sft_trainer(tmp_path):

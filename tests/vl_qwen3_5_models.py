@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.vl_qwen_models import IMAGE, P_IMAGE, P_VEND, P_VIDEO, P_VSTART, VEND, VIDEO, VSTART
+from tests.vl_qwen_models import random_qwen_vl
 
 TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -21,30 +21,8 @@ MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,)}  # a stand-in for t
 
 
 def hf_qwen3_5(seed: int = 0, processor_vocab: bool = False):
-    """transformers' Qwen3_5ForConditionalGeneration with random weights everywhere (norms around 1);
-    processor_vocab: 2052 ids with tests.vl_qwen_models.processor()'s vision token ids (else 256 ids)."""
-    import torch
-    import transformers
-
-    text, ids = dict(TEXT), (IMAGE, VIDEO, VSTART, VEND)
-    if processor_vocab:
-        text["vocab_size"], ids = 2052, (P_IMAGE, P_VIDEO, P_VSTART, P_VEND)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=dict(VISION), image_token_id=ids[0],
-                                     video_token_id=ids[1], vision_start_token_id=ids[2], vision_end_token_id=ids[3])
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    """transformers' Qwen3_5ForConditionalGeneration with random weights (tests.vl_qwen_models.random_qwen_vl)."""
+    return random_qwen_vl("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", TEXT, VISION, seed, processor_vocab)
 
 
 def save_with_mtp(model, path, seed: int = 0) -> dict[str, np.ndarray]:

@@ -4,7 +4,9 @@ inputs of tests/vl_qwen_models.py (same ids, patch 4 / merge 2 geometry, two ima
 layers 0 and 1, a 4 x 4 learned position grid resampled to each image."""
 from __future__ import annotations
 
-from tests.vl_qwen_models import IMAGE, P_IMAGE, P_VEND, P_VIDEO, P_VSTART, VEND, VIDEO, VSTART
+import numpy as np
+
+from tests.vl_qwen_models import IMAGE, random_qwen_vl
 
 TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
@@ -16,32 +18,38 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 
 
 def hf_qwen3_vl(seed: int = 0, processor_vocab: bool = False):
-    """transformers' Qwen3VLForConditionalGeneration with random weights everywhere (norms around 1);
-    processor_vocab: 2052 ids with tests.vl_qwen_models.processor()'s vision token ids (else 256 ids)."""
-    import torch
-    import transformers
-
-    text, ids = dict(TEXT), (IMAGE, VIDEO, VSTART, VEND)
-    if processor_vocab:
-        text["vocab_size"], ids = 2052, (P_IMAGE, P_VIDEO, P_VSTART, P_VEND)
-    cfg = transformers.Qwen3VLConfig(text_config=text, vision_config=dict(VISION), image_token_id=ids[0],
-                                     video_token_id=ids[1], vision_start_token_id=ids[2], vision_end_token_id=ids[3])
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(cfg)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+    """transformers' Qwen3VLForConditionalGeneration with random weights (tests.vl_qwen_models.random_qwen_vl)."""
+    return random_qwen_vl("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT, VISION, seed, processor_vocab)
 
 
 def mm_token_type_ids(ids, image: int = IMAGE):
     """transformers' mm_token_type_ids for ids [B, S] (1 on image tokens): Qwen3-VL's get_rope_index reads them."""
     return (ids == image).astype("int64")
+
+
+def assert_greedy_with_images_matches(model, hf, rng, hf_kwargs) -> None:
+    """Greedy generate of a left-padded batch (row 0: two images of different grids, row 1: a third) equals
+    transformers' generate (hf_kwargs(ids, mask, pixels, grids): its input kwargs), each row up to its first eos."""
+    import torch
+
+    from tests import vl_qwen_models as qm
+
+    grids = np.array([[1, 4, 8], [1, 6, 4], [1, 4, 4]])
+    text = lambda n: rng.integers(3, 240, n).tolist()  # noqa: E731
+    image = lambda n: [qm.VSTART] + [qm.IMAGE] * n + [qm.VEND]  # noqa: E731
+    rows = [text(3) + image(8) + text(2) + image(6) + text(4), text(2) + image(4) + text(3)]
+    width = max(map(len, rows))
+    ids, mask = np.zeros((2, width), np.int64), np.zeros((2, width), np.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    pixels = rng.standard_normal((int(grids.prod(-1).sum()), qm.PATCH_DIM)).astype(np.float32)
+    new = 8
+    ours = model.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
+                          max_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        theirs = hf.generate(**hf_kwargs(ids, mask, pixels, grids), max_new_tokens=new, do_sample=False).numpy()
+    print("ours", ours[:, -new:].tolist(), "transformers", theirs[:, -new:].tolist())
+    np.testing.assert_array_equal(ours[:, :width], ids)
+    for mine, hf_row in zip(ours[:, width:], theirs[:, width:]):  # each row up to its first eos (both stop there)
+        stop = list(hf_row).index(2) + 1 if 2 in hf_row else new
+        assert mine[:stop].tolist() == hf_row[:stop].tolist()

@@ -28,32 +28,39 @@ TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if
 INSTRUCTION_PART, RESPONSE_PART = "<|im_start|>user\n", "<|im_start|>assistant\n"
 
 
-def hf_qwen_vl(seed: int = 0, processor_vocab: bool = False):
-    """transformers' Qwen2_5_VLForConditionalGeneration with random weights everywhere (norms around 1);
-    processor_vocab: 2052 ids with processor()'s vision token ids (else 256 ids, the tokens above)."""
+def random_qwen_vl(config_class: str, model_class: str, text: dict, vision: dict, seed: int, processor_vocab: bool):
+    """transformers' `model_class` (a Qwen-VL ForConditionalGeneration, eager attention, float32) of
+    `config_class`(text_config=text, vision_config=vision) with random weights everywhere (norm weights around 1);
+    processor_vocab: 2052 ids with processor()'s vision token ids (else text's vocabulary, the tokens above)."""
     import torch
     import transformers
 
-    text, ids = dict(TEXT), (IMAGE, VIDEO, VSTART, VEND)
+    text, ids = dict(text), (IMAGE, VIDEO, VSTART, VEND)
     if processor_vocab:
         text["vocab_size"], ids = 2052, (P_IMAGE, P_VIDEO, P_VSTART, P_VEND)
-    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION), image_token_id=ids[0],
-                                        video_token_id=ids[1], vision_start_token_id=ids[2],
-                                        vision_end_token_id=ids[3])
+    cfg = getattr(transformers, config_class)(text_config=text, vision_config=dict(vision), image_token_id=ids[0],
+                                              video_token_id=ids[1], vision_start_token_id=ids[2],
+                                              vision_end_token_id=ids[3])
     for c in (cfg, cfg.text_config, cfg.vision_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    model = getattr(transformers, model_class)(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
+            if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+def hf_qwen_vl(seed: int = 0, processor_vocab: bool = False):
+    """transformers' Qwen2_5_VLForConditionalGeneration with random weights (random_qwen_vl)."""
+    return random_qwen_vl("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TEXT, VISION, seed,
+                          processor_vocab)
 
 
 def image_tokens(grid) -> int:
