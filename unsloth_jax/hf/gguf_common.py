@@ -27,3 +27,14 @@ def llama3_rope_factors(cfg) -> np.ndarray:
             smooth = (f32(old_ctx) / wavelen - f32(low)) / f32(high - low)
             out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
     return np.array(out, dtype=f32)
+
+
+def add_shape(w, cfg) -> None:
+    """The size keys every converter writes: context, widths, depth, heads, norm epsilon."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

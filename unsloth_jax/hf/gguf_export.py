@@ -54,7 +54,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
 from unsloth_jax.hf import export, gguf_families
 from unsloth_jax.hf.file_modes import chmod_like_new
-from unsloth_jax.hf.gguf_common import llama3_rope_factors
+from unsloth_jax.hf.gguf_common import add_shape, llama3_rope_factors
 
 log = logging.getLogger("unsloth_jax")
 
@@ -232,23 +232,13 @@ def _source_config(model) -> dict:
     return source_config(model) or {}
 
 
-def _add_shape(w, cfg) -> None:
-    """The size keys every converter writes: context, widths, depth, heads, norm epsilon."""
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-
 
 def _add_hparams(w, model, raw: dict, ftype) -> None:
     cfg = model.config
     gguf = _gguf()
     mt = cfg.model_type
     if mt in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model.set_gguf_parameters
-        _add_shape(w, cfg)
+        add_shape(w, cfg)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_file_type(ftype)
@@ -266,7 +256,7 @@ def _add_hparams(w, model, raw: dict, ftype) -> None:
         gguf_families.add_hparams(w, model, raw, ftype)
         return
     # TextModel.set_gguf_parameters
-    _add_shape(w, cfg)
+    add_shape(w, cfg)
     if cfg.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_factor)
@@ -334,7 +324,7 @@ def _add_phi3_hparams(w, model, raw: dict, ftype) -> None:
     """Phi3MiniModel.set_gguf_parameters (it does not call TextModel's)."""
     cfg = model.config
     original = _phi3_original_context(model, raw)
-    _add_shape(w, cfg)
+    add_shape(w, cfg)
     w.add_rope_scaling_orig_ctx_len(original)
     w.add_rope_dimension_count(_phi3_rope_dims(model))
     w.add_rope_freq_base(cfg.rope_theta)

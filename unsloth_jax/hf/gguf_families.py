@@ -42,6 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.hf.gguf_common import add_shape
 
 log = logging.getLogger("unsloth_jax")
 
@@ -192,17 +193,11 @@ def add_hparams(w, model, raw: dict, ftype) -> None:
     import gguf
 
     cfg = model.config
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     if cfg.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_factor)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if raw.get("head_dim") is not None or not raw:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
