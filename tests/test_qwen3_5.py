@@ -81,7 +81,7 @@ def test_segment_scan_policies_equal_the_plain_stack(seed):
     """8 layers of the 3:1 pattern are one segment of 2 groups of 4 (the mixer is a layer kind of the scan); the
     loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
     checkpointing equal those of the plain scan. Gradient bound: per leaf, float32 rounding of another summation
-    order on small gradients (max 1.6e-5 over 21 seeds; a wrong recomputation or layer order gives O(1))."""
+    order on small gradients (max 1.6e-5 over 21 seeds)."""
     import jax
     import jax.numpy as jnp
 
