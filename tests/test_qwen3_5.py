@@ -140,7 +140,7 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     loads in transformers (Qwen3_5ForCausalLM, no missing or unexpected keys) with our logits."""
     from safetensors import safe_open
 
-    from unsloth_jax.hf.mapping import layer_has
+    from unsloth_jax.config import layer_has
     from unsloth_jax.models.decoder import PROJ_PARENT
     path, _, _ = tiny
     model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,

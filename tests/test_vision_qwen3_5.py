@@ -135,7 +135,7 @@ def test_lora_step_peft_adapter_and_merged_export(checkpoint, fast, rng, tmp_pat
     from unsloth_jax import FastVisionModel, lora
     from unsloth_jax.data.vision_loader import pad_patches
     from unsloth_jax.families import family_of
-    from unsloth_jax.hf.mapping import layer_has
+    from unsloth_jax.config import layer_has
     from unsloth_jax.models.decoder import PROJ_PARENT
 
     path, hf, mtp = checkpoint

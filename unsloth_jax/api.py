@@ -107,15 +107,8 @@ class Model(_PeftMethods, CausalLM):
     def save_pretrained_gguf(self, save_directory, tokenizer=None, quantization_method="f16"):
         """Write a llama.cpp GGUF file of the merged model and return its path; quantization_method may be a list
         (as Unsloth's), one file per method, and then the paths come back as a list."""
-        from unsloth_jax.hf import gguf_export, gguf_families
+        from unsloth_jax.hf import gguf_export
 
-        if self.config.is_moe and self.config.model_type not in gguf_families.ARCHS:  # GLM-4.5 has a GGUF export
-            from unsloth_jax.errors import UnsupportedArchitectureError
-
-            raise UnsupportedArchitectureError(
-                f"GGUF export of {self.config.model_type} is not supported (mixture-of-experts); write a merged "
-                "16-bit checkpoint with save_pretrained_merged and convert it with llama.cpp's "
-                "convert_hf_to_gguf.py")
         methods = _gguf_methods(quantization_method)
         paths = [gguf_export.save_gguf(self, save_directory, tokenizer, quantization_method=m) for m in methods]
         return paths if isinstance(quantization_method, (list, tuple)) else paths[0]

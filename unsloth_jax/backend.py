@@ -118,3 +118,9 @@ def commit_to_devices(tree):
     and the generation engine commits the model state it reads, which is otherwise a mix of the loader's
     uncommitted arrays and the trainer's committed ones (after training, every engine program compiled again)."""
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding) if isinstance(a, jax.Array) else a, tree)
+
+
+def key_names(path) -> tuple[str, ...]:
+    """A pytree key path (dict keys, nnx attribute names, sequence indices) as strings, e.g. ("model", "layers",
+    "self_attn", "q_proj", "kernel", "value")."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+from typing import ClassVar
 from pathlib import Path
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, UnsupportedArchitectureError
@@ -1173,34 +1174,48 @@ class Qwen3VLConfig(QwenVLConfig):
     mrope_section: tuple[int, int, int] = (24, 20, 20)
     model_type: str = "qwen3_vl"
     mrope_interleaved: bool = True
+    # how _parse_qwen3_vl reads this class's checkpoints (Qwen3_5Config sets its own): the family's name for
+    # messages, text_config's model_type and the text family it is parsed as, the default rope_theta, and whether
+    # the tower has DeepStack
+    FAMILY: ClassVar[str] = "Qwen3-VL"
+    TEXT_TYPES: ClassVar[tuple[str, str]] = ("qwen3_vl_text", "qwen3")
+    DEFAULT_THETA: ClassVar[float] = 5000000.0
+    DEEPSTACK: ClassVar[bool] = True
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3VLConfig":
-        return _parse_qwen3_vl(raw, source)
+        return _parse_qwen3_vl(cls, raw, source)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "Qwen3VLConfig":
         raw, path = read_config_json(model_dir)
-        return _parse_qwen3_vl(raw, str(path))
+        return _parse_qwen3_vl(cls, raw, str(path))
 
 
-def _parse_qwen3_vl(raw: dict, source: str) -> Qwen3VLConfig:
-    """transformers' layout: text_config (Qwen3VLTextConfig, rope_parameters with mrope_section) + vision_config."""
-    if raw.get("model_type") != "qwen3_vl":
-        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not Qwen3-VL "
-                                           "(qwen3_vl)")
-    text_raw = dict(raw.get("text_config") or {})
-    if text_raw.get("model_type", "qwen3_vl_text") != "qwen3_vl_text":
-        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'qwen3_vl_text'")
+def _parse_qwen3_vl(cls: type, raw: dict, source: str) -> Qwen3VLConfig:
+    """transformers' layout of a Qwen3-VL-style checkpoint (`cls`: Qwen3VLConfig or Qwen3_5Config): text_config
+    (rope_parameters with mrope_section; Qwen3.5: partial_rotary_factor) + vision_config + the token ids at the top
+    level (defaults: cls's)."""
+    if raw.get("model_type") != cls.model_type:
+        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not {cls.FAMILY} "
+                                           f"({cls.model_type})")
+    text_raw = raw.get("text_config") or {}
+    if not isinstance(text_raw, dict):
+        raise ConfigError(f"{source}: text_config must be an object, got {type(text_raw).__name__}")
+    text_raw = dict(text_raw)
+    text_type, parse_as = cls.TEXT_TYPES
+    if text_raw.get("model_type", text_type) != text_type:
+        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected '{text_type}'")
     text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-    text, section, params = _mrope_text(raw, text_raw, source, family="Qwen3-VL", text_type="qwen3",
-                                        default_section=(24, 20, 20), default_theta=5000000.0)
+    text, section, params = _mrope_text(raw, text_raw, source, family=cls.FAMILY, text_type=parse_as,
+                                        default_section=cls.mrope_section, default_theta=cls.DEFAULT_THETA)
     if params.get("mrope_interleaved") is False:
-        raise ConfigError(f"{source}: rope_parameters.mrope_interleaved=false is not Qwen3-VL's M-RoPE")
-    vision = _qwen3_vision(raw, source, text, deepstack=True)
-    ids = {k: int(raw.get(k, getattr(QwenVLConfig, k))) for k in
+        raise ConfigError(f"{source}: text_config.rope_parameters.mrope_interleaved=false is not {cls.FAMILY}'s "
+                          "M-RoPE")
+    vision = _qwen3_vision(raw, source, text, deepstack=cls.DEEPSTACK)
+    ids = {k: int(raw.get(k, getattr(cls, k))) for k in
            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    return Qwen3VLConfig(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+    return cls(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
 
 
 def _qwen3_vision(raw: dict, source: str, text: ModelConfig, *, deepstack: bool) -> Qwen3VisionConfig:
@@ -1253,38 +1268,10 @@ class Qwen3_5Config(Qwen3VLConfig):
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
     model_type: str = "qwen3_5"
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3_5Config":
-        return _parse_qwen3_5(raw, source)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Qwen3_5Config":
-        raw, path = read_config_json(model_dir)
-        return _parse_qwen3_5(raw, str(path))
-
-
-def _parse_qwen3_5(raw: dict, source: str) -> Qwen3_5Config:
-    """transformers' Qwen3_5Config: text_config (Qwen3_5TextConfig: rope_parameters with mrope_section,
-    partial_rotary_factor) + vision_config (Qwen3_5VisionConfig) + the token ids at the top level."""
-    if raw.get("model_type") not in QWEN3_5_MODEL_TYPES:
-        raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not Qwen3.5 "
-                                           "(qwen3_5)")
-    text_raw = raw.get("text_config") or {}
-    if not isinstance(text_raw, dict):
-        raise ConfigError(f"{source}: text_config must be an object, got {type(text_raw).__name__}")
-    text_raw = dict(text_raw)
-    if text_raw.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-        raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'qwen3_5_text'")
-    text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-    text, section, params = _mrope_text(raw, text_raw, source, family="Qwen3.5", text_type="qwen3_5_text",
-                                        default_section=(11, 11, 10), default_theta=10000.0)
-    if params.get("mrope_interleaved") is False:
-        raise ConfigError(f"{source}: text_config.rope_parameters.mrope_interleaved=false is not Qwen3.5's M-RoPE")
-    vision = _qwen3_vision(raw, source, text, deepstack=False)
-    ids = {k: int(raw.get(k, getattr(Qwen3_5Config, k))) for k in
-           ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-    return Qwen3_5Config(text=text, vision=vision, mrope_section=tuple(int(s) for s in section), **ids)
+    FAMILY: ClassVar[str] = "Qwen3.5"
+    TEXT_TYPES: ClassVar[tuple[str, str]] = ("qwen3_5_text", "qwen3_5_text")
+    DEFAULT_THETA: ClassVar[float] = 10000.0
+    DEEPSTACK: ClassVar[bool] = False  # Qwen3_5VisionModel deletes DeepStack
 
 
 # ------------------------------------------------------------------------------ which layers hold what

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from unsloth_jax.backend import MESH_AXES
+from unsloth_jax.backend import MESH_AXES, key_names
 from unsloth_jax.validation import require_int
 
 log = logging.getLogger("unsloth_jax")
@@ -191,17 +191,13 @@ def sync(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ shardings
-def _names(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-
-
 def leaf_spec(path, shape, itemsize: int, fsdp: int, min_bytes: int) -> P:
     """The PartitionSpec of one state leaf: its largest axis that `fsdp` divides (not the stacked layer axis
     of leaves under `layers`) split over "fsdp", when the leaf holds at least `min_bytes`; else replicated."""
     shape = tuple(shape)
     if fsdp == 1 or int(np.prod(shape, dtype=np.int64)) * itemsize < min_bytes:
         return P()
-    first = 1 if STACKED in _names(path) else 0
+    first = 1 if STACKED in key_names(path) else 0
     axes = [a for a in range(first, len(shape)) if shape[a] % fsdp == 0]
     if not axes:
         return P()

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from unsloth_jax.backend import key_names
 from unsloth_jax.config import ModelConfig, layer_has
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Buffer, Linear, value_of
@@ -280,8 +281,8 @@ def count(tree, config: ModelConfig | None = None) -> int:
             n = value.numel * int(np.prod(value.stack_shape))
         else:
             n = int(np.prod(np.shape(value)))
-        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        if config is not None and names[:2] == ["model", "layers"]:
+        names = key_names(path)
+        if config is not None and names[:2] == ("model", "layers"):
             layers = config.num_hidden_layers
             held = sum(layer_has(config, i, ".".join(names[2:]) + ".") for i in range(layers))
             n = n // layers * held

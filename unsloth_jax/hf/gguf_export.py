@@ -587,14 +587,15 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     """Write `out_dir/unsloth.<TYPE>.gguf` for the merged model (LoRA folded in, a 4-bit base dequantized) and
     return its path. quantization_method: f16 (default), bf16, q8_0, f32, q4_0, q4_1, q5_0, q5_1, or Unsloth's
     aliases "not_quantized" (f16) and "fast_quantized" (q8_0)."""
-    gguf = _gguf()
-    method = resolve_method(quantization_method)
     cfg = model.config
     if cfg.model_type not in _ARCH:
+        what = "GGUF export of {} is not supported (mixture-of-experts)" if cfg.is_moe else \
+            "GGUF export does not support model_type {!r}"
         raise UnsupportedArchitectureError(
-            f"GGUF export does not support model_type {cfg.model_type!r} (supported: {', '.join(_ARCH)}); save "
-            "the merged 16-bit model with save_pretrained_merged and convert it with llama.cpp's "
-            "convert_hf_to_gguf.py")
+            f"{what.format(cfg.model_type)} (supported: {', '.join(_ARCH)}); save the merged 16-bit model with "
+            "save_pretrained_merged and convert it with llama.cpp's convert_hf_to_gguf.py")
+    gguf = _gguf()
+    method = resolve_method(quantization_method)
     if cfg.model_type == "smollm3":
         _check_smollm3(cfg)
     raw = _source_config(model)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig, layer_has  # noqa: F401 (layer_has: read here by hf/)
+from unsloth_jax.config import ModelConfig, layer_has
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 

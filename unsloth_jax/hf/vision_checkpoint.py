@@ -23,7 +23,8 @@ import numpy as np
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from unsloth_jax.hf.loading import Params, Placer, _into_stack, default_placer, place, set_path
 from unsloth_jax.families import VisionFamily
-from unsloth_jax.hf.mapping import TensorSpec, layer_has, tensor_specs
+from unsloth_jax.config import layer_has
+from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 
 # place_tensor(spec, array in HF layout (numpy, spec.hf_shape), where: "file: tensor 'name'" for errors)
@@ -33,7 +34,7 @@ TEXT_ROOTS = ("model", "lm_head")  # module-path roots of the text decoder's ten
 
 def layer_holds(text_cfg, tower: str, parent: str, proj: str, layer: int) -> bool:
     """Whether layer `layer` of `tower` ("language" / "vision") holds projection `proj` (under HF module `parent`):
-    every vision block holds its projections; a language layer those mapping.layer_has gives it (Qwen3.5: the
+    every vision block holds its projections; a language layer those config.layer_has gives it (Qwen3.5: the
     projections of its own token mixer only), by the text decoder's config `text_cfg`."""
     return tower == "vision" or layer_has(text_cfg, layer, f"{parent}.{proj}.")
 

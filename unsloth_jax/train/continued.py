@@ -21,6 +21,7 @@ import logging
 import jax
 
 from unsloth_jax import lora
+from unsloth_jax.backend import key_names
 from unsloth_jax.train import optim
 from unsloth_jax.train.trainer import SFTTrainer, TrainingArguments
 from unsloth_jax.validation import require_real
@@ -46,7 +47,7 @@ def trained_embedding_paths(model) -> list[str]:
     _, trainable, _ = lora.split(model)
     labels = optim.embedding_labels(trainable)
     paths = jax.tree_util.tree_flatten_with_path(labels)[0]
-    return [".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1])
+    return [".".join(key_names(path[:-1]))
             for path, label in paths if label == "embedding"]
 
 

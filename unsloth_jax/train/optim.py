@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from unsloth_jax.backend import key_names
+
 # optax >= 0.2.5 spells the global norm optax.tree.norm and deprecates global_norm
 global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
@@ -333,11 +335,6 @@ EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 
 
-def _path_names(path) -> tuple[str, ...]:
-    """A pytree key path (nnx State / dict keys, attribute names) as strings."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def decay_mask(layer_norm_paths=()) -> Callable:
     """params -> a pytree of bools like params: True on the leaves weight decay applies to, as transformers' Trainer
     (and so TRL and Unsloth) groups them: not biases, not norm weights (NO_DECAY_NAME_PATTERNS on the leaf's
@@ -347,7 +344,7 @@ def decay_mask(layer_norm_paths=()) -> Callable:
     prefixes = tuple(tuple(str(n) for n in p) for p in layer_norm_paths)
 
     def decays(path, _) -> bool:
-        names = _path_names(path)
+        names = key_names(path)
         dotted = ".".join(names).lower()
         if any(p.search(dotted) for p in patterns):
             return False
@@ -360,8 +357,7 @@ def embedding_labels(params) -> object:
     """A pytree like `params` labelling each leaf "embedding" (under embed_tokens or lm_head) or "default"."""
 
     def label(path, _):
-        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        return "embedding" if names & set(EMBEDDING_MODULES) else "default"
+        return "embedding" if set(key_names(path)) & set(EMBEDDING_MODULES) else "default"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
