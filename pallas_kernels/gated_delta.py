@@ -37,6 +37,9 @@ from pallas_kernels._common import (cdiv, compiler_params, load, load_tile, next
                                     resolve_interpret, store_tile)
 from pallas_kernels.gated_delta_chunked import DEFAULT_CHUNK, RESET_BELOW, check_inputs
 
+FLOAT32_CHUNK = 32  # the defaults for float32 inputs (shared memory; see gated_delta_rule)
+FLOAT32_BLOCK_V = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -339,17 +342,21 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv] with Hv a multiple of Hk; g (log decay,
     <= 0; -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
     -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32); differentiable in q, k, v, g, beta and
-    initial_state. chunk: tokens per chunk (a power of two >= 16; default 64; at most the power of two >= T); block_v: state columns per program
-    (a power of two >= 16 dividing the padded Dv; default all of them); interpret: None = on the CPU."""
+    initial_state. chunk: tokens per chunk (a power of two >= 16; default 64, 32 for float32 inputs; at most the power
+    of two >= T); block_v: state columns per program (a power of two >= 16 dividing the padded Dv; default all of
+    them, at most 64 for float32 inputs); interpret: None = on the CPU."""
     check_inputs(q, k, v, g, beta, initial_state)
-    chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
+    # float32 tiles take twice the shared memory: at Dk = Dv = 128 the 16-bit defaults (64, 128) ask an H100 for
+    # 368 KiB against its 227; (32, 64) fits
+    wide = jnp.dtype(v.dtype).itemsize > 2
+    chunk = (FLOAT32_CHUNK if wide else DEFAULT_CHUNK) if chunk is None else int(chunk)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"gated_delta_rule: chunk must be a power of two >= 16; got {chunk}")
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     chunk = min(chunk, max(16, next_pow2(t)))
     pdk, pdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    block_v = pdv if block_v is None else int(block_v)
+    block_v = (min(pdv, FLOAT32_BLOCK_V) if wide else pdv) if block_v is None else int(block_v)
     if block_v < 16 or block_v & (block_v - 1) or pdv % block_v:
         raise ValueError(f"gated_delta_rule: block_v must be a power of two >= 16 dividing {pdv} (Dv={dv} padded); "
                          f"got {block_v}")

@@ -143,6 +143,15 @@ def _bits(p: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(p.astype(jnp.float32), jnp.int32)
 
 
+def _once(x: jax.Array) -> jax.Array:
+    """x computed once: a cut's threshold is the bits of one token's probability, so the search and the keep mask
+    must see the same rounding. XLA on a GPU may recompute a softmax inside each consumer's fusion, and two fusions'
+    exponentials can differ in the last bit, which would drop the token at the threshold (a GPU run of
+    test_sampled_frequencies_match_the_distribution drew only 4 tokens under top_k=5 in 2 of 120 cases); the barrier
+    keeps one computed value."""
+    return jax.lax.optimization_barrier(x)
+
+
 def _search_threshold(bits: jax.Array, measure, goal: jax.Array) -> jax.Array:
     """The largest t in [0, max bits] with measure(bits >= t) >= goal, per row, for `measure` non-increasing in
     t: a 16-way search, _SEARCH_PASSES passes. bits [R, V] int32; measure(mask [R, V, W]) -> [R, W]; goal [R].
@@ -194,14 +203,14 @@ def filtered_logits(logits: jax.Array, rows: RowParams, flags: SamplerFlags) -> 
     neg = jnp.float32(-jnp.inf)
     if not (flags.top_k or flags.top_p or flags.min_p):
         return z
-    probs = jax.nn.softmax(z, axis=-1)
+    probs = _once(jax.nn.softmax(z, axis=-1))
     bits = _bits(probs)
     if flags.top_k:
         k = rows.top_k
         t = _search_threshold(bits, lambda m: jnp.sum(m, axis=1, dtype=jnp.int32), jnp.maximum(k, 1))
         keep = (bits >= t[:, None]) | (k <= 0)[:, None]
         z = jnp.where(keep, z, neg)
-        probs = jax.nn.softmax(z, axis=-1)
+        probs = _once(jax.nn.softmax(z, axis=-1))
         bits = _bits(probs)
     if flags.top_p:
         top_p = rows.top_p
