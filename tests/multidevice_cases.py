@@ -262,6 +262,43 @@ def case_dpo_trainer(seed: int, output_dir: str):
             "single": _dpo_trainer_run(seed, f"{output_dir}/dpo-single", None, 4)}
 
 
+def _grpo_trainer_run(seed: int, output_dir: str, mesh: str | None, per_device: int) -> dict:
+    """GRPOTrainer for 3 steps (beta and num_iterations=2: the old / reference log-probabilities are scored on the
+    mesh too; step 3 generates again, with the weights the mesh trained) on the bundled tiny Llama with a length
+    reward: logged losses, rewards and KL, every generation's completions, and how many devices hold the model's
+    LoRA leaves after training."""
+    from tests.helpers import TINY_MODEL
+    from unsloth_jax import FastLanguageModel
+    from unsloth_jax.train.grpo import GRPOConfig, GRPOTrainer
+
+    model, tok = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True,
+                                             random_state=seed)
+    prompts = [{"prompt": f"Count to {i}:"} for i in range(8)]
+    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=2,
+                      max_completion_length=6, max_steps=3, logging_steps=1, learning_rate=1e-2, beta=0.1,
+                      num_iterations=2, save_steps=0, seed=seed % 1000, mesh=mesh)
+    seen = []
+
+    def length(completions, **kwargs):
+        seen.append(list(completions))
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=length, args=args, train_dataset=prompts, processing_class=tok)
+    trainer.train()
+    hist = [e for e in trainer.state.log_history if "reward" in e]
+    return {"losses": [e["loss"] for e in hist], "rewards": [e["reward"] for e in hist], "kl": [e["kl"] for e in hist],
+            "completions": seen,
+            "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(lora.split(model)[1])})}
+
+
+def case_grpo_trainer(seed: int, output_dir: str):
+    """GRPOTrainer with mesh="data=1,fsdp=2" and 2 completions per device against one device with 4: the same
+    prompts and sampling seeds, so the same completions, and the same logged losses and KL."""
+    return {"mesh": _grpo_trainer_run(seed, f"{output_dir}/grpo-mesh", "data=1,fsdp=2", 2),
+            "single": _grpo_trainer_run(seed, f"{output_dir}/grpo-single", None, 4)}
+
+
 def _vision_trainer_run(family: str, output_dir: str, mesh: str | None, per_device: int) -> dict:
     """SFTTrainer with UnslothVisionDataCollator for 2 steps of 2 accumulated micro-batches on a tiny random
     Gemma 3 or Qwen2.5-VL (LoRA on both towers, records with 1 or 2 images of several sizes): its logged losses
@@ -491,7 +528,7 @@ def case_trainer(seed: int, output_dir: str, mesh: str | None, per_device: int, 
 CASES = {"equal_steps": case_equal_steps, "fsdp_shards": case_fsdp_shards, "memory": case_memory,
          "pallas_on_mesh": case_pallas_on_mesh, "trainer": case_trainer, "moe_equal_steps": case_moe_equal_steps,
          "rl_equal_steps": case_rl_equal_steps, "dpo_trainer": case_dpo_trainer,
-         "vision_trainer": case_vision_trainer}
+         "vision_trainer": case_vision_trainer, "grpo_trainer": case_grpo_trainer}
 
 
 

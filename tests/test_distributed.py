@@ -59,7 +59,8 @@ def _batches(out: str) -> dict[str, tuple[int, dict[str, list]]]:
     return {
         "2 devices, DPO and GRPO": (2, {"rl_steps": ["rl_equal_steps", {}],
                                         "dpo_trainer": ["dpo_trainer", dict(output_dir=out)],
-                                        "vision_trainer": ["vision_trainer", dict(output_dir=out)]}),
+                                        "vision_trainer": ["vision_trainer", dict(output_dir=out)],
+                                        "grpo_trainer": ["grpo_trainer", dict(output_dir=out)]}),
         "8 devices": (8, {"equal_lora_full": ["equal_steps", dict(kind="lora", remat="full")],
                           "equal_qlora_full": ["equal_steps", dict(kind="qlora", remat="full")],
                           "equal_qlora_offload": ["equal_steps", dict(kind="qlora", remat="offload")],
@@ -262,6 +263,19 @@ def test_dpo_trainer_on_a_mesh_equals_single_device(cases):
     np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4)
     np.testing.assert_allclose(mesh["margins"], single["margins"], rtol=1e-3, atol=1e-6)
     assert abs(single["margins"][-1]) > 1e-3, result  # the steps moved the policy away from the reference
+
+
+def test_grpo_trainer_on_a_mesh_equals_single_device(cases):
+    """GRPOTrainer(args=GRPOConfig(mesh="data=1,fsdp=2")) with 2 completions per device: the same completions
+    (rollouts on one device with the weights the mesh trained), losses and KL as 4 per step on one device; the
+    model's LoRA weights come back to its own device (where the engine generates)."""
+    result = cases("grpo_trainer")
+    mesh, single = result["mesh"], result["single"]
+    assert len(mesh["losses"]) == 3 and len(mesh["completions"]) == 2, result  # steps 1 and 3 generate
+    assert mesh["completions"] == single["completions"] and mesh["rewards"] == single["rewards"], result
+    np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(mesh["kl"], single["kl"], rtol=1e-3, atol=1e-6)
+    assert single["kl"][1] > 1e-3 and mesh["devices"] == single["devices"] == [1], result
 
 
 def test_vision_sft_trainer_on_a_mesh_equals_single_device(cases):

@@ -187,7 +187,7 @@ class TrainerBase:
             raise TypeError(f"save_model: the model ({type(self.model).__name__}) has no save_pretrained; load it with "
                             "FastLanguageModel.from_pretrained or FastVisionModel.from_pretrained")
         if self.train_state is not None:  # mid-run: the model object holds the weights of the last update
-            nnx.update(self.model, self.train_state["trainable"])
+            self.write_back(self.train_state["trainable"])
         save(str(out), tokenizer=getattr(self, "tokenizer", None))
         return str(out)
 
@@ -253,6 +253,10 @@ class TrainerBase:
                 f"accumulation{mesh_note(self.mesh)}, {model.dtype.name}{base_label(model)}, "
                 f"{trained_what(model, n_train, a.optim)}, remat={model.gradient_checkpointing}")
 
+    def write_back(self, trainable) -> None:
+        """The trained weights written into the model object (during and after train())."""
+        nnx.update(self.model, trainable)
+
     def state_on_mesh(self, mesh, trainable, frozen, opt_state):
         """The state placed on the mesh by unsloth_jax.distributed's rules; the model's frozen weights are
         replaced by their sharded copies, so no device keeps the whole unsharded model as well."""
@@ -303,7 +307,7 @@ class TrainerBase:
 
     def _evaluate_now(self, steplog: StepLog, done: int) -> None:
         """Evaluate the live weights (written into the model) and log the eval entry at step `done`."""
-        nnx.update(self.model, self.train_state["trainable"])
+        self.write_back(self.train_state["trainable"])
         entry = {**self.evaluate(), "epoch": self.state.epoch, "step": done}
         steplog.log(entry)
         self._fire("on_evaluate", metrics=entry)
@@ -371,7 +375,7 @@ class TrainerBase:
             self._trained_into = out  # a later train() of this object may replace these files (not a crashed run's)
             return result
         finally:
-            nnx.update(self.model, self.train_state["trainable"])
+            self.write_back(self.train_state["trainable"])
             self.train_state = None  # the optimizer state is not kept alive after train()
 
     def _loop(self, run: RunPlan, start: int) -> TrainOutput:

@@ -34,6 +34,12 @@ time/rewards, time/train (seconds per step); TrainOutput.metrics holds the total
 A vision-language model with its processor as processing_class takes TRL's vision rows (a conversational prompt
 with image parts, an "image" or "images" column): prompts go to the engine with their images, and the training
 rows carry the prompt's image fields (train/rl_images.py; docs/VISION.md, "GRPO with images").
+
+Several devices (one process): GRPOConfig(mesh="data=2") or "fsdp=N" runs the scoring and the update step on the
+mesh (per_device_train_batch_size completions per device; every count above is per device, so a generation makes
+generation_batch_size x devices completions), while the rollouts generate on the model's own device with its own
+weights (the engine runs on one device; device 0 so holds the whole model beside its share of the mesh's copy),
+the trained weights copied there before each generation and after training.
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ from flax import nnx
 from unsloth_jax import distributed, ops
 from unsloth_jax.errors import DatasetFormatError, TrainingError
 from unsloth_jax.generation import default_eos_ids, engine_for
-from unsloth_jax.families import family_of
+from unsloth_jax.families import TEXT, Family, family_of
 from unsloth_jax.inference import SamplingParams
 from unsloth_jax.inference.image_inputs import chat_request
 from unsloth_jax.train.base import RunPlan
@@ -63,7 +69,7 @@ from unsloth_jax.train.rl_images import (column_images, dataset_has_images, imag
 from unsloth_jax.train.loop import RLTrainerBase, pad_token_id, records_of, round_up
 from unsloth_jax.train.preference import encode_prompt, is_conversational
 from unsloth_jax.backend import commit_to_devices
-from unsloth_jax.train.step import StepLoss, make_step
+from unsloth_jax.train.step import StepLoss, jit_on_mesh, make_step
 from unsloth_jax.train.trainer import TrainingArguments
 from unsloth_jax.validation import require_choice, require_int, require_real
 
@@ -321,7 +327,7 @@ def grpo_step_loss(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, chunk: int = 1024
 
 
 def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat="full", chunk: int = 1024,
-                   mesh=None):
+                   mesh=None, family: Family = TEXT):
     """A jitted step(trainable, frozen, opt_state, batch) -> (trainable, opt_state, metrics) over [A, B, S]
     micro-batches (train.step.make_step with `grpo_step_loss`): input_ids, attention_mask, completion_mask
     (int32), advantages [A, B] f32, and when needed old_logps / ref_logps [A, B, S-1] f32; num_items f32 [A] or
@@ -329,14 +335,16 @@ def make_grpo_step(graphdef: nnx.GraphDef, optimizer, cfg: GRPOConfig, *, remat=
     from (TRL's num_items_in_batch). A vision-language model's rows with images add their image fields
     (rl_images.image_micro_batches: pixel_values and token_type_ids, or Qwen2.5-VL's pixel_values, vision_* and
     mrope_positions), which the log-probabilities read as the SFT step does. remat: the layer-stack policy
-    (make_step parses it); mesh: make_step's."""
-    return make_step(graphdef, optimizer, grpo_step_loss(graphdef, cfg, chunk=chunk), remat=remat, mesh=mesh)
+    (make_step parses it); mesh, family: make_step's (the family places a vision-language batch's fields)."""
+    return make_step(graphdef, optimizer, grpo_step_loss(graphdef, cfg, chunk=chunk), remat=remat, mesh=mesh,
+                     family=family)
 
 
 def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool, want_ref: bool,
-                     chunk: int = 1024):
+                     chunk: int = 1024, mesh=None, family: Family = TEXT):
     """A jitted score(trainable, frozen, ref_trainable, batch) -> {"old_logps", "ref_logps"} [A, B, S-1] f32
-    (the ones asked for), computed once per generation batch without gradients."""
+    (the ones asked for), computed once per generation batch without gradients. mesh: run on it with the
+    step's placement rules (train.step.jit_on_mesh), the result replicated; family: as make_grpo_step's."""
 
     def score(trainable, frozen, ref_trainable, batch):
         # [A, ...] per field; lax.map takes one micro-batch at a time
@@ -354,6 +362,8 @@ def make_grpo_scorer(graphdef: nnx.GraphDef, cfg: GRPOConfig, *, want_old: bool,
 
         return jax.lax.map(one, inputs)
 
+    if mesh is not None:
+        return jit_on_mesh(score, mesh, ("trainable", "frozen", "frozen"), train=False, family=family)
     return ops.policy_jit(score)
 
 
@@ -556,8 +566,21 @@ class GRPOTrainer(RLTrainerBase):
 
     # ---------------------------------------------------------------------------------------- pieces
     @property
+    def batch_devices(self) -> int:
+        """Devices the step's rows split over (1 without a mesh): the global micro-batch is
+        per_device_train_batch_size x this, and a generation makes generation_batch_size x this completions."""
+        return distributed.batch_shards(self.mesh) if self.mesh is not None else 1
+
+    @property
     def prompts_per_generation(self) -> int:
-        return self.args.generation_batch_size // self.args.num_generations
+        return self.args.generation_batch_size * self.batch_devices // self.args.num_generations
+
+    def write_back(self, trainable) -> None:
+        """The trained weights into the model, on the device of its other weights (the rollouts' device: on a
+        mesh the step's copies are sharded, and the engine runs on one device)."""
+        if self.mesh is not None:
+            trainable = jax.device_put(trainable, self._rollout_device)
+        nnx.update(self.model, trainable)
 
     def _prompt_rows(self, position: int, count: int) -> np.ndarray:
         """Dataset rows at positions position .. position+count-1 of the prompt stream: seeded per-epoch
@@ -695,7 +718,7 @@ class GRPOTrainer(RLTrainerBase):
         (zeroed for truncated ones with mask_truncated_completions), advantages [steps_per_generation, B],
         num_items (its completion tokens, f32 scalar). images: per row its prompt's ImageInputs or None (None:
         a text batch); then the micro-batches' image fields too (rl_images.image_micro_batches)."""
-        a, b = self.args.steps_per_generation, self.args.per_device_train_batch_size
+        a, b = self.args.steps_per_generation, self.args.per_device_train_batch_size * self.batch_devices
         n = len(prompts)
         length = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)))
         ids = np.full((n, length), self.pad_id, np.int32)
@@ -719,7 +742,7 @@ class GRPOTrainer(RLTrainerBase):
         """Generate, score and batch the next generation batch of the prompt stream -> (host batch, host metrics);
         advances the generation counter and the stream position."""
         args, generation = self.args, self._generation
-        nnx.update(self.model, trainable)  # the sampler runs the weights being trained
+        self.write_back(trainable)  # the sampler runs the weights being trained
         t0 = time.perf_counter()
         rows = self._prompt_rows(self._prompt_position, self.prompts_per_generation)
         sample_seed = (args.seed * 1000003 + generation) % 2**31
@@ -754,32 +777,43 @@ class GRPOTrainer(RLTrainerBase):
     # ------------------------------------------------------------------------ for the trainer base
     def prepare_run(self) -> RunPlan:
         args, model = self.args, self.model
-        if args.mesh is not None:
-            raise TrainingError("GRPOConfig.mesh: GRPOTrainer generates and trains on one device for now (its "
-                                "rollouts run the generation engine on the model's weights); leave mesh unset. "
-                                "make_grpo_step(..., mesh=...) runs the step itself on a mesh")
+        # On a mesh the scoring and update steps run sharded (the step factory's rules, like SFT's); the rollouts
+        # stay on the model's own device with its own weights (the engine runs on one device), the trained
+        # weights copied there before each generation
+        self.mesh = mesh = distributed.resolve_mesh(args.mesh, "GRPOConfig.mesh")
+        if mesh is not None and jax.process_count() > 1:
+            raise TrainingError("GRPOConfig.mesh: GRPOTrainer runs on the devices of one process (its rollouts "
+                                f"generate in this process); this run has {jax.process_count()} processes")
         total = self._steps()
         want_ref = args.beta != 0.0
         want_old = args.needs_old_logps
         graphdef, trainable, frozen, self._ref_trainable = self.split_state(want_ref)
-        self._frozen = frozen
+        self._rollout_device = next(iter(jax.tree.leaves(frozen)[0].devices()))
         # The jitted step and scorer are kept for a later train() with the same model structure, step count and
         # arguments (the seed aside: it only steers sampling), so training again does not compile again.
-        key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)))
+        key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)), mesh)
         if self._compiled is None or self._compiled[0] != key:
             schedule, optimizer = self.make_optimizer(total)
-            step_fn = make_grpo_step(graphdef, optimizer, args, remat=model.gradient_checkpointing)
-            scorer = (make_grpo_scorer(graphdef, args, want_old=want_old, want_ref=want_ref)
-                      if (want_old or want_ref) else None)
+            family = family_of(model)
+            step_fn = make_grpo_step(graphdef, optimizer, args, remat=model.gradient_checkpointing, mesh=mesh,
+                                     family=family)
+            scorer = (make_grpo_scorer(graphdef, args, want_old=want_old, want_ref=want_ref, mesh=mesh,
+                                       family=family) if (want_old or want_ref) else None)
             self._compiled = (key, schedule, optimizer, step_fn, scorer)
         _, schedule, optimizer, self._step_fn, self._scorer = self._compiled
         opt_state = commit_to_devices(optimizer.init(trainable))
+        if mesh is not None:  # the step's copies; the model keeps its own for the rollouts
+            trainable, frozen, opt_state = distributed.shard_state(mesh, (trainable, frozen, opt_state))
+            self._ref_trainable = distributed.put(self._ref_trainable,
+                                                  distributed.state_shardings(mesh, self._ref_trainable))
+        self._frozen = frozen
         self.timing = {"generation": 0.0, "rewards": 0.0, "train": 0.0}
         self._reset_stream()
         return RunPlan(total=total, schedule=schedule,
                        epoch_at=lambda done: (done * args.gradient_accumulation_steps / args.generate_every
                                               * self.prompts_per_generation / len(self.records)),
-                       planned_samples=total * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                       planned_samples=(total * args.per_device_train_batch_size * self.batch_devices
+                                        * args.gradient_accumulation_steps),
                        summary=(f"{len(self.records)} prompts, {total} steps, {args.num_generations} generations of "
                                 f"up to {args.max_completion_length} tokens per prompt, loss_type={args.loss_type}, "
                                 f"beta={args.beta}"),

@@ -223,7 +223,8 @@ def make_step(graphdef: nnx.GraphDef, optimizer, loss: StepLoss, *, remat, mesh=
         donate_argnums, options = (), None
     if mesh is None:
         return ops.policy_jit(fn, donate_argnums=donate_argnums, compiler_options=options)
-    return _on_mesh(fn, mesh, kinds, train, donate_argnums, options, family)
+    return jit_on_mesh(fn, mesh, kinds, train=train, donate_argnums=donate_argnums, compiler_options=options,
+                       family=family)
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, remat="full",
@@ -277,7 +278,8 @@ def sft_loss(graphdef: nnx.GraphDef, loss_chunk: int = 1024) -> StepLoss:
     return StepLoss(micro, finish)
 
 
-def _on_mesh(step, mesh, kinds: tuple[str, ...], train: bool, donate_argnums, compiler_options, family: Family):
+def jit_on_mesh(step, mesh, kinds: tuple[str, ...], *, train: bool, donate_argnums=(), compiler_options=None,
+                family: Family = TEXT):
     """`step` jitted with in/out shardings by unsloth_jax.distributed's rules (built once per structure of
     the arguments), traced and run under the mesh (jax.set_mesh): the decoder's per-layer weight gather and
     the kernels' per-shard calls read it there. kinds: per state argument (all but the last, the batch),
