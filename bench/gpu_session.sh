@@ -28,7 +28,8 @@
 # side in its own process: tokens/s, peak memory and which gated-delta / conv1d path transformers ran, qwen35.jsonl)
 # (default: tests kernels train15). `ab` times the train step of the code in .bench_old/ (an older commit,
 # carried) against the working tree's, alternating, on the Qwen2-1.5B and Llama-3-8B shapes (AB_RUNS each).
-# Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), TEST_TIMEOUT (the stage, retries included),
+# Env: GPU_TESTS (paths), GPU_MARKS (default "gpu or gpu_suite"), GPU_SHARD (K/N: the K-th of N parts of the test
+# files, one call each: the whole suite did not fit one call on 2026-12-06), TEST_TIMEOUT (the stage, retries included),
 # PER_TEST_TIMEOUT, PYTEST_WORKERS (pytest-xdist processes sharing the GPU; default: one per GIB_PER_TEST_WORKER (12)
 # GiB of free memory, at most the CPU count, each capped at its share by XLA_PYTHON_CLIENT_MEM_FRACTION; compiling is
 # the slow part of the GPU tests), KERNEL_BENCHES, KERNEL_TIMEOUT, ATTN_BENCH_FLAGS,
@@ -99,6 +100,7 @@ for st in $stages; do
       # alone in the time left; the summary line "gpu tests: P passed, F failed, ..."
       log "gpu tests ${GPU_MARKS:-gpu or gpu_suite} ${GPU_TESTS:-tests}"
       $PY bench/gpu_tests.py --marks "${GPU_MARKS:-gpu or gpu_suite}" ${PYTEST_WORKERS:+--workers $PYTEST_WORKERS} \
+        ${GPU_SHARD:+--shard $GPU_SHARD} \
         --gib-per-worker ${GIB_PER_TEST_WORKER:-12} --timeout ${TEST_TIMEOUT:-480} \
         --per-test-timeout ${PER_TEST_TIMEOUT:-150} --out "$OUT/pytest_gpu.txt" ${GPU_TESTS:-tests} 2>&1 \
         | tee -a "$OUT/session.log" | tail -30 ;;

@@ -4,6 +4,7 @@ tests that ran out of memory or time beside the others retried alone.
     python bench/gpu_tests.py --out /tmp/out/pytest_gpu.txt              # what `bash bench/gpu_session.sh tests` runs
     python bench/gpu_tests.py --dry-run                                   # the plan and the pytest command only
     python bench/gpu_tests.py --workers 8 --marks gpu tests/kernels       # the old `-m gpu` selection, 8 workers
+    python bench/gpu_tests.py --shard 1/3                                 # a third of the files (one call each)
 
 Selection: `-m "gpu or gpu_suite"` (--marks): the gpu-marked tests and the CPU test files of code with GPU paths
 (tests/conftest.py marks the engine, vision and long-context files gpu_suite; their float32 matmuls run at full
@@ -17,7 +18,10 @@ starve the later ones (83 of 169 tests failed with CUDA OOM beside 12 workers on
 - each worker gets XLA_PYTHON_CLIENT_MEM_FRACTION = its share: 0.95 x free memory less ~0.75 GiB of CUDA context
   per process, divided among the workers, as a fraction of the card's total (an H100 80GB: 6 workers of ~11.7 GiB;
   an H200 141GB: 11 workers of ~11.4 GiB), so none can take another's memory;
-- XLA_PYTHON_CLIENT_PREALLOCATE=false, and COLUMNS wide enough that pytest's summary lines keep the error text.
+- XLA_PYTHON_CLIENT_PREALLOCATE=false, and COLUMNS wide enough that pytest's summary lines keep the error text;
+- XLA's GEMM autotuning off (--autotune-level 0, when this XLA takes the flag): the suite compiles many small
+  programs, and 2026-12-06's run on an H100 took 210 s for 33 of its 288 tests with it on (about 38 s a test per
+  worker; how much autotuning cost there was not measured).
 Then every test that failed with an out-of-memory error (RESOURCE_EXHAUSTED, "out of memory") or hit the per-test
 timeout is run again alone, in one process with 0.9 of the card, in the time left (--retry-reserve seconds are kept
 for it). The last line sums both runs: "gpu tests: P passed, F failed, S skipped (R retried alone: ...)".
@@ -106,6 +110,43 @@ def run_pytest(cmd: list[str], env: dict, timeout: float, out_path: str) -> str:
         return f.read()
 
 
+def xla_flag_ok(flag: str, env: dict) -> bool:
+    """Whether this jax's XLA starts with `flag` added to XLA_FLAGS (an unknown flag aborts every process)."""
+    probe = dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {flag}".strip())
+    code = "import jax.numpy as jnp; jnp.ones(2).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", code], env=probe, capture_output=True, timeout=120).returncode == 0
+
+
+def collect(env: dict, marks: str, paths: list[str]) -> dict[str, int]:
+    """{test file: its selected tests} (pytest --collect-only)."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", marks,
+                          *paths], env=env, capture_output=True, text=True, cwd=ROOT).stdout
+    per_file: dict[str, int] = {}
+    for line in out.splitlines():
+        if "::" in line:
+            f = line.split("::", 1)[0]
+            per_file[f] = per_file.get(f, 0) + 1
+    return per_file
+
+
+def assign_shards(per_file: dict[str, int], n: int) -> list[list[str]]:
+    """The files in n parts, each file whole (its module fixtures are built once), largest files first to the part
+    with the fewest tests so far; each part sorted."""
+    loads, owned = [0] * n, [[] for _ in range(n)]
+    for f, c in sorted(per_file.items(), key=lambda kv: (-kv[1], kv[0])):
+        i = loads.index(min(loads))
+        loads[i] += c
+        owned[i].append(f)
+    return [sorted(part) for part in owned]
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, n = (int(x) for x in text.split("/"))
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--shard K/N with 1 <= K <= N, got {text}")
+    return k, n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="*", default=["tests"])
@@ -119,6 +160,10 @@ def main(argv=None) -> int:
     ap.add_argument("--free-gib", type=float, help="override nvidia-smi's free memory (planning without a GPU)")
     ap.add_argument("--total-gib", type=float)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the command; run nothing")
+    ap.add_argument("--autotune-level", type=int, default=0,
+                    help="XLA's GPU GEMM autotuning for the tests (--xla_gpu_autotune_level; 0: off, compiles faster; "
+                         "-1: XLA's default); results do not depend on it")
+    ap.add_argument("--shard", type=_shard, help="K/N: only the K-th of N parts of the selected test files")
     a = ap.parse_args(argv)
     t_start = time.time()
     card = (a.free_gib, a.total_gib or a.free_gib) if a.free_gib else card_gib()
@@ -135,10 +180,21 @@ def main(argv=None) -> int:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(fraction)
         print(f"gpu tests: card {card[0]:.1f} of {card[1]:.1f} GiB free, {cpus} CPUs -> {workers} workers, "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} ({fraction * card[1]:.1f} GiB each)", flush=True)
+    if card is not None and a.autotune_level >= 0 and "autotune_level" not in env.get("XLA_FLAGS", ""):
+        flag = f"--xla_gpu_autotune_level={a.autotune_level}"
+        if xla_flag_ok(flag, env):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+            print(f"gpu tests: {flag}", flush=True)
+    paths = a.paths
+    if a.shard:
+        per_file = collect(env, a.marks, a.paths)
+        paths = assign_shards(per_file, a.shard[1])[a.shard[0] - 1]
+        print(f"gpu tests: shard {a.shard[0]}/{a.shard[1]}: {len(paths)} files, "
+              f"{sum(per_file[f] for f in paths)} of {sum(per_file.values())} tests", flush=True)
     base = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", "-rfE"]
     if a.per_test_timeout > 0:  # pytest-timeout
         base += ["--timeout", f"{a.per_test_timeout:g}"]
-    cmd = base + ["-m", a.marks, "--continue-on-collection-errors", "--durations=15", "-n", str(workers), *a.paths]
+    cmd = base + ["-m", a.marks, "--continue-on-collection-errors", "--durations=15", "-n", str(workers), *paths]
     if a.dry_run:
         print(shlex.join(cmd))
         return 0

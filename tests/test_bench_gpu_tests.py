@@ -43,3 +43,15 @@ def test_counts_of_a_run_stopped_early():
 [gw1] [  3%] SKIPPED tests/kernels/test_nf4.py::test_c
 """
     assert gpu_tests.counts(out) == {"passed": 1, "failed": 1, "skipped": 1, "stopped": 1}
+
+
+def test_shards_split_the_files_whole_and_evenly():
+    """--shard K/N: the N parts hold every file once, and their test counts differ by at most the largest file's."""
+    per_file = {f"tests/test_{i}.py": c for i, c in enumerate([40, 3, 17, 25, 9, 9, 30, 1, 12, 22])}
+    for n in (1, 2, 3, 4):
+        parts = gpu_tests.assign_shards(per_file, n)
+        files = [f for part in parts for f in part]
+        assert sorted(files) == sorted(per_file) and len(parts) == n, parts
+        loads = [sum(per_file[f] for f in part) for part in parts]
+        assert max(loads) - min(loads) <= max(per_file.values()), (n, loads)
+    assert gpu_tests.assign_shards(per_file, 3) == gpu_tests.assign_shards(dict(reversed(per_file.items())), 3)
