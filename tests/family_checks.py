@@ -40,10 +40,11 @@ def right_padded(rng, lengths, vocab=256) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def lora_steps_lower_the_loss(model, rng, vocab=256):
-    """Two AdamW steps (lr 1e-3: at 1e-2 the tiny Gemma 4 model's loss rose after a step for some seeds; remat "full") of a LoRA model on one random 2 x 16 micro-batch with a padded row
-    tail (tokens in [3, vocab)): only LoRA factors train and the second loss is below the first. -> (graphdef,
-    trained LoRA state, frozen state)."""
+def lora_steps_lower_the_loss(model, rng, vocab=256, lr=1e-3):
+    """Two AdamW steps (remat "full") of a LoRA model on one random 2 x 16 micro-batch with a padded row tail
+    (tokens in [3, vocab)): only LoRA factors train and the second loss is below the first. -> (graphdef, trained
+    LoRA state, frozen state). Adam's first step moves every lora_b entry by lr whatever its gradient, so too large
+    an lr can overshoot on a random model (Gemma 4: see its test)."""
     from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
 
     g, t, f = lora.split(model)
@@ -52,7 +53,7 @@ def lora_steps_lower_the_loss(model, rng, vocab=256):
     mask = np.ones_like(ids)
     mask[:, -1, -4:] = 0
     batch = {"input_ids": ids, "labels": np.where(mask == 1, ids, -100).astype(np.int32), "attention_mask": mask}
-    opt = make_optimizer("adamw_torch", make_schedule("constant", 1e-3, 10, 0))
+    opt = make_optimizer("adamw_torch", make_schedule("constant", lr, 10, 0))
     state = opt.init(t)
     step = make_train_step(g, opt, remat="full", donate=False)
     t1, state, m1 = step(t, f, state, batch)

@@ -101,7 +101,9 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     path, _, _ = tiny
     model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
                                              use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
-    g, t1, f = lora_steps_lower_the_loss(model, rng)
+    # lr 1e-4: at 1e-3 one CI run's random model and batch rose (5.5647 -> 5.5680); over 160 random pairs here the
+    # smallest first-step drop was 0.018 at 1e-4 (0.013 at 1e-3), and one model's loss rose on its third step at 1e-3
+    g, t1, f = lora_steps_lower_the_loss(model, rng, lr=1e-4)
     model = nnx.merge(g, t1, f)
     for lin in model.projections().values():
         lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
