@@ -788,7 +788,7 @@ class GRPOTrainer(RLTrainerBase):
         want_ref = args.beta != 0.0
         want_old = args.needs_old_logps
         graphdef, trainable, frozen, self._ref_trainable = self.split_state(want_ref)
-        self._rollout_device = next(iter(jax.tree.leaves(frozen)[0].devices()))
+        self._rollout_device = next(iter(jax.tree.leaves((frozen, trainable))[0].devices()))  # the model's device
         # The jitted step and scorer are kept for a later train() with the same model structure, step count and
         # arguments (the seed aside: it only steers sampling), so training again does not compile again.
         key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)), mesh)
