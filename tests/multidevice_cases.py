@@ -265,8 +265,9 @@ def case_dpo_trainer(seed: int, output_dir: str):
 def _grpo_trainer_run(seed: int, output_dir: str, mesh: str | None, per_device: int) -> dict:
     """GRPOTrainer for 3 steps (beta and num_iterations=2: the old / reference log-probabilities are scored on the
     mesh too; step 3 generates again, with the weights the mesh trained) on the bundled tiny Llama with a length
-    reward: logged losses, rewards and KL, every generation's completions, and how many devices hold the model's
-    LoRA leaves after training."""
+    reward: logged losses, rewards and KL, every generation's completions, a sample of the trained LoRA values, and
+    where the model's LoRA leaves are after training. With a mesh the model starts with its frozen weights sharded
+    over it (as an earlier SFTTrainer on the mesh leaves them), so the trainer must gather them for its rollouts."""
     from tests.helpers import TINY_MODEL
     from unsloth_jax import FastLanguageModel
     from unsloth_jax.train.grpo import GRPOConfig, GRPOTrainer
@@ -274,6 +275,12 @@ def _grpo_trainer_run(seed: int, output_dir: str, mesh: str | None, per_device: 
     model, tok = FastLanguageModel.from_pretrained(TINY_MODEL, dtype="float32", progress=False)
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=True,
                                              random_state=seed)
+    if mesh is not None:  # as an earlier SFTTrainer on the mesh leaves it: frozen weights sharded over the devices
+        from unsloth_jax import distributed
+
+        m = distributed.resolve_mesh(mesh)
+        frozen = lora.split(model)[2]
+        nnx.update(model, distributed.put(frozen, distributed.state_shardings(m, frozen)))
     prompts = [{"prompt": f"Count to {i}:"} for i in range(8)]
     args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=per_device, num_generations=2,
                       max_completion_length=6, max_steps=3, logging_steps=1, learning_rate=1e-2, beta=0.1,
@@ -287,9 +294,13 @@ def _grpo_trainer_run(seed: int, output_dir: str, mesh: str | None, per_device: 
     trainer = GRPOTrainer(model=model, reward_funcs=length, args=args, train_dataset=prompts, processing_class=tok)
     trainer.train()
     hist = [e for e in trainer.state.log_history if "reward" in e]
+    _, trained, frozen = lora.split(model)
+    values = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(trained)])
     return {"losses": [e["loss"] for e in hist], "rewards": [e["reward"] for e in hist], "kl": [e["kl"] for e in hist],
-            "completions": seen,
-            "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(lora.split(model)[1])})}
+            "completions": seen, "lora_sample": values[::97].tolist(), "lora_norm": float(np.linalg.norm(values)),
+            "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(trained)}),
+            "with_frozen": {frozenset(x.sharding.device_set) for x in jax.tree.leaves(trained)}
+            == {frozenset(x.sharding.device_set) for x in jax.tree.leaves(frozen)}}
 
 
 def case_grpo_trainer(seed: int, output_dir: str):

@@ -275,7 +275,10 @@ def test_grpo_trainer_on_a_mesh_equals_single_device(cases):
     assert mesh["completions"] == single["completions"] and mesh["rewards"] == single["rewards"], result
     np.testing.assert_allclose(mesh["losses"], single["losses"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(mesh["kl"], single["kl"], rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(mesh["lora_sample"], single["lora_sample"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(mesh["lora_norm"], single["lora_norm"], rtol=1e-5)
     assert single["kl"][1] > 1e-3 and mesh["devices"] == single["devices"] == [1], result
+    assert mesh["with_frozen"] and single["with_frozen"], result  # trained weights beside the frozen ones
 
 
 def test_vision_sft_trainer_on_a_mesh_equals_single_device(cases):

@@ -338,6 +338,18 @@ def test_generation_after_training_reuses_the_compiled_engine(tmp_path):
     assert len(after[1]) == len(before[1])
 
 
+def test_grpo_on_a_mesh_checks_the_generation_over_its_devices(tmp_path):
+    """On a (here one-device) mesh, a generation of generation_batch_size x devices completions that is no multiple
+    of num_generations is refused by the trainer with both counts named."""
+    model, tok = _tiny(r=2)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=4, mesh="data=1",
+                      max_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=_alpaca_prompts(4), processing_class=tok)
+    with pytest.raises(ValueError, match=r"6 x 1 = 6 completions.*num_generations=4"):
+        trainer.train()
+
+
 def test_grpo_config_checks():
     assert GRPOConfig(output_dir="o").loss_type == "dapo" and GRPOConfig(output_dir="o").beta == 0.0
     assert GRPOConfig(output_dir="o", scale_rewards=False).scale_rewards == "none"
@@ -345,6 +357,8 @@ def test_grpo_config_checks():
         GRPOConfig(output_dir="o", per_device_train_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="num_generations"):
         GRPOConfig(output_dir="o", num_generations=1)
+    # on a mesh the count is per device: the trainer checks generation_batch_size x devices instead
+    assert GRPOConfig(output_dir="o", per_device_train_batch_size=1, num_generations=2, mesh="data=2").mesh
     with pytest.raises(ValueError, match="loss_type"):
         GRPOConfig(output_dir="o", per_device_train_batch_size=8, loss_type="ppo")
     assert GRPOConfig(output_dir="o", top_k=50, min_p=0.1, repetition_penalty=1.2).top_k == 50  # engine options

@@ -38,8 +38,9 @@ rows carry the prompt's image fields (train/rl_images.py; docs/VISION.md, "GRPO 
 Several devices (one process): GRPOConfig(mesh="data=2") or "fsdp=N" runs the scoring and the update step on the
 mesh (per_device_train_batch_size completions per device; every count above is per device, so a generation makes
 generation_batch_size x devices completions), while the rollouts generate on the model's own device with its own
-weights (the engine runs on one device; device 0 so holds the whole model beside its share of the mesh's copy),
-the trained weights copied there before each generation and after training.
+weights (the engine runs on one device, which so holds the whole model beside its share of the mesh's copy; a
+model an earlier trainer left spread over a mesh is gathered onto the mesh's first device first), the trained
+weights copied there before each generation and after training.
 """
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ class GRPOConfig(TrainingArguments):
                              f"generation_batch_size must be per_device_train_batch_size x steps_per_generation = "
                              f"{b * spg} (or give only one of them)")
         self.generation_batch_size, self.steps_per_generation = b * spg, spg
-        if self.generation_batch_size % self.num_generations:
+        # on a mesh a generation makes generation_batch_size x devices completions: GRPOTrainer checks that count
+        if self.mesh is None and self.generation_batch_size % self.num_generations:
             raise ValueError(f"generation_batch_size = per_device_train_batch_size x steps_per_generation = "
                              f"{self.generation_batch_size} completions must be a multiple of "
                              f"num_generations={self.num_generations}")
@@ -416,6 +418,19 @@ def _reward_tokenizer(model, tokenizer):
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     return tokenizer
+
+
+def _gather_to_one_device(model, mesh):
+    """The device the rollouts generate on: the model's, after moving its weights there if they are spread over
+    several devices (a model an earlier trainer left on a mesh), to the mesh's first device (or jax's first)."""
+    arrays = [x for x in jax.tree.leaves(nnx.state(model)) if isinstance(x, jax.Array)]
+    devices = {d for x in arrays for d in x.devices()}
+    if len(devices) == 1:
+        return next(iter(devices))
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, state))
+    return device
 
 
 class GRPOTrainer(RLTrainerBase):
@@ -784,11 +799,16 @@ class GRPOTrainer(RLTrainerBase):
         if mesh is not None and jax.process_count() > 1:
             raise TrainingError("GRPOConfig.mesh: GRPOTrainer runs on the devices of one process (its rollouts "
                                 f"generate in this process); this run has {jax.process_count()} processes")
+        completions = args.generation_batch_size * self.batch_devices
+        if completions % args.num_generations:
+            raise ValueError(f"GRPOConfig: a generation makes generation_batch_size x devices = "
+                             f"{args.generation_batch_size} x {self.batch_devices} = {completions} completions, which "
+                             f"must be a multiple of num_generations={args.num_generations}")
         total = self._steps()
         want_ref = args.beta != 0.0
         want_old = args.needs_old_logps
+        self._rollout_device = _gather_to_one_device(model, mesh)
         graphdef, trainable, frozen, self._ref_trainable = self.split_state(want_ref)
-        self._rollout_device = next(iter(jax.tree.leaves((frozen, trainable))[0].devices()))  # the model's device
         # The jitted step and scorer are kept for a later train() with the same model structure, step count and
         # arguments (the seed aside: it only steers sampling), so training again does not compile again.
         key = (graphdef, total, model.gradient_checkpointing, repr(dataclasses.replace(args, seed=0)), mesh)
