@@ -27,13 +27,22 @@ from unsloth_jax.train.optim import state_dtype  # noqa: E402
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, datasheet
 
 
-def model_flops_per_token(cfg, seq: int) -> float:
+def model_flops_per_token(cfg, seq: int) -> float | None:
     """6 x (matmul weights per token) + causal attention (6 S Hq hd per layer): the usual MFU numerator,
-    without rematerialisation (recomputed work is not useful work)."""
+    without rematerialisation (recomputed work is not useful work). For a dense decoder whose layers all hold
+    q/k/v/o and one GLU MLP; None for the layouts this count does not model (linear-attention layers, experts,
+    per-layer inputs, KV-shared layers), whose lines then carry mfu null rather than a wrong figure."""
+    if any(cfg.layer_linear) or cfg.is_moe or cfg.per_layer_input_size or cfg.layer_kv_source:
+        return None
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
     per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f
     return 6.0 * (n * per_layer + cfg.vocab_size * d) + n * 6.0 * seq * hq * hd
+
+
+def mfu(tokens_per_s: float, cfg, seq: int) -> float | None:
+    flops = model_flops_per_token(cfg, seq)
+    return None if flops is None else round(tokens_per_s * flops / PEAK_BF16_FLOPS, 4)
 
 
 def main() -> None:
@@ -126,7 +135,7 @@ def main() -> None:
             "load_in_4bit": a.load_in_4bit, "load_in_fp8": a.load_in_fp8,
             "optim": a.optim, "full_finetuning": a.full_finetuning, "optimizer_state": state_dtype(a.optim),
             "step_ms": round(ms, 2), "tokens_per_s": round(a.batch * a.seq / (ms / 1e3), 1),
-            "mfu": round(a.batch * a.seq / (ms / 1e3) * model_flops_per_token(model.config, a.seq) / PEAK_BF16_FLOPS, 4),
+            "mfu": mfu(a.batch * a.seq / (ms / 1e3), model.config, a.seq),
             "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 3), "load_s": round(load_s, 1),
             # peak before the first step (loading, LoRA init): if it equals peak_gib, the step is not the peak
             "peak_gib_before_train": round(stats0.get("peak_bytes_in_use", 0) / 2**30, 3),
