@@ -229,7 +229,10 @@ def case_rl_equal_steps(seed: int):
         metrics, leaves = _rl_step(kind, seed, distributed.make_mesh(data, fsdp))
         out[kind] = {"mesh": f"data={data},fsdp={fsdp}", "loss": ref_metrics["loss"],
                      "param_change": min(_rel(a, b) for a, b in zip(ref_leaves, initial)),
-                     "metric_relerr": max(abs(metrics[k] - v) / max(abs(v), 1e-3) for k, v in ref_metrics.items()),
+                     # DPO's rewards/* are beta x differences of ~-90 log-prob sums, near 0: float32 cancellation
+                     # leaves up to 3.3e-7 absolute between the two placements (30 seeds), so errors relative to
+                     # at least 1e-2
+                     "metric_relerr": max(abs(metrics[k] - v) / max(abs(v), 1e-2) for k, v in ref_metrics.items()),
                      "param_relerr": max(_rel(a, b) for a, b in zip(leaves, ref_leaves))}
     return out
 
