@@ -88,8 +88,9 @@ def test_logits_match_transformers_right_padded(tiny, rng):
     ids, mask = right_padded(rng, [20, 13])
     theirs = torch_logits(hf, ids, mask)
     real = mask.astype(bool)
-    # 5e-5: float32 rounding over 8 layers (a CI run's random model gave 1.2e-5; the LoRA test's bound, measured)
-    assert rel_err(np.asarray(model(ids, mask))[real], theirs[real]) < 5e-5
+    # 2e-4: float32 rounding over 8 layers (a CI run's random model gave 1.2e-5, 13 local ones at most 1.1e-5; the
+    # LoRA test below saw a tail to 1.4e-4 on one random model)
+    assert rel_err(np.asarray(model(ids, mask))[real], theirs[real]) < 2e-4
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
@@ -118,15 +119,16 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     assert "base_model.model.model.layers.5.self_attn.k_proj.lora_A.weight" in keys
     assert not any(".layers.6.self_attn.k_proj" in k or ".layers.7.self_attn.v_proj" in k for k in keys)
     pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
-    # 5e-5: float32 rounding through 8 layers with random LoRA pairs; measured over 36 seeds, max 1.6e-5
-    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 5e-5
+    # 5e-4: float32 rounding through 8 layers with random LoRA pairs has a heavy tail: 52 local seeds gave at most
+    # 1.6e-5, one CI run's random model 1.4e-4 (a wrong tensor mapping gives errors of order 1)
+    assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 5e-4
     model.save_pretrained_merged(tmp_path / "merged", None, dtype="float32")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "gemma4_text"
     merged, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "merged"), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert type(merged).__name__ == "Gemma4ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert rel_err(ours[real], torch_logits(merged, ids, mask)[real]) < 5e-5
+    assert rel_err(ours[real], torch_logits(merged, ids, mask)[real]) < 5e-4  # as PEFT's above
 
 
 def test_peft_made_adapter_loads(tiny, tmp_path, rng):
@@ -142,8 +144,8 @@ def test_peft_made_adapter_loads(tiny, tmp_path, rng):
     model = load_adapter(load_f32(path), tmp_path / "adapter")
     ids, mask = right_padded(rng, [12, 7])
     real = mask.astype(bool)
-    # 5e-5 as in the logits test (a CI run's random model gave 1.2e-5)
-    assert rel_err(np.asarray(model(ids, mask))[real], torch_logits(pm, ids, mask)[real]) < 5e-5
+    # 2e-4 as in the logits test
+    assert rel_err(np.asarray(model(ids, mask))[real], torch_logits(pm, ids, mask)[real]) < 2e-4
 
 
 @pytest.mark.slow
