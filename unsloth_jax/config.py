@@ -1290,3 +1290,24 @@ def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
     if parent == "linear_attn":
         return False
     return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
+
+
+def stack_holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
+    """The decoder layers whose rows the stacked submodule `sub` (an attribute of the stacked DecoderLayer, e.g.
+    "self_attn", "mlp"; or a dotted path under it, whose first name is used) holds, in order: row r of each of its
+    variables is layer stack_holders(cfg, sub)[r]."""
+    return _holders(cfg, sub.split(".", 1)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
+    return tuple(range(cfg.num_hidden_layers))
+
+
+def layer_slot(cfg: ModelConfig, sub: str, layer: int) -> int:
+    """The row of decoder layer `layer` in the stacked submodule `sub` (stack_holders); ValueError if that layer
+    does not hold it."""
+    try:
+        return stack_holders(cfg, sub).index(layer)
+    except ValueError:
+        raise ValueError(f"{cfg.model_type}: decoder layer {layer} has no {sub}") from None
