@@ -1283,9 +1283,9 @@ def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
     also this package's module paths under a layer (e.g. "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."):
     a Qwen3.5 layer has the tensors of its own token mixer only (self_attn on its full-attention layers,
     linear_attn on its linear-attention layers); a Gemma 4 KV-shared layer has no key/value projections or key
-    norm; every layer has every other tensor. (The stacked state keeps every kind's slot in every layer.)"""
+    norm; every layer has every other tensor. (The stacked state: stack_holders.)"""
     parent = suffix.split(".", 1)[0]
-    if parent in ("self_attn", "linear_attn") and cfg.layer_linear:
+    if parent in MIXERS and cfg.layer_linear:
         return cfg.layer_linear[layer] == (parent == "linear_attn")
     if parent == "linear_attn":
         return False
@@ -1299,9 +1299,18 @@ def stack_holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
     return _holders(cfg, sub.split(".", 1)[0])
 
 
+# The stacked submodules that only some layers hold (by the layer's kind: Qwen3.5's token mixers); every other
+# submodule (norms, MLP, Gemma 4's per-layer blocks) is held by every layer.
+MIXERS = ("self_attn", "linear_attn")
+
+
 @functools.lru_cache(maxsize=None)
 def _holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
-    return tuple(range(cfg.num_hidden_layers))
+    if sub not in MIXERS:
+        return tuple(range(cfg.num_hidden_layers))
+    # read from the layer's kind (its 4th item: the linear-attention mixer), so holding repeats with the kinds
+    # inside every segment of cfg.layer_segments, which the layer scan slices by
+    return tuple(i for i, kind in enumerate(cfg.layer_kinds) if kind[3] == (sub == "linear_attn"))
 
 
 def layer_slot(cfg: ModelConfig, sub: str, layer: int) -> int:

@@ -143,7 +143,8 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
     """(tower, projection) -> (lora_a [n, in, r], lora_b [n, r, out]) float32 for every Linear of `lins` (keyed the
     same way; n its stacked rows), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer, in
     the layer's row: vision_checkpoint.layer_row; a layer's projection that vision_checkpoint.layer_holds of the
-    text config `text_cfg` says it lacks (Gemma 4's KV-shared layers) has no pair and keeps zeros). Raises UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
+    text config `text_cfg` says it lacks (Gemma 4's KV-shared layers) has no pair and keeps zeros). Raises
+    UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
     MissingTensorError, naming key and file."""
     def held(tower: str, proj: str, i: int) -> bool:
         return layer_holds(text_cfg, tower, layout.module(tower, proj), proj, i)
