@@ -1,7 +1,8 @@
 """Per-kind layer sub-stacks (config.stack_holders): a Qwen3.5 token mixer is stacked over the layers that hold it
 only. On a pattern whose tail segment has no linear-attention layer ([lin x3, full] x 2 + [full, full]): every
 leaf's rows, the parameter and LoRA counts of transformers / PEFT, logits against transformers' Qwen3_5ForCausalLM
-in float32, and the loss and gradients under host offload and two-level checkpointing against the plain stack."""
+in float32, the loss and gradients under host offload and two-level checkpointing against the plain stack, and
+the engine's weight layouts against the plain forward pass."""
 from __future__ import annotations
 
 import jax
@@ -91,3 +92,30 @@ def test_tail_without_linear_layers_under_offload_and_two_level(seed):
         assert rel_err(got[0], want[0]) < 1e-6, mode
         for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
             assert rel_err(g, w) < 1e-4, mode
+
+
+def test_engine_layouts_follow_the_plain_forward(seed):
+    """Greedy tokens on the engine with a live LoRA, in the "copy" and "merged_buffer" layouts (per-layer parts
+    and a merged stacked clone, each layer merged into its kind's graphdef; "shared": tests/test_qwen3_5.py),
+    equal those of the model's plain forward pass, re-run on the whole sequence for every token."""
+    from unsloth_jax.inference.engine import Engine
+    from unsloth_jax.inference.sampling import SamplingParams
+    from unsloth_jax.models.decoder import CausalLM
+
+    rng = np.random.default_rng(seed)
+    model = CausalLM(ModelConfig.from_dict(BASE), rngs=nnx.Rngs(seed % (1 << 30)))
+    model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8,
+                                             target_modules=["q_proj", "v_proj", "in_proj_qkv", "out_proj"])
+    for lin in model.projections().values():
+        if lin.lora_b is not None:
+            lin.lora_b[...] = jnp.asarray(0.3 * rng.standard_normal(lin.lora_b[...].shape), jnp.float32)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (7, 4)]
+    want = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(4):
+            ids.append(int(np.argmax(np.asarray(model(np.asarray([ids])))[0, -1])))
+        want.append(ids[len(p):])
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for layout in ("copy", "merged_buffer"):
+        assert [o.outputs[0].token_ids for o in Engine(model, weights=layout).generate(prompts, greedy)] == want

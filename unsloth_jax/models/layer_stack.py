@@ -429,7 +429,8 @@ def stack_rows(state: nnx.State, cfg: ModelConfig, start: int, shape: tuple[int,
 def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
                policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
                router_stats: bool = False, per_layer_inputs: jax.Array | None = None):
-    """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
+    """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading layer axis: one
+    row per layer holding the submodule, config.stack_holders) over
     x [B, S, D], segment by segment (cfg.layer_segments: consecutive runs of a repeating group of layer kinds),
     each segment a scan over its groups, whose body runs the group's layers with their static windows, MLP kinds
     and RoPE tables.
