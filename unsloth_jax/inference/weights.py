@@ -85,7 +85,7 @@ def _cast_lora(tree, dtype):
 
 def _unstack(tree, cfg) -> tuple:
     """A stacked layer state -> its L layers' parts (layer_stack.layer_rows)."""
-    return tuple(layer_rows(tree, cfg, i, lambda a, r: a[r]) for i in range(cfg.num_hidden_layers))
+    return tuple(layer_rows(tree, cfg, i) for i in range(cfg.num_hidden_layers))
 
 
 def _split_lora(lora_state, cfg, dtype):

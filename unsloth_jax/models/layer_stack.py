@@ -403,10 +403,10 @@ def layer_row(cfg: ModelConfig, sub: str, layer: int, first: int = 0) -> int:
     return sum(first <= h < layer for h in stack_holders(cfg, sub))
 
 
-def layer_rows(state: nnx.State, cfg: ModelConfig, layer: int, pick, first: int = 0) -> nnx.State:
-    """Layer `layer`'s part of a stacked layer state whose rows start at layer `first`: pick(leaf, row) of every
-    leaf of the submodules it holds (row: layer_row), the others left out."""
-    return nnx.State({sub: jax.tree.map(lambda a, r=layer_row(cfg, sub, layer, first): pick(a, r), tree)
+def layer_rows(state: nnx.State, cfg: ModelConfig, layer: int, first: int = 0) -> nnx.State:
+    """Layer `layer`'s part of a stacked layer state whose rows start at layer `first`: its row (layer_row) of
+    every leaf of the submodules it holds, the others left out."""
+    return nnx.State({sub: jax.tree.map(lambda a, r=layer_row(cfg, sub, layer, first): a[r], tree)
                       for sub, tree in state.items() if layer in stack_holders(cfg, sub)})
 
 
@@ -474,7 +474,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
         new_k, new_v, stats, handed = [], [], [], {}
         for j in range(len(group_ropes)):
             i = first + j
-            one = layer_rows(layer_states, cfg, i, lambda a, r: a[r], first)
+            one = layer_rows(layer_states, cfg, i, first)
             layer = nnx.merge(graphdef_of(i), gathered(one))
             layer_cache = None
             if cache is not None:
