@@ -1283,10 +1283,40 @@ def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
     also this package's module paths under a layer (e.g. "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."):
     a Qwen3.5 layer has the tensors of its own token mixer only (self_attn on its full-attention layers,
     linear_attn on its linear-attention layers); a Gemma 4 KV-shared layer has no key/value projections or key
-    norm; every layer has every other tensor. (The stacked state keeps every kind's slot in every layer.)"""
+    norm; every layer has every other tensor. (The stacked state: stack_holders.)"""
     parent = suffix.split(".", 1)[0]
-    if parent in ("self_attn", "linear_attn") and cfg.layer_linear:
+    if parent in MIXERS and cfg.layer_linear:
         return cfg.layer_linear[layer] == (parent == "linear_attn")
     if parent == "linear_attn":
         return False
     return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
+
+
+def stack_holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
+    """The decoder layers whose rows the stacked submodule `sub` (an attribute of the stacked DecoderLayer, e.g.
+    "self_attn", "mlp"; or a dotted path under it, whose first name is used) holds, in order: row r of each of its
+    variables is layer stack_holders(cfg, sub)[r]."""
+    return _holders(cfg, sub.split(".", 1)[0])
+
+
+# The stacked submodules that only some layers hold (by the layer's kind: Qwen3.5's token mixers); every other
+# submodule (norms, MLP, Gemma 4's per-layer blocks) is held by every layer.
+MIXERS = ("self_attn", "linear_attn")
+
+
+@functools.lru_cache(maxsize=None)
+def _holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
+    if sub not in MIXERS:
+        return tuple(range(cfg.num_hidden_layers))
+    # read from the layer's kind (its 4th item: the linear-attention mixer), so holding repeats with the kinds
+    # inside every segment of cfg.layer_segments, which the layer scan slices by
+    return tuple(i for i, kind in enumerate(cfg.layer_kinds) if kind[3] == (sub == "linear_attn"))
+
+
+def layer_slot(cfg: ModelConfig, sub: str, layer: int) -> int:
+    """The row of decoder layer `layer` in the stacked submodule `sub` (stack_holders); ValueError if that layer
+    does not hold it."""
+    try:
+        return stack_holders(cfg, sub).index(layer)
+    except ValueError:
+        raise ValueError(f"{cfg.model_type}: decoder layer {layer} has no {sub}") from None

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from unsloth_jax.backend import key_names
-from unsloth_jax.config import ModelConfig, layer_has
+from unsloth_jax.config import ModelConfig, layer_has, stack_holders
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Buffer, Linear, value_of
 from unsloth_jax.models.linear_attention import LINEAR_PROJS
@@ -126,7 +126,6 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
     if settings.bias != "none" and model.config.expert_bias:
         raise ValueError(f"bias={settings.bias!r} is not supported for {model.config.model_type}: its router and "
                          "expert biases have no PEFT adapter form; use bias='none'")
-    n_layers = model.config.num_hidden_layers
     projs = model.projections()
     no_linear = [t for t in targets if t in LINEAR_PROJS and t not in projs]
     if no_linear:  # Qwen3.5's linear-attention projections ("all-linear" names them for every model)
@@ -148,13 +147,13 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
             lin.lora_scale = None
     for name, k in zip(targets, keys):
         lin = projs[name]
-        lin.lora_a, lin.lora_b = _lora_pair(k, (n_layers,), lin.in_features, lin.out_features, settings.r)
+        lin.lora_a, lin.lora_b = _lora_pair(k, stack_of(lin), lin.in_features, lin.out_features, settings.r)
         lin.lora_scale = float(settings.scale)
     experts = model.expert_projections()
     expert_keys = jax.random.split(jax.random.fold_in(key, 1), max(len(experts), 1))
     for (name, grouped), k in zip(experts.items(), expert_keys):
         if name in expert_targets:
-            stack = (n_layers, grouped.num_experts)
+            stack = (len(stack_holders(model.config, "mlp")), grouped.num_experts)
             grouped.lora_a, grouped.lora_b = _lora_pair(k, stack, grouped.in_features, grouped.out_features,
                                                         settings.r)
             grouped.lora_scale = float(settings.scale)
@@ -267,9 +266,9 @@ def split(model: CausalLM, trainable=None):
 def count(tree, config: ModelConfig | None = None) -> int:
     """Number of scalar parameters in a module or state (4-bit and FP8 weights count their original elements;
     a Buffer, which transformers holds as a buffer, is no parameter).
-    config: the text decoder's config: a leaf of its layer stack (under model.layers) counts only the layers that
-    hold it (config.layer_has: Qwen3.5's other token mixer and Gemma 4's KV-shared key/value slots are not
-    parameters of the HF model), so the counts are transformers' and PEFT's."""
+    config: the text decoder's config: a leaf of its layer stack (under model.layers, one row per layer of
+    config.stack_holders) counts only the rows of layers that hold it (config.layer_has: Gemma 4's KV-shared
+    key/value slots are not parameters of the HF model), so the counts are transformers' and PEFT's."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     total = 0
@@ -283,11 +282,17 @@ def count(tree, config: ModelConfig | None = None) -> int:
             n = int(np.prod(np.shape(value)))
         names = key_names(path)
         if config is not None and names[:2] == ("model", "layers"):
-            layers = config.num_hidden_layers
-            held = sum(layer_has(config, i, ".".join(names[2:]) + ".") for i in range(layers))
-            n = n // layers * held
+            holders = stack_holders(config, names[2])
+            held = sum(layer_has(config, i, ".".join(names[2:]) + ".") for i in holders)
+            n = n // len(holders) * held
         total += n
     return total
+
+
+def stack_of(lin: Linear) -> tuple[int, ...]:
+    """The stack axes of a (possibly 4-bit or FP8) Linear's kernel: () unstacked, (rows,) in a layer stack."""
+    kernel = value_of(lin.kernel)
+    return tuple(kernel.stack_shape) if is_quantized(kernel) else tuple(kernel.shape[:-2])
 
 
 def merged_kernel(lin: Linear, layer: int) -> np.ndarray:

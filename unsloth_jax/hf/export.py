@@ -46,7 +46,7 @@ import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.file_modes import chmod_like_new
-from unsloth_jax.config import layer_has
+from unsloth_jax.config import layer_has, layer_slot, stack_holders
 from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
@@ -325,11 +325,11 @@ def _adapter_entries(model) -> list[_Entry]:
         for i in range(n):
             if not layer_has(model.config, i, f"{PROJ_MODULE[proj]}.{proj}."):
                 continue  # Qwen3.5: a layer has one of its two mixers; Gemma 4's KV-shared layers no k/v projections
-            p = prefix.format(i=i)
+            p, r = prefix.format(i=i), layer_slot(model.config, PROJ_MODULE[proj], i)
             entries.append(_Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
-                                  lambda a=a, i=i: np.asarray(a[i], np.float32).T))
+                                  lambda a=a, r=r: np.asarray(a[r], np.float32).T))
             entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
-                                  lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+                                  lambda b=b, r=r: np.asarray(b[r], np.float32).T))
     entries += _fused_adapter_entries(model)
     if lo.bias in ("all", "lora_only"):
         for proj, lin in projs.items():
@@ -340,9 +340,9 @@ def _adapter_entries(model) -> list[_Entry]:
                 continue
             bias = lin.bias[...]
             leaf = "base_layer.bias" if targeted else "bias"
-            for i in range(n):
+            for r, i in enumerate(stack_holders(model.config, PROJ_MODULE[proj])):
                 entries.append(_Entry(f"base_model.model.model.layers.{i}.{PROJ_MODULE[proj]}.{proj}.{leaf}",
-                                      bias.shape[1:], _np_dtype(bias.dtype), lambda x=bias, i=i: np.asarray(x[i])))
+                                      bias.shape[1:], _np_dtype(bias.dtype), lambda x=bias, r=r: np.asarray(x[r])))
     for mod in lo.modules_to_save or ():
         if mod not in SAVED_MODULE_KEYS:
             raise ConfigError(f"modules_to_save entry {mod!r} cannot be exported (supported: "
@@ -501,12 +501,12 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
         elif spec.kind == "fused":  # Phi-3: the merged projections stacked back into one tensor
             lins = [variable_parent(model, part.path) for part in spec.parts]
 
-            def make(lins=lins, i=spec.layer):
+            def make(lins=lins, i=spec.slot):
                 return np.concatenate([kernel_of(lin, i).T for lin in lins]).astype(out_dtype)
         elif spec.kind == "kernel":
             lin = variable_parent(model, spec.path)
 
-            def make(lin=lin, i=spec.layer):
+            def make(lin=lin, i=spec.slot):
                 return np.ascontiguousarray(kernel_of(lin, i).T).astype(out_dtype)
         elif spec.kind == "matrix":  # an unstacked weight kept transposed (Gemma 4's per_layer_model_projection)
             leaf = variable_at(model, spec.path)[...]
@@ -516,7 +516,7 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
         else:
             leaf = variable_at(model, spec.path)[...]
 
-            def make(leaf=leaf, i=spec.layer, out_dtype=np.float32 if spec.keep_fp32 else out_dtype):
+            def make(leaf=leaf, i=spec.slot, out_dtype=np.float32 if spec.keep_fp32 else out_dtype):
                 x = leaf if i is None else leaf[i]
                 return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
         entries.append(_Entry(name, spec.hf_shape, np.float32 if spec.keep_fp32 else out_dtype, make))

@@ -61,8 +61,9 @@ def _describe(tree, leading: int = 0) -> str:
 
 
 def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int, where: str):
-    """The layer-stacked param at spec.path with layer spec.layer set to `value` (an array or a pytree of arrays,
-    e.g. an NF4 weight); the stack is allocated (zeros) at the first layer seen and updated in place after.
+    """The layer-stacked param at spec.path with row spec.slot (layer spec.layer) set to `value` (an array or a
+    pytree of arrays, e.g. an NF4 weight); the stack of `num_layers` rows is allocated (zeros) at the first layer
+    seen and updated in place after.
 
     Raises ShapeMismatchError naming `where` (the tensor and file) when `value` does not have the structure,
     shapes and dtypes of the layers already stored (e.g. a 4-bit checkpoint whose layers differ in blocksize or
@@ -80,7 +81,7 @@ def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int, where: s
                 f"{where}: layer {spec.layer} loads as {_describe(value)}, but the layers before it as "
                 f"{_describe(stack, leading=1)}; every layer of one projection must share shape, dtype and "
                 "quantization settings")
-    return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.layer), stack, value)
+    return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.slot), stack, value)
 
 
 def set_path(tree: dict, path: tuple[str, ...], value) -> None:
@@ -113,12 +114,12 @@ def _set_expert_part(buffer: jax.Array, value: jax.Array, layer, expert, column)
 
 def _into_expert_stack(params: dict, spec: TensorSpec, value: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The [L, E, in, out] expert stack at spec.path with one expert's projection (kind "expert") written at
-    (spec.layer, spec.expert, spec.column); allocated (zeros) when the first part is seen."""
+    (spec.slot, spec.expert, spec.column); allocated (zeros) when the first part is seen."""
     try:
         stack = get_path(params, spec.path)
     except KeyError:
         stack = jnp.zeros(stack_shape(cfg, spec), value.dtype)
-    return _set_expert_part(stack, value, spec.layer, spec.expert, spec.column)
+    return _set_expert_part(stack, value, spec.slot, spec.expert, spec.column)
 
 
 # A weight transform hook: (spec, host array in param layout, dtype) -> the device value to store. The 4-bit
@@ -170,7 +171,7 @@ def place(params: Params, spec: TensorSpec, array: np.ndarray, dtype, placer: Pl
     elif spec.kind == "expert":
         set_path(params, spec.path, _into_expert_stack(params, spec, value, cfg))
     else:
-        set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers, where))
+        set_path(params, spec.path, _into_stack(params, spec, value, stack_shape(cfg, spec)[0], where))
 
 
 def load_params(
@@ -231,7 +232,7 @@ def load_params(
                 seen.add(name)
                 if bnb_4bit and spec.kind == "kernel":
                     value = _bnb_weight(name, spec, handles, where)
-                    set_path(params, spec.path, _into_stack(params, spec, value, cfg.num_hidden_layers,
+                    set_path(params, spec.path, _into_stack(params, spec, value, stack_shape(cfg, spec)[0],
                                                             f"{path}: tensor '{name}'"))
                     continue
                 if tuple(f.shape(name)) != spec.hf_shape:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig, layer_has
+from unsloth_jax.config import ModelConfig, layer_has, layer_slot, stack_holders
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
@@ -110,7 +110,8 @@ def _gemma4_model_specs(cfg: ModelConfig) -> dict[str, "TensorSpec"]:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """Where one HF tensor goes: `path` in the module tree, `layer` (None for unstacked variables), `kind`, and
-    the expected HF shape."""
+    the expected HF shape. `slot`: the layer's row in its stacked variable (config.layer_slot; the layer itself
+    unless given)."""
 
     hf_name: str
     path: tuple[str, ...]
@@ -122,6 +123,11 @@ class TensorSpec:
     expert: int | None = None  # kind "expert": the expert this tensor is
     column: int = 0  # kind "expert": first column of the fused output axis it fills (gate 0, up F)
     keep_fp32: bool = False  # loaded and written in float32 whatever the dtype (GLM-4.5's router: cfg.router_fp32)
+    slot: int | None = None
+
+    def __post_init__(self):
+        if self.slot is None:
+            object.__setattr__(self, "slot", self.layer)
 
     @property
     def param_shape(self) -> tuple[int, ...]:
@@ -211,7 +217,7 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
                 shape = (hd,)
             else:
                 shape = (d,)
-            specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape)
+            specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape, slot=layer_slot(cfg, sub[0], i))
     if cfg.is_moe:
         specs.update(moe_specs(cfg, expert_layout))
     specs.update(_gemma4_model_specs(cfg))
@@ -226,10 +232,12 @@ def fused_groups(cfg: ModelConfig) -> tuple[tuple[str, str, tuple[str, ...]], ..
 
 def _fused_spec(cfg: ModelConfig, name: str, suffix: str, layer: int, shapes: dict) -> TensorSpec:
     parent, projs = next((p, pr) for s, p, pr in FUSED_PROJS[cfg.model_type] if s == suffix)
-    parts = tuple(TensorSpec(name, LAYERS + (parent, p, "kernel"), layer, "kernel", shapes[p]) for p in projs)
+    slot = layer_slot(cfg, parent, layer)
+    parts = tuple(TensorSpec(name, LAYERS + (parent, p, "kernel"), layer, "kernel", shapes[p], slot=slot)
+                  for p in projs)
     rows = sum(part.hf_shape[0] for part in parts)
     return TensorSpec(name, LAYERS + (parent, suffix.split(".")[1]), layer, "fused", (rows, shapes[projs[0]][1]),
-                      parts)
+                      parts, slot=slot)
 
 
 def fused_parts(spec: TensorSpec):
@@ -277,7 +285,8 @@ def moe_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, T
     specs: dict[str, TensorSpec] = {}
 
     def add(name, path, layer, kind, shape, **kw):
-        specs[name] = TensorSpec(name, path, layer, kind, tuple(shape), **kw)
+        specs[name] = TensorSpec(name, path, layer, kind, tuple(shape), slot=layer_slot(cfg, path[len(LAYERS)], layer),
+                                 **kw)
 
     for i in range(cfg.num_hidden_layers):
         if cfg.attn_sinks:
@@ -342,9 +351,9 @@ def mtp_layer_tensor(cfg: ModelConfig, name: str) -> bool:
 
 
 def stack_shape(cfg: ModelConfig, spec: TensorSpec) -> tuple[int, ...]:
-    """The full layer-stacked shape of the variable a layer tensor goes into ([L, ...]; for kind "expert"
-    the whole [L, E, in, out] stack)."""
-    n = cfg.num_hidden_layers
+    """The full layer-stacked shape of the variable a layer tensor goes into ([n, ...], n the layers holding it:
+    config.stack_holders; for kind "expert" the whole [n, E, in, out] stack)."""
+    n = len(stack_holders(cfg, spec.path[len(LAYERS)]))
     if spec.kind != "expert":
         return (n, *spec.param_shape)
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

@@ -67,17 +67,17 @@ class MergedExperts:
         if spec.kind == "router":
             kernel = variable_at(self.model, spec.path)[...]
             out_dtype = np.float32 if spec.keep_fp32 else out_dtype
-            return lambda: np.ascontiguousarray(np.asarray(kernel[spec.layer], np.float32).T).astype(out_dtype)
+            return lambda: np.ascontiguousarray(np.asarray(kernel[spec.slot], np.float32).T).astype(out_dtype)
         grouped = _parent(self.model, spec.path)
         if spec.kind == "experts_t":
-            return lambda: np.ascontiguousarray(self._merged(grouped, spec.layer)).astype(out_dtype)
+            return lambda: np.ascontiguousarray(self._merged(grouped, spec.slot)).astype(out_dtype)
         if spec.kind == "experts":
-            return lambda: np.ascontiguousarray(np.swapaxes(self._merged(grouped, spec.layer), 1, 2)).astype(out_dtype)
+            return lambda: np.ascontiguousarray(np.swapaxes(self._merged(grouped, spec.slot), 1, 2)).astype(out_dtype)
         if spec.kind == "expert":
             width = spec.hf_shape[0]
 
             def make():
-                part = self._merged(grouped, spec.layer)[spec.expert][:, spec.column:spec.column + width]
+                part = self._merged(grouped, spec.slot)[spec.expert][:, spec.column:spec.column + width]
                 return np.ascontiguousarray(part.T).astype(out_dtype)
 
             return make

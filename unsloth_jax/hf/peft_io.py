@@ -30,7 +30,7 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.config import layer_has
+from unsloth_jax.config import layer_has, layer_slot, stack_holders
 from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
@@ -287,8 +287,9 @@ def load_adapter(model, adapter_dir):
         if p not in projs:
             raise ConfigError(f"{cfg_path}: target {p} does not exist in this {cfg.model_type} model")
     dims = {p: (projs[p].in_features, projs[p].out_features) for p in targets}
-    lora_a = {p: np.zeros((n_layers, dims[p][0], r), np.float32) for p in targets}
-    lora_b = {p: np.zeros((n_layers, r, dims[p][1]), np.float32) for p in targets}
+    rows = {p: len(stack_holders(cfg, PROJ_MODULE[p])) for p in targets}  # the stack holds its holders' rows
+    lora_a = {p: np.zeros((rows[p], dims[p][0], r), np.float32) for p in targets}
+    lora_b = {p: np.zeros((rows[p], r, dims[p][1]), np.float32) for p in targets}
     seen: set[tuple[str, int, str]] = set()
     biases: dict[tuple[str, int], np.ndarray] = {}
     top: dict[str, np.ndarray] = {}
@@ -340,7 +341,7 @@ def load_adapter(model, adapter_dir):
                     f"{weights}: tensor '{key}' has shape {list(arr.shape)}, expected {list(want)} "
                     f"(r={r} from {CONFIG_NAME}, and this model's {proj} is [{d_out}, {d_in}])")
             target = lora_a if which == "A" else lora_b
-            target[proj][i] = np.asarray(arr, np.float32).T
+            target[proj][layer_slot(cfg, module, i)] = np.asarray(arr, np.float32).T
             seen.add((proj, i, which))
     if unexpected:
         shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else "")
@@ -363,7 +364,7 @@ def load_adapter(model, adapter_dir):
             if value.shape != b.shape[1:]:
                 raise ShapeMismatchError(f"{weights}: bias of layer {i} {proj} has shape {list(value.shape)}, "
                                          f"expected {list(b.shape[1:])}")
-            b[i] = value
+            b[layer_slot(cfg, PROJ_MODULE[proj], i)] = value
         new_biases[proj] = jnp.asarray(b, current.dtype)
     if tied:
         top = _tied_tables(top, bool(raw.get("ensure_weight_tying")), cfg_path)

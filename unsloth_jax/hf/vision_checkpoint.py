@@ -23,7 +23,7 @@ import numpy as np
 from unsloth_jax.errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from unsloth_jax.hf.loading import Params, Placer, _into_stack, default_placer, place, set_path
 from unsloth_jax.families import VisionFamily
-from unsloth_jax.config import layer_has
+from unsloth_jax.config import layer_has, layer_slot
 from unsloth_jax.hf.mapping import TensorSpec, tensor_specs
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
 
@@ -37,6 +37,12 @@ def layer_holds(text_cfg, tower: str, parent: str, proj: str, layer: int) -> boo
     every vision block holds its projections; a language layer those config.layer_has gives it (Qwen3.5: the
     projections of its own token mixer only), by the text decoder's config `text_cfg`."""
     return tower == "vision" or layer_has(text_cfg, layer, f"{parent}.{proj}.")
+
+
+def layer_row(text_cfg, tower: str, parent: str, layer: int) -> int:
+    """The row of layer `layer` of `tower` in the stacked module `parent` (a vision block's its index; a language
+    layer's config.layer_slot of the text decoder's config `text_cfg`)."""
+    return layer if tower == "vision" else layer_slot(text_cfg, parent, layer)
 
 
 def first_names(names: list[str], limit: int = 8) -> str:

@@ -27,7 +27,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.families import family_of
-from unsloth_jax.hf.vision_checkpoint import layer_holds, skipped_tensors, vision_language_specs
+from unsloth_jax.hf.vision_checkpoint import layer_holds, layer_row, skipped_tensors, vision_language_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -37,8 +37,9 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
-    """(module path with {i}, Linear, the layers holding it) of every projection carrying a LoRA pair, under
-    transformers 5's module names (the family's AdapterLayout); the layers by vision_checkpoint.layer_holds."""
+    """(module path with {i}, Linear, (layer, its row in the stack) of the layers holding it) of every projection
+    carrying a LoRA pair, under transformers 5's module names (the family's AdapterLayout); the layers by
+    vision_checkpoint.layer_holds, the rows by its layer_row."""
     layout, lo = family_of(model).adapter, model.lora
     towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
               ("vision", lo.vision_target_modules or (), model.vision_projections(),
@@ -47,7 +48,8 @@ def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     for tower, names, lins, layers in towers:
         for name in names:
             module = layout.module(tower, name)
-            held = [i for i in range(layers) if layer_holds(model.config, tower, module, name, i)]
+            held = [(i, layer_row(model.config, tower, module, i)) for i in range(layers)
+                    if layer_holds(model.config, tower, module, name, i)]
             out.append((f"{layout.paths(tower)[0]}.{{i}}.{module}.{name}", lins[name], held))
     return out
 
@@ -75,12 +77,12 @@ def adapter_entries(model) -> list:
     entries = []
     for path, lin, held in _lora_modules(model):
         a, b = lin.lora_a[...], lin.lora_b[...]
-        for i in held:
+        for i, row in held:
             p = "base_model.model." + path.format(i=i)
             entries.append(export._Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
-                                         lambda a=a, i=i: np.asarray(a[i], np.float32).T))
+                                         lambda a=a, row=row: np.asarray(a[row], np.float32).T))
             entries.append(export._Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
-                                         lambda b=b, i=i: np.asarray(b[i], np.float32).T))
+                                         lambda b=b, row=row: np.asarray(b[row], np.float32).T))
     return entries
 
 
@@ -124,11 +126,11 @@ def _vision_make(model, spec, out_dtype):
     """A maker of one tower / projector tensor in HF layout, LoRA folded into the adapted stacked Linears."""
     if spec.kind == "kernel" and spec.layer is not None:  # a stacked tower Linear: [in, out] -> HF [out, in]
         lin = export.variable_parent(model, spec.path)
-        return lambda: np.ascontiguousarray(merged_kernel(lin, spec.layer).T).astype(out_dtype)
+        return lambda: np.ascontiguousarray(merged_kernel(lin, spec.slot).T).astype(out_dtype)
     leaf = variable_at(model, spec.path)[...]
     if spec.kind in ("kernel", "patch"):  # a projector Linear; a patch kernel [C*(T*)p*p, Dv] -> conv weight
         return lambda: np.ascontiguousarray(np.asarray(leaf, np.float32).T).reshape(spec.hf_shape).astype(out_dtype)
-    return lambda: np.asarray(leaf if spec.layer is None else leaf[spec.layer], np.float32).astype(out_dtype)
+    return lambda: np.asarray(leaf if spec.slot is None else leaf[spec.slot], np.float32).astype(out_dtype)
 
 
 def _source_entries(model, out_dtype: np.dtype) -> list:

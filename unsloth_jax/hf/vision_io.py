@@ -30,9 +30,9 @@ from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, f
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
-from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, read_vl_checkpoint, vision_language_specs,
-                                             vl_tensor_placer)
-from unsloth_jax.lora import LoraSettings, add_lora
+from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, layer_row, read_vl_checkpoint,
+                                             vision_language_specs, vl_tensor_placer)
+from unsloth_jax.lora import LoraSettings, add_lora, stack_of
 
 
 def checkpoint_family(model_dir: str | os.PathLike) -> tuple[VisionFamily, object]:
@@ -140,16 +140,17 @@ def _adapter_rank_alpha(raw: dict, cfg_path: Path, family: str) -> tuple[int, fl
 
 def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers: dict[str, int], r: int,
                        text_cfg) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
-    """(tower, projection) -> (lora_a [L, in, r], lora_b [L, r, out]) float32 for every Linear of `lins` (keyed the
-    same way), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer; a layer without the
-    projection, vision_checkpoint.layer_holds of the text config `text_cfg` (Qwen3.5's other token mixer), has no
-    pair and keeps zeros). Raises UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
+    """(tower, projection) -> (lora_a [n, in, r], lora_b [n, r, out]) float32 for every Linear of `lins` (keyed the
+    same way; n its stacked rows), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer, in
+    the layer's row: vision_checkpoint.layer_row; a layer's projection that vision_checkpoint.layer_holds of the
+    text config `text_cfg` says it lacks (Gemma 4's KV-shared layers) has no pair and keeps zeros). Raises
+    UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
     MissingTensorError, naming key and file."""
     def held(tower: str, proj: str, i: int) -> bool:
         return layer_holds(text_cfg, tower, layout.module(tower, proj), proj, i)
 
-    factors = {k: (np.zeros((layers[k[0]], lin.in_features, r), np.float32),
-                   np.zeros((layers[k[0]], r, lin.out_features), np.float32)) for k, lin in lins.items()}
+    factors = {k: (np.zeros((*stack_of(lin), lin.in_features, r), np.float32),
+                   np.zeros((*stack_of(lin), r, lin.out_features), np.float32)) for k, lin in lins.items()}
     seen, unexpected = set(), []
     with SafetensorsFile(weights) as f:
         for key in f.keys():
@@ -164,7 +165,8 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
             if tuple(f.shape(key)) != want:
                 raise ShapeMismatchError(f"{weights}: tensor '{key}' has shape {list(f.shape(key))}, expected "
                                          f"{list(want)} (r={r} from {peft_io.CONFIG_NAME})")
-            factors[(tower, m["proj"])][0 if which == "A" else 1][i] = np.asarray(f.get(key), np.float32).T
+            row = layer_row(text_cfg, tower, m["module"], i)
+            factors[(tower, m["proj"])][0 if which == "A" else 1][row] = np.asarray(f.get(key), np.float32).T
             seen.add((tower, m["proj"], i, which))
     if unexpected:
         targets = {t: [p for (tt, p) in lins if tt == t] for t in ("language", "vision")}

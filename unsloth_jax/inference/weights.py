@@ -37,6 +37,7 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.backend import commit_to_devices
+from unsloth_jax.models.layer_stack import layer_graphdef, layer_row, layer_rows, missing_subs
 from pallas_kernels.fp8 import FP8Weight, quantize_fp8_weight
 from pallas_kernels.nf4_format import NF4Weight
 
@@ -45,11 +46,27 @@ MERGE_FRACTION = 0.25  # "auto" merges when the merged kernels take at most this
 
 
 class LayerPlan(NamedTuple):
-    """Static side of the decode weights: the model and layer graphdefs and whether layers are sliced in-step."""
+    """Static side of the decode weights: the model graphdef, the layer graphdefs (one per set of stacked
+    submodules a layer lacks: layer_stack.layer_graphdef; Qwen3.5's two mixers give two), which one each layer
+    merges into (`kind`, length L), each layer's rows in the stacked submodules it holds (`rows`: (name, row)
+    pairs, config.stack_holders) and whether layers are sliced in-step."""
 
     graphdef: nnx.GraphDef
-    layer_graphdef: nnx.GraphDef
+    layer_graphdefs: tuple
+    kind: tuple[int, ...]
+    rows: tuple[tuple[tuple[str, int], ...], ...]
     sliced: bool  # True: the stacked part is sliced inside the step ("shared")
+
+
+def _plan(graphdef, layers, cfg, sliced: bool) -> LayerPlan:
+    """The LayerPlan of the stacked layer module `layers` (its graphdef, or a clone's of the same structure)."""
+    subs = tuple(nnx.state(layers).keys())
+    missing = [missing_subs(cfg, subs, i) for i in range(cfg.num_hidden_layers)]
+    distinct = list(dict.fromkeys(missing))
+    rows = tuple(tuple((sub, layer_row(cfg, sub, i)) for sub in subs if sub not in gone)
+                 for i, gone in enumerate(missing))
+    return LayerPlan(graphdef, tuple(layer_graphdef(layers, m) for m in distinct),
+                     tuple(distinct.index(m) for m in missing), rows, sliced)
 
 
 class DecodeWeights(NamedTuple):
@@ -66,16 +83,17 @@ def _cast_lora(tree, dtype):
     return jax.tree.map(lambda a: a.astype(dtype), tree)
 
 
-def _unstack(tree, n: int) -> tuple:
-    return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
+def _unstack(tree, cfg) -> tuple:
+    """A stacked layer state -> its L layers' parts (layer_stack.layer_rows)."""
+    return tuple(layer_rows(tree, cfg, i) for i in range(cfg.num_hidden_layers))
 
 
-def _split_lora(lora_state, n: int, dtype):
-    return tuple((s,) for s in _unstack(_cast_lora(lora_state, dtype), n))
+def _split_lora(lora_state, cfg, dtype):
+    return tuple((s,) for s in _unstack(_cast_lora(lora_state, dtype), cfg))
 
 
-def _copy_layers(base_state, lora_state, n: int, dtype):
-    return tuple(zip(_unstack(base_state, n), _unstack(_cast_lora(lora_state, dtype), n)))
+def _copy_layers(base_state, lora_state, cfg, dtype):
+    return tuple(zip(_unstack(base_state, cfg), _unstack(_cast_lora(lora_state, dtype), cfg)))
 
 
 _split_lora = jax.jit(_split_lora, static_argnums=(1, 2))
@@ -118,22 +136,21 @@ def prepare(model, mode: str = "shared", buffers: MergeBuffers | FP8Copies | Non
     commit_in_place(model)
     graphdef, state = nnx.split(model)
     layers = model.model.layers
-    n = model.config.num_hidden_layers
-    dtype = model.dtype
+    cfg, dtype = model.config, model.dtype
     if mode == "merged":
-        return _prepare_merged(model, graphdef, state, layers, n, dtype)
+        return _prepare_merged(graphdef, state, layers, cfg, dtype)
     if mode == "merged_buffer":
         keep = buffers if isinstance(buffers, MergeBuffers) else MergeBuffers()
-        return _prepare_merged_buffer(graphdef, state, layers, n, dtype, keep)
+        return _prepare_merged_buffer(graphdef, state, layers, cfg, dtype, keep)
     if mode == "fp8":
-        return _prepare_fp8(graphdef, state, layers, n, dtype, buffers if isinstance(buffers, FP8Copies)
+        return _prepare_fp8(graphdef, state, layers, cfg, dtype, buffers if isinstance(buffers, FP8Copies)
                             else FP8Copies())
-    layer_graphdef, lora_state, base_state = nnx.split(layers, nnx.LoRAParam, ...)
+    _, lora_state, base_state = nnx.split(layers, nnx.LoRAParam, ...)
     if mode == "shared":
-        per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
-        return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
-    per_layer = _copy_layers(base_state, lora_state, n, jnp.dtype(dtype))
-    return LayerPlan(graphdef, layer_graphdef, False), DecodeWeights(state, None, per_layer)
+        per_layer = _split_lora(lora_state, cfg, jnp.dtype(dtype))
+        return _plan(graphdef, layers, cfg, True), DecodeWeights(state, base_state, per_layer)
+    per_layer = _copy_layers(base_state, lora_state, cfg, jnp.dtype(dtype))
+    return _plan(graphdef, layers, cfg, False), DecodeWeights(state, None, per_layer)
 
 
 def commit_in_place(model) -> None:
@@ -179,7 +196,7 @@ def choose_layout(model, free_bytes: int | None) -> tuple[str, str]:
     return "merged_buffer", f"LoRA merged into a reused {need / 2**30:.2f} GiB buffer once per rollout"
 
 
-def _prepare_merged(model, graphdef, state, layers, n, dtype):
+def _prepare_merged(graphdef, state, layers, cfg, dtype):
     if _quantized_base(layers):
         raise ValueError("weights='merged' needs a 16-bit base; this model's projections are 4-bit or FP8 "
                          "(use weights='shared')")
@@ -195,9 +212,8 @@ def _prepare_merged(model, graphdef, state, layers, n, dtype):
         lin.kernel.set_value(_merged_kernel_jit(kernel, a, b, scale, jnp.dtype(dtype)))
         lin.lora_a = lin.lora_b = None
         lin.lora_scale = None
-    merged_graphdef, merged_state = nnx.split(clone)
-    per_layer = tuple((s,) for s in _unstack_jit(merged_state, n))
-    return LayerPlan(graphdef, merged_graphdef, False), DecodeWeights(state, None, per_layer)
+    per_layer = tuple((s,) for s in _unstack_jit(nnx.state(clone), cfg))
+    return _plan(graphdef, clone, cfg, False), DecodeWeights(state, None, per_layer)
 
 
 _merged_kernel_jit = jax.jit(_merged_kernel, static_argnums=(3, 4))
@@ -211,7 +227,7 @@ def _merge_into(buffer, kernel, a, b, scale):
 _merge_into_jit = jax.jit(_merge_into, static_argnums=(4,), donate_argnums=(0,))
 
 
-def _prepare_merged_buffer(graphdef, state, layers, n, dtype, buffers: MergeBuffers):
+def _prepare_merged_buffer(graphdef, state, layers, cfg, dtype, buffers: MergeBuffers):
     """"merged_buffer": a stacked layer module whose LoRA kernels are the merged buffers (rewritten in place by
     this rollout's merge; allocated on the first), its LoRA pairs dropped; sliced in the step as "shared"."""
     if _quantized_base(layers):
@@ -234,12 +250,12 @@ def _prepare_merged_buffer(graphdef, state, layers, n, dtype, buffers: MergeBuff
         lin.lora_a = lin.lora_b = None
         lin.lora_scale = None
     buffers.kernels = fresh
-    merged_graphdef, merged_state = nnx.split(clone)
-    return LayerPlan(graphdef, merged_graphdef, True), DecodeWeights(state, merged_state, tuple(() for _ in range(n)))
+    return (_plan(graphdef, clone, cfg, True),
+            DecodeWeights(state, nnx.state(clone), tuple(() for _ in range(cfg.num_hidden_layers))))
 _unstack_jit = jax.jit(_unstack, static_argnums=(1,))
 
 
-def _prepare_fp8(graphdef, state, layers, n, dtype, copies: FP8Copies):
+def _prepare_fp8(graphdef, state, layers, cfg, dtype, copies: FP8Copies):
     """"fp8": a stacked layer module whose dense projection kernels are e4m3 copies (made once per base kernel),
     LoRA unmerged and split per layer as in "shared"."""
     from unsloth_jax.models.layers import FP8Param
@@ -257,9 +273,9 @@ def _prepare_fp8(graphdef, state, layers, n, dtype, copies: FP8Copies):
         fresh.append((kernel, fp8))
         lin.kernel = FP8Param(fp8)
     copies.copies = fresh
-    layer_graphdef, lora_state, base_state = nnx.split(clone, nnx.LoRAParam, ...)
-    per_layer = _split_lora(lora_state, n, jnp.dtype(dtype))
-    return LayerPlan(graphdef, layer_graphdef, True), DecodeWeights(state, base_state, per_layer)
+    _, lora_state, base_state = nnx.split(clone, nnx.LoRAParam, ...)
+    per_layer = _split_lora(lora_state, cfg, jnp.dtype(dtype))
+    return _plan(graphdef, clone, cfg, True), DecodeWeights(state, base_state, per_layer)
 
 
 def _is_projection_kernel(path) -> bool:
@@ -275,18 +291,20 @@ def layer_module(plan: LayerPlan, weights: DecodeWeights, i: int, *, in_place: b
     stack, which `ops.linear` reads in place when its decode kernel is chosen (and slices otherwise)."""
     parts = list(weights.per_layer[i])
     if plan.sliced:
-        def pick(path, a):
+        def pick(path, a, r):
             if isinstance(a, NF4Weight):
                 if in_place and len(a.stack_shape) == 1 and _is_projection_kernel(path):
-                    return ops.LayerSlice(a, i)
-                return jax.tree.map(lambda v: v[i], a)
+                    return ops.LayerSlice(a, r)
+                return jax.tree.map(lambda v: v[r], a)
             if in_place and a.ndim == 3 and jnp.issubdtype(a.dtype, jnp.floating) and _is_projection_kernel(path):
-                return ops.LayerSlice(a, i)
-            return a[i]
+                return ops.LayerSlice(a, r)
+            return a[r]
 
-        parts.insert(0, jax.tree_util.tree_map_with_path(pick, weights.stacked,
-                                                         is_leaf=lambda a: isinstance(a, NF4Weight)))
-    return nnx.merge(plan.layer_graphdef, *parts)
+        parts.insert(0, nnx.State({
+            sub: jax.tree_util.tree_map_with_path(lambda path, a, r=r: pick(path, a, r),
+                                                  weights.stacked[sub], is_leaf=lambda a: isinstance(a, NF4Weight))
+            for sub, r in plan.rows[i]}))
+    return nnx.merge(plan.layer_graphdefs[plan.kind[i]], *parts)
 
 
 __all__ = ["WEIGHT_MODES", "MERGE_FRACTION", "LayerPlan", "DecodeWeights", "MergeBuffers", "FP8Copies", "prepare",

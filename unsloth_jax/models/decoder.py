@@ -17,7 +17,10 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.per_layer_projection_norm.weight [P], model.layers.per_layer_input_gate / per_layer_projection,
     model.layers.post_per_layer_input_norm.weight [L, D], model.layers.layer_scalar [L, 1]   (Gemma 4)
 
-The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis; `DecoderModel.run_layers`
+The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis (L, or for a token mixer
+only some layers hold the number of its holders: config.stack_holders; Qwen3.5's self_attn [La, ...] over its
+full-attention layers, linear_attn [L - La, ...] over the others; row r is layer stack_holders(...)[r]);
+`DecoderModel.run_layers`
 runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
 `LayerStackPolicy` it is given: what each layer keeps for the backward pass, what goes to pinned host memory,
 two-level checkpointing, the loop's settings.
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.config import ModelConfig, stack_holders
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_linear, layer_ropes, layer_sparse,
                                             layer_windows, require_policy, run_layers)
@@ -54,10 +57,19 @@ class DecoderLayer(nnx.Module):
     the per-layer input block and the layer's scalar)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
+        """stack=(L,): every layer's variables stacked, a token mixer's over the layers holding it only
+        (config.stack_holders: Qwen3.5's self_attn over its full-attention layers, linear_attn over the others);
+        stack=(): one layer, holding both mixers where the model has both."""
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
+
+        def rows(sub):  # a mixer's stack: the layers holding it
+            return (len(stack_holders(cfg, sub)),) if stack else ()
+
         self.sandwich_norms = cfg.sandwich_norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.self_attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        # None where no layer attends; a layer's own module (layer_stack.layer_graphdef) drops the mixer it lacks
+        self.self_attn = nnx.data(Attention(cfg, stack=rows("self_attn"), dtype=dtype, rngs=rngs)
+                                  if not stack or rows("self_attn")[0] else None)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.moe = cfg.is_moe
         self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
@@ -73,8 +85,8 @@ class DecoderLayer(nnx.Module):
         self.post_per_layer_input_norm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if p else None)
         # Gemma 4: the layer's output scale [*stack, 1] (a buffer in transformers, which never trains it)
         self.layer_scalar = nnx.data(Buffer(jnp.ones((*stack, 1), dtype)) if cfg.layer_scalar else None)
-        if cfg.has_linear_layers:  # Qwen3.5: every layer holds both mixers; each layer runs its own (layer_linear)
-            self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        if cfg.has_linear_layers:  # Qwen3.5: each layer runs its own mixer (layer_linear)
+            self.linear_attn = nnx.data(GatedDeltaNet(cfg, stack=rows("linear_attn"), dtype=dtype, rngs=rngs))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: Batch, window: int | None,
                  cache: KVCache | None = None, sparse: bool = False, linear: bool = False, *,

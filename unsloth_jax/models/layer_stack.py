@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, Recompute, checkpoint_name
 
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.config import ModelConfig, stack_holders
 from unsloth_jax.models.attention import Batch, KVCache
 from unsloth_jax.models.layers import gathered
 from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, offloaded_layer_scan
@@ -381,10 +381,56 @@ def layer_ropes(cfg: ModelConfig, cos, sin, local_rope=None) -> tuple:
                  for w, r in zip(layer_windows(cfg), rotates))
 
 
+def missing_subs(cfg: ModelConfig, subs, layer: int) -> frozenset[str]:
+    """Those of the stacked submodules `subs` (names under the stacked DecoderLayer) that layer `layer` does not
+    hold (config.stack_holders: Qwen3.5's other token mixer)."""
+    return frozenset(sub for sub in subs if layer not in stack_holders(cfg, sub))
+
+
+def layer_graphdef(layers: nnx.Module, missing: frozenset[str]) -> nnx.GraphDef:
+    """The graphdef of one layer of the stacked `layers` that lacks the submodules `missing` (missing_subs): the
+    stacked module's with those set to None, so a layer's slice (layer_rows) merges into it."""
+    if not missing:
+        return nnx.graphdef(layers)
+    clone = nnx.merge(*nnx.split(layers))  # new module objects over the same arrays
+    for sub in missing:
+        setattr(clone, sub, None)
+    return nnx.graphdef(clone)
+
+
+def layer_row(cfg: ModelConfig, sub: str, layer: int, first: int = 0) -> int:
+    """The row of layer `layer` in submodule `sub`'s stack counted from layer `first` (the holders in between)."""
+    return sum(first <= h < layer for h in stack_holders(cfg, sub))
+
+
+def layer_rows(state: nnx.State, cfg: ModelConfig, layer: int, first: int = 0) -> nnx.State:
+    """Layer `layer`'s part of a stacked layer state whose rows start at layer `first`: its row (layer_row) of
+    every leaf of the submodules it holds, the others left out."""
+    return nnx.State({sub: jax.tree.map(lambda a, r=layer_row(cfg, sub, layer, first): a[r], tree)
+                      for sub, tree in state.items() if layer in stack_holders(cfg, sub)})
+
+
+def stack_rows(state: nnx.State, cfg: ModelConfig, start: int, shape: tuple[int, ...]) -> nnx.State:
+    """The rows of layers start .. start + prod(shape) - 1 of a stacked layer state, grouped: shape[-1] is the
+    layers in a group (a segment's period) and each leaf becomes [*shape[:-1], c, ...] with c the group's layers
+    holding its submodule (config.stack_holders; the same in every group of a segment); a submodule no layer of
+    the group holds is left out."""
+    period, n = shape[-1], math.prod(shape)
+    out = {}
+    for sub, tree in state.items():
+        holders = stack_holders(cfg, sub)
+        c = sum(start <= h < start + period for h in holders)
+        if c:
+            r0, rows = sum(h < start for h in holders), n // period * c
+            out[sub] = jax.tree.map(lambda a: a[r0:r0 + rows].reshape(shape[:-1] + (c,) + a.shape[1:]), tree)
+    return nnx.State(out)
+
+
 def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, batch: Batch, *,
                policy: LayerStackPolicy = NO_REMAT, cache: KVCache | None = None, local_rope=None,
                router_stats: bool = False, per_layer_inputs: jax.Array | None = None):
-    """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading axis L) over
+    """Every decoder layer of the stacked `layers` (a DecoderLayer whose variables carry a leading layer axis: one
+    row per layer holding the submodule, config.stack_holders) over
     x [B, S, D], segment by segment (cfg.layer_segments: consecutive runs of a repeating group of layer kinds),
     each segment a scan over its groups, whose body runs the group's layers with their static windows, MLP kinds
     and RoPE tables.
@@ -409,19 +455,27 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment
     ropes = layer_ropes(cfg, cos, sin, local_rope)
     graphdef, state = nnx.split(layers)
+    graphdefs: dict = {}  # a layer's missing submodules -> its graphdef (layer_graphdef), built once per kind
+
+    def graphdef_of(layer: int) -> nnx.GraphDef:
+        missing = missing_subs(cfg, state.keys(), layer)
+        if missing not in graphdefs:
+            graphdefs[missing] = graphdef if not missing else layer_graphdef(layers, missing)
+        return graphdefs[missing]
+
     unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice
     keep = attention_residuals_saveable if policy.offload is Offload.INPUTS_AND_ATTENTION else None
 
     def run_group(first, h, xs_group, group_ropes, batch):
         """One group of layers, the first with the kinds of layer `first` (static). xs_group: {"layers": the
-        group's stacked state, and "ple" (per-layer inputs), "k", "v" (cache slots) where given}."""
+        group's stacked state (stack_rows), and "ple" (per-layer inputs), "k", "v" (cache slots) where given}."""
         h = checkpoint_name(h, "layer_input")
         layer_states = xs_group["layers"]
-        size = jax.tree.leaves(layer_states)[0].shape[0]
         new_k, new_v, stats, handed = [], [], [], {}
-        for j in range(size):
+        for j in range(len(group_ropes)):
             i = first + j
-            layer = nnx.merge(graphdef, gathered(jax.tree.map(lambda a: a[j], layer_states)))
+            one = layer_rows(layer_states, cfg, i, first)
+            layer = nnx.merge(graphdef_of(i), gathered(one))
             layer_cache = None
             if cache is not None:
                 layer_cache = cache._replace(k=xs_group["k"][j], v=xs_group["v"][j])  # KVCache or a variant
@@ -456,8 +510,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
                 and per_layer_inputs is None and not sources):
             # the host-offload modes in training: the hand-written VJP that prefetches the offloaded inputs
             # (models.offload), with attention's forward residuals kept under "inputs_and_attention"
-            xs = jax.tree.map(lambda a: a[first:first + period * groups].reshape((groups, period) + a.shape[1:]),
-                              {"layers": state})
+            xs = {"layers": stack_rows(state, cfg, first, (groups, period))}
             h = offloaded_layer_scan(lambda h, xs_group, side: run_group(first, h, xs_group, *side)[0], h, xs,
                                      (group_ropes, batch), keep=keep, unroll=unroll,
                                      chunk_bytes=policy.copy_chunk_bytes, prefetch_weights=policy.prefetch_weights)
@@ -485,7 +538,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
             def grouped(a):
                 return a[start:start + n].reshape(shape + a.shape[1:])
 
-            xs = {"layers": jax.tree.map(grouped, state)}
+            xs = {"layers": stack_rows(state, cfg, start, shape)}
             if per_layer_inputs is not None:
                 xs["ple"] = grouped(per_layer_inputs)
             if cache is not None:
@@ -521,4 +574,5 @@ def _concat(parts):
 
 __all__ = ["LayerStackPolicy", "Checkpoint", "Offload", "LayerLoop", "OffloadAttention", "OffloadWeights",
            "OffloadCopies", "NO_REMAT", "require_policy", "MODES", "REMAT_MODES", "SETTINGS", "UNSLOTH_VALUES",
-           "checkpointed", "remat", "run_layers", "layer_windows", "layer_sparse", "layer_linear", "layer_ropes"]
+           "checkpointed", "remat", "run_layers", "layer_windows", "layer_sparse", "layer_linear", "layer_ropes",
+           "missing_subs", "layer_graphdef", "layer_row", "layer_rows", "stack_rows"]

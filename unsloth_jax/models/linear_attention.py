@@ -1,7 +1,7 @@
 """Qwen3.5's token mixer of its linear-attention layers: gated DeltaNet (transformers' Qwen3_5GatedDeltaNet).
 
-Module tree under a decoder layer's `linear_attn` (HF names; stacked on the layer axis L like every decoder
-variable; the full-attention layers of a hybrid stack hold zeros here, as the linear ones do in `self_attn`):
+Module tree under a decoder layer's `linear_attn` (HF names; stacked over the linear-attention layers only,
+config.stack_holders, written L below, as the full-attention layers' `self_attn` is over theirs):
 
     in_proj_qkv.kernel [L, D, C]   C = 2 Hk Dk + Hv Dv: q, k, v before the conv      (Linear, LoRA-able)
     in_proj_z.kernel [L, D, Hv Dv] the output gate; in_proj_b / in_proj_a .kernel [L, D, Hv]: beta and the decay

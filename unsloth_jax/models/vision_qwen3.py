@@ -31,7 +31,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax.config import Qwen3VisionConfig, Qwen3VLConfig
-from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy, checkpointed, run_layers, require_policy
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, checkpointed, layer_graphdef, layer_row,
+                                            require_policy, run_layers)
 from unsloth_jax.models.layers import Embedding, Linear
 from unsloth_jax.models.rope import mrope_tables
 from unsloth_jax.models.vision import LayerNorm, merge_image_features
@@ -208,10 +209,15 @@ class Qwen3VisionTower(nnx.Module):
 
 
 # ------------------------------------------------------------------------------------------ the whole model
-def layer_slice(layers: nnx.Module, start: int, stop: int) -> nnx.Module:
-    """Layers start .. stop-1 of a stacked layer module, as a stacked module of their own."""
-    graphdef, state = nnx.split(layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+def layer_slice(layers: nnx.Module, cfg, start: int, stop: int) -> nnx.Module:
+    """Layers start .. stop-1 of a stacked layer module (text config `cfg`), as a stacked module of their own:
+    each submodule's rows of those layers (config.stack_holders), one no layer of them holds left out (None)."""
+    state = nnx.state(layers)
+    rows = {sub: (layer_row(cfg, sub, start), layer_row(cfg, sub, stop)) for sub in state.keys()}
+    missing = frozenset(sub for sub, (a, b) in rows.items() if a == b)
+    kept = nnx.State({sub: jax.tree.map(lambda x, a=a, b=b: x[a:b], state[sub])
+                      for sub, (a, b) in rows.items() if sub not in missing})
+    return nnx.merge(layer_graphdef(layers, missing), kept)
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
@@ -276,12 +282,12 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         cfg, policy = self.config, require_policy(remat_mode, "remat_mode")
         k = residuals.shape[0]
         for i in range(k):
-            one = layer_slice(self.model.layers, i, i + 1)
+            one = layer_slice(self.model.layers, cfg, i, i + 1)
             x = run_layers(one, dataclasses.replace(cfg, num_hidden_layers=1), x, cos, sin, batch, policy=policy)[0]
             x = x + residuals[i].astype(x.dtype)
         rest = cfg.num_hidden_layers - k
         if rest:
-            layers = layer_slice(self.model.layers, k, cfg.num_hidden_layers)
+            layers = layer_slice(self.model.layers, cfg, k, cfg.num_hidden_layers)
             x = run_layers(layers, dataclasses.replace(cfg, num_hidden_layers=rest), x, cos, sin, batch,
                            policy=policy)[0]
         return x
