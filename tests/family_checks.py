@@ -78,3 +78,29 @@ def assert_greedy_matches_transformers(hf, model, rng, lengths, *, new: int, eos
                           eos_token_id=[eos], pad_token_id=0).numpy()
     ours = generate(model, ids, mask, max_new_tokens=new, eos_token_id=[eos], pad_token_id=0)
     np.testing.assert_array_equal(ours, ref)
+
+
+def assert_policies_equal_plain_stack(cfg, seed: int, modes=("offload", "full_every_2")) -> None:
+    """A random CausalLM of `cfg` on 2 x 12 random ids: the loss (mean squared logits) and its gradients under each
+    layer-stack policy of `modes` equal those of the plain stack ("none"): loss to 1e-6, each gradient leaf to 1e-4
+    (float32 rounding of another summation order on small gradients)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.helpers import rel_err
+    from unsloth_jax.models.decoder import CausalLM, make_batch
+    from unsloth_jax.models.layer_stack import LayerStackPolicy
+
+    graphdef, state = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed % (1 << 30))))
+    ids = jnp.asarray(np.random.default_rng(seed).integers(3, 256, size=(2, 12)), jnp.int32)
+
+    def loss(state, policy):
+        m = nnx.merge(graphdef, state)
+        return jnp.mean(m.logits_from_hidden(m.hidden_states(ids, make_batch(ids), remat_mode=policy)) ** 2)
+
+    want = jax.value_and_grad(loss)(state, LayerStackPolicy.parse("none"))
+    for mode in modes:
+        got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
+        assert rel_err(got[0], want[0]) < 1e-6, mode
+        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            assert rel_err(g, w) < 1e-4, mode

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from tests.family_checks import load_f32, torch_logits  # noqa: E402
+from tests.family_checks import assert_policies_equal_plain_stack, load_f32, torch_logits  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -75,23 +75,7 @@ def test_tail_without_linear_layers_under_offload_and_two_level(seed):
     """Loss and gradients under host offload (the prefetched offload scan) and two-level checkpointing equal
     the plain stack's on the pattern whose tail segment has no linear_attn rows (the bound of
     tests/test_qwen3_5.py's policy test)."""
-    from unsloth_jax.models.decoder import CausalLM, make_batch
-    from unsloth_jax.models.layer_stack import LayerStackPolicy
-
-    cfg = ModelConfig.from_dict(BASE)
-    graphdef, state = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed % (1 << 30))))
-    ids = jnp.asarray(np.random.default_rng(seed).integers(3, 256, size=(2, 12)), jnp.int32)
-
-    def loss(state, policy):
-        m = nnx.merge(graphdef, state)
-        return jnp.mean(m.logits_from_hidden(m.hidden_states(ids, make_batch(ids), remat_mode=policy)) ** 2)
-
-    want = jax.value_and_grad(loss)(state, LayerStackPolicy.parse("none"))
-    for mode in ("offload", "full_every_2"):
-        got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
-        assert rel_err(got[0], want[0]) < 1e-6, mode
-        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
-            assert rel_err(g, w) < 1e-4, mode
+    assert_policies_equal_plain_stack(ModelConfig.from_dict(BASE), seed)
 
 
 def test_engine_layouts_follow_the_plain_forward(seed):

@@ -17,7 +17,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
-from tests.family_checks import load_f32, hf_f32, torch_logits, lora_steps_lower_the_loss  # noqa: E402
+from tests.family_checks import (assert_policies_equal_plain_stack, hf_f32, load_f32,  # noqa: E402
+                                 lora_steps_lower_the_loss, torch_logits)
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -82,27 +83,9 @@ def test_segment_scan_policies_equal_the_plain_stack(seed):
     loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
     checkpointing equal those of the plain scan. Gradient bound: per leaf, float32 rounding of another summation
     order on small gradients (max 1.6e-5 over 21 seeds)."""
-    import jax
-    import jax.numpy as jnp
-
-    from unsloth_jax.models.decoder import CausalLM, make_batch
-    from unsloth_jax.models.layer_stack import LayerStackPolicy
-
     cfg = ModelConfig.from_dict(BASE | {"num_hidden_layers": 8})
     assert cfg.layer_segments == ((0, 4, 2),)
-    graphdef, state = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(seed % (1 << 30))))
-    ids = jnp.asarray(np.random.default_rng(seed).integers(3, 256, size=(2, 12)), jnp.int32)
-
-    def loss(state, policy):
-        m = nnx.merge(graphdef, state)
-        return jnp.mean(m.logits_from_hidden(m.hidden_states(ids, make_batch(ids), remat_mode=policy)) ** 2)
-
-    want = jax.value_and_grad(loss)(state, LayerStackPolicy.parse("none"))
-    for mode in ("offload", "full_every_2"):
-        got = jax.value_and_grad(loss)(state, LayerStackPolicy.parse(mode))
-        assert rel_err(got[0], want[0]) < 1e-6, mode
-        for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
-            assert rel_err(g, w) < 1e-4, mode
+    assert_policies_equal_plain_stack(cfg, seed)
 
 
 # ------------------------------------------------------------------------------------------------ logits
