@@ -270,3 +270,22 @@ def test_grpo_device_memory_is_flat_over_80_steps(tmp_path):
     (bytes_first, n_first), (bytes_last, n_last) = live[first], live[last]
     assert bytes_last - bytes_first < (last - first) * 4, live
     assert n_last <= n_first, live
+
+
+def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
+    """A training state saved with other shapes (e.g. a Qwen3.5 LoRA state from before its per-kind layer
+    stacks: rows for all 32 layers where the model now has 8 or 24) is a TrainingError naming the checkpoint, the
+    optimizer and both shapes, never a silent restore."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from unsloth_jax.train.checkpoints import STATE_FILE, restore_checkpoint
+
+    path = tmp_path / "checkpoint-3"
+    saver = ocp.StandardCheckpointer()
+    saver.save(path / "state", {"lora_a": jnp.ones((32, 8, 2))})
+    saver.wait_until_finished()
+    (path / STATE_FILE).write_text("{}")
+    with pytest.raises(TrainingError, match=r"checkpoint-3: the saved training state does not match .*'adamw_torch'"
+                                            r".*\(8, 8, 2\).*\(32, 8, 2\).*Qwen3.5"):
+        restore_checkpoint(path, {"lora_a": jnp.zeros((8, 8, 2))}, "adamw_torch")

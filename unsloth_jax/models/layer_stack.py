@@ -454,13 +454,13 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     sources = cfg.kv_shared_sources
     shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment
     ropes = layer_ropes(cfg, cos, sin, local_rope)
-    graphdef, state = nnx.split(layers)
+    state = nnx.state(layers)
     graphdefs: dict = {}  # a layer's missing submodules -> its graphdef (layer_graphdef), built once per kind
 
     def graphdef_of(layer: int) -> nnx.GraphDef:
         missing = missing_subs(cfg, state.keys(), layer)
         if missing not in graphdefs:
-            graphdefs[missing] = graphdef if not missing else layer_graphdef(layers, missing)
+            graphdefs[missing] = layer_graphdef(layers, missing)
         return graphdefs[missing]
 
     unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice

@@ -117,7 +117,9 @@ def restore_checkpoint(path: Path, like: dict, optim_name: str) -> tuple[dict, d
         raise TrainingError(
             f"{path}: the saved training state does not match this run's (optim {optim_name!r}, the "
             f"model's trainable weights): {str(e)[:300]}. It was saved with other settings, or by an "
-            "unsloth_jax older than the fused AdamW state (AdamWState, 2026-12-01), which cannot be resumed; "
+            "unsloth_jax older than the fused AdamW state (AdamWState, 2026-12-01) or, for Qwen3.5, than its "
+            "per-kind layer stacks (each token mixer stacked over its own layers only, 2026-12-06); such a "
+            "checkpoint cannot be resumed; "
             "resume with the run's own settings, or start fresh") from e
     return restored, json.loads((path / STATE_FILE).read_text())
 

@@ -423,12 +423,11 @@ def _reward_tokenizer(model, tokenizer):
 def _gather_to_one_device(model, mesh):
     """The device the rollouts generate on: the model's, after moving its weights there if they are spread over
     several devices (a model an earlier trainer left on a mesh), to the mesh's first device (or jax's first)."""
-    arrays = [x for x in jax.tree.leaves(nnx.state(model)) if isinstance(x, jax.Array)]
-    devices = {d for x in arrays for d in x.devices()}
+    state = nnx.state(model)
+    devices = {d for x in jax.tree.leaves(state) if isinstance(x, jax.Array) for d in x.devices()}
     if len(devices) == 1:
         return next(iter(devices))
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    state = nnx.state(model)
     nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, state))
     return device
 
