@@ -40,7 +40,10 @@ mesh (per_device_train_batch_size completions per device; every count above is p
 generation_batch_size x devices completions), while the rollouts generate on the model's own device with its own
 weights (the engine runs on one device, which so holds the whole model beside its share of the mesh's copy; a
 model an earlier trainer left spread over a mesh is gathered onto the mesh's first device first), the trained
-weights copied there before each generation and after training.
+weights copied there before each generation and after training. The losses are of the whole micro-batch
+across the mesh, as one device holding it would compute them: for loss_type "bnpo" (tokens summed over all rows,
+divided by their count) that is the global token count, where TRL on N processes divides each process's sum by
+its own count and averages the gradients; the two agree when every device holds as many completion tokens.
 """
 from __future__ import annotations
 
