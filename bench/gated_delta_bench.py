@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark the gated delta rule (Qwen3.5's linear attention), forward + backward, at Qwen3.5's shape: the Pallas
-kernel (pallas_kernels.gated_delta), the chunked XLA form (pallas_kernels.gated_delta_chunked, ops' default) and
-the token-by-token scan (pallas_kernels.reference).
+path (pallas_kernels.gated_delta_state: chunk-local terms in XLA, the state pass over the chunks in Pallas), the
+chunked XLA form (pallas_kernels.gated_delta_chunked, ops' default) and the token-by-token scan
+(pallas_kernels.reference).
 
 Prints one JSON line per implementation (keys: name, impl, shape [B, T, Hk, Hv, Dk, Dv], dtype, what, ms,
 peak_bytes, jax_version, device). Each implementation runs in its own process with
@@ -12,7 +13,7 @@ Timing: bench/timing.py's device_ms (median). A failure (out of memory, say) is 
   python bench/gated_delta_bench.py             # B=4, T=2048, Hk=16, Hv=32, Dk=Dv=128, bf16 inputs
   python bench/gated_delta_bench.py --tiny      # toy shape, interpret mode: checks the script on the CPU
   python bench/gated_delta_bench.py --impl xla_chunked  # one implementation in this process (what the runs above spawn)
-  python bench/gated_delta_bench.py --sweep     # also the kernel's (chunk, block_v) choices, name gated_delta_sweep
+  python bench/gated_delta_bench.py --sweep     # also the Pallas path's (chunk, block_v) choices, name gated_delta_sweep
 
 what: "fwd_bwd" = o and the gradients of q, k, v, g and beta for a random cotangent of o (no initial state, the
 final state unused: a training step's call).
@@ -29,7 +30,7 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 
 IMPLS = ("pallas", "xla_chunked", "xla_token_scan")
-SWEEP = ((64, 128), (64, 64), (32, 128), (32, 64), (16, 128), (16, 64))  # the kernel's (chunk, block_v)
+SWEEP = ((64, 128), (64, 64), (64, 32), (32, 128), (32, 64), (32, 32))  # the Pallas path's (chunk, block_v)
 SHAPE = dict(b=4, t=2048, hk=16, hv=32, dk=128, dv=128)
 TINY = dict(b=1, t=40, hk=1, hv=2, dk=16, dv=16)
 
@@ -58,7 +59,7 @@ def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
     import jax.numpy as jnp
 
     from pallas_kernels import reference
-    from pallas_kernels.gated_delta import gated_delta_rule as kernel
+    from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
     from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
 
     rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, interpret=interpret),
@@ -112,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--impl", choices=IMPLS, help="run this implementation here (default: each in its own process)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v (g and beta are float32)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs per measurement (median)")
-    ap.add_argument("--sweep", action="store_true", help="also time the kernel's (chunk, block_v) choices")
+    ap.add_argument("--sweep", action="store_true", help="also time the Pallas path's (chunk, block_v) choices")
     a = ap.parse_args(argv)
     if a.impl:
         run_one(a.impl, a.tiny, a.dtype, a.runs, a.sweep)

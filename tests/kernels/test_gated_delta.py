@@ -1,6 +1,6 @@
 """The gated delta rule (Qwen3.5's linear attention): the chunked XLA form (pallas_kernels.gated_delta_chunked) and
-the Pallas kernels (pallas_kernels.gated_delta, interpret mode on the CPU) against the token-by-token reference,
-forward, final state and every gradient (q, k, v, g, beta, initial_state).
+the Pallas state-pass path (pallas_kernels.gated_delta_state, interpret mode on the CPU) against the token-by-token
+reference, forward, final state and every gradient (q, k, v, g, beta, initial_state).
 
 CPU: small heads (Dk, Dv 16..32, one case not a power of two), ragged T (37, 100), GQA (Hv = 2 Hk), with and without
 an initial state, packed segment starts (g = -1e4), chunks of 16 and 64, float32 and bf16, fresh random inputs.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels.reference as ref
-from pallas_kernels.gated_delta import gated_delta_rule as kernel
 from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
+from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
 from tests.helpers import TOL, lower_for_cuda, rel_err
 from unsloth_jax import ops
 
