@@ -13,7 +13,7 @@ Timing: bench/timing.py's device_ms (median). A failure (out of memory, say) is 
   python bench/gated_delta_bench.py             # B=4, T=2048, Hk=16, Hv=32, Dk=Dv=128, bf16 inputs
   python bench/gated_delta_bench.py --tiny      # toy shape, interpret mode: checks the script on the CPU
   python bench/gated_delta_bench.py --impl xla_chunked  # one implementation in this process (what the runs above spawn)
-  python bench/gated_delta_bench.py --sweep     # also the Pallas path's (chunk, block_v) choices, name gated_delta_sweep
+  python bench/gated_delta_bench.py --sweep     # also the Pallas path's (chunk, block_v, num_warps), gated_delta_sweep
 
 what: "fwd_bwd" = o and the gradients of q, k, v, g and beta for a random cotangent of o (no initial state, the
 final state unused: a training step's call).
@@ -30,7 +30,8 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 
 IMPLS = ("pallas", "xla_chunked", "xla_token_scan")
-SWEEP = ((64, 128), (64, 64), (64, 32), (32, 128), (32, 64), (32, 32))  # the Pallas path's (chunk, block_v)
+# the Pallas path's (chunk, block_v, num_warps); (64, 128) needs more shared memory than an H100 has
+SWEEP = ((64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4), (32, 128, 8), (32, 64, 8), (32, 32, 4), (16, 128, 8))
 SHAPE = dict(b=4, t=2048, hk=16, hv=32, dk=128, dv=128)
 TINY = dict(b=1, t=40, hk=1, hv=2, dk=16, dv=16)
 
@@ -54,7 +55,7 @@ def _inputs(shape, dtype):
     return q, k, v, g, beta, do
 
 
-def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
+def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None, num_warps=None):
     import jax
     import jax.numpy as jnp
 
@@ -62,7 +63,8 @@ def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
     from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
     from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
 
-    rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, interpret=interpret),
+    rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, num_warps=num_warps,
+                                        interpret=interpret),
             "xla_chunked": lambda *a: chunked_gated_delta_rule(*a, scale=scale),
             "xla_token_scan": lambda *a: reference.gated_delta_rule(*a, scale=scale)}[impl]
 
@@ -83,6 +85,13 @@ def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> N
     dtype = jnp.dtype(dtype_name)
     record = dict(name="gated_delta", impl=impl, shape=[shape[n] for n in ("b", "t", "hk", "hv", "dk", "dv")],
                   dtype=dtype.name, what="fwd_bwd")
+    if impl == "pallas":  # the default tiles this shape gets
+        from pallas_kernels._common import next_pow2
+        from pallas_kernels.gated_delta_state import default_tiles
+
+        pad = lambda d: max(16, next_pow2(d))  # noqa: E731
+        chunk, block_v = default_tiles(shape["t"], pad(shape["dk"]), pad(shape["dv"]))
+        record["config"] = dict(chunk=chunk, block_v=block_v)
     try:
         args = _inputs(shape, dtype)
         fn = _fn(impl, shape["dk"] ** -0.5, True if tiny else None)
@@ -97,14 +106,16 @@ def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> N
     emit(**record, ms=round(ms, 4), peak_bytes=peak)
     if not (sweep and impl == "pallas"):
         return
-    for chunk, block_v in ((16, 16), (32, 16)) if tiny else SWEEP:
-        config = dict(chunk=chunk, block_v=block_v)
+    for chunk, block_v, num_warps in ((16, 16, 4), (32, 16, 4)) if tiny else SWEEP:
+        config = dict(chunk=chunk, block_v=block_v, num_warps=num_warps)
         try:
-            ms = device_ms(_fn(impl, shape["dk"] ** -0.5, True if tiny else None, chunk, block_v), *args, **timing)
+            ms = device_ms(_fn(impl, shape["dk"] ** -0.5, True if tiny else None, chunk, block_v, num_warps), *args,
+                           **timing)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile: report it and go on
-            emit(**dict(record, name="gated_delta_sweep"), config=config, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            emit(**dict(record, name="gated_delta_sweep", config=config),
+                 error=f"{type(exc).__name__}: {str(exc)[:300]}")
             continue
-        emit(**dict(record, name="gated_delta_sweep"), config=config, ms=round(ms, 4))
+        emit(**dict(record, name="gated_delta_sweep", config=config), ms=round(ms, 4))
 
 
 def main(argv=None):
@@ -113,7 +124,7 @@ def main(argv=None):
     ap.add_argument("--impl", choices=IMPLS, help="run this implementation here (default: each in its own process)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v (g and beta are float32)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs per measurement (median)")
-    ap.add_argument("--sweep", action="store_true", help="also time the Pallas path's (chunk, block_v) choices")
+    ap.add_argument("--sweep", action="store_true", help="also time the Pallas path's (chunk, block_v, num_warps)")
     a = ap.parse_args(argv)
     if a.impl:
         run_one(a.impl, a.tiny, a.dtype, a.runs, a.sweep)

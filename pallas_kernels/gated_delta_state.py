@@ -26,6 +26,11 @@ Every tile product is one `dot` of [C, Dk] x [Dk, BV], [C, C] x [C, BV] or their
 (TF32 on the GPU for 16-bit inputs, full float32 for float32 inputs), no atomics. The kernels see no ragged edge:
 T is padded to whole chunks (g = 0, beta = 0 leave the state unchanged), Dk and Dv to powers of two >= 16 (zero
 columns stay zero), the chunk count to a power of two in the e_last vector.
+
+Tiles (default_tiles): chunk 64 and the widest Dv block whose shared-memory bound (smem_bytes) fits an H100's
+227 KiB per block: (64, 64) at Qwen3.5's Dk = Dv = 128 for bf16 and float32 inputs alike (the tiles are float32
+either way); (64, 128) does not fit. chunk, block_v and num_warps are arguments, for bench/gated_delta_bench.py's
+--sweep. float32 inputs run IEEE float32 dots (FMA, not tensor cores): correct there, not fast.
 """
 from __future__ import annotations
 
@@ -37,10 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import compiler_params, load_tile, next_pow2, pl, plgpu, resolve_interpret, store_tile
-from pallas_kernels.gated_delta_chunked import DEFAULT_CHUNK, check_inputs, chunk_terms
+from pallas_kernels.gated_delta_chunked import check_inputs, chunk_terms
 
-# Shared memory per block on an H100 (227 KiB) with headroom for Triton's layout conversions and reductions.
-SMEM_BUDGET = 192 * 1024
+SMEM_LIMIT = 227 * 1024  # shared memory per block on an H100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +62,26 @@ class _Static:
 
 
 def smem_bytes(chunk: int, dk: int, block_v: int) -> int:
-    """An upper bound on the backward kernel's shared memory (the larger of the two): every float32 tile that is an
-    operand of a product in one chunk step, each counted once, as if all were staged at the same time (S, dS
-    [Dk, BV]; W, eq, kr [C, Dk]; p [C, C]; dO, U, dU~ [C, BV])."""
+    """An upper bound on the shared memory of the backward kernel (the larger of the two) for padded Dk and a Dv
+    block: every float32 tile that is an operand of a product in one chunk step, each counted once, as if all were
+    staged at the same time (S, dS [Dk, BV]; W, eq, kr [C, Dk]; p [C, C]; dO, U, dU~ [C, BV]). Triton reuses
+    buffers, so it allocates less (checked by compiling the kernels' Triton IR for sm_90a at Dk = 128)."""
     return 4 * (2 * dk * block_v + 3 * chunk * dk + chunk * chunk + 3 * chunk * block_v)
 
 
 def default_tiles(t: int, dk: int, dv: int) -> tuple[int, int]:
-    """(chunk, block_v) for padded head dims dk, dv: chunk 64 (at most the power of two >= T), and the widest
-    block_v dividing dv whose smem_bytes fit SMEM_BUDGET (the tiles are float32 whatever the inputs' dtype)."""
-    chunk = min(DEFAULT_CHUNK, max(16, next_pow2(t)))
-    block_v = dv
-    while block_v > 16 and smem_bytes(chunk, dk, block_v) > SMEM_BUDGET:
-        block_v //= 2
-    return chunk, block_v
+    """(chunk, block_v) for padded head dims dk, dv: the first of chunk 64, 32, 16 (at most the power of two >= T)
+    with a block_v dividing dv whose smem_bytes fit SMEM_LIMIT, the widest such block_v (the tiles are float32
+    whatever the inputs' dtype, so bf16 and float32 inputs get the same tiles: (64, 64) at Dk = Dv = 128)."""
+    cap = max(16, next_pow2(t))
+    for chunk in (64, 32, 16):
+        chunk = min(chunk, cap)
+        block_v = dv
+        while block_v > 16 and smem_bytes(chunk, dk, block_v) > SMEM_LIMIT:
+            block_v //= 2
+        if smem_bytes(chunk, dk, block_v) <= SMEM_LIMIT:
+            return chunk, block_v
+    return 16, 16
 
 
 def _dot(a, b, st: _Static, trans_a=False, trans_b=False):
@@ -256,7 +266,7 @@ def _pad_last(x, size: int):
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chunk: int | None = None,
-                     block_v: int | None = None, interpret: bool | None = None):
+                     block_v: int | None = None, num_warps: int | None = None, interpret: bool | None = None):
     """The gated delta rule, its state pass as Pallas kernels (the math of pallas_kernels.reference.gated_delta_rule).
 
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv] with Hv a multiple of Hk; g (log decay,
@@ -264,6 +274,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32); differentiable in q, k, v, g, beta and
     initial_state. chunk: tokens per chunk (a power of two >= 16; default 64; at most the power of two >= T);
     block_v: state columns per program (a power of two >= 16 dividing the padded Dv; default: default_tiles);
+    num_warps: Triton warps per program (default 8 from a [Dk, BV] state slice of 64 x 64 up, else 4);
     interpret: None = on the CPU."""
     check_inputs(q, k, v, g, beta, initial_state)
     if chunk is not None and (chunk < 16 or chunk & (chunk - 1)):
@@ -283,7 +294,7 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     n = w.shape[2]
     st = _Static(n_chunks=n, chunk=chunk, block_v=block_v, out_dtype=jnp.dtype(v.dtype).name,
                  interpret=resolve_interpret(interpret), ieee=bool(ieee),
-                 num_warps=4 if pdk * block_v <= 64 * 64 else 8)
+                 num_warps=int(num_warps) if num_warps else 8 if pdk * block_v >= 64 * 64 else 4)
     flat = lambda x: x.reshape(b, hv, n * chunk, x.shape[-1])  # noqa: E731
     el = jnp.pad(el, ((0, 0), (0, 0), (0, next_pow2(n) - n)))
     f32 = jnp.float32

@@ -15,6 +15,7 @@ import pytest
 
 import pallas_kernels.reference as ref
 from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
+from pallas_kernels.gated_delta_state import SMEM_LIMIT, default_tiles, smem_bytes
 from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
 from tests.helpers import TOL, lower_for_cuda, rel_err
 from unsloth_jax import ops
@@ -136,6 +137,19 @@ def test_ops_dispatch(rng, monkeypatch):
     assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
 
 
+@pytest.mark.parametrize("t, dk, dv", [(2048, 128, 128), (2048, 256, 256), (2048, 64, 128), (40, 16, 32)])
+def test_default_tiles_fit_shared_memory(t, dk, dv):
+    """The default (chunk, block_v): powers of two >= 16, chunk at most the power of two >= T, block_v dividing Dv,
+    and the shared-memory bound within an H100's block; Qwen3.5's heads get chunk 64."""
+    chunk, block_v = default_tiles(t, dk, dv)
+    for x in (chunk, block_v):
+        assert x >= 16 and x & (x - 1) == 0, (chunk, block_v)
+    assert chunk <= max(16, 1 << (t - 1).bit_length()) and dv % block_v == 0
+    assert smem_bytes(chunk, dk, block_v) <= SMEM_LIMIT
+    if (dk, dv) == (128, 128):
+        assert chunk == 64 and block_v >= 32
+
+
 def test_bad_shapes_name_the_argument(rng):
     (q, k, v, g, beta, s0), _ = _inputs(rng, b=1, t=8, hk=2, hv=4, dk=16, dv=16)
     with pytest.raises(ValueError, match="beta must be"):
@@ -146,6 +160,8 @@ def test_bad_shapes_name_the_argument(rng):
         chunked_gated_delta_rule(q, k, v, g, beta, s0[:, :2], scale=1.0)
     with pytest.raises(ValueError, match="chunk must be"):
         kernel(q, k, v, g, beta, s0, scale=1.0, chunk=24)
+    with pytest.raises(ValueError, match="block_v must be"):
+        kernel(q, k, v, g, beta, s0, scale=1.0, block_v=8)
     with pytest.raises(ValueError, match="chunk must be"):
         chunked_gated_delta_rule(q, k, v, g, beta, s0, scale=1.0, chunk=48)
 
