@@ -29,7 +29,7 @@ columns stay zero), the chunk count to a power of two in the e_last vector.
 
 Tiles (default_tiles): chunk 64 and the widest Dv block whose shared-memory bound (smem_bytes) fits an H100's
 227 KiB per block: (64, 64) at Qwen3.5's Dk = Dv = 128 for bf16 and float32 inputs alike (the tiles are float32
-either way); (64, 128) does not fit. chunk, block_v and num_warps are arguments, for bench/gated_delta_bench.py's
+either way; (64, 128) is at the edge of the limit). chunk, block_v and num_warps are arguments, for bench/gated_delta_bench.py's
 --sweep. float32 inputs run IEEE float32 dots (FMA, not tensor cores): correct there, not fast.
 """
 from __future__ import annotations
@@ -94,17 +94,10 @@ def _pick(vec, i, n: int):
     return jnp.sum(jnp.where(jnp.arange(n, dtype=jnp.int32) == i, vec, 0.0))
 
 
-class _Tiles:
-    """One chunk's input tiles (float32) of one program: rows ci * C of w, eq, kr [C, Dk], p [C, C], ut [C, BV]."""
-
-    def __init__(self, w_ref, ut_ref, eq_ref, p_ref, kr_ref, ci, st: _Static, dk: int, bv: int):
-        c = st.chunk
-        self.lo = lo = ci * c
-        self.w = load_tile(w_ref, lo, c, 0, dk)
-        self.ut = load_tile(ut_ref, lo, c, 0, bv)
-        self.eq = load_tile(eq_ref, lo, c, 0, dk)
-        self.p = load_tile(p_ref, lo, c, 0, c)
-        self.kr = load_tile(kr_ref, lo, c, 0, dk)
+def _chunk_tile(ref, ci, st: _Static, cols: int):
+    """Chunk ci's rows [C, cols] of a chunk-major [N * C, cols] ref, as float32. Each tile is loaded just before
+    its first product, so fewer tiles are live at once (register pressure)."""
+    return load_tile(ref, ci * st.chunk, st.chunk, 0, cols).astype(jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------ forward kernel
@@ -115,13 +108,12 @@ def _fwd_kernel(w_ref, ut_ref, eq_ref, p_ref, kr_ref, el_ref, s0_ref, o_ref, sT_
     np_ = el_vec.shape[0]
 
     def body(ci, state):
-        x = _Tiles(w_ref, ut_ref, eq_ref, p_ref, kr_ref, ci, st, dk, bv)
         if states_ref is not None:
             store_tile(states_ref, ci * dk, dk, 0, bv, state)
-        u = x.ut - _dot(x.w, state, st)
-        o = _dot(x.eq, state, st) + _dot(x.p, u, st)
-        store_tile(o_ref, x.lo, c, 0, bv, o.astype(o_ref.dtype))
-        return _pick(el_vec, ci, np_) * state + _dot(x.kr, u, st, trans_a=True)
+        u = _chunk_tile(ut_ref, ci, st, bv) - _dot(_chunk_tile(w_ref, ci, st, dk), state, st)
+        o = _dot(_chunk_tile(eq_ref, ci, st, dk), state, st) + _dot(_chunk_tile(p_ref, ci, st, c), u, st)
+        store_tile(o_ref, ci * c, c, 0, bv, o.astype(o_ref.dtype))
+        return _pick(el_vec, ci, np_) * state + _dot(_chunk_tile(kr_ref, ci, st, dk), u, st, trans_a=True)
 
     state = lax.fori_loop(0, n, body, plgpu.load(s0_ref))
     plgpu.store(sT_ref, state)
@@ -191,18 +183,19 @@ def _bwd_kernel(w_ref, ut_ref, eq_ref, p_ref, kr_ref, el_ref, states_ref, do_ref
     def body(i, carry):
         ds, d_el = carry
         ci = n - 1 - i
-        x = _Tiles(w_ref, ut_ref, eq_ref, p_ref, kr_ref, ci, st, dk, bv)
         s = load_tile(states_ref, ci * dk, dk, 0, bv)
-        do = load_tile(do_ref, x.lo, c, 0, bv).astype(jnp.float32)
-        u = x.ut - _dot(x.w, s, st)
-        d_u = _dot(x.kr, ds, st) + _dot(x.p, do, st, trans_a=True)
-        store_tile(dut_ref, x.lo, c, 0, bv, d_u)
-        store_tile(dw_ref, x.lo, c, 0, dk, -_dot(d_u, s, st, trans_b=True))
-        store_tile(deq_ref, x.lo, c, 0, dk, _dot(do, s, st, trans_b=True))
-        store_tile(dp_ref, x.lo, c, 0, c, _dot(do, u, st, trans_b=True))
-        store_tile(dkr_ref, x.lo, c, 0, dk, _dot(u, ds, st, trans_b=True))
+        do = _chunk_tile(do_ref, ci, st, bv)
+        d_u = _dot(_chunk_tile(kr_ref, ci, st, dk), ds, st) + _dot(_chunk_tile(p_ref, ci, st, c), do, st, trans_a=True)
+        store_tile(dut_ref, ci * c, c, 0, bv, d_u)
+        store_tile(dw_ref, ci * c, c, 0, dk, -_dot(d_u, s, st, trans_b=True))
+        store_tile(deq_ref, ci * c, c, 0, dk, _dot(do, s, st, trans_b=True))
+        w = _chunk_tile(w_ref, ci, st, dk)
+        u = _chunk_tile(ut_ref, ci, st, bv) - _dot(w, s, st)
+        store_tile(dp_ref, ci * c, c, 0, c, _dot(do, u, st, trans_b=True))
+        store_tile(dkr_ref, ci * c, c, 0, dk, _dot(u, ds, st, trans_b=True))
         d_el = d_el + jnp.where(idx == ci, jnp.sum(s * ds), 0.0)
-        ds = _pick(el_vec, ci, np_) * ds + _dot(x.eq, do, st, trans_a=True) - _dot(x.w, d_u, st, trans_a=True)
+        ds = (_pick(el_vec, ci, np_) * ds - _dot(w, d_u, st, trans_a=True)
+              + _dot(_chunk_tile(eq_ref, ci, st, dk), do, st, trans_a=True))
         return ds, d_el
 
     ds, d_el = lax.fori_loop(0, n, body, (plgpu.load(dsT_ref), jnp.zeros((np_,), jnp.float32)))
