@@ -85,8 +85,8 @@ def test_chunked_matches_reference(rng, case):
 KERNEL_CASES = {
     # two Dv blocks per head (block_v 16 of Dv 32), GQA, an initial state, segment starts, ragged T
     "f32-T37-gqa-init-resets-c16-bv16": (dict(t=37, dtype=F32), 16, 16),
-    # Dk, Dv not powers of two (padded to 32), no initial state, Hv = Hk
-    "bf16-T100-noinit-d20-c32": (dict(t=100, hk=2, hv=2, dk=20, dv=24, dtype=BF16, init=False), 32, None),
+    # Dk, Dv not powers of two (padded to 32), no initial state, Hv = Hk, the default tiles (chunk 64: two chunks)
+    "bf16-T100-noinit-d20-default": (dict(t=100, hk=2, hv=2, dk=20, dv=24, dtype=BF16, init=False), None, None),
 }
 
 
