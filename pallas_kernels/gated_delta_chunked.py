@@ -94,19 +94,26 @@ def chunk_terms(q, k, v, g, beta, *, scale, chunk: int, precision=None):
     rep = hv // hk
     ein = functools.partial(jnp.einsum, precision=precision)
     tp = -(-t // chunk) * chunk
-    qc = jnp.repeat(_chunks(q, tp, chunk), rep, axis=1) * scale  # [B, Hv, N, C, Dk]
-    kc = jnp.repeat(_chunks(k, tp, chunk), rep, axis=1)
+    qc = _chunks(q, tp, chunk) * scale  # [B, Hk, N, C, Dk]
+    kc = _chunks(k, tp, chunk)
     vc = _chunks(v, tp, chunk)  # [B, Hv, N, C, Dv]
     gc = _chunks(g, tp, chunk)  # [B, Hv, N, C]
     bc = _chunks(beta, tp, chunk)
 
+    def per_value_head(x):  # [B, Hk, ...] -> [B, Hv, ...]: value head h reads key head h // rep
+        return jnp.repeat(x, rep, axis=1)
+
     _, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    a = jnp.where(strict, gamma * bc[..., :, None] * ein("...id,...jd->...ij", kc, kc), 0.0)
+    # K K^T and Q K^T once per key head
+    kk = per_value_head(ein("...id,...jd->...ij", kc, kc))
+    qk = per_value_head(ein("...id,...jd->...ij", qc, kc))
+    qc, kc = per_value_head(qc), per_value_head(kc)
+    a = jnp.where(strict, gamma * bc[..., :, None] * kk, 0.0)
     t_inv = unit_lower_inverse(a, precision)
     w = ein("...ij,...jd->...id", t_inv, (bc * e)[..., None] * kc)
     u_tilde = ein("...ij,...jd->...id", t_inv, bc[..., None] * vc)
-    p = gamma * ein("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
+    p = gamma * qk  # lower triangle (gamma is 0 above)
     return w, u_tilde, e[..., None] * qc, p, kr_scale[..., None] * kc, e_last
 
 
