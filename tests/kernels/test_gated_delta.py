@@ -50,20 +50,22 @@ def _fwd_bwd(fn, primals, cts):
     return out, vjp(cts)
 
 
-def _check(fn, primals, cts, tol, what):
-    """fn's outputs and gradients vs the reference's on the same inputs (the reference's math is float32)."""
+def _check(fns: dict, primals, cts, tol):
+    """Each fn's outputs and gradients vs the reference's on the same inputs (the reference's math is float32; it
+    runs once for all of fns, {what: fn})."""
     scale = primals[0].shape[-1] ** -0.5
-    (o, s), grads = jax.jit(_fwd_bwd, static_argnums=0)(lambda *a: fn(*a, scale=scale), primals, cts)
     (ro, rs), rgrads = jax.jit(_fwd_bwd, static_argnums=0)(lambda *a: ref.gated_delta_rule(*a, scale=scale),
                                                            primals, cts)
-    assert o.dtype == primals[2].dtype and o.shape == ro.shape and s.dtype == F32, (what, o.dtype, s.dtype)
-    for name, a, r in (("o", o, ro), ("final state", s, rs)):
-        err = rel_err(a, r)
-        assert err < tol, f"{what}: {name} rel err {err:.3e} >= {tol}"
-    for name, gr, r, p in zip(GRADS, grads, rgrads, primals):
-        assert gr.dtype == p.dtype and gr.shape == p.shape, (what, name, gr.dtype, gr.shape)
-        err = rel_err(gr, r)
-        assert err < tol, f"{what}: d{name} rel err {err:.3e} >= {tol}"
+    for what, fn in fns.items():
+        (o, s), grads = jax.jit(_fwd_bwd, static_argnums=0)(lambda *a: fn(*a, scale=scale), primals, cts)
+        assert o.dtype == primals[2].dtype and o.shape == ro.shape and s.dtype == F32, (what, o.dtype, s.dtype)
+        for name, a, r in (("o", o, ro), ("final state", s, rs)):
+            err = rel_err(a, r)
+            assert err < tol, f"{what}: {name} rel err {err:.3e} >= {tol}"
+        for name, gr, r, p in zip(GRADS, grads, rgrads, primals):
+            assert gr.dtype == p.dtype and gr.shape == p.shape, (what, name, gr.dtype, gr.shape)
+            err = rel_err(gr, r)
+            assert err < tol, f"{what}: d{name} rel err {err:.3e} >= {tol}"
 
 
 # Each case pairs features (interpret-mode compiles dominate the CPU time, so no full cross product).
@@ -79,7 +81,7 @@ def test_chunked_matches_reference(rng, case):
     kwargs, chunk = CASES[case]
     primals, cts = _inputs(rng, **kwargs)
     tol = TOL[jnp.dtype(kwargs["dtype"]).name]
-    _check(lambda *a, **kw: chunked_gated_delta_rule(*a, chunk=chunk, **kw), primals, cts, tol, case)
+    _check({case: lambda *a, **kw: chunked_gated_delta_rule(*a, chunk=chunk, **kw)}, primals, cts, tol)
 
 
 KERNEL_CASES = {
@@ -95,14 +97,13 @@ def test_kernel_matches_reference(rng, case):
     kwargs, chunk, block_v = KERNEL_CASES[case]
     primals, cts = _inputs(rng, **kwargs)
     tol = TOL[jnp.dtype(kwargs["dtype"]).name]
-    _check(lambda *a, **kw: kernel(*a, chunk=chunk, block_v=block_v, **kw), primals, cts, tol, case)
+    _check({case: lambda *a, **kw: kernel(*a, chunk=chunk, block_v=block_v, **kw)}, primals, cts, tol)
 
 
 def test_sequences_shorter_than_a_chunk(rng):
     """T = 5 (the chunk shrinks to the power of two above T: 8, the kernel's 16) and T = 1 (one decode step)."""
     primals, cts = _inputs(rng, b=1, t=5, hk=1, hv=2, dk=16, dv=16, resets=False)
-    _check(chunked_gated_delta_rule, primals, cts, TOL["float32"], "chunked T=5")
-    _check(kernel, primals, cts, TOL["float32"], "kernel T=5")
+    _check({"chunked T=5": chunked_gated_delta_rule, "kernel T=5": kernel}, primals, cts, TOL["float32"])
     primals, _ = _inputs(rng, b=2, t=1, hk=1, hv=2, dk=16, dv=16, resets=False)
     both = jax.jit(lambda *a: (chunked_gated_delta_rule(*a, scale=0.3), ref.gated_delta_rule(*a, scale=0.3)))
     for got, want in zip(*both(*primals)):
@@ -185,8 +186,7 @@ def test_gpu_qwen35_shape(rng, dtype):
     float32)."""
     primals, cts = _inputs(rng, b=1, t=1000, hk=16, hv=32, dk=128, dv=128, dtype=jnp.dtype(dtype))
     tol = TOL[dtype]
-    _check(kernel, primals, cts, tol, f"kernel {dtype}")
-    _check(chunked_gated_delta_rule, primals, cts, tol, f"chunked {dtype}")
+    _check({f"kernel {dtype}": kernel, f"chunked {dtype}": chunked_gated_delta_rule}, primals, cts, tol)
 
 
 def test_bench_tiny_prints_a_json_line(capsys):
