@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -62,7 +63,13 @@ def chunk_decays(g, chunk: int):
 def unit_lower_inverse(a, precision=None):
     """(I + a)^-1 of strictly lower a [..., C, C] (C a power of two), by blocked forward substitution: the inverses
     of the diagonal blocks of size s give those of size 2s as [[T11, 0], [-T22 A21 T11, T22]] (log2 C rounds of
-    batched products; differentiable, and stable as forward substitution is)."""
+    batched products, stable as forward substitution is). Differentiable in a: its gradient is
+    -strict_lower(T^T dT T^T) (from dT = -T dA T), two batched products instead of the rounds' transposes."""
+    return _unit_lower_inverse(a, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unit_lower_inverse(a, precision):
     c = a.shape[-1]
     lead = a.shape[:-2]
     blocks = jnp.ones(lead + (c, 1, 1), a.dtype)  # the diagonal blocks of size s = 1
@@ -81,6 +88,20 @@ def unit_lower_inverse(a, precision=None):
         blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., nb, 2s, 2s]
         s *= 2
     return blocks.reshape(lead + (c, c))
+
+
+def _unit_lower_inverse_fwd(a, precision):
+    t = _unit_lower_inverse(a, precision)
+    return t, t
+
+
+def _unit_lower_inverse_bwd(precision, t, dt):
+    c = t.shape[-1]
+    da = -jnp.einsum("...ji,...jk,...lk->...il", t, dt, t, precision=precision)
+    return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), da, 0.0),)
+
+
+_unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def chunk_terms(q, k, v, g, beta, *, scale, chunk: int, precision=None):
