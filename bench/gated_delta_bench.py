@@ -90,7 +90,7 @@ def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> N
         from pallas_kernels.gated_delta_state import default_tiles
 
         pad = lambda d: max(16, next_pow2(d))  # noqa: E731
-        chunk, block_v = default_tiles(shape["t"], pad(shape["dk"]), pad(shape["dv"]))
+        chunk, block_v = default_tiles(shape["t"], pad(shape["dk"]), pad(shape["dv"]), dtype == jnp.float32)
         record["config"] = dict(chunk=chunk, block_v=block_v)
     try:
         args = _inputs(shape, dtype)

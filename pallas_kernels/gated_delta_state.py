@@ -28,9 +28,10 @@ T is padded to whole chunks (g = 0, beta = 0 leave the state unchanged), Dk and 
 columns stay zero), the chunk count to a power of two in the e_last vector.
 
 Tiles (default_tiles): chunk 64 and the widest Dv block whose shared-memory bound (smem_bytes) fits an H100's
-227 KiB per block: (64, 64) at Qwen3.5's Dk = Dv = 128 for bf16 and float32 inputs alike (the tiles are float32
-either way; (64, 128) is at the edge of the limit). chunk, block_v and num_warps are arguments, for bench/gated_delta_bench.py's
---sweep. float32 inputs run IEEE float32 dots (FMA, not tensor cores): correct there, not fast.
+227 KiB per block: (64, 64) at Qwen3.5's Dk = Dv = 128 ((64, 128) is at the edge of the limit). float32 inputs
+run IEEE float32 dots (FMA, not tensor cores: correct, not fast), whose operands live in registers: their chunk is
+at most 32, (32, 64) there, as chunk 64 spills heavily. chunk, block_v and num_warps are arguments, for
+bench/gated_delta_bench.py's --sweep.
 """
 from __future__ import annotations
 
@@ -69,11 +70,11 @@ def smem_bytes(chunk: int, dk: int, block_v: int) -> int:
     return 4 * (2 * dk * block_v + 3 * chunk * dk + chunk * chunk + 3 * chunk * block_v)
 
 
-def default_tiles(t: int, dk: int, dv: int) -> tuple[int, int]:
-    """(chunk, block_v) for padded head dims dk, dv: the first of chunk 64, 32, 16 (at most the power of two >= T)
-    with a block_v dividing dv whose smem_bytes fit SMEM_LIMIT, the widest such block_v (the tiles are float32
-    whatever the inputs' dtype, so bf16 and float32 inputs get the same tiles: (64, 64) at Dk = Dv = 128)."""
-    cap = max(16, next_pow2(t))
+def default_tiles(t: int, dk: int, dv: int, ieee: bool = False) -> tuple[int, int]:
+    """(chunk, block_v) for padded head dims dk, dv: the first of chunk 64, 32, 16 (at most 32 for IEEE float32
+    dots, `ieee`; at most the power of two >= T) with a block_v dividing dv whose smem_bytes fit SMEM_LIMIT, the
+    widest such block_v."""
+    cap = min(32 if ieee else 64, max(16, next_pow2(t)))
     for chunk in (64, 32, 16):
         chunk = min(chunk, cap)
         block_v = dv
@@ -265,8 +266,8 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     q, k [B, T, Hk, Dk] (L2-normalized by the caller); v [B, T, Hv, Dv] with Hv a multiple of Hk; g (log decay,
     <= 0; -1e4 at a segment start) and beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
     -> (o [B, T, Hv, Dv] in v.dtype, final state [B, Hv, Dk, Dv] float32); differentiable in q, k, v, g, beta and
-    initial_state. chunk: tokens per chunk (a power of two >= 16; default 64; at most the power of two >= T);
-    block_v: state columns per program (a power of two >= 16 dividing the padded Dv; default: default_tiles);
+    initial_state. chunk: tokens per chunk (a power of two >= 16; at most the power of two >= T); block_v: state
+    columns per program (a power of two >= 16 dividing the padded Dv); their defaults: default_tiles;
     num_warps: Triton warps per program (default 8 from a [Dk, BV] state slice of 64 x 64 up, else 4);
     interpret: None = on the CPU."""
     check_inputs(q, k, v, g, beta, initial_state)
@@ -275,13 +276,13 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     pdk, pdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    auto_chunk, auto_bv = default_tiles(t, pdk, pdv)
+    ieee = jnp.dtype(v.dtype) == jnp.float32
+    auto_chunk, auto_bv = default_tiles(t, pdk, pdv, ieee)
     chunk = auto_chunk if chunk is None else min(int(chunk), max(16, next_pow2(t)))
     block_v = auto_bv if block_v is None else int(block_v)
     if block_v < 16 or block_v & (block_v - 1) or pdv % block_v:
         raise ValueError(f"gated_delta_rule: block_v must be a power of two >= 16 dividing {pdv} (Dv={dv} padded); "
                          f"got {block_v}")
-    ieee = jnp.dtype(v.dtype) == jnp.float32
     w, ut, eq, p, kr, el = chunk_terms(_pad_last(q, pdk), _pad_last(k, pdk), _pad_last(v, pdv), g, beta,
                                        scale=scale, chunk=chunk, precision=lax.Precision.HIGHEST if ieee else None)
     n = w.shape[2]

@@ -139,16 +139,18 @@ def test_ops_dispatch(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("t, dk, dv", [(2048, 128, 128), (2048, 256, 256), (2048, 64, 128), (40, 16, 32)])
-def test_default_tiles_fit_shared_memory(t, dk, dv):
-    """The default (chunk, block_v): powers of two >= 16, chunk at most the power of two >= T, block_v dividing Dv,
-    and the shared-memory bound within an H100's block; Qwen3.5's heads get chunk 64."""
-    chunk, block_v = default_tiles(t, dk, dv)
+@pytest.mark.parametrize("ieee", [False, True])
+def test_default_tiles_fit_shared_memory(t, dk, dv, ieee):
+    """The default (chunk, block_v): powers of two >= 16, chunk at most the power of two >= T (and 32 for float32
+    inputs' IEEE dots), block_v dividing Dv, and the shared-memory bound within an H100's block; Qwen3.5's heads
+    get chunk 64 for 16-bit inputs."""
+    chunk, block_v = default_tiles(t, dk, dv, ieee)
     for x in (chunk, block_v):
         assert x >= 16 and x & (x - 1) == 0, (chunk, block_v)
-    assert chunk <= max(16, 1 << (t - 1).bit_length()) and dv % block_v == 0
+    assert chunk <= max(16, 1 << (t - 1).bit_length()) and chunk <= (32 if ieee else 64) and dv % block_v == 0
     assert smem_bytes(chunk, dk, block_v) <= SMEM_LIMIT
     if (dk, dv) == (128, 128):
-        assert chunk == 64 and block_v >= 32
+        assert chunk == (32 if ieee else 64) and block_v >= 32
 
 
 def test_bad_shapes_name_the_argument(rng):
