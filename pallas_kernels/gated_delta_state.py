@@ -283,18 +283,27 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float, chun
     if block_v < 16 or block_v & (block_v - 1) or pdv % block_v:
         raise ValueError(f"gated_delta_rule: block_v must be a power of two >= 16 dividing {pdv} (Dv={dv} padded); "
                          f"got {block_v}")
-    w, ut, eq, p, kr, el = chunk_terms(_pad_last(q, pdk), _pad_last(k, pdk), _pad_last(v, pdv), g, beta,
-                                       scale=scale, chunk=chunk, precision=lax.Precision.HIGHEST if ieee else None)
-    n = w.shape[2]
-    st = _Static(n_chunks=n, chunk=chunk, block_v=block_v, out_dtype=jnp.dtype(v.dtype).name,
-                 interpret=resolve_interpret(interpret), ieee=bool(ieee),
-                 num_warps=int(num_warps) if num_warps else 8 if pdk * block_v >= 64 * 64 else 4)
-    flat = lambda x: x.reshape(b, hv, n * chunk, x.shape[-1])  # noqa: E731
-    el = jnp.pad(el, ((0, 0), (0, 0), (0, next_pow2(n) - n)))
-    f32 = jnp.float32
+    terms = chunk_terms(_pad_last(q, pdk), _pad_last(k, pdk), _pad_last(v, pdv), g, beta, scale=scale, chunk=chunk,
+                        precision=lax.Precision.HIGHEST if ieee else None)
     if initial_state is None:
-        s0 = jnp.zeros((b, hv, pdk, pdv), f32)
+        s0 = jnp.zeros((b, hv, pdk, pdv), jnp.float32)
     else:
-        s0 = jnp.pad(initial_state.astype(f32), ((0, 0), (0, 0), (0, pdk - dk), (0, pdv - dv)))
-    o, final = _state_pass(flat(w), flat(ut), flat(eq), flat(p), flat(kr), el, s0, st)
+        s0 = jnp.pad(initial_state.astype(jnp.float32), ((0, 0), (0, 0), (0, pdk - dk), (0, pdv - dv)))
+    o, final = state_pass(*terms, s0, out_dtype=v.dtype, block_v=block_v, num_warps=num_warps, interpret=interpret)
     return o[:, :t, :, :dv], final[:, :, :dk, :dv]
+
+
+def state_pass(w, u_tilde, eq, p, kr, e_last, s0, *, out_dtype, block_v: int, num_warps: int | None = None,
+               interpret: bool | None = None):
+    """The recurrence over chunks of gated_delta_chunked.chunk_terms' outputs, as the two kernels (differentiable
+    in every input): w, eq, kr float32 [B, Hv, N, C, DK], u_tilde [B, Hv, N, C, DV], p [B, Hv, N, C, C], e_last
+    [B, Hv, N], s0 float32 [B, Hv, DK, DV] (C, DK, DV powers of two >= 16; block_v dividing DV) ->
+    (o [B, N * C, Hv, DV] in out_dtype, final state float32 [B, Hv, DK, DV]). float32 out_dtype: IEEE dots."""
+    b, hv, n, c, dk = w.shape
+    ieee = jnp.dtype(out_dtype) == jnp.float32
+    st = _Static(n_chunks=n, chunk=c, block_v=block_v, out_dtype=jnp.dtype(out_dtype).name,
+                 interpret=resolve_interpret(interpret), ieee=bool(ieee),
+                 num_warps=int(num_warps) if num_warps else 8 if dk * block_v >= 64 * 64 else 4)
+    flat = lambda x: x.reshape(b, hv, n * c, x.shape[-1])  # noqa: E731
+    e_last = jnp.pad(e_last, ((0, 0), (0, 0), (0, next_pow2(n) - n)))
+    return _state_pass(flat(w), flat(u_tilde), flat(eq), flat(p), flat(kr), e_last, s0, st)

@@ -192,12 +192,16 @@ def test_gpu_qwen35_shape(rng, dtype):
 
 
 def test_bench_tiny_prints_a_json_line(capsys):
-    """bench/gated_delta_bench.py --tiny for one implementation in this process (the CPU check of the script)."""
+    """bench/gated_delta_bench.py --tiny --parts for the Pallas path in this process (the CPU check of the script):
+    its line, then one line for each of its two parts."""
     import json
 
     from bench.gated_delta_bench import main
 
-    main(["--tiny", "--impl", "xla_chunked", "--runs", "1"])
-    [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert line["name"] == "gated_delta" and line["impl"] == "xla_chunked" and line["ms"] > 0, line
-    assert {"shape", "dtype", "peak_bytes", "jax_version", "device"} <= set(line), line
+    main(["--tiny", "--impl", "pallas", "--runs", "1", "--parts"])
+    line, *parts = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert line["name"] == "gated_delta" and line["impl"] == "pallas" and line["ms"] > 0, line
+    assert {"shape", "dtype", "config", "peak_bytes", "jax_version", "device"} <= set(line), line
+    assert [(p["name"], p["part"]) for p in parts] == [("gated_delta_part", "chunk_terms"),
+                                                       ("gated_delta_part", "state_pass")], parts
+    assert all(p["ms"] > 0 for p in parts), parts
