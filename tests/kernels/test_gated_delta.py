@@ -169,12 +169,14 @@ def test_bad_shapes_name_the_argument(rng):
         chunked_gated_delta_rule(q, k, v, g, beta, s0, scale=1.0, chunk=48)
 
 
-def test_kernels_lower_for_triton(rng):
-    """Forward and backward go through the Triton lowering (checked from the CPU): two kernels."""
-    primals, cts = _inputs(rng, b=1, t=40, hk=1, hv=2, dk=32, dv=32, dtype=BF16)
+@pytest.mark.parametrize("dtype, block_v", [(BF16, None), (F32, 16)])
+def test_kernels_lower_for_triton(rng, dtype, block_v):
+    """Forward and backward go through the Triton lowering (checked from the CPU): two kernels; bf16 on the default
+    tiles (TF32 dots), float32 with two Dv blocks (IEEE dots, partial gradients)."""
+    primals, cts = _inputs(rng, b=1, t=40, hk=1, hv=2, dk=32, dv=32, dtype=dtype)
 
     def fwd_bwd(*primals_and_cts):
-        return _fwd_bwd(lambda *a: kernel(*a, scale=0.2, interpret=False), primals_and_cts[:6],
+        return _fwd_bwd(lambda *a: kernel(*a, scale=0.2, block_v=block_v, interpret=False), primals_and_cts[:6],
                         primals_and_cts[6:])
 
     assert lower_for_cuda(fwd_bwd, *primals, *cts).count("xla.gpu.triton") == 2
