@@ -12,7 +12,7 @@ e = exp(G), Gamma_ij = exp(G_i - G_j) for j <= i and 0 above the diagonal):
 Everything but the last three lines runs for all chunks at once; a lax.scan over chunks carries the state.
 Every exponent is a difference G_i - G_j with j <= i inside one segment (or G itself), so for g <= 0 no exp sees a
 positive number, in the forward or in the gradient; a segment start (g = -1e4) makes the factors across it exactly 0
-and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients.
+and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients (the inverse's by its custom VJP).
 """
 from __future__ import annotations
 
