@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark the gated delta rule (Qwen3.5's linear attention), forward + backward, at Qwen3.5's shape: the Pallas
-kernel (pallas_kernels.gated_delta), the chunked XLA form (pallas_kernels.gated_delta_chunked, ops' default) and
-the token-by-token scan (pallas_kernels.reference).
+path (pallas_kernels.gated_delta_state: chunk-local terms in XLA, the state pass over the chunks in Pallas), the
+chunked XLA form (pallas_kernels.gated_delta_chunked, ops' default) and the token-by-token scan
+(pallas_kernels.reference).
 
 Prints one JSON line per implementation (keys: name, impl, shape [B, T, Hk, Hv, Dk, Dv], dtype, what, ms,
 peak_bytes, jax_version, device). Each implementation runs in its own process with
@@ -12,7 +13,9 @@ Timing: bench/timing.py's device_ms (median). A failure (out of memory, say) is 
   python bench/gated_delta_bench.py             # B=4, T=2048, Hk=16, Hv=32, Dk=Dv=128, bf16 inputs
   python bench/gated_delta_bench.py --tiny      # toy shape, interpret mode: checks the script on the CPU
   python bench/gated_delta_bench.py --impl xla_chunked  # one implementation in this process (what the runs above spawn)
-  python bench/gated_delta_bench.py --sweep     # also the kernel's (chunk, block_v) choices, name gated_delta_sweep
+  python bench/gated_delta_bench.py --sweep     # also the Pallas path's (chunk, block_v, num_warps), gated_delta_sweep
+  python bench/gated_delta_bench.py --parts     # also the Pallas path's two parts alone, name gated_delta_part:
+                                                # part "chunk_terms" (XLA) and "state_pass" (the kernels)
 
 what: "fwd_bwd" = o and the gradients of q, k, v, g and beta for a random cotangent of o (no initial state, the
 final state unused: a training step's call).
@@ -29,7 +32,8 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 
 IMPLS = ("pallas", "xla_chunked", "xla_token_scan")
-SWEEP = ((64, 128), (64, 64), (32, 128), (32, 64), (16, 128), (16, 64))  # the kernel's (chunk, block_v)
+# the Pallas path's (chunk, block_v, num_warps); (64, 128) is at the edge of an H100's shared memory
+SWEEP = ((64, 64, 8), (64, 64, 4), (64, 32, 8), (64, 32, 4), (64, 128, 8), (32, 128, 8), (32, 64, 8), (32, 32, 4))
 SHAPE = dict(b=4, t=2048, hk=16, hv=32, dk=128, dv=128)
 TINY = dict(b=1, t=40, hk=1, hv=2, dk=16, dv=16)
 
@@ -53,15 +57,16 @@ def _inputs(shape, dtype):
     return q, k, v, g, beta, do
 
 
-def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
+def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None, num_warps=None):
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import reference
-    from pallas_kernels.gated_delta import gated_delta_rule as kernel
+    from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
     from pallas_kernels.gated_delta_chunked import chunked_gated_delta_rule
 
-    rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, interpret=interpret),
+    rule = {"pallas": lambda *a: kernel(*a, scale=scale, chunk=chunk, block_v=block_v, num_warps=num_warps,
+                                        interpret=interpret),
             "xla_chunked": lambda *a: chunked_gated_delta_rule(*a, scale=scale),
             "xla_token_scan": lambda *a: reference.gated_delta_rule(*a, scale=scale)}[impl]
 
@@ -72,7 +77,38 @@ def _fn(impl: str, scale: float, interpret, chunk=None, block_v=None):
     return fwd_bwd
 
 
-def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> None:
+def _parts(shape, dtype, args, chunk: int, block_v: int, interpret):
+    """{part: fwd_bwd fn, its arguments} for the Pallas path's two parts at the default tiles: chunk_terms (XLA; a
+    cotangent of ones for each term) and state_pass (the kernels, on precomputed terms; o's cotangent do)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from pallas_kernels.gated_delta_chunked import chunk_terms
+    from pallas_kernels.gated_delta_state import state_pass
+
+    q, k, v, g, beta, do = args
+    prec = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    terms_fn = jax.jit(lambda *a: chunk_terms(*a, scale=shape["dk"] ** -0.5, chunk=chunk, precision=prec))
+
+    def terms_fwd_bwd(*a):
+        terms, vjp = jax.vjp(terms_fn, *a)
+        return terms, vjp(jax.tree.map(jnp.ones_like, terms))
+
+    terms = terms_fn(q, k, v, g, beta)
+    b, hv, n = terms[0].shape[:3]
+    s0 = jnp.zeros((b, hv, shape["dk"], shape["dv"]), jnp.float32)
+    do = jnp.pad(do, ((0, 0), (0, n * chunk - do.shape[1]), (0, 0), (0, 0)))
+
+    def pass_fwd_bwd(*a):
+        rule = lambda *x: state_pass(*x, out_dtype=dtype, block_v=block_v, interpret=interpret)  # noqa: E731
+        (o, final), vjp = jax.vjp(rule, *a[:-1])
+        return o, vjp((a[-1], jnp.zeros_like(final)))
+
+    return {"chunk_terms": (terms_fwd_bwd, (q, k, v, g, beta)), "state_pass": (pass_fwd_bwd, (*terms, s0, do))}
+
+
+def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool, parts: bool = False) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -82,28 +118,44 @@ def run_one(impl: str, tiny: bool, dtype_name: str, runs: int, sweep: bool) -> N
     dtype = jnp.dtype(dtype_name)
     record = dict(name="gated_delta", impl=impl, shape=[shape[n] for n in ("b", "t", "hk", "hv", "dk", "dv")],
                   dtype=dtype.name, what="fwd_bwd")
+    if impl == "pallas":  # the default tiles this shape gets
+        from pallas_kernels._common import next_pow2
+        from pallas_kernels.gated_delta_state import default_tiles
+
+        pad = lambda d: max(16, next_pow2(d))  # noqa: E731
+        chunk, block_v = default_tiles(shape["t"], pad(shape["dk"]), pad(shape["dv"]), dtype == jnp.float32)
+        record["config"] = dict(chunk=chunk, block_v=block_v)
     try:
         args = _inputs(shape, dtype)
         fn = _fn(impl, shape["dk"] ** -0.5, True if tiny else None)
         jax.block_until_ready(jax.jit(fn)(*args))
         stats = jax.devices()[0].memory_stats() or {}
         peak = stats.get("peak_bytes_in_use")
-        timing = dict(runs=2, max_copies=2) if tiny else dict(runs=runs)
+        timing = dict(runs=2, max_copies=1) if tiny else dict(runs=runs)
         ms = device_ms(fn, *args, **timing)
     except Exception as exc:  # noqa: BLE001 - out of memory, a compile failure: report it and go on
         emit(**record, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         return
     emit(**record, ms=round(ms, 4), peak_bytes=peak)
+    if parts and impl == "pallas":
+        try:
+            for part, (fn, part_args) in _parts(shape, dtype, args, record["config"]["chunk"],
+                                                record["config"]["block_v"], True if tiny else None).items():
+                emit(**dict(record, name="gated_delta_part", part=part), ms=round(device_ms(fn, *part_args, **timing), 4))
+        except Exception as exc:  # noqa: BLE001 - report it and go on to the sweep
+            emit(**dict(record, name="gated_delta_part"), error=f"{type(exc).__name__}: {str(exc)[:300]}")
     if not (sweep and impl == "pallas"):
         return
-    for chunk, block_v in ((16, 16), (32, 16)) if tiny else SWEEP:
-        config = dict(chunk=chunk, block_v=block_v)
+    for chunk, block_v, num_warps in ((16, 16, 4), (32, 16, 4)) if tiny else SWEEP:
+        config = dict(chunk=chunk, block_v=block_v, num_warps=num_warps)
         try:
-            ms = device_ms(_fn(impl, shape["dk"] ** -0.5, True if tiny else None, chunk, block_v), *args, **timing)
+            ms = device_ms(_fn(impl, shape["dk"] ** -0.5, True if tiny else None, chunk, block_v, num_warps), *args,
+                           **timing)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile: report it and go on
-            emit(**dict(record, name="gated_delta_sweep"), config=config, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            emit(**dict(record, name="gated_delta_sweep", config=config),
+                 error=f"{type(exc).__name__}: {str(exc)[:300]}")
             continue
-        emit(**dict(record, name="gated_delta_sweep"), config=config, ms=round(ms, 4))
+        emit(**dict(record, name="gated_delta_sweep", config=config), ms=round(ms, 4))
 
 
 def main(argv=None):
@@ -112,15 +164,16 @@ def main(argv=None):
     ap.add_argument("--impl", choices=IMPLS, help="run this implementation here (default: each in its own process)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v (g and beta are float32)")
     ap.add_argument("--runs", type=int, default=10, help="timed runs per measurement (median)")
-    ap.add_argument("--sweep", action="store_true", help="also time the kernel's (chunk, block_v) choices")
+    ap.add_argument("--sweep", action="store_true", help="also time the Pallas path's (chunk, block_v, num_warps)")
+    ap.add_argument("--parts", action="store_true", help="also time the Pallas path's chunk_terms and state_pass")
     a = ap.parse_args(argv)
     if a.impl:
-        run_one(a.impl, a.tiny, a.dtype, a.runs, a.sweep)
+        run_one(a.impl, a.tiny, a.dtype, a.runs, a.sweep, a.parts)
         return
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     for impl in IMPLS:
         cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--dtype", a.dtype, "--runs", str(a.runs)]
-        cmd += (["--tiny"] if a.tiny else []) + (["--sweep"] if a.sweep else [])
+        cmd += [flag for flag, on in (("--tiny", a.tiny), ("--sweep", a.sweep), ("--parts", a.parts)) if on]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
         if run.returncode != 0 or not lines:

@@ -41,7 +41,7 @@ _EXPORTS = {
     "stacked_linear": "pallas_kernels.decode_linear",
     "nf4_decode_linear": "pallas_kernels.nf4_decode",
     "paged_decode_attention": "pallas_kernels.decode_attention",
-    "gated_delta_rule": "pallas_kernels.gated_delta",
+    "gated_delta_rule": "pallas_kernels.gated_delta_state",
     "chunked_gated_delta_rule": "pallas_kernels.gated_delta_chunked",
     "resolve_interpret": "pallas_kernels._common",
 }

@@ -1,5 +1,6 @@
-"""The gated delta rule in chunks, in plain jnp: the XLA path of ops.gated_delta_rule (the Pallas kernel is
-pallas_kernels.gated_delta; the token-by-token scan pallas_kernels.reference.gated_delta_rule is the ground truth).
+"""The gated delta rule in chunks, in plain jnp: the XLA path of ops.gated_delta_rule (the Pallas path,
+pallas_kernels.gated_delta_state, shares chunk_terms and runs the state pass as kernels; the token-by-token scan
+pallas_kernels.reference.gated_delta_rule is the ground truth).
 
 Per head, within a chunk of C tokens with start state S0 [Dk, Dv] (G the cumulative log decay inside the chunk,
 e = exp(G), Gamma_ij = exp(G_i - G_j) for j <= i and 0 above the diagonal):
@@ -11,12 +12,13 @@ e = exp(G), Gamma_ij = exp(G_i - G_j) for j <= i and 0 above the diagonal):
 Everything but the last three lines runs for all chunks at once; a lax.scan over chunks carries the state.
 Every exponent is a difference G_i - G_j with j <= i inside one segment (or G itself), so for g <= 0 no exp sees a
 positive number, in the forward or in the gradient; a segment start (g = -1e4) makes the factors across it exactly 0
-and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients.
+and restarts the cumulative sums (RESET_BELOW). jax autodiff gives the gradients (the inverse's by its custom VJP).
 """
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -61,7 +63,13 @@ def chunk_decays(g, chunk: int):
 def unit_lower_inverse(a, precision=None):
     """(I + a)^-1 of strictly lower a [..., C, C] (C a power of two), by blocked forward substitution: the inverses
     of the diagonal blocks of size s give those of size 2s as [[T11, 0], [-T22 A21 T11, T22]] (log2 C rounds of
-    batched products; differentiable, and stable as forward substitution is)."""
+    batched products, stable as forward substitution is). Differentiable in a: its gradient is
+    -strict_lower(T^T dT T^T) (from dT = -T dA T), two batched products instead of the rounds' transposes."""
+    return _unit_lower_inverse(a, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unit_lower_inverse(a, precision):
     c = a.shape[-1]
     lead = a.shape[:-2]
     blocks = jnp.ones(lead + (c, 1, 1), a.dtype)  # the diagonal blocks of size s = 1
@@ -80,6 +88,54 @@ def unit_lower_inverse(a, precision=None):
         blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., nb, 2s, 2s]
         s *= 2
     return blocks.reshape(lead + (c, c))
+
+
+def _unit_lower_inverse_fwd(a, precision):
+    t = _unit_lower_inverse(a, precision)
+    return t, t
+
+
+def _unit_lower_inverse_bwd(precision, t, dt):
+    c = t.shape[-1]
+    da = -jnp.einsum("...ji,...jk,...lk->...il", t, dt, t, precision=precision)
+    return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), da, 0.0),)
+
+
+_unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
+
+
+def chunk_terms(q, k, v, g, beta, *, scale, chunk: int, precision=None):
+    """The chunk-local terms of the state recurrence, for all chunks at once (the first lines of the module
+    docstring): q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]; T zero-padded to N * chunk ->
+    (w [B, Hv, N, C, Dk], u_tilde [B, Hv, N, C, Dv], eq = scale e Q [B, Hv, N, C, Dk],
+    p = scale lower(Gamma * Q K^T) [B, Hv, N, C, C], kr = r K [B, Hv, N, C, Dk], e_last [B, Hv, N]), all float32.
+    The chunked scan below and pallas_kernels.gated_delta_state's state-pass kernel both consume these."""
+    t, hk = q.shape[1], q.shape[2]
+    hv = v.shape[2]
+    rep = hv // hk
+    ein = functools.partial(jnp.einsum, precision=precision)
+    tp = -(-t // chunk) * chunk
+    qc = _chunks(q, tp, chunk) * scale  # [B, Hk, N, C, Dk]
+    kc = _chunks(k, tp, chunk)
+    vc = _chunks(v, tp, chunk)  # [B, Hv, N, C, Dv]
+    gc = _chunks(g, tp, chunk)  # [B, Hv, N, C]
+    bc = _chunks(beta, tp, chunk)
+
+    def per_value_head(x):  # [B, Hk, ...] -> [B, Hv, ...]: value head h reads key head h // rep
+        return jnp.repeat(x, rep, axis=1)
+
+    _, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    # K K^T and Q K^T once per key head
+    kk = per_value_head(ein("...id,...jd->...ij", kc, kc))
+    qk = per_value_head(ein("...id,...jd->...ij", qc, kc))
+    qc, kc = per_value_head(qc), per_value_head(kc)
+    a = jnp.where(strict, gamma * bc[..., :, None] * kk, 0.0)
+    t_inv = unit_lower_inverse(a, precision)
+    w = ein("...ij,...jd->...id", t_inv, (bc * e)[..., None] * kc)
+    u_tilde = ein("...ij,...jd->...id", t_inv, bc[..., None] * vc)
+    p = gamma * qk  # lower triangle (gamma is 0 above)
+    return w, u_tilde, e[..., None] * qc, p, kr_scale[..., None] * kc, e_last
 
 
 def check_inputs(q, k, v, g, beta, initial_state):
@@ -115,27 +171,12 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     chunk = min(chunk, 1 << max(t - 1, 0).bit_length())
-    rep = hv // hk
     # float32 inputs get full-precision float32 products (the GPU's default would be TF32); 16-bit inputs the default
     prec = lax.Precision.HIGHEST if jnp.dtype(v.dtype) == jnp.float32 else None
     ein = functools.partial(jnp.einsum, precision=prec)
-    n = -(-t // chunk)
+    w, u_tilde, eq, p, kr, e_last = chunk_terms(q, k, v, g, beta, scale=scale, chunk=chunk, precision=prec)
+    n = w.shape[2]
     tp = n * chunk
-    qc = jnp.repeat(_chunks(q, tp, chunk), rep, axis=1) * scale  # [B, Hv, N, C, Dk]
-    kc = jnp.repeat(_chunks(k, tp, chunk), rep, axis=1)
-    vc = _chunks(v, tp, chunk)  # [B, Hv, N, C, Dv]
-    gc = _chunks(g, tp, chunk)  # [B, Hv, N, C]
-    bc = _chunks(beta, tp, chunk)
-
-    big_g, gamma, e, kr_scale, e_last = chunk_decays(gc, chunk)
-    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
-    a = jnp.where(strict, gamma * bc[..., :, None] * ein("...id,...jd->...ij", kc, kc), 0.0)
-    t_inv = unit_lower_inverse(a, prec)
-    w = ein("...ij,...jd->...id", t_inv, (bc * e)[..., None] * kc)
-    u_tilde = ein("...ij,...jd->...id", t_inv, bc[..., None] * vc)
-    p = gamma * ein("...id,...jd->...ij", qc, kc)  # lower triangle (gamma is 0 above)
-    eq = e[..., None] * qc
-    kr = kr_scale[..., None] * kc
 
     def step(state, xs):
         w_n, ut_n, eq_n, p_n, kr_n, el_n = xs

@@ -324,7 +324,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, lengths, *, scale,
     return jnp.where((lengths > 0)[:, None, None], out, jnp.zeros_like(out))
 
 
-# ---- gated delta rule (Qwen3.5's linear attention; kernel pallas_kernels/gated_delta.py, chunked XLA form gated_delta_chunked.py) ----
+# ---- gated delta rule (Qwen3.5's linear attention; Pallas path gated_delta_state.py, chunked XLA form gated_delta_chunked.py) ----
 
 
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_OPS = {"rms_norm": "rms_norm", "rope": "rope", "glu": "glu", "glu_fp8": "glu_fp8", "lora_linear": "linear",
               "cross_entropy": "cross_entropy", "flash_attention": "attention", "nf4": "nf4_matmul",
               "grouped_matmul": "grouped_matmul", "decode_attention": "paged_attention",
-              "decode_linear": "decode_linear", "nf4_decode": "nf4_decode", "gated_delta": "gated_delta"}
+              "decode_linear": "decode_linear", "nf4_decode": "nf4_decode", "gated_delta_state": "gated_delta"}
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # What each winning kernel's docstring says its default is: probes (dtype, last dim) picked / not picked.
 WHERE_PICKED = {

@@ -568,9 +568,10 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     math): q, k [B, T, Hk, Dk] (L2-normalized by the caller), v [B, T, Hv, Dv], g (log decay, <= 0; -1e4 at a
     packed segment's start) and beta [B, T, Hv], initial_state [B, Hv, Dk, Dv] or None -> (o [B, T, Hv, Dv] in
     v.dtype, final state [B, Hv, Dk, Dv] float32). XLA: the chunked form (pallas_kernels.gated_delta_chunked);
-    Pallas: pallas_kernels.gated_delta (per batch shard under a mesh)."""
+    Pallas: pallas_kernels.gated_delta_state (the chunk-local terms in XLA, the state pass over the chunks in
+    Pallas kernels; per batch shard under a mesh)."""
     if use_pallas("gated_delta", v):
-        from pallas_kernels.gated_delta import gated_delta_rule as kernel
+        from pallas_kernels.gated_delta_state import gated_delta_rule as kernel
 
         _note("gated_delta", "pallas")
         interpret = not active_policy().gpu
