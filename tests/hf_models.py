@@ -67,6 +67,12 @@ FAMILIES.update({
                    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2,
                    eos_token_id=1, pad_token_id=0),
 })
+# The released checkpoints' shapes (tests/test_gemma4_shapes.py): the full layers at global_head_dim 64 (twice
+# head_dim) with the KV-shared layers' double-wide MLP (E2B / E4B); keys as values with one global key/value head
+# and no KV sharing (the dense 31B)
+FAMILIES["gemma4_shapes"] = FAMILIES["gemma4"] | dict(global_head_dim=64, use_double_wide_mlp=True)
+FAMILIES["gemma4_keqv"] = FAMILIES["gemma4"] | dict(global_head_dim=64, attention_k_eq_v=True,
+                                                    num_global_key_value_heads=1, num_kv_shared_layers=0)
 
 
 def model_type_of(family: str) -> str:
@@ -110,8 +116,8 @@ def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model
 
 
-def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32):
-    model = make_hf_model(family, seed, dtype)
+def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32, **overrides):
+    model = make_hf_model(family, seed, dtype, **overrides)
     model.save_pretrained(str(path))
     return model
 

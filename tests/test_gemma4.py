@@ -21,7 +21,7 @@ from tests.family_checks import assert_greedy_matches_transformers, load_f32, hf
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.config import HF_MODULE, ModelConfig, stack_holders  # noqa: E402
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -63,11 +63,10 @@ def test_config_layer_types_kv_sharing_rope_and_refusals():
     # 26 layers, the last 8 KV-shared (sources 16 and 17): 12 layers of code, the shared tail scanned too
     assert long.layer_segments == ((0, 6, 2), (12, 1, 4), (16, 2, 1), (18, 1, 4), (22, 2, 2))
     assert ModelConfig.from_dict(BASE | {"num_kv_shared_layers": 0}).layer_kv_source == ()
-    for bad, key in [({"global_head_dim": 64}, "global_head_dim"),
-                     ({"per_layer_config": {"5": {"head_dim": 64}}}, "per_layer_config"),
+    for bad, key in [({"per_layer_config": {"5": {"head_dim": 64}}}, "per_layer_config"),
+                     ({"per_layer_config": {"0": {"head_dim": 64}}}, "per_layer_config"),
+                     ({"per_layer_config": {"5": {"sliding_window": 4}}}, "per_layer_config"),
                      ({"enable_moe_block": True}, "enable_moe_block"),
-                     ({"attention_k_eq_v": True}, "attention_k_eq_v"),
-                     ({"use_double_wide_mlp": True}, "use_double_wide_mlp"),
                      ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
                      ({"num_kv_shared_layers": 3}, "num_kv_shared_layers"),
                      ({"layer_types": ["chunked_attention"] * 8}, "layer_types"),
@@ -181,11 +180,12 @@ def test_lora_gradients_match_peft(tiny, tmp_path, rng):
     assert abs(float(value) - float(out.loss)) < 1e-5 * abs(float(out.loss))
     checked, ours_by, theirs_by = 0, {}, {}
     for p, v in nnx.to_flat_state(grads):
-        parent, proj, kind = p[-3:]
-        for i in range(model.config.num_hidden_layers):
-            key = (f"base_model.model.model.layers.{i}.{parent}.{proj}.lora_{kind[-1].upper()}.default.weight")
+        sub, proj, kind = p[-3:]  # sub: self_attn, or the KV-shared layers' shared_attn (config.KIND_MODULES)
+        for r, i in enumerate(stack_holders(model.config, sub)):
+            key = (f"base_model.model.model.layers.{i}.{HF_MODULE[sub]}.{proj}.lora_{kind[-1].upper()}"
+                   ".default.weight")
             if key in want:
-                ours_by.setdefault((proj, kind), []).append(np.asarray(v[...])[i].ravel())
+                ours_by.setdefault((proj, kind), []).append(np.asarray(v[...])[r].ravel())
                 theirs_by.setdefault((proj, kind), []).append(want[key].T.ravel())
                 checked += 1
     # per projection and factor over its layers. float32 against float32: max 6.9e-4 over 20 random models, and in
