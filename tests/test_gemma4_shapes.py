@@ -139,3 +139,20 @@ def test_greedy_generation_matches_transformers(tiny, rng):
     the engine, whose page pools have each layer's own head dim and key/value heads, equal transformers'."""
     _, _, hf, model = tiny
     assert_greedy_matches_transformers(hf, model, rng, [11, 4], new=7, eos=1)
+
+
+def test_contiguous_cache_refused_for_two_attention_shapes():
+    """run_layers' one [L, B, T, Hkv, hd] cache cannot hold layers of two head dims: a ValueError naming
+    global_head_dim (the engine's per-layer page pools decode these models)."""
+    import jax.numpy as jnp
+
+    from unsloth_jax.models.attention import KVCache
+    from unsloth_jax.models.decoder import CausalLM, make_batch
+
+    model = CausalLM(ModelConfig.from_dict(TINY | FAMILIES["gemma4_shapes"]), rngs=nnx.Rngs(0))
+    ids = jnp.ones((1, 3), jnp.int32)
+    x = model.model.embed(ids, jnp.float32)
+    (cos, sin), local = model.model.rope(make_batch(ids).positions)
+    cache = KVCache(jnp.zeros((8, 1, 4, 2, 32)), jnp.zeros((8, 1, 4, 2, 32)), jnp.ones((1, 4), jnp.int32), 0)
+    with pytest.raises(ValueError, match="global_head_dim"):
+        model.model.run_layers(x, cos, sin, make_batch(ids), cache=cache, local_rope=local)

@@ -11,7 +11,8 @@ layer index dropped because decoder layers are stacked on a leading axis L (for 
     model.layers.<parent>.<proj>.kernel [L, in, out] <- model.layers.{i}.<parent>.<proj>.weight  (transposed)
     model.layers.<parent>.<proj>.bias [L, out]       <- model.layers.{i}.<parent>.<proj>.bias
 
-<parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
+<parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj (Gemma 4: our path's submodule is the
+layer's kind of it, config.layer_module: global_attn, shared_attn, shared_global_attn, wide_mlp). Norms, embeddings and the head keep HF's
 layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does). The mixture-of-experts
 families (Qwen3-MoE, Mixtral, gpt-oss) add the router and the expert stacks: see the last section.
 

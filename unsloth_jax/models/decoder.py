@@ -16,10 +16,13 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.embed_tokens_per_layer.weight [Vp, L*P], model.per_layer_model_projection.kernel [D, L*P],
     model.per_layer_projection_norm.weight [P], model.layers.per_layer_input_gate / per_layer_projection,
     model.layers.post_per_layer_input_norm.weight [L, D], model.layers.layer_scalar [L, 1]   (Gemma 4)
+    model.layers.{global_attn,shared_attn,shared_global_attn,wide_mlp}.*    (Gemma 4: config.KIND_MODULES)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis (L, or for a token mixer
 only some layers hold the number of its holders: config.stack_holders; Qwen3.5's self_attn [La, ...] over its
-full-attention layers, linear_attn [L - La, ...] over the others; row r is layer stack_holders(...)[r]);
+full-attention layers, linear_attn [L - La, ...] over the others; Gemma 4's global_attn over its full-attention
+layers at their own head dim, shared_attn / shared_global_attn over its KV-shared layers, wide_mlp over those of
+a double-wide MLP; row r is layer stack_holders(...)[r]);
 `DecoderModel.run_layers`
 runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
 `LayerStackPolicy` it is given: what each layer keeps for the backward pass, what goes to pinned host memory,
