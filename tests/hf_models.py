@@ -67,12 +67,6 @@ FAMILIES.update({
                    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", bos_token_id=2,
                    eos_token_id=1, pad_token_id=0),
 })
-# The released checkpoints' shapes (tests/test_gemma4_shapes.py): the full layers at global_head_dim 64 (twice
-# head_dim) with the KV-shared layers' double-wide MLP (E2B / E4B); keys as values with one global key/value head
-# and no KV sharing (the dense 31B)
-FAMILIES["gemma4_shapes"] = FAMILIES["gemma4"] | dict(global_head_dim=64, use_double_wide_mlp=True)
-FAMILIES["gemma4_keqv"] = FAMILIES["gemma4"] | dict(global_head_dim=64, attention_k_eq_v=True,
-                                                    num_global_key_value_heads=1, num_kv_shared_layers=0)
 
 
 def model_type_of(family: str) -> str:

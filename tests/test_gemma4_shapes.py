@@ -1,5 +1,6 @@
-"""Gemma 4 text at the released checkpoints' shapes (tests/hf_models.py): "gemma4_shapes", the full-attention
-layers at global_head_dim 64 (head_dim 32) with the KV-shared layers' double-wide MLP (E2B / E4B), and
+"""Gemma 4 text at the released checkpoints' shapes (tests/hf_models.py's tiny "gemma4" with OVERRIDES):
+"gemma4_shapes", the full-attention layers at global_head_dim 64 (head_dim 32) with the KV-shared layers'
+double-wide MLP (E2B / E4B), and
 "gemma4_keqv", the full layers at 64 with one key/value head whose values are the key projection
 (attention_k_eq_v, num_global_key_value_heads; the dense 31B). Against transformers in float32: the per-kind
 sub-stacks (self_attn, global_attn, shared_attn, shared_global_attn, mlp, wide_mlp) and their counts, logits
@@ -16,8 +17,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
-from tests.family_checks import (assert_greedy_matches_transformers, hf_f32, load_f32, lora_steps_lower_the_loss,  # noqa: E402
-                                 right_padded, torch_logits)
+from tests.family_checks import (assert_greedy_matches_transformers, hf_f32, load_f32,  # noqa: E402
+                                 lora_steps_lower_the_loss, right_padded, torch_logits)
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -25,8 +26,14 @@ from unsloth_jax.config import ModelConfig, layer_has, layer_module, stack_holde
 from unsloth_jax.lora import count  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TINY = dict(model_type="gemma4_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2)
+BASE = FAMILIES["gemma4"] | dict(model_type="gemma4_text", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                 num_attention_heads=4, num_key_value_heads=2)
+# The released checkpoints' shapes on the tiny "gemma4" config: the full layers at global_head_dim 64 (twice head_dim)
+# with the KV-shared layers' double-wide MLP (E2B / E4B); keys as values with one global key/value head and no KV
+# sharing (the dense 31B)
+OVERRIDES = {"gemma4_shapes": dict(global_head_dim=64, use_double_wide_mlp=True),
+             "gemma4_keqv": dict(global_head_dim=64, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                 num_kv_shared_layers=0)}
 # layers s s s s s g | s g (the last forced full); the KV-shared 6, 7 read 4, 5
 HOLDERS = {
     "gemma4_shapes": {"self_attn": (0, 1, 2, 3, 4), "global_attn": (5,), "shared_attn": (6,),
@@ -39,7 +46,8 @@ HOLDERS = {
 def tiny(request, tmp_path_factory):
     """(family, source dir, transformers model, our model), built once per family."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = save_hf_model(request.param, path, seed=fresh_seed(f"{request.param} model") % (1 << 31))
+    hf = save_hf_model("gemma4", path, seed=fresh_seed(f"{request.param} model") % (1 << 31),
+                       **OVERRIDES[request.param])
     return request.param, path, hf, load_f32(path)
 
 
@@ -47,18 +55,18 @@ def test_config_fields_holders_and_refusals():
     """global_head_dim / num_global_key_value_heads / attention_k_eq_v / use_double_wide_mlp (and
     per_layer_config, what transformers writes) become the config's fields; each layer's submodules follow
     its kind; full layers of two shapes and MoE blocks are refused naming the key."""
-    shapes = ModelConfig.from_dict(TINY | FAMILIES["gemma4_shapes"])
+    shapes = ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"])
     assert (shapes.global_head_dim, shapes.global_kv_heads, shapes.attention_k_eq_v, shapes.double_wide_mlp) == (
         64, 2, False, True)
     assert shapes.global_rope_dim == 64 and shapes.rope_dim == 32
-    keqv = ModelConfig.from_dict(TINY | FAMILIES["gemma4_keqv"])
+    keqv = ModelConfig.from_dict(BASE | OVERRIDES["gemma4_keqv"])
     assert (keqv.global_head_dim, keqv.global_kv_heads, keqv.attention_k_eq_v, keqv.double_wide_mlp) == (
         64, 1, True, False)
-    written = ModelConfig.from_dict(TINY | FAMILIES["gemma4"] | {"attention_k_eq_v": True, "per_layer_config": {
+    written = ModelConfig.from_dict(BASE | {"attention_k_eq_v": True, "per_layer_config": {
         "5": {"head_dim": 64, "num_key_value_heads": 1}, "7": {"head_dim": 64, "num_key_value_heads": 1}}})
     assert (written.global_head_dim, written.global_kv_heads) == (64, 1)
     # without attention_k_eq_v transformers ignores num_global_key_value_heads
-    assert ModelConfig.from_dict(TINY | FAMILIES["gemma4_shapes"] | {"num_global_key_value_heads": 1}
+    assert ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"] | {"num_global_key_value_heads": 1}
                                  ).global_kv_heads == 2
     for family, cfg in (("gemma4_shapes", shapes), ("gemma4_keqv", keqv)):
         for sub, holders in HOLDERS[family].items():
@@ -71,7 +79,7 @@ def test_config_fields_holders_and_refusals():
     for bad, key in [({"per_layer_config": {"5": {"head_dim": 64}, "7": {"head_dim": 128}}}, "per_layer_config"),
                      ({"enable_moe_block": True}, "enable_moe_block")]:
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(TINY | FAMILIES["gemma4_shapes"] | bad)
+            ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"] | bad)
 
 
 def test_logits_and_counts_match_transformers(tiny, rng):
@@ -149,7 +157,7 @@ def test_contiguous_cache_refused_for_two_attention_shapes():
     from unsloth_jax.models.attention import KVCache
     from unsloth_jax.models.decoder import CausalLM, make_batch
 
-    model = CausalLM(ModelConfig.from_dict(TINY | FAMILIES["gemma4_shapes"]), rngs=nnx.Rngs(0))
+    model = CausalLM(ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"]), rngs=nnx.Rngs(0))
     ids = jnp.ones((1, 3), jnp.int32)
     x = model.model.embed(ids, jnp.float32)
     (cos, sin), local = model.model.rope(make_batch(ids).positions)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import HF_MODULE, ModelConfig, attention_dims, layer_has, layer_module, layer_slot, stack_holders
+from unsloth_jax.config import (HF_MODULE, ModelConfig, attention_dims, layer_has, layer_module, layer_slot,
+                                stack_holders)
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
