@@ -17,8 +17,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
-from tests.family_checks import (assert_greedy_matches_transformers, hf_f32, load_f32,  # noqa: E402
-                                 lora_steps_lower_the_loss, right_padded, torch_logits)
+from tests.family_checks import (assert_greedy_matches_transformers, assert_lora_gradients_match_peft,  # noqa: E402
+                                 hf_f32, load_f32, lora_steps_lower_the_loss, right_padded, torch_logits)
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -140,6 +140,17 @@ def test_peft_made_adapter_loads(tiny, tmp_path, rng):
     ids, mask = right_padded(rng, [12, 7])
     real = mask.astype(bool)
     assert rel_err(np.asarray(model(ids, mask))[real], torch_logits(pm, ids, mask)[real]) < 2e-4
+
+
+@pytest.mark.slow
+def test_lora_gradients_match_peft(tiny, tmp_path, rng):
+    """The loss and every LoRA gradient equal PEFT's (float32), through the global layers' values taken from
+    k_proj and the double-wide MLP; test_lora_step_peft_adapter_and_merged_export is the fast guard."""
+    _, path, _, _ = tiny
+    model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
+                                             random_state=int(rng.integers(1 << 30)))
+    # 5e-3 as in test_gemma4.py (float32 against float32 over 8 layers)
+    assert_lora_gradients_match_peft(model, path, tmp_path, rng)
 
 
 def test_greedy_generation_matches_transformers(tiny, rng):

@@ -169,7 +169,7 @@ class Attention(nnx.Module):
         attention (`cache.attend`); the second item is then the cache's new arrays. The third is this layer's
         keys/values [B, S, Hkv, hd] after their norms and RoPE (what a KV-shared layer reads).
         shared: ((k, v), cache arrays or None) of the earlier layer a KV-shared layer (Gemma 4) attends over; this
-        layer's k/v projections are then unused, its cache (if any) unwritten and returned as it is, and the
+        layer (a shared_attn kind) has no k/v projections, its cache (if any) unwritten and returned as it is, and the
         third item is None.
         """
         b, s, _ = x.shape
