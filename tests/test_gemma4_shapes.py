@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.family_checks import (assert_greedy_matches_transformers, assert_lora_gradients_match_peft,  # noqa: E402
-                                 hf_f32, load_f32, lora_steps_lower_the_loss, right_padded, torch_logits)
+                                 assert_policies_equal_plain_stack, hf_f32, load_f32, lora_steps_lower_the_loss,
+                                 right_padded, torch_logits)
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -175,3 +176,35 @@ def test_contiguous_cache_refused_for_two_attention_shapes():
     cache = KVCache(jnp.zeros((8, 1, 4, 2, 32)), jnp.zeros((8, 1, 4, 2, 32)), jnp.ones((1, 4), jnp.int32), 0)
     with pytest.raises(ValueError, match="global_head_dim"):
         model.model.run_layers(x, cos, sin, make_batch(ids), cache=cache, local_rope=local)
+
+
+@pytest.mark.slow
+def test_layer_stack_policies_equal_the_plain_stack(seed):
+    """Loss and gradients under host offload and two-level checkpointing equal the plain stack's on the
+    double-wide, global-shape config: each segment's groups take their rows of every kind's sub-stack. (The fast
+    guards: the LoRA step above under gradient checkpointing; tests/test_layer_substacks.py's two-level test.)"""
+    assert_policies_equal_plain_stack(ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"]), seed)
+
+
+def test_kv_shared_tensors_in_a_checkpoint_are_skipped(tiny, tmp_path, rng):
+    """A checkpoint that also holds k/v projections and norms for the KV-shared layers (which transformers 5.25's
+    Gemma 4 has not, and its forward never reads) loads, with the same logits."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    family, path, _, model = tiny
+    if not model.config.layer_kv_source:
+        pytest.skip(f"{family} has no KV-shared layers")
+    shutil.copytree(path, tmp_path / "ckpt")
+    file = next((tmp_path / "ckpt").glob("*.safetensors"))
+    tensors = load_file(str(file))
+    for i in (6, 7):
+        src = model.config.kv_source(i)
+        for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+            tensors[f"model.layers.{i}.self_attn.{name}"] = tensors[f"model.layers.{src}.self_attn.{name}"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    ids, mask = right_padded(rng, [9, 5])
+    real = mask.astype(bool)
+    np.testing.assert_array_equal(np.asarray(load_f32(tmp_path / "ckpt")(ids, mask))[real],
+                                  np.asarray(model(ids, mask))[real])
