@@ -60,9 +60,10 @@ class DecoderLayer(nnx.Module):
     the per-layer input block and the layer's scalar)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
-        """stack=(L,): every layer's variables stacked, a token mixer's over the layers holding it only
-        (config.stack_holders: Qwen3.5's self_attn over its full-attention layers, linear_attn over the others);
-        stack=(): one layer, holding both mixers where the model has both."""
+        """stack=(L,): every layer's variables stacked, a submodule's over the layers holding it only
+        (config.stack_holders: Qwen3.5's self_attn over its full-attention layers, linear_attn over the others;
+        Gemma 4's kinds of attention and MLP, config.KIND_MODULES); stack=(): one layer, holding every submodule
+        the model has (`held` picks the first of a kind)."""
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
 
         def rows(sub):  # a submodule's stack: the layers holding it
