@@ -104,3 +104,53 @@ def assert_policies_equal_plain_stack(cfg, seed: int, modes=("offload", "full_ev
         assert rel_err(got[0], want[0]) < 1e-6, mode
         for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
             assert rel_err(g, w) < 1e-4, mode
+
+
+def assert_lora_gradients_match_peft(model, path, tmp_path, rng, bound: float = 5e-3) -> int:
+    """`model` (ours, with LoRA on the checkpoint at `path`) with every lora_b random: its PEFT adapter loaded by
+    PEFT on transformers' model gives the same trainable count, and on a right-padded batch the same loss (1e-5)
+    and LoRA gradients: per projection and factor over its layers, relative error below `bound` (each layer's
+    pairs found by its submodule's rows, config.stack_holders, under the HF module name). -> the number of
+    gradient tensors compared (every one PEFT has)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.helpers import rel_err
+    from unsloth_jax.config import HF_MODULE, stack_holders
+
+    for lin in model.projection_stacks().values():
+        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
+    model.save_pretrained(tmp_path / "adapter")
+    import peft
+
+    pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"), is_trainable=True)
+    assert model.get_nb_trainable_parameters() == pm.get_nb_trainable_parameters()
+    ids, mask = right_padded(rng, [14, 10])
+    labels = np.where(mask == 1, ids, -100)
+    out = pm(torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    out.loss.backward()
+    want = {n: p.grad.numpy() for n, p in pm.named_parameters() if p.grad is not None}
+    g, t, f = lora.split(model)
+
+    def loss(t):
+        logp = jax.nn.log_softmax(nnx.merge(g, t, f)(ids, mask)[:, :-1], -1)
+        lab = jnp.asarray(labels[:, 1:])
+        nll = -jnp.take_along_axis(logp, jnp.maximum(lab, 0)[..., None], -1)[..., 0]
+        return jnp.sum(nll * (lab >= 0)) / jnp.sum(lab >= 0)
+
+    value, grads = jax.value_and_grad(loss)(t)
+    assert abs(float(value) - float(out.loss)) < 1e-5 * abs(float(out.loss))
+    checked, ours_by, theirs_by = 0, {}, {}
+    for p, v in nnx.to_flat_state(grads):
+        sub, proj, kind = p[-3:]
+        for r, i in enumerate(stack_holders(model.config, sub)):
+            key = (f"base_model.model.model.layers.{i}.{HF_MODULE.get(sub, sub)}.{proj}.lora_{kind[-1].upper()}"
+                   ".default.weight")
+            if key in want:
+                ours_by.setdefault((proj, kind), []).append(np.asarray(v[...])[r].ravel())
+                theirs_by.setdefault((proj, kind), []).append(want[key].T.ravel())
+                checked += 1
+    for what in ours_by:
+        assert rel_err(np.concatenate(ours_by[what]), np.concatenate(theirs_by[what])) < bound, what
+    assert checked == len(want), (checked, len(want))
+    return checked

@@ -110,8 +110,8 @@ def make_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model
 
 
-def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32):
-    model = make_hf_model(family, seed, dtype)
+def save_hf_model(family: str, path, seed: int = 0, dtype=torch.float32, **overrides):
+    model = make_hf_model(family, seed, dtype, **overrides)
     model.save_pretrained(str(path))
     return model
 

@@ -238,7 +238,7 @@ def _setup_full_finetuning(model: Model, gradient_checkpointing) -> None:
     lora_lib.enable_full_finetuning(model)
     model.gradient_checkpointing = gradient_checkpointing
     weights = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
-    print(f"unsloth_jax: full fine-tuning: {lora_lib.count(model, model.config):,d} trainable parameters in "
+    print(f"unsloth_jax: full fine-tuning: {lora_lib.count(model):,d} trainable parameters in "
           f"{'/'.join(sorted(weights))}; AdamW moments in float32 (8-bit with optim='adamw_8bit')")
 
 
@@ -325,7 +325,7 @@ def _gguf_methods(quantization_method) -> list[str]:
 
 def _trainable_counts(model) -> tuple[int, int]:
     _, trainable, _ = lora_lib.split(model)
-    return lora_lib.count(trainable, model.config), lora_lib.count(model, model.config)
+    return lora_lib.count(trainable), lora_lib.count(model)
 
 
 def _print_trainable(model) -> None:

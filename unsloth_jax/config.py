@@ -128,6 +128,12 @@ class ModelConfig:
     per_layer_input_size: int = 0  # per-layer input embeddings (PLE): width per layer; 0 = none
     per_layer_vocab_size: int = 0  # rows of the PLE table (embed_tokens_per_layer)
     layer_scalar: bool = False  # each layer's output times its own scalar (the checkpoint's layer_scalar)
+    # the full-attention layers' own attention shape (their submodule `global_attn`): head dim and key/value heads;
+    # 0 = the model's head_dim / num_key_value_heads in every layer (and self_attn in every layer)
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    attention_k_eq_v: bool = False  # global_attn has no v_proj: its values are k_proj's output (v-normed, no RoPE)
+    double_wide_mlp: bool = False  # the KV-shared layers' MLP (`wide_mlp`) at 2 x intermediate_size
     # ---- end Gemma 4 ----
 
     @property
@@ -138,6 +144,12 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """How many leading dims of each head RoPE rotates (head_dim unless partial)."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def global_rope_dim(self) -> int:
+        """The width of the global (non-local) RoPE tables: the full-attention layers' head dim where they have
+        their own (Gemma 4's global_head_dim), else rope_dim."""
+        return self.global_head_dim or self.rope_dim
 
     @property
     def layer_kinds(self) -> tuple[tuple, ...]:
@@ -761,29 +773,53 @@ _FAMILY_FIELDS["qwen3_5_text"] = _qwen3_5_fields
 
 
 # --------------------------------------------------------------------------------------- Gemma 4 text
-def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> None:
-    """Refuse layers whose attention shapes differ from head_dim / num_key_value_heads: transformers gives the
-    full-attention layers `global_head_dim` (default 512) and, with attention_k_eq_v, `num_global_key_value_heads`,
-    or per-layer overrides in `per_layer_config`; the layer stack needs one shape for every layer."""
+def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> dict:
+    """The full-attention layers' own attention shape: transformers gives them `global_head_dim` (default 512) and,
+    with attention_k_eq_v, `num_global_key_value_heads` keys/values heads, or per-layer overrides in
+    `per_layer_config` (what its save_pretrained writes). -> the ModelConfig fields global_head_dim / global_kv_heads
+    (0 where the full layers have the model's shape and no k_eq_v: one attention shape). Refused, naming the key:
+    overrides of other fields, of sliding layers, or that differ between full layers."""
     hd, kv = raw.get("head_dim", 256), raw.get("num_key_value_heads", 4)
+    k_eq_v = bool(raw.get("attention_k_eq_v"))
     per_layer = raw.get("per_layer_config")
     if per_layer is None:  # transformers' __post_init__ spelling: global_head_dim for the full-attention layers
-        per_layer = {str(i): {"head_dim": raw.get("global_head_dim", 512)} for i, t in enumerate(types)
-                     if t == "full_attention"}
+        over = {"head_dim": raw.get("global_head_dim", 512)}
+        if k_eq_v and raw.get("num_global_key_value_heads") is not None:
+            over["num_key_value_heads"] = raw["num_global_key_value_heads"]
+        per_layer = {str(i): over for i, t in enumerate(types) if t == "full_attention"}
     if not isinstance(per_layer, dict):
         raise ConfigError(f"{source}: per_layer_config must be a mapping of layer index to overrides")
+    shapes = set()
     for idx, over in per_layer.items():
-        bad = sorted(set(over or {}) - {"head_dim", "num_key_value_heads"})
+        over = over or {}
+        bad = sorted(set(over) - {"head_dim", "num_key_value_heads"})
         if bad:
             raise ConfigError(f"{source}: per_layer_config[{idx}] overrides {bad}: not supported (only head_dim and "
-                              "num_key_value_heads, equal to the model's)")
-        if (over or {}).get("head_dim", hd) != hd or (over or {}).get("num_key_value_heads", kv) != kv:
-            raise ConfigError(
-                f"{source}: layer {idx} has head_dim {over.get('head_dim', hd)} / num_key_value_heads "
-                f"{over.get('num_key_value_heads', kv)} (per_layer_config, or global_head_dim for full-attention "
-                f"layers, default 512) where the model has head_dim {hd} / num_key_value_heads {kv}: Gemma 4 "
-                "checkpoints whose layers differ in attention shape (google/gemma-4-*) are not supported yet; only "
-                "global_head_dim == head_dim")
+                              "num_key_value_heads)")
+        if not str(idx).isdigit() or not int(idx) < len(types):
+            raise ConfigError(f"{source}: per_layer_config key {idx!r} is not a layer index below {len(types)}")
+        shape = (int(over.get("head_dim", hd)), int(over.get("num_key_value_heads", kv)))
+        if types[int(idx)] == "sliding_attention":
+            if shape != (hd, kv):
+                raise ConfigError(f"{source}: per_layer_config[{idx}] gives sliding-attention layer {idx} head_dim "
+                                  f"{shape[0]} / num_key_value_heads {shape[1]}: only full-attention layers may "
+                                  f"differ from the model's head_dim {hd} / num_key_value_heads {kv}")
+            continue
+        shapes.add(shape)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if any(str(i) not in {str(k) for k in per_layer} for i in full):
+        shapes.add((hd, kv))
+    if len(shapes) > 1:
+        raise ConfigError(f"{source}: per_layer_config gives the full-attention layers different attention shapes "
+                          f"{sorted(shapes)} (head_dim, num_key_value_heads): only one shape for all of them is "
+                          "supported")
+    ghd, gkv = shapes.pop() if shapes else (hd, kv)
+    if (ghd, gkv) == (hd, kv) and not k_eq_v:
+        return {}
+    if raw.get("num_attention_heads", 8) % gkv:
+        raise ConfigError(f"{source}: num_attention_heads {raw.get('num_attention_heads', 8)} is not a multiple of "
+                          f"the full-attention layers' {gkv} key/value heads (num_global_key_value_heads)")
+    return {"global_head_dim": ghd, "global_kv_heads": gkv, "attention_k_eq_v": k_eq_v}
 
 
 def _gemma4_fields(raw: dict, source: str) -> dict:
@@ -793,13 +829,14 @@ def _gemma4_fields(raw: dict, source: str) -> dict:
     default; `full_attention`: default or "proportional", which rotates the first partial_rotary_factor of the
     frequencies), per-layer input embeddings (`hidden_size_per_layer_input`, `vocab_size_per_layer_input`), the
     last `num_kv_shared_layers` layers attending over the keys/values of the last earlier layer of their type, and
-    each layer's `layer_scalar`. Refused, naming the key: MoE blocks, attention_k_eq_v, the double-wide MLP of
-    KV-shared layers, bidirectional attention, and layers of different attention shapes (global_head_dim)."""
+    each layer's `layer_scalar`; the full-attention layers' own attention shape (`global_head_dim`,
+    `num_global_key_value_heads` with `attention_k_eq_v`, whose full layers take their values from k_proj, or
+    `per_layer_config`: _gemma4_layer_shapes) and the KV-shared layers' MLP at twice intermediate_size
+    (`use_double_wide_mlp`). Refused, naming the key: MoE blocks, bidirectional attention, full layers of
+    different shapes."""
     n = int(_need(raw, "num_hidden_layers", source))
-    for key, why in (("enable_moe_block", "Gemma 4's MoE block"), ("attention_k_eq_v", "keys reused as values"),
-                     ("use_double_wide_mlp", "a double-width MLP in the KV-shared layers")):
-        if raw.get(key) and (key != "use_double_wide_mlp" or raw.get("num_kv_shared_layers")):
-            raise ConfigError(f"{source}: {key}=true ({why}) is not supported")
+    if raw.get("enable_moe_block"):
+        raise ConfigError(f"{source}: enable_moe_block=true (Gemma 4's MoE block) is not supported")
     if raw.get("use_bidirectional_attention") == "all":
         raise ConfigError(f"{source}: use_bidirectional_attention='all' (bidirectional text attention) is not "
                           "supported; only causal attention")
@@ -815,7 +852,7 @@ def _gemma4_fields(raw: dict, source: str) -> dict:
         log.warning("unsloth_jax: %s: the last layer of a Gemma 4 model is always full_attention (as transformers "
                     "forces it); layer_types[-1] %r ignored", source, types[-1])
         types = types[:-1] + ["full_attention"]
-    _gemma4_layer_shapes(raw, types, source)
+    out = _gemma4_layer_shapes(raw, types, source)
     window = raw.get("sliding_window", 512)
     if "sliding_attention" in types and (not isinstance(window, int) or window <= 0):
         raise ConfigError(f"{source}: sliding_window must be a positive integer, got {window!r}")
@@ -827,7 +864,6 @@ def _gemma4_fields(raw: dict, source: str) -> dict:
     if not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in set(types)):
         raise ConfigError(f"{source}: rope_parameters must hold a dict for each layer type in layer_types "
                           f"({sorted(set(types))}), got {params!r}")
-    out = {}
     local = params.get("sliding_attention")
     if local is not None:
         if local.get("rope_type", "default") != "default":
@@ -864,7 +900,7 @@ def _gemma4_fields(raw: dict, source: str) -> dict:
         sources[i] = own[-1]
     ple = int(raw.get("hidden_size_per_layer_input", 256) or 0)
     out.update(layer_windows=windows, layer_kv_source=tuple(sources) if shared else (),
-               per_layer_input_size=ple,
+               per_layer_input_size=ple, double_wide_mlp=bool(raw.get("use_double_wide_mlp")) and shared > 0,
                per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
                activation=_activation(dict(raw, model_type="gemma"), "gemma", source),
                qk_norm=True, v_norm=True, norm_offset=0.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
@@ -1275,42 +1311,80 @@ class Qwen3_5Config(Qwen3VLConfig):
 
 
 # ------------------------------------------------------------------------------ which layers hold what
+# The stacked submodules that stand for one HF module of a layer, each held by the layers of one kind (Gemma 4):
+# self_attn by the layers with their own keys/values at the model's attention shape (every attending layer
+# elsewhere), global_attn by the full-attention layers with their own shape (cfg.global_head_dim), shared_attn /
+# shared_global_attn by the KV-shared layers of either shape (no k_proj, v_proj, k_norm); wide_mlp by the
+# KV-shared layers of a double-wide MLP (cfg.double_wide_mlp), mlp by the others.
+KIND_MODULES = {"self_attn": ("self_attn", "global_attn", "shared_attn", "shared_global_attn"),
+                "mlp": ("mlp", "wide_mlp")}
+HF_MODULE = {sub: hf for hf, subs in KIND_MODULES.items() for sub in subs}  # our submodule -> its HF module
 KV_SHARED_SKIPS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.")  # HF suffix prefixes
 
 
+def layer_module(cfg: ModelConfig, hf_module: str, layer: int) -> str:
+    """Our stacked submodule holding HF module `hf_module` ("self_attn", "mlp", "linear_attn", ...) of decoder layer
+    `layer` (KIND_MODULES): "global_attn" for Gemma 4's full-attention layers of their own shape, "shared_attn" /
+    "shared_global_attn" for its KV-shared layers, "wide_mlp" for their double-wide MLP; else `hf_module`."""
+    if hf_module == "self_attn":
+        full = bool(cfg.global_head_dim) and (cfg.layer_windows or (None,) * cfg.num_hidden_layers)[layer] is None
+        if cfg.kv_source(layer) != layer:
+            return "shared_global_attn" if full else "shared_attn"
+        return "global_attn" if full else "self_attn"
+    if hf_module == "mlp" and cfg.double_wide_mlp and cfg.kv_source(layer) != layer:
+        return "wide_mlp"
+    return hf_module
+
+
+def attention_dims(cfg: ModelConfig, sub: str) -> tuple[int, int]:
+    """(head dim, key/value heads) of the attention submodule `sub` (KIND_MODULES["self_attn"])."""
+    if sub in ("global_attn", "shared_global_attn"):
+        return cfg.global_head_dim, cfg.global_kv_heads
+    return cfg.head_dim, cfg.num_key_value_heads
+
+
 def layer_has(cfg: ModelConfig, layer: int, suffix: str) -> bool:
-    """Whether decoder layer `layer` holds the per-layer tensor (or PEFT module) `suffix`, in HF's names, which are
-    also this package's module paths under a layer (e.g. "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."):
-    a Qwen3.5 layer has the tensors of its own token mixer only (self_attn on its full-attention layers,
-    linear_attn on its linear-attention layers); a Gemma 4 KV-shared layer has no key/value projections or key
-    norm; every layer has every other tensor. (The stacked state: stack_holders.)"""
+    """Whether decoder layer `layer` holds the per-layer tensor (or PEFT module) `suffix`, in HF's names (e.g.
+    "self_attn.k_proj.weight", "linear_attn.in_proj_qkv."; our module path under a layer is the same with the
+    first name replaced by layer_module's): a Qwen3.5 layer has the tensors of its own token mixer only
+    (self_attn on its full-attention layers, linear_attn on its linear-attention layers); a Gemma 4 KV-shared
+    layer has no key/value projections or key norm, and with attention_k_eq_v a full-attention layer has no
+    v_proj; every layer has every other tensor. (The stacked state: stack_holders.)"""
     parent = suffix.split(".", 1)[0]
     if parent in MIXERS and cfg.layer_linear:
         return cfg.layer_linear[layer] == (parent == "linear_attn")
     if parent == "linear_attn":
+        return False
+    if (cfg.attention_k_eq_v and suffix.startswith("self_attn.v_proj.")
+            and layer_module(cfg, "self_attn", layer) == "global_attn"):
         return False
     return cfg.kv_source(layer) == layer or not suffix.startswith(KV_SHARED_SKIPS)
 
 
 def stack_holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
     """The decoder layers whose rows the stacked submodule `sub` (an attribute of the stacked DecoderLayer, e.g.
-    "self_attn", "mlp"; or a dotted path under it, whose first name is used) holds, in order: row r of each of its
-    variables is layer stack_holders(cfg, sub)[r]."""
+    "self_attn", "mlp", "global_attn"; or a dotted path under it, whose first name is used) holds, in order: row r
+    of each of its variables is layer stack_holders(cfg, sub)[r]."""
     return _holders(cfg, sub.split(".", 1)[0])
 
 
-# The stacked submodules that only some layers hold (by the layer's kind: Qwen3.5's token mixers); every other
-# submodule (norms, MLP, Gemma 4's per-layer blocks) is held by every layer.
+# The stacked submodules that only some layers hold (by the layer's kind: Qwen3.5's token mixers, Gemma 4's
+# KIND_MODULES); every other submodule (norms, Gemma 4's per-layer blocks) is held by every layer.
 MIXERS = ("self_attn", "linear_attn")
 
 
 @functools.lru_cache(maxsize=None)
 def _holders(cfg: ModelConfig, sub: str) -> tuple[int, ...]:
-    if sub not in MIXERS:
-        return tuple(range(cfg.num_hidden_layers))
-    # read from the layer's kind (its 4th item: the linear-attention mixer), so holding repeats with the kinds
-    # inside every segment of cfg.layer_segments, which the layer scan slices by
-    return tuple(i for i, kind in enumerate(cfg.layer_kinds) if kind[3] == (sub == "linear_attn"))
+    # read from the layer's kind (window, KV source, token mixer), so holding repeats with the kinds inside every
+    # segment of cfg.layer_segments, which the layer scan slices by
+    layers = range(cfg.num_hidden_layers)
+    if sub in HF_MODULE:
+        hf = HF_MODULE[sub]
+        return tuple(i for i in layers if layer_module(cfg, hf, i) == sub
+                     and not (cfg.layer_linear and cfg.layer_linear[i] and hf == "self_attn"))
+    if sub == "linear_attn":
+        return tuple(i for i in layers if cfg.layer_linear and cfg.layer_linear[i])
+    return tuple(layers)
 
 
 def layer_slot(cfg: ModelConfig, sub: str, layer: int) -> int:

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from unsloth_jax.backend import key_names
-from unsloth_jax.config import ModelConfig, layer_has, stack_holders
+from unsloth_jax.config import stack_holders
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, CausalLM
 from unsloth_jax.models.layers import Buffer, Linear, value_of
 from unsloth_jax.models.linear_attention import LINEAR_PROJS
@@ -141,14 +140,16 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
         raise ValueError(f"nothing to adapt: target_modules {list(settings.target_modules)} and target_parameters "
                          f"{list(settings.target_parameters or [])} match nothing in this model")
     keys = jax.random.split(key, len(targets)) if targets else []
-    for name, lin in projs.items():
+    for (_, name), lin in model.projection_stacks().items():
         if name not in targets:
             lin.lora_a = lin.lora_b = None
             lin.lora_scale = None
     for name, k in zip(targets, keys):
-        lin = projs[name]
-        lin.lora_a, lin.lora_b = _lora_pair(k, stack_of(lin), lin.in_features, lin.out_features, settings.r)
-        lin.lora_scale = float(settings.scale)
+        # every submodule holding the projection (Gemma 4's global_attn, ...: config.KIND_MODULES), its own key
+        for j, lin in enumerate(lin for (_, n), lin in model.projection_stacks().items() if n == name):
+            lin.lora_a, lin.lora_b = _lora_pair(k if j == 0 else jax.random.fold_in(k, j), stack_of(lin),
+                                                lin.in_features, lin.out_features, settings.r)
+            lin.lora_scale = float(settings.scale)
     experts = model.expert_projections()
     expert_keys = jax.random.split(jax.random.fold_in(key, 1), max(len(experts), 1))
     for (name, grouped), k in zip(experts.items(), expert_keys):
@@ -223,7 +224,7 @@ def enable_full_finetuning(model: CausalLM) -> CausalLM:
         if jnp.dtype(value.dtype) not in _FULL_FT_DTYPES:
             raise ValueError(f"{name} has dtype {value.dtype}: full fine-tuning trains float32, bfloat16 or "
                              "float16 weights only")
-    for lin in model.projections().values():
+    for lin in model.projection_stacks().values():
         lin.train_kernel = True
     model.full_finetuning = True
     return model
@@ -263,29 +264,21 @@ def split(model: CausalLM, trainable=None):
     return nnx.split(model, wrt, ...)
 
 
-def count(tree, config: ModelConfig | None = None) -> int:
+def count(tree) -> int:
     """Number of scalar parameters in a module or state (4-bit and FP8 weights count their original elements;
-    a Buffer, which transformers holds as a buffer, is no parameter).
-    config: the text decoder's config: a leaf of its layer stack (under model.layers, one row per layer of
-    config.stack_holders) counts only the rows of layers that hold it (config.layer_has: Gemma 4's KV-shared
-    key/value slots are not parameters of the HF model), so the counts are transformers' and PEFT's."""
+    a Buffer, which transformers holds as a buffer, is no parameter). A layer-stack leaf has one row per layer
+    holding its submodule (config.stack_holders), so the counts are transformers' and PEFT's."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     total = 0
-    for path, var in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    for _, var in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         if isinstance(var, Buffer):
             continue
         value = value_of(var) if isinstance(var, nnx.Variable) else var
         if is_quantized(value):  # original elements, times the stacked layers
-            n = value.numel * int(np.prod(value.stack_shape))
+            total += value.numel * int(np.prod(value.stack_shape))
         else:
-            n = int(np.prod(np.shape(value)))
-        names = key_names(path)
-        if config is not None and names[:2] == ("model", "layers"):
-            holders = stack_holders(config, names[2])
-            held = sum(layer_has(config, i, ".".join(names[2:]) + ".") for i in holders)
-            n = n // len(holders) * held
-        total += n
+            total += int(np.prod(np.shape(value)))
     return total
 
 

@@ -57,7 +57,7 @@ def quantize_projections(model, kind: str = "nf4", blocksize: int = 64, double_q
     layer by layer) or `load_in_fp8` (kind="fp8") do while loading. Returns the model."""
     if kind not in ("nf4", "fp8"):
         raise ValueError(f"kind must be 'nf4' or 'fp8', got {kind!r}")
-    for lin in model.projections().values():
+    for lin in model.projection_stacks().values():
         kernel = lin.kernel.get_value()
         if is_quantized(kernel):
             continue

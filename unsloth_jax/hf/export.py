@@ -46,7 +46,7 @@ import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.file_modes import chmod_like_new
-from unsloth_jax.config import layer_has, layer_slot, stack_holders
+from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
 from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
@@ -303,7 +303,7 @@ def _adapter_entries(model) -> list[_Entry]:
     from unsloth_jax.hf.peft_io import SAVED_MODULE_KEYS, SAVED_MODULE_PATHS
 
     lo = model.lora
-    projs = model.projections()
+    stacks = model.projection_stacks()
     n = model.config.num_hidden_layers
     entries: list[_Entry] = []
     f32 = np.dtype(np.float32)
@@ -316,23 +316,25 @@ def _adapter_entries(model) -> list[_Entry]:
     for proj in lo.target_modules:
         if proj in fused:
             continue  # written below as the checkpoint's fused module
-        lin = projs[proj]
-        if lin.lora_a is None:
-            raise ConfigError(f"model.lora targets {proj} but model.model.layers.{PROJ_MODULE[proj]}.{proj} has no "
-                              "lora_a/lora_b")
-        a, b = lin.lora_a[...], lin.lora_b[...]
+        for (sub, name), lin in stacks.items():
+            if name == proj and lin.lora_a is None:
+                raise ConfigError(f"model.lora targets {proj} but model.model.layers.{sub}.{proj} has no "
+                                  "lora_a/lora_b")
         prefix = f"base_model.model.model.layers.{{i}}.{PROJ_MODULE[proj]}.{proj}"
         for i in range(n):
             if not layer_has(model.config, i, f"{PROJ_MODULE[proj]}.{proj}."):
                 continue  # Qwen3.5: a layer has one of its two mixers; Gemma 4's KV-shared layers no k/v projections
-            p, r = prefix.format(i=i), layer_slot(model.config, PROJ_MODULE[proj], i)
+            sub = layer_module(model.config, PROJ_MODULE[proj], i)  # Gemma 4: global_attn, wide_mlp, ...
+            lin = stacks[(sub, proj)]
+            a, b = lin.lora_a[...], lin.lora_b[...]
+            p, r = prefix.format(i=i), layer_slot(model.config, sub, i)
             entries.append(_Entry(f"{p}.lora_A.weight", (a.shape[2], a.shape[1]), f32,
                                   lambda a=a, r=r: np.asarray(a[r], np.float32).T))
             entries.append(_Entry(f"{p}.lora_B.weight", (b.shape[2], b.shape[1]), f32,
                                   lambda b=b, r=r: np.asarray(b[r], np.float32).T))
     entries += _fused_adapter_entries(model)
     if lo.bias in ("all", "lora_only"):
-        for proj, lin in projs.items():
+        for (sub, proj), lin in stacks.items():
             if lin.bias is None:
                 continue
             targeted = proj in lo.target_modules
@@ -340,7 +342,7 @@ def _adapter_entries(model) -> list[_Entry]:
                 continue
             bias = lin.bias[...]
             leaf = "base_layer.bias" if targeted else "bias"
-            for r, i in enumerate(stack_holders(model.config, PROJ_MODULE[proj])):
+            for r, i in enumerate(stack_holders(model.config, sub)):
                 entries.append(_Entry(f"base_model.model.model.layers.{i}.{PROJ_MODULE[proj]}.{proj}.{leaf}",
                                       bias.shape[1:], _np_dtype(bias.dtype), lambda x=bias, r=r: np.asarray(x[r])))
     for mod in lo.modules_to_save or ():

@@ -11,7 +11,8 @@ layer index dropped because decoder layers are stacked on a leading axis L (for 
     model.layers.<parent>.<proj>.kernel [L, in, out] <- model.layers.{i}.<parent>.<proj>.weight  (transposed)
     model.layers.<parent>.<proj>.bias [L, out]       <- model.layers.{i}.<parent>.<proj>.bias
 
-<parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj. Norms, embeddings and the head keep HF's
+<parent> is self_attn for q/k/v/o_proj and mlp for gate/up/down_proj (Gemma 4: our path's submodule is the
+layer's kind of it, config.layer_module: global_attn, shared_attn, shared_global_attn, wide_mlp). Norms, embeddings and the head keep HF's
 layout (named `weight`); projections are [in, out] (named `kernel`, as Flax does). The mixture-of-experts
 families (Qwen3-MoE, Mixtral, gpt-oss) add the router and the expert stacks: see the last section.
 
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from unsloth_jax.config import ModelConfig, layer_has, layer_slot, stack_holders
+from unsloth_jax.config import (HF_MODULE, ModelConfig, attention_dims, layer_has, layer_module, layer_slot,
+                                stack_holders)
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 LAYERS = ("model", "layers")  # module path of the stacked decoder layers
 
@@ -139,10 +141,12 @@ class TensorSpec:
         return self.hf_shape
 
 
-def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """HF [out, in] shape of each projection."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+def _proj_shapes(cfg: ModelConfig, attn: str = "self_attn", mlp: str = "mlp") -> dict[str, tuple[int, int]]:
+    """HF [out, in] shape of each projection, those of attention submodule `attn` and MLP submodule `mlp`
+    (config.KIND_MODULES: Gemma 4's global_attn at its own head dim, wide_mlp at twice the width)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size * (2 if mlp == "wide_mlp" else 1)
+    hd, hkv = attention_dims(cfg, attn)
+    q, kv = cfg.num_attention_heads * hd, hkv * hd
     shapes = {
         "q_proj": (q * (2 if cfg.attn_output_gate else 1), d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
         "gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f),
@@ -156,8 +160,24 @@ def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def ignored_tensor(cfg: ModelConfig, name: str) -> bool:
     """Whether checkpoint tensor `name` is one transformers skips on load for this family (Qwen3_5ForCausalLM:
-    the multi-token-prediction head `mtp.*` and a vision tower `model.visual.*`)."""
-    return cfg.has_linear_layers and name.startswith(("mtp.", "model.visual."))
+    the multi-token-prediction head `mtp.*` and a vision tower `model.visual.*`), or one a Gemma 4 layer's
+    forward never reads: the key/value projections and norms of a KV-shared layer, which attends over its
+    source layer's keys/values (transformers 5.25 has no such weights; a checkpoint or adapter that holds them
+    loads without them)."""
+    if cfg.has_linear_layers and name.startswith(("mtp.", "model.visual.")):
+        return True
+    return kv_shared_tensor(cfg, name)
+
+
+def kv_shared_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Whether `name` (a checkpoint tensor, or a PEFT adapter key under base_model.model.) is a key/value
+    projection or norm (self_attn.{k,v}_proj / {k,v}_norm) of a Gemma 4 KV-shared layer."""
+    if not cfg.layer_kv_source:
+        return False
+    parts = name.removeprefix("base_model.model.").split(".")
+    return (len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) < cfg.num_hidden_layers and cfg.kv_source(int(parts[2])) != int(parts[2])
+            and parts[3] == "self_attn" and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"))
 
 
 def _linear_attn_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
@@ -185,8 +205,7 @@ def layer_entries(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
 def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str, TensorSpec]:
     """Every tensor the checkpoint of `cfg` must hold, keyed by HF name. expert_layout (MoE families):
     "per_expert" or "fused" (see moe_specs); None is what transformers' save_pretrained writes."""
-    shapes = _proj_shapes(cfg)
-    d, hd = cfg.hidden_size, cfg.head_dim
+    d = cfg.hidden_size
     specs = {
         "model.embed_tokens.weight": TensorSpec("model.embed_tokens.weight", ("model", "embed_tokens", "weight"), None,
                                                 "embed", (cfg.vocab_size, d)),
@@ -195,9 +214,14 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head", "weight"), None, "embed", (cfg.vocab_size, d))
     for i in range(cfg.num_hidden_layers):
+        attn, mlp = layer_module(cfg, "self_attn", i), layer_module(cfg, "mlp", i)
+        shapes = _proj_shapes(cfg, attn, mlp)
+        hd = attention_dims(cfg, attn)[0]
         for suffix, sub, kind in layer_entries(cfg):
             if not layer_has(cfg, i, suffix):
                 continue
+            if sub[0] in HF_MODULE:  # the layer's own submodule for HF's self_attn / mlp (Gemma 4's kinds)
+                sub = (layer_module(cfg, sub[0], i),) + sub[1:]
             name = f"model.layers.{i}.{suffix}"
             if kind == "fused":
                 specs[name] = _fused_spec(cfg, name, suffix, i, shapes)
@@ -213,7 +237,7 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
                 shape = (shapes[sub[1]][0],)
             elif sub[0] == "linear_attn":
                 shape = _linear_attn_shape(cfg, sub[1])
-            elif sub[1] in ("q_norm", "k_norm"):
+            elif len(sub) > 1 and sub[1] in ("q_norm", "k_norm"):
                 shape = (hd,)
             else:
                 shape = (d,)

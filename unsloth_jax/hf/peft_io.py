@@ -30,8 +30,8 @@ import numpy as np
 
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
-from unsloth_jax.config import layer_has, layer_slot, stack_holders
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups
+from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
+from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups, kv_shared_tensor
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
@@ -286,10 +286,11 @@ def load_adapter(model, adapter_dir):
     for p in targets:
         if p not in projs:
             raise ConfigError(f"{cfg_path}: target {p} does not exist in this {cfg.model_type} model")
-    dims = {p: (projs[p].in_features, projs[p].out_features) for p in targets}
-    rows = {p: len(stack_holders(cfg, PROJ_MODULE[p])) for p in targets}  # the stack holds its holders' rows
-    lora_a = {p: np.zeros((rows[p], dims[p][0], r), np.float32) for p in targets}
-    lora_b = {p: np.zeros((rows[p], r, dims[p][1]), np.float32) for p in targets}
+    # by (our submodule, projection): Gemma 4's global_attn etc. beside self_attn (config.KIND_MODULES)
+    stacks = {key: lin for key, lin in model.projection_stacks().items() if key[1] in targets}
+    dims = {key: (lin.in_features, lin.out_features) for key, lin in stacks.items()}
+    lora_a = {key: np.zeros((len(stack_holders(cfg, key[0])), dims[key][0], r), np.float32) for key in stacks}
+    lora_b = {key: np.zeros((len(stack_holders(cfg, key[0])), r, dims[key][1]), np.float32) for key in stacks}
     seen: set[tuple[str, int, str]] = set()
     biases: dict[tuple[str, int], np.ndarray] = {}
     top: dict[str, np.ndarray] = {}
@@ -319,29 +320,32 @@ def load_adapter(model, adapter_dir):
                     unexpected.append(key)
                 continue
             i, module, proj, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+            if kv_shared_tensor(cfg, key):
+                continue  # a Gemma 4 KV-shared layer's k/v projection, which its forward never reads
             if proj not in PROJ_MODULE or PROJ_MODULE[proj] != module or i >= n_layers \
                     or not layer_has(cfg, i, f"{module}.{proj}."):
                 unexpected.append(key)
                 continue
             arr = f.get(key)
+            sub = layer_module(cfg, module, i)
             if kind.endswith("bias"):
                 if bias == "none" or projs[proj].bias is None:
                     unexpected.append(key)
                     continue
-                biases[(proj, i)] = np.array(arr)
+                biases[(sub, proj, i)] = np.array(arr)
                 continue
             if proj not in targets:
                 unexpected.append(key)
                 continue
             which = kind[5]
-            d_in, d_out = dims[proj]
+            d_in, d_out = dims[(sub, proj)]
             want = (r, d_in) if which == "A" else (d_out, r)
             if tuple(arr.shape) != want:
                 raise ShapeMismatchError(
                     f"{weights}: tensor '{key}' has shape {list(arr.shape)}, expected {list(want)} "
                     f"(r={r} from {CONFIG_NAME}, and this model's {proj} is [{d_out}, {d_in}])")
             target = lora_a if which == "A" else lora_b
-            target[proj][layer_slot(cfg, module, i)] = np.asarray(arr, np.float32).T
+            target[(sub, proj)][layer_slot(cfg, sub, i)] = np.asarray(arr, np.float32).T
             seen.add((proj, i, which))
     if unexpected:
         shown = ", ".join(unexpected[:6]) + (f" and {len(unexpected) - 6} more" if len(unexpected) > 6 else "")
@@ -355,17 +359,18 @@ def load_adapter(model, adapter_dir):
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")
 
     new_biases = {}
-    for proj in {p for p, _ in biases}:
-        current = projs[proj].bias[...]
+    all_stacks = model.projection_stacks()
+    for sub, proj in {(s, p) for s, p, _ in biases}:
+        current = all_stacks[(sub, proj)].bias[...]
         b = np.array(current, dtype=np.float32)
-        for (p, i), value in biases.items():
-            if p != proj:
+        for (s, p, i), value in biases.items():
+            if (s, p) != (sub, proj):
                 continue
             if value.shape != b.shape[1:]:
                 raise ShapeMismatchError(f"{weights}: bias of layer {i} {proj} has shape {list(value.shape)}, "
                                          f"expected {list(b.shape[1:])}")
-            b[layer_slot(cfg, PROJ_MODULE[proj], i)] = value
-        new_biases[proj] = jnp.asarray(b, current.dtype)
+            b[layer_slot(cfg, sub, i)] = value
+        new_biases[(sub, proj)] = jnp.asarray(b, current.dtype)
     if tied:
         top = _tied_tables(top, bool(raw.get("ensure_weight_tying")), cfg_path)
         saved = tuple("embed_tokens" if m == "lm_head" else m for m in saved) if saved else saved
@@ -388,15 +393,15 @@ def load_adapter(model, adapter_dir):
                             use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=saved,
                             target_parameters=expert_targets or None)
     add_lora(model, settings, jax.random.PRNGKey(0))
-    for p in targets:
-        projs[p].lora_a[...] = jnp.asarray(lora_a[p])
-        projs[p].lora_b[...] = jnp.asarray(lora_b[p])
+    for key, lin in stacks.items():
+        lin.lora_a[...] = jnp.asarray(lora_a[key])
+        lin.lora_b[...] = jnp.asarray(lora_b[key])
     experts = model.expert_projections()
     for name, (a, b) in expert_factors.items():
         experts[name].lora_a[...] = jnp.asarray(a)
         experts[name].lora_b[...] = jnp.asarray(b)
-    for proj, value in new_biases.items():
-        projs[proj].bias[...] = value
+    for key, value in new_biases.items():
+        all_stacks[key].bias[...] = value
     for mod, value in saved_values.items():
         variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model

@@ -8,10 +8,13 @@ length (prompt + max_tokens) when it is admitted, so a running sequence never wa
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unsloth_jax.config import attention_dims, layer_module
 from unsloth_jax.models.linear_attention import RecurrentState, make_state
 
 
@@ -55,10 +58,25 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-int(tokens) // int(page_size))
 
 
+def pool_shapes(cfg, num_pages: int, page_size: int) -> tuple:
+    """Per layer, the shape [P, BS, Hkv, hd] of its key and value pools, each layer at its attention's shape
+    (Gemma 4's full-attention layers at global_head_dim / global_kv_heads: config.attention_dims), or None for a
+    linear-attention layer. A KV-shared layer (Gemma 4) reads its source layer's pools and writes none: its own
+    are empty (Hkv = 0)."""
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_linear and cfg.layer_linear[i]:
+            out.append(None)
+            continue
+        hd, hkv = attention_dims(cfg, layer_module(cfg, "self_attn", i))
+        out.append((num_pages, page_size, hkv if cfg.kv_source(i) == i else 0, hd))
+    return tuple(out)
+
+
 def page_bytes(cfg, page_size: int, dtype) -> int:
     """Bytes of one page across every attention layer, keys and values."""
-    layers = cfg.num_hidden_layers - sum(cfg.layer_linear)
-    return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    shapes = [s for s in pool_shapes(cfg, 1, page_size) if s is not None]
+    return 2 * sum(math.prod(s) for s in shapes) * jnp.dtype(dtype).itemsize
 
 
 def state_bytes(cfg, dtype) -> int:
@@ -73,12 +91,10 @@ def state_bytes(cfg, dtype) -> int:
 
 
 def make_pools(cfg, num_pages: int, page_size: int, dtype, rows: int = 0) -> tuple:
-    """Zeroed pools: a tuple over layers of (k_pages, v_pages), each [num_pages, page_size, Hkv, hd]; a
+    """Zeroed pools: a tuple over layers of (k_pages, v_pages), each of the layer's pool_shapes; a
     linear-attention layer (Qwen3.5) holds its `rows` rows' RecurrentState instead."""
-    shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-    linear = cfg.layer_linear or (False,) * cfg.num_hidden_layers
-    return tuple(make_state(cfg, rows, dtype) if lin else (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for lin in linear)
+    return tuple(make_state(cfg, rows, dtype) if shape is None else (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for shape in pool_shapes(cfg, num_pages, page_size))
 
 
 def attention_pool(pools) -> tuple:
@@ -95,5 +111,5 @@ copy_pages = jax.jit(_copy_pages, donate_argnums=(0,))
 copy_pages.__doc__ = "pools with pages src [N] copied onto pages dst [N] in every layer (the pools are donated)."
 
 
-__all__ = ["PageAllocator", "pages_for", "page_bytes", "make_pools", "copy_pages", "attention_pool",
+__all__ = ["PageAllocator", "pages_for", "pool_shapes", "page_bytes", "make_pools", "copy_pages", "attention_pool",
            "state_bytes"]

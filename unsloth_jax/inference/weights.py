@@ -101,13 +101,16 @@ _copy_layers = jax.jit(_copy_layers, static_argnums=(2, 3))
 
 
 def _projections(layer_module):
-    """(parent module, attribute name) of every Linear of a (stacked) decoder layer."""
+    """Every Linear of a (stacked) decoder layer, of each submodule standing for its HF parent
+    (config.KIND_MODULES: Gemma 4's global_attn, wide_mlp, ...)."""
+    from unsloth_jax.config import KIND_MODULES
     from unsloth_jax.models.decoder import PROJ_PARENT
 
     for name, parent in PROJ_PARENT.items():
-        lin = getattr(getattr(layer_module, parent, None), name, None)
-        if lin is not None:
-            yield lin
+        for sub in KIND_MODULES.get(parent, (parent,)):
+            lin = getattr(getattr(layer_module, sub, None), name, None)
+            if lin is not None:
+                yield lin
 
 
 class MergeBuffers:

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax import ops
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.config import ModelConfig, attention_dims
 from unsloth_jax.models.layers import Linear, RMSNorm
 
 
@@ -128,24 +128,34 @@ def write_pages(k_pages, v_pages, slots, k, v):
 
 
 class Attention(nnx.Module):
-    """Self-attention with the family switches of `cfg` (biases, q/k norm, softcap, query scale)."""
+    """Self-attention with the family switches of `cfg` (biases, q/k norm, softcap, query scale).
 
-    def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
-        d, hd = cfg.hidden_size, cfg.head_dim
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    kind: which of the layer's attention submodules this is (config.KIND_MODULES; Gemma 4): "self_attn" (the
+    model's head_dim / num_key_value_heads), "global_attn" (the full-attention layers' global_head_dim /
+    global_kv_heads, RoPE over the whole head, and with attention_k_eq_v no v_proj: the values are k_proj's
+    output, v-normed), "shared_attn" / "shared_global_attn" (KV-shared layers: no k_proj, v_proj or k_norm)."""
+
+    def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs,
+                 kind: str = "self_attn"):
+        d = cfg.hidden_size
+        hd, hkv = attention_dims(cfg, kind)
+        hq = cfg.num_attention_heads
+        glob = kind in ("global_attn", "shared_global_attn")
+        own_kv = not kind.startswith("shared_")
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
-        self.rotary_dim = cfg.rope_dim
+        self.rotary_dim = hd if glob else cfg.rope_dim
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
         common = dict(stack=stack, dtype=dtype, rngs=rngs)
         self.output_gate = cfg.attn_output_gate
         self.q_proj = Linear(d, hq * hd * (2 if cfg.attn_output_gate else 1), use_bias=cfg.qkv_bias, **common)
-        self.k_proj = Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common)
-        self.v_proj = Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common)
+        self.k_proj = nnx.data(Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common) if own_kv else None)
+        self.v_proj = nnx.data(Linear(d, hkv * hd, use_bias=cfg.qkv_bias, **common)
+                               if own_kv and not (glob and cfg.attention_k_eq_v) else None)
         self.o_proj = Linear(hq * hd, d, use_bias=cfg.o_bias, **common)
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
         self.q_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
-        self.k_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm else None)
+        self.k_norm = nnx.data(RMSNorm(hd, **norm) if cfg.qk_norm and own_kv else None)
         self.v_norm_eps = float(cfg.rms_norm_eps) if cfg.v_norm else None  # Gemma 4: weightless norm of values
         # gpt-oss: one learned softmax-denominator logit per query head [*stack, Hq] (frozen)
         self.sinks = nnx.data(nnx.Param(jnp.zeros((*stack, hq), dtype)) if cfg.attn_sinks else None)
@@ -159,7 +169,7 @@ class Attention(nnx.Module):
         attention (`cache.attend`); the second item is then the cache's new arrays. The third is this layer's
         keys/values [B, S, Hkv, hd] after their norms and RoPE (what a KV-shared layer reads).
         shared: ((k, v), cache arrays or None) of the earlier layer a KV-shared layer (Gemma 4) attends over; this
-        layer's k/v projections are then unused, its cache (if any) unwritten and returned as it is, and the
+        layer (a shared_attn kind) has no k/v projections, its cache (if any) unwritten and returned as it is, and the
         third item is None.
         """
         b, s, _ = x.shape
@@ -172,7 +182,8 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
         if shared is None:
             k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+            # attention_k_eq_v (Gemma 4's full layers): the values are the key projection, before its norm and RoPE
+            v = k if self.v_proj is None else self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
             if self.k_norm is not None:
                 k = self.k_norm(k)
             if self.v_norm_eps is not None:

@@ -16,10 +16,13 @@ Module tree (attribute names follow Hugging Face, so a path reads like the HF te
     model.embed_tokens_per_layer.weight [Vp, L*P], model.per_layer_model_projection.kernel [D, L*P],
     model.per_layer_projection_norm.weight [P], model.layers.per_layer_input_gate / per_layer_projection,
     model.layers.post_per_layer_input_norm.weight [L, D], model.layers.layer_scalar [L, 1]   (Gemma 4)
+    model.layers.{global_attn,shared_attn,shared_global_attn,wide_mlp}.*    (Gemma 4: config.KIND_MODULES)
 
 The L decoder layers are one `DecoderLayer` whose variables carry a leading layer axis (L, or for a token mixer
 only some layers hold the number of its holders: config.stack_holders; Qwen3.5's self_attn [La, ...] over its
-full-attention layers, linear_attn [L - La, ...] over the others; row r is layer stack_holders(...)[r]);
+full-attention layers, linear_attn [L - La, ...] over the others; Gemma 4's global_attn over its full-attention
+layers at their own head dim, shared_attn / shared_global_attn over its KV-shared layers, wide_mlp over those of
+a double-wide MLP; row r is layer stack_holders(...)[r]);
 `DecoderModel.run_layers`
 runs them (unsloth_jax.models.layer_stack: per segment of `cfg.layer_segments`, a `lax.scan` over its groups) under the
 `LayerStackPolicy` it is given: what each layer keeps for the backward pass, what goes to pinned host memory,
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from unsloth_jax import ops
-from unsloth_jax.config import ModelConfig, stack_holders
+from unsloth_jax.config import KIND_MODULES, ModelConfig, stack_holders
 from unsloth_jax.models.attention import Attention, Batch, KVCache
 from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, layer_linear, layer_ropes, layer_sparse,
                                             layer_windows, require_policy, run_layers)
@@ -57,12 +60,13 @@ class DecoderLayer(nnx.Module):
     the per-layer input block and the layer's scalar)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs):
-        """stack=(L,): every layer's variables stacked, a token mixer's over the layers holding it only
-        (config.stack_holders: Qwen3.5's self_attn over its full-attention layers, linear_attn over the others);
-        stack=(): one layer, holding both mixers where the model has both."""
+        """stack=(L,): every layer's variables stacked, a submodule's over the layers holding it only
+        (config.stack_holders: Qwen3.5's self_attn over its full-attention layers, linear_attn over the others;
+        Gemma 4's kinds of attention and MLP, config.KIND_MODULES); stack=(): one layer, holding every submodule
+        the model has (`held` picks the first of a kind)."""
         norm = dict(eps=cfg.rms_norm_eps, offset=cfg.norm_offset, stack=stack, dtype=dtype)
 
-        def rows(sub):  # a mixer's stack: the layers holding it
+        def rows(sub):  # a submodule's stack: the layers holding it
             return (len(stack_holders(cfg, sub)),) if stack else ()
 
         self.sandwich_norms = cfg.sandwich_norms
@@ -70,9 +74,17 @@ class DecoderLayer(nnx.Module):
         # None where no layer attends; a layer's own module (layer_stack.layer_graphdef) drops the mixer it lacks
         self.self_attn = nnx.data(Attention(cfg, stack=rows("self_attn"), dtype=dtype, rngs=rngs)
                                   if not stack or rows("self_attn")[0] else None)
+        # Gemma 4: the attention of the full-attention layers at their own shape and of the KV-shared layers
+        # (config.KIND_MODULES), each stacked over its holders; attributes only where some layer holds them
+        for kind in KIND_MODULES["self_attn"][1:]:
+            if stack_holders(cfg, kind):
+                setattr(self, kind, nnx.data(Attention(cfg, stack=rows(kind), dtype=dtype, rngs=rngs, kind=kind)))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
         self.moe = cfg.is_moe
-        self.mlp = (SparseMLP if cfg.is_moe else MLP)(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.mlp = nnx.data((SparseMLP if cfg.is_moe else MLP)(cfg, stack=rows("mlp"), dtype=dtype, rngs=rngs)
+                            if not stack or rows("mlp")[0] else None)
+        if stack_holders(cfg, "wide_mlp"):  # Gemma 4's KV-shared layers: a double-wide MLP
+            self.wide_mlp = nnx.data(MLP(cfg, stack=rows("wide_mlp"), dtype=dtype, rngs=rngs, wide=True))
         self.pre_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         self.post_feedforward_layernorm = nnx.data(RMSNorm(cfg.hidden_size, **norm) if cfg.sandwich_norms else None)
         # Gemma 4: the per-layer input block (gate D -> P, times the layer's input, projection P -> D, norm)
@@ -102,17 +114,19 @@ class DecoderLayer(nnx.Module):
         if linear:
             (h, new_cache), kv = self.linear_attn(self.input_layernorm(x), batch, cache), None
         else:
-            h, new_cache, kv = self.self_attn(self.input_layernorm(x), cos, sin, batch, window, cache, shared)
+            attn = self.held(KIND_MODULES["self_attn"])
+            h, new_cache, kv = attn(self.input_layernorm(x), cos, sin, batch, window, cache, shared)
         stats = None
+        mlp = self.held(KIND_MODULES["mlp"])
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h = self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
         else:
             x = x + h
             if self.moe:
-                h, stats = self.mlp(self.post_attention_layernorm(x), sparse=sparse, valid=batch.kv_valid)
+                h, stats = mlp(self.post_attention_layernorm(x), sparse=sparse, valid=batch.kv_valid)
             else:
-                h = self.mlp(self.post_attention_layernorm(x))
+                h = mlp(self.post_attention_layernorm(x))
         x = x + h
         if self.per_layer_input_gate is not None:
             g = ops.glu(self.per_layer_input_gate(x), per_layer_input.astype(x.dtype), self.activation)
@@ -120,6 +134,11 @@ class DecoderLayer(nnx.Module):
         if self.layer_scalar is not None:
             x = x * jax.lax.stop_gradient(self.layer_scalar[...]).astype(x.dtype)
         return (x, new_cache, stats, kv) if return_kv else (x, new_cache, stats)
+
+    def held(self, kinds: tuple[str, ...]):
+        """The one of the submodules `kinds` (config.KIND_MODULES) this layer holds: in one layer's module
+        (layer_stack.layer_graphdef) the others are None or absent."""
+        return next(m for m in (getattr(self, k, None) for k in kinds) if m is not None)
 
 
 def call_inputs(input_ids, attention_mask=None, positions=None, segment_ids=None) -> tuple[jax.Array, Batch]:
@@ -267,10 +286,27 @@ class CausalLM(nnx.Module):
 
     def projections(self) -> dict:
         """The stacked projections (`Linear`s) of the decoder layers by HF name, q_proj ... down_proj (the
-        dense MLP ones only where the model has dense MLP layers; Qwen3.5's in_proj_* / out_proj too)."""
+        dense MLP ones only where the model has dense MLP layers; Qwen3.5's in_proj_* / out_proj too): of each
+        name the first submodule holding it (config.KIND_MODULES: Gemma 4's self_attn before its global_attn,
+        shared_attn, ...; `projection_stacks` has them all)."""
+        found = {}
+        for (_, name), lin in self.projection_stacks().items():
+            found.setdefault(name, lin)
+        return found
+
+    def projection_stacks(self) -> dict:
+        """Every stacked projection (`Linear`) of the decoder layers: (submodule under model.layers, HF name) ->
+        Linear, e.g. ("self_attn", "q_proj"), and for Gemma 4 ("global_attn", "q_proj"), ("wide_mlp",
+        "up_proj"): each submodule of config.KIND_MODULES standing for the HF parent (PROJ_PARENT) of the name,
+        stacked over the layers holding it (config.stack_holders)."""
         layers = self.model.layers
-        found = {name: getattr(getattr(layers, parent, None), name, None) for name, parent in PROJ_PARENT.items()}
-        return {name: lin for name, lin in found.items() if lin is not None}
+        found = {}
+        for name, parent in PROJ_PARENT.items():
+            for sub in KIND_MODULES.get(parent, (parent,)):
+                lin = getattr(getattr(layers, sub, None), name, None)
+                if lin is not None:
+                    found[(sub, name)] = lin
+        return found
 
     def expert_projections(self) -> dict:
         """The stacked expert projections (`GroupedLinear`s) of a MoE model by PEFT parameter name

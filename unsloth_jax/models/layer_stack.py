@@ -441,7 +441,8 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     cos/sin: the RoPE tables of every layer; local_rope: (cos, sin) for the sliding-window layers instead
     (Gemma 3, from `DecoderModel.rope`), or None; NoPE layers (cfg.layer_rope False) get neither.
     cache, for decoding: KVCache with k/v [L, B, T, Hkv, hd] (all layers), valid [B, T] and the write index (or
-    a NamedTuple with k and v fields and an `attend` as KVCache's).
+    a NamedTuple with k and v fields and an `attend` as KVCache's); ValueError for layers of two attention shapes
+    (Gemma 4's global_head_dim), which one array cannot hold.
     per_layer_inputs: [L, B, S, P] (Gemma 4's per-layer inputs, DecoderModel.per_layer_inputs), layer i's slice
     fed to layer i; None for other families.
     KV-shared layers (Gemma 4, cfg.kv_source) attend over the keys/values of their source layer, which runs in an
@@ -450,6 +451,10 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     Returns (x, None) or, with a cache, (x, (k, v)) holding the updated [L, B, T, Hkv, hd] caches; with
     router_stats=True (MoE families) a third item, the RouterStats of the MoE layers stacked in layer order.
     """
+    if cache is not None and cfg.global_head_dim:
+        raise ValueError(f"{cfg.model_type}: run_layers' one [L, B, T, Hkv, hd] cache cannot hold layers of two "
+                         "attention shapes (Gemma 4's global_head_dim); decode with the generation engine "
+                         "(unsloth_jax.inference), whose page pools are per layer")
     windows, sparse, linear = layer_windows(cfg), layer_sparse(cfg), layer_linear(cfg)
     sources = cfg.kv_shared_sources
     shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment

@@ -20,11 +20,12 @@ DEFAULT_CHUNK_TOKENS = 8192
 
 class MLP(nnx.Module):
     """Gated MLP; `activation` is "silu" (SwiGLU), "gelu" or "gelu_tanh" (GEGLU) from the config.
-    `chunk_tokens` (static): tile size of the sequence tiling above (None: never tile)."""
+    `chunk_tokens` (static): tile size of the sequence tiling above (None: never tile). wide: twice
+    intermediate_size (Gemma 4's double-wide MLP of its KV-shared layers)."""
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...] = (), dtype=jnp.float32, rngs: nnx.Rngs,
-                 chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+                 chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, wide: bool = False):
+        d, f = cfg.hidden_size, cfg.intermediate_size * (2 if wide else 1)
         common = dict(use_bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
         self.activation = cfg.activation
         self.chunk_tokens = chunk_tokens

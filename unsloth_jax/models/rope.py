@@ -14,8 +14,9 @@ from unsloth_jax.config import ModelConfig
 def inv_frequencies(cfg: ModelConfig, *, local: bool = False, long: bool = False) -> np.ndarray:
     """RoPE inverse frequencies [rope_dim/2] (float32 numpy, computed in float32 as transformers does), with
     linear or llama3 scaling applied. local=True: Gemma 3's sliding layers (plain RoPE, base rope_local_theta).
-    LongRoPE: divided by the short factors, or by the long ones with long=True."""
-    hd = cfg.rope_dim
+    LongRoPE: divided by the short factors, or by the long ones with long=True. The global frequencies are over
+    cfg.global_rope_dim (Gemma 4's full-attention layers of their own head dim)."""
+    hd = cfg.rope_dim if local else cfg.global_rope_dim
     f32 = np.float32
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = f32(1.0) / (f32(theta) ** (np.arange(0, hd, 2).astype(f32) / f32(hd)))

@@ -102,7 +102,7 @@ def base_label(model) -> str:
     """" + NF4" / " + FP8" when the frozen projections are quantized."""
     from unsloth_jax.models import FP8Param, NF4Param
 
-    kinds = {type(lin.kernel) for lin in model.projections().values()}
+    kinds = {type(lin.kernel) for lin in model.projection_stacks().values()}
     return " + NF4" if NF4Param in kinds else " + FP8" if FP8Param in kinds else ""
 
 
@@ -247,7 +247,7 @@ class TrainerBase:
 
     def _summary_line(self, run: RunPlan) -> str:
         a, model = self.args, self.model
-        n_train = lora.count(run.train_state["trainable"], model.config)
+        n_train = lora.count(run.train_state["trainable"])
         label = f"unsloth_jax {self.name}:" if self.name else "unsloth_jax:"
         return (f"{label} {run.summary}, batch {a.per_device_train_batch_size} x {a.gradient_accumulation_steps} "
                 f"accumulation{mesh_note(self.mesh)}, {model.dtype.name}{base_label(model)}, "

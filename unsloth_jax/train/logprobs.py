@@ -57,7 +57,7 @@ def drop_adapters(model: CausalLM) -> CausalLM:
     projections too) and return it. Used on a module merged inside a jitted function, so the model the user
     holds keeps its adapters."""
     vision = model.vision_projections() if hasattr(model, "vision_projections") else {}
-    for lin in [*model.projections().values(), *vision.values()]:
+    for lin in [*model.projection_stacks().values(), *vision.values()]:
         lin.lora_a = lin.lora_b = None
         lin.lora_scale = None
     return model
