@@ -1,6 +1,6 @@
 """Checkpoint and adapter I/O of the mixture-of-experts families (Qwen3-MoE, Mixtral, gpt-oss).
 
-Merged export writes the layout transformers 5's save_pretrained writes (`mapping.DEFAULT_EXPERT_LAYOUT`):
+Merged export writes the layout transformers 5's save_pretrained writes (the family's first `expert_layouts`):
 one tensor per expert for Qwen3-MoE (`mlp.experts.{e}.{gate,up,down}_proj.weight`) and Mixtral
 (`block_sparse_moe.experts.{e}.w1/w3/w2.weight`), fused 3-D tensors for gpt-oss.
 
@@ -31,8 +31,9 @@ import re
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError
-from unsloth_jax.hf.mapping import MLP_PROJS, TensorSpec
+from unsloth_jax.hf.mapping import TensorSpec
 from unsloth_jax.lora import merged_expert_kernel
+from unsloth_jax.models.decoder import MLP_PROJS
 from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.models.state import variable_at
 
