@@ -171,7 +171,8 @@ def test_config_parses_gemma3_vision_fields(checkpoint):
 
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):
         read_text_config(checkpoint[0])
-    cfg = GEMMA3_VL.parse_config(*read_config_json(checkpoint[0]))
+    raw, path = read_config_json(checkpoint[0])
+    cfg = GEMMA3_VL.parse_config(raw, str(path))
     assert (cfg.mm_tokens_per_image, cfg.image_token_index, cfg.pool_kernel) == (MM_TOKENS, IMAGE, 2)
     assert cfg.vision.num_patches == 16 and cfg.text.model_type == "gemma3_text" and cfg.text.tie_word_embeddings
 
