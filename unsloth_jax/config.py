@@ -116,7 +116,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # the depthwise causal conv1d's kernel size
     # ---- end Qwen3.5 ----
-    # ---- Gemma 4 text (gemma4_text): see _gemma4_fields ----
+    # ---- Gemma 4 text (gemma4_text): see families/gemma4_text.py (_gemma4_fields) ----
     v_norm: bool = False  # values RMS-normed (no weight) before attention and the cache
     rope_proportion: float = 1.0  # rope_type "proportional": the first rope_proportion of the frequencies rotate
     # per layer: the layer whose keys/values it attends over (itself, or an earlier one: a KV-shared layer)
@@ -397,121 +397,6 @@ def positive_int(raw: dict, key: str, default: int, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
     return value
-
-
-# --------------------------------------------------------------------------------------- Gemma 4 text
-def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> None:
-    """Refuse layers whose attention shapes differ from head_dim / num_key_value_heads: transformers gives the
-    full-attention layers `global_head_dim` (default 512) and, with attention_k_eq_v, `num_global_key_value_heads`,
-    or per-layer overrides in `per_layer_config`; the layer stack needs one shape for every layer."""
-    hd, kv = raw.get("head_dim", 256), raw.get("num_key_value_heads", 4)
-    per_layer = raw.get("per_layer_config")
-    if per_layer is None:  # transformers' __post_init__ spelling: global_head_dim for the full-attention layers
-        per_layer = {str(i): {"head_dim": raw.get("global_head_dim", 512)} for i, t in enumerate(types)
-                     if t == "full_attention"}
-    if not isinstance(per_layer, dict):
-        raise ConfigError(f"{source}: per_layer_config must be a mapping of layer index to overrides")
-    for idx, over in per_layer.items():
-        bad = sorted(set(over or {}) - {"head_dim", "num_key_value_heads"})
-        if bad:
-            raise ConfigError(f"{source}: per_layer_config[{idx}] overrides {bad}: not supported (only head_dim and "
-                              "num_key_value_heads, equal to the model's)")
-        if (over or {}).get("head_dim", hd) != hd or (over or {}).get("num_key_value_heads", kv) != kv:
-            raise ConfigError(
-                f"{source}: layer {idx} has head_dim {over.get('head_dim', hd)} / num_key_value_heads "
-                f"{over.get('num_key_value_heads', kv)} (per_layer_config, or global_head_dim for full-attention "
-                f"layers, default 512) where the model has head_dim {hd} / num_key_value_heads {kv}: Gemma 4 "
-                "checkpoints whose layers differ in attention shape (google/gemma-4-*) are not supported yet; only "
-                "global_head_dim == head_dim")
-
-
-def _gemma4_fields(raw: dict, source: str) -> dict:
-    """Gemma 4 text (Gemma4ForCausalLM, Gemma4TextConfig): Gemma 3's sandwich-normed layer with plain-weight
-    RMSNorms (not 1 + w), q/k norms and a weightless value norm, attention scale 1, `layer_types` (default 5
-    sliding : 1 full, the last layer always full), RoPE per layer type (`rope_parameters.sliding_attention`:
-    default; `full_attention`: default or "proportional", which rotates the first partial_rotary_factor of the
-    frequencies), per-layer input embeddings (`hidden_size_per_layer_input`, `vocab_size_per_layer_input`), the
-    last `num_kv_shared_layers` layers attending over the keys/values of the last earlier layer of their type, and
-    each layer's `layer_scalar`. Refused, naming the key: MoE blocks, attention_k_eq_v, the double-wide MLP of
-    KV-shared layers, bidirectional attention, and layers of different attention shapes (global_head_dim)."""
-    n = int(need(raw, "num_hidden_layers", source))
-    for key, why in (("enable_moe_block", "Gemma 4's MoE block"), ("attention_k_eq_v", "keys reused as values"),
-                     ("use_double_wide_mlp", "a double-width MLP in the KV-shared layers")):
-        if raw.get(key) and (key != "use_double_wide_mlp" or raw.get("num_kv_shared_layers")):
-            raise ConfigError(f"{source}: {key}=true ({why}) is not supported")
-    if raw.get("use_bidirectional_attention") == "all":
-        raise ConfigError(f"{source}: use_bidirectional_attention='all' (bidirectional text attention) is not "
-                          "supported; only causal attention")
-    types = raw.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if bad:
-        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, sliding_attention)")
-    if types[-1] != "full_attention":  # transformers forces it, with a warning
-        log.warning("unsloth_jax: %s: the last layer of a Gemma 4 model is always full_attention (as transformers "
-                    "forces it); layer_types[-1] %r ignored", source, types[-1])
-        types = types[:-1] + ["full_attention"]
-    _gemma4_layer_shapes(raw, types, source)
-    window = raw.get("sliding_window", 512)
-    if "sliding_attention" in types and (not isinstance(window, int) or window <= 0):
-        raise ConfigError(f"{source}: sliding_window must be a positive integer, got {window!r}")
-    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-
-    params = raw.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
-                                                               "partial_rotary_factor": 0.25}}
-    if not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in set(types)):
-        raise ConfigError(f"{source}: rope_parameters must hold a dict for each layer type in layer_types "
-                          f"({sorted(set(types))}), got {params!r}")
-    out = {}
-    local = params.get("sliding_attention")
-    if local is not None:
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"{source}: rope_parameters.sliding_attention.rope_type {local.get('rope_type')!r} is "
-                              "not supported (only default)")
-        out["rope_local_theta"] = float(need(local, "rope_theta", source + " rope_parameters.sliding_attention"))
-    full = params.get("full_attention")
-    full_type = full.get("rope_type", "default")
-    if full_type == "proportional":
-        prop = float(full.get("partial_rotary_factor", 1.0))
-        if not 0.0 <= prop <= 1.0:
-            raise ConfigError(f"{source}: rope_parameters.full_attention.partial_rotary_factor must be in [0, 1], "
-                              f"got {prop}")
-        out.update(rope_theta=float(need(full, "rope_theta", source + " rope_parameters.full_attention")),
-                   rope_type="proportional", rope_proportion=prop, rope_factor=float(full.get("factor", 1.0)))
-    elif full_type == "default":
-        out["rope_theta"] = float(need(full, "rope_theta", source + " rope_parameters.full_attention"))
-    else:
-        raise ConfigError(f"{source}: rope_parameters.full_attention.rope_type {full_type!r} is not supported "
-                          "(default, proportional)")
-    if "sliding_attention" not in types:
-        out.pop("rope_local_theta", None)
-
-    shared = int(raw.get("num_kv_shared_layers") or 0)
-    if not 0 <= shared < n:
-        raise ConfigError(f"{source}: num_kv_shared_layers={shared} must be below num_hidden_layers={n}")
-    first = n - shared
-    sources = list(range(n))
-    for i in range(first, n):
-        own = [j for j in range(first) if types[j] == types[i]]
-        if not own:
-            raise ConfigError(f"{source}: KV-shared layer {i} ({types[i]}, num_kv_shared_layers={shared}) has no "
-                              f"earlier {types[i]} layer to share keys/values with")
-        sources[i] = own[-1]
-    ple = int(raw.get("hidden_size_per_layer_input", 256) or 0)
-    out.update(layer_windows=windows, layer_kv_source=tuple(sources) if shared else (),
-               per_layer_input_size=ple,
-               per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
-               activation=activation(raw, source, "hidden_activation"),
-               qk_norm=True, v_norm=True, norm_offset=0.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
-               query_scale=1.0, layer_scalar=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
-    return out
-
-
-GEMMA4_MULTIMODAL_TYPES = ("gemma4",)  # Gemma4ForConditionalGeneration: refused (only its text model type loads)
 
 
 # --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 
-from unsloth_jax.config import GEMMA4_MULTIMODAL_TYPES, ModelConfig, read_config_json
+from unsloth_jax.config import ModelConfig, read_config_json
 from unsloth_jax.errors import UnsupportedArchitectureError
 from unsloth_jax.families.base import AdapterLayout, Family, ModelInputs, TextFamily, VisionFamily
 from unsloth_jax.families.gemma import GEMMA, GEMMA2
 from unsloth_jax.families.gemma3_text import GEMMA3_TEXT
 from unsloth_jax.families.gemma3_vl import GEMMA3_VL
-from unsloth_jax.families.gemma4_text import GEMMA4_TEXT
+from unsloth_jax.families.gemma4_text import GEMMA4_MULTIMODAL_TYPES, GEMMA4_TEXT
 from unsloth_jax.families.glm4_moe import GLM4_MOE
 from unsloth_jax.families.llama import LLAMA, MISTRAL
 from unsloth_jax.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE

@@ -33,19 +33,6 @@ from unsloth_jax.families.tensors import LAYERS, MLP_BIAS, O_BIAS, QK_NORM, QKV_
 # specs of a checkpoint from its family's table and config
 
 
-def _gemma4_model_specs(cfg: ModelConfig) -> dict[str, "TensorSpec"]:
-    """Gemma 4's per-layer input tensors outside the layers: the [Vp, L * P] table, the [L * P, D] projection
-    (kind "matrix": an unstacked weight stored transposed) and the [P] norm."""
-    if not cfg.per_layer_input_size:
-        return {}
-    width, d = cfg.num_hidden_layers * cfg.per_layer_input_size, cfg.hidden_size
-    rows = [("model.embed_tokens_per_layer.weight", "embed", (cfg.per_layer_vocab_size, width)),
-            ("model.per_layer_model_projection.weight", "matrix", (width, d)),
-            ("model.per_layer_projection_norm.weight", "norm", (cfg.per_layer_input_size,))]
-    return {name: TensorSpec(name, tuple(name.split(".")[:-1]) + ("kernel" if kind == "matrix" else "weight",),
-                             None, kind, shape) for name, kind, shape in rows}
-
-
 def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF [out, in] shape of each projection."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -130,7 +117,6 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
             specs[name] = TensorSpec(name, LAYERS + sub, i, kind, shape, slot=layer_slot(cfg, sub[0], i))
     if cfg.is_moe:
         specs.update(moe_specs(cfg, expert_layout))
-    specs.update(_gemma4_model_specs(cfg))
     family = text_family(cfg.model_type)
     if family.model_tensors is not None:
         specs.update(family.model_tensors(cfg))
