@@ -5,6 +5,7 @@ transformers' Llama agrees with)."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_every_text_model_type_has_one_family_defined_in_one_module():
             claimed.setdefault(t, []).append(family.name)
         # the module that assigns it (imports elsewhere are not definitions)
         homes = [(mod, name) for name, places in bindings.items() for mod, _ in places
-                 if mod != "__init__" and getattr(__import__(f"unsloth_jax.families.{mod}", fromlist=["x"]), name,
+                 if mod != "__init__" and getattr(importlib.import_module(f"unsloth_jax.families.{mod}"), name,
                                                   None) is family]
         assert len(homes) == 1, (family.name, homes)
     assert {t: n for t, n in claimed.items() if len(n) > 1} == {}
