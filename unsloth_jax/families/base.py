@@ -171,6 +171,9 @@ class TextFamily(Family):
                         generic ones (gpt-oss); add(name, path, layer, kind, shape, **kw) records one
       sparse_extra_specs MoE: (cfg, layer, add) -> more specs of a sparse layer (GLM-4.5's score bias, shared
                         experts)
+    PEFT adapters, read by hf/moe_io.py:
+      peft_remaps_mlp_targets  MoE: PEFT 0.21 on transformers 5 maps MLP target_modules onto the expert weights
+                        (an adapter with LoRA on the dense MLP layers would not load as trained)
     GGUF, read by hf/gguf_*.py:
       gguf_arch         the gguf.MODEL_ARCH member llama.cpp's converter writes it as; None: no GGUF export
       gguf_read         (llama.cpp arch name, transformers class) of a GGUF file read as this family, or None
@@ -190,6 +193,7 @@ class TextFamily(Family):
     per_expert_names: tuple[str, str, str, str] | None = None
     sparse_specs: Callable | None = None
     sparse_extra_specs: Callable | None = None
+    peft_remaps_mlp_targets: bool = False
     gguf_arch: str | None = None
     gguf_read: tuple[str, str] | None = None
     module_class: type = CausalLM

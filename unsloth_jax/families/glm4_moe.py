@@ -99,7 +99,7 @@ def _glm4_moe_extra_specs(cfg: ModelConfig, i: int, add) -> None:
 GLM4_MOE = TextFamily("GLM-4.5 MoE", ("glm4_moe",), config_fields=_glm4_moe_fields, moe_fields=_glm4_moe_moe_fields,
                       layer_tensors=ATTN_NORMS, expert_layouts=("per_expert", "fused"),
                       per_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"),
-                      sparse_extra_specs=_glm4_moe_extra_specs, gguf_arch="GLM4_MOE",
+                      sparse_extra_specs=_glm4_moe_extra_specs, peft_remaps_mlp_targets=True, gguf_arch="GLM4_MOE",
                       gguf_read=("glm4moe", "Glm4MoeForCausalLM"))
 
 __all__ = ["GLM4_MOE"]

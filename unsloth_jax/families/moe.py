@@ -109,10 +109,11 @@ def _gpt_oss_sparse_specs(cfg, i: int, add) -> None:
 QWEN3_MOE = TextFamily("Qwen3-MoE", ("qwen3_moe",), config_fields=qk_norm_fields, layer_windows=_qwen3_moe_windows,
                        moe_fields=_qwen3_moe_fields, layer_tensors=ATTN_NORMS + QK_NORM,
                        expert_layouts=("per_expert", "fused"),
-                       per_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"))
+                       per_expert_names=("mlp", "gate_proj", "up_proj", "down_proj"), peft_remaps_mlp_targets=True)
 # Mixtral's Hub checkpoints name the experts block_sparse_moe.experts.{x}.w1 / w3 / w2 (gate, up, down)
 MIXTRAL = TextFamily("Mixtral", ("mixtral",), moe_fields=_mixtral_fields, layer_tensors=ATTN_NORMS,
-                     expert_layouts=("per_expert", "fused"), per_expert_names=("block_sparse_moe", "w1", "w3", "w2"))
+                     expert_layouts=("per_expert", "fused"), per_expert_names=("block_sparse_moe", "w1", "w3", "w2"),
+                     peft_remaps_mlp_targets=True)
 GPT_OSS = TextFamily("gpt-oss", ("gpt_oss",), config_fields=rope_fields, moe_fields=_gpt_oss_fields,
                      layer_tensors=ATTN_NORMS, expert_layouts=("fused",), sparse_specs=_gpt_oss_sparse_specs)
 
