@@ -768,9 +768,9 @@ def _qwen3_vision(raw: dict, source: str, text: ModelConfig, *, deepstack: bool)
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Config(Qwen3VLConfig):
     """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration): the qwen3_5_text decoder (gated
-    DeltaNet and gated attention layers, _qwen3_5_fields) rotating its partial RoPE dims by interleaved M-RoPE, and
-    Qwen3-VL's vision tower without DeepStack (vision.deepstack_visual_indexes is empty). Token ids default to
-    transformers' Qwen3_5Config's. Checkpoints may also hold the multi-token-prediction head (mtp.*), which
+    DeltaNet and gated attention layers, families/qwen3_5_text.py) rotating its partial RoPE dims by interleaved
+    M-RoPE, and Qwen3-VL's vision tower without DeepStack (vision.deepstack_visual_indexes is empty). Token ids
+    default to transformers' Qwen3_5Config's. Checkpoints may also hold the multi-token-prediction head (mtp.*), which
     transformers never runs."""
 
     mrope_section: tuple[int, int, int] = (11, 11, 10)
