@@ -27,6 +27,7 @@ from flax import nnx  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
 from unsloth_jax import lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.models.decoder import CausalLM  # noqa: E402
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step, resolve_remat  # noqa: E402
 from unsloth_jax.train.optim import state_dtype  # noqa: E402
@@ -41,7 +42,7 @@ def model_config(shape: dict) -> ModelConfig:
 
     kw = dict(shape)
     model_type = kw.pop("model_type")
-    return ModelConfig.from_dict(transformers.AutoConfig.for_model(model_type, **kw).to_dict(), "bench/shapes.py")
+    return text_config(transformers.AutoConfig.for_model(model_type, **kw).to_dict(), "bench/shapes.py")
 
 
 def _gib(tree) -> float:

@@ -46,6 +46,7 @@ from flax import nnx  # noqa: E402
 from bench.timing import device_ms  # noqa: E402
 from unsloth_jax import lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.models import moe  # noqa: E402
 from unsloth_jax.models.decoder import CausalLM  # noqa: E402
 from unsloth_jax.backend import commit_to_devices  # noqa: E402
@@ -70,7 +71,7 @@ def model_config(p: dict, layers: int) -> ModelConfig:
            "num_experts": p["num_experts"], "num_experts_per_tok": p["num_experts_per_tok"],
            "moe_intermediate_size": p["moe_intermediate_size"], "norm_topk_prob": True, "rms_norm_eps": 1e-6,
            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": False}
-    return ModelConfig.from_dict(raw, "bench preset")
+    return text_config(raw, "bench preset")
 
 
 def loop_expert_ffn(x, weights, experts, block, cfg):

@@ -24,6 +24,7 @@ from flax import nnx  # noqa: E402
 
 from unsloth_jax import lora  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.models import CausalLM  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
 
@@ -53,7 +54,7 @@ def step_memory(graphdef, trainable, frozen, remat: str, batch: int, seq: int) -
 
 def small_config(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                  vocab: int = 128) -> ModelConfig:
-    return ModelConfig.from_dict({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+    return text_config({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
                                   "intermediate_size": intermediate, "num_hidden_layers": layers,
                                   "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                   "rms_norm_eps": 1e-5})

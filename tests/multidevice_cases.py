@@ -25,6 +25,7 @@ from flax import nnx
 
 from unsloth_jax import distributed, lora
 from unsloth_jax.config import ModelConfig
+from unsloth_jax.families import text_config
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.quant import quantize_projections
 from unsloth_jax.train import make_optimizer, make_schedule, make_train_step
@@ -143,7 +144,7 @@ MOE = dict(model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_
 @built_once
 def tiny_moe_model(seed: int):
     """A random-init MoE model with LoRA on q/v and on the experts (B nonzero)."""
-    model = CausalLM(ModelConfig.from_dict(MOE), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    model = CausalLM(text_config(MOE), dtype=jnp.float32, rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
                                            target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
                   jax.random.PRNGKey(seed + 1))

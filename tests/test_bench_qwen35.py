@@ -91,13 +91,13 @@ def test_mfu_only_for_the_layouts_its_flop_count_models():
     """train_bench's MFU numerator counts a dense decoder (q/k/v/o and a GLU MLP in every layer): Qwen2's
     equals 6 x its matmul weights per token + 6 S Hq hd per layer; Qwen3.5 (linear-attention layers) gets none."""
     from bench.train_bench import mfu, model_flops_per_token
-    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.families import text_config
 
-    qwen2 = ModelConfig.from_dict(dict(SHAPES["qwen2-1.5b"]))
+    qwen2 = text_config(dict(SHAPES["qwen2-1.5b"]))
     d, f, hd, hq, hkv, n = (qwen2.hidden_size, qwen2.intermediate_size, qwen2.head_dim, qwen2.num_attention_heads,
                             qwen2.num_key_value_heads, qwen2.num_hidden_layers)
     weights = n * (2 * d * hq * hd + 2 * d * hkv * hd + 3 * d * f) + qwen2.vocab_size * d
     assert model_flops_per_token(qwen2, 2048) == 6.0 * weights + n * 6.0 * 2048 * hq * hd
-    qwen35 = ModelConfig.from_dict(dict(SHAPES["qwen3.5-9b"]))
+    qwen35 = text_config(dict(SHAPES["qwen3.5-9b"]))
     assert model_flops_per_token(qwen35, 2048) is None and mfu(1000.0, qwen35, 2048) is None
     assert 0 < mfu(40000.0, qwen2, 2048) < 1

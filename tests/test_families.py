@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from tests import vl_models as gm  # noqa: E402
 from tests import vl_qwen_models as qm  # noqa: E402
 from unsloth_jax.errors import UnsupportedArchitectureError  # noqa: E402
-from unsloth_jax.families import (GEMMA3_VL, QWEN2_5_VL, TEXT, ModelInputs, family_for, family_of,  # noqa: E402
+from unsloth_jax.families import (GEMMA3_VL, LLAMA, QWEN2_5_VL, ModelInputs, family_for, family_of,  # noqa: E402
                                   vision_family_for)
 from unsloth_jax.hf.vision_checkpoint import vision_language_specs  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_tensor_table_matches_transformers(family, hf_config, hf_class):
 
 
 def test_registry_by_config_json():
-    assert family_for({"model_type": "llama"}) is TEXT
+    assert family_for({"model_type": "llama"}) is LLAMA
     assert vision_family_for({"model_type": "gemma3"}) is None  # Gemma 3 without a vision_config: not VL
     assert vision_family_for({"model_type": "qwen2_5_vl"}) is QWEN2_5_VL
     with pytest.raises(UnsupportedArchitectureError, match=r"dir/config.json: model_type 'bert'.*qwen2_5_vl"):
@@ -73,10 +73,10 @@ def test_prepare_inputs_per_family(rng):
     ids = jnp.asarray(rng.integers(0, 100, (2, 8)), jnp.int32)
     mask = jnp.ones((2, 8), jnp.int32)
     pixels = jnp.asarray(rng.standard_normal((2, 3, 4, 4)), jnp.float32)
-    text = TEXT.prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    text = LLAMA.prepare_inputs({"input_ids": ids, "attention_mask": mask, "labels": ids})
     assert text.input_ids is ids and text.attention_mask is mask and not text.has_images
     with pytest.raises(TypeError, match="not a vision-language model"):
-        TEXT.prepare_inputs({"input_ids": ids, "pixel_values": pixels})
+        LLAMA.prepare_inputs({"input_ids": ids, "pixel_values": pixels})
     with pytest.raises(TypeError, match="token_type_ids"):
         GEMMA3_VL.prepare_inputs({"input_ids": ids, "pixel_values": pixels})
     types = (ids > 50).astype(jnp.int32)
@@ -91,7 +91,7 @@ def test_prepare_inputs_per_family(rng):
     # the fields the trainers pad and plan by: every image field prepare_inputs read is the family's, text is not
     assert [k for k in batch if QWEN2_5_VL.is_image_field(k)] == ["pixel_values", "mrope_positions",
                                                                   "vision_window_index"]
-    assert GEMMA3_VL.is_image_field("token_type_ids") and not TEXT.is_image_field("pixel_values")
+    assert GEMMA3_VL.is_image_field("token_type_ids") and not LLAMA.is_image_field("pixel_values")
     assert QWEN2_5_VL.row_fields == ("mrope_positions",) and GEMMA3_VL.row_fields == ("token_type_ids",)
     with pytest.raises(TypeError, match="mrope_positions"):
         QWEN2_5_VL.prepare_inputs({"input_ids": ids, "pixel_values": pixels})

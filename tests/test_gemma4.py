@@ -22,7 +22,7 @@ from tests.family_checks import (assert_greedy_matches_transformers, assert_lora
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -52,7 +52,7 @@ def test_config_layer_types_kv_sharing_rope_and_refusals():
     """Default layer types (5 sliding : 1 full, the last forced full), KV sources (the last earlier layer of the
     same type), proportional RoPE on the full layers, PLE sizes; the scan segments keep the source layers in
     one-group segments, the KV-shared tail scanned. Unsupported settings raise errors naming the config.json key."""
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = text_config(BASE)
     assert cfg.layer_windows == (8, 8, 8, 8, 8, None, 8, None)
     assert cfg.layer_kv_source == (0, 1, 2, 3, 4, 5, 4, 5) and cfg.kv_shared_sources == {4, 5}
     assert (cfg.rope_type, cfg.rope_proportion, cfg.rope_theta, cfg.rope_local_theta) == (
@@ -60,10 +60,10 @@ def test_config_layer_types_kv_sharing_rope_and_refusals():
     assert cfg.per_layer_input_size == 16 and cfg.layer_scalar and cfg.v_norm and cfg.norm_offset == 0.0
     assert cfg.scale == 1.0 and cfg.tie_word_embeddings and cfg.activation == "gelu_tanh"
     assert cfg.layer_segments == ((0, 1, 4), (4, 4, 1))
-    long = ModelConfig.from_dict(BASE | {"num_hidden_layers": 26, "num_kv_shared_layers": 8})
+    long = text_config(BASE | {"num_hidden_layers": 26, "num_kv_shared_layers": 8})
     # 26 layers, the last 8 KV-shared (sources 16 and 17): 12 layers of code, the shared tail scanned too
     assert long.layer_segments == ((0, 6, 2), (12, 1, 4), (16, 2, 1), (18, 1, 4), (22, 2, 2))
-    assert ModelConfig.from_dict(BASE | {"num_kv_shared_layers": 0}).layer_kv_source == ()
+    assert text_config(BASE | {"num_kv_shared_layers": 0}).layer_kv_source == ()
     for bad, key in [({"per_layer_config": {"5": {"head_dim": 64}}}, "per_layer_config"),
                      ({"per_layer_config": {"0": {"head_dim": 64}}}, "per_layer_config"),
                      ({"per_layer_config": {"5": {"sliding_window": 4}}}, "per_layer_config"),
@@ -75,9 +75,9 @@ def test_config_layer_types_kv_sharing_rope_and_refusals():
                                            "full_attention": {"rope_type": "default", "rope_theta": 1.0}}},
                       "rope_parameters.sliding_attention")]:
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(BASE | bad)
+            text_config(BASE | bad)
     with pytest.raises(UnsupportedArchitectureError, match="gemma4_text"):
-        ModelConfig.from_dict({"model_type": "gemma4", "text_config": BASE})
+        text_config({"model_type": "gemma4", "text_config": BASE})
 
 
 # ------------------------------------------------------------------------------------------------ logits

@@ -23,7 +23,8 @@ from tests.family_checks import (assert_greedy_matches_transformers, assert_lora
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax.config import ModelConfig, layer_has, layer_module, stack_holders  # noqa: E402
+from unsloth_jax.config import layer_has, layer_module, stack_holders  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.lora import count  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,18 +57,18 @@ def test_config_fields_holders_and_refusals():
     """global_head_dim / num_global_key_value_heads / attention_k_eq_v / use_double_wide_mlp (and
     per_layer_config, what transformers writes) become the config's fields; each layer's submodules follow
     its kind; full layers of two shapes and MoE blocks are refused naming the key."""
-    shapes = ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"])
+    shapes = text_config(BASE | OVERRIDES["gemma4_shapes"])
     assert (shapes.global_head_dim, shapes.global_kv_heads, shapes.attention_k_eq_v, shapes.double_wide_mlp) == (
         64, 2, False, True)
     assert shapes.global_rope_dim == 64 and shapes.rope_dim == 32
-    keqv = ModelConfig.from_dict(BASE | OVERRIDES["gemma4_keqv"])
+    keqv = text_config(BASE | OVERRIDES["gemma4_keqv"])
     assert (keqv.global_head_dim, keqv.global_kv_heads, keqv.attention_k_eq_v, keqv.double_wide_mlp) == (
         64, 1, True, False)
-    written = ModelConfig.from_dict(BASE | {"attention_k_eq_v": True, "per_layer_config": {
+    written = text_config(BASE | {"attention_k_eq_v": True, "per_layer_config": {
         "5": {"head_dim": 64, "num_key_value_heads": 1}, "7": {"head_dim": 64, "num_key_value_heads": 1}}})
     assert (written.global_head_dim, written.global_kv_heads) == (64, 1)
     # without attention_k_eq_v transformers ignores num_global_key_value_heads
-    assert ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"] | {"num_global_key_value_heads": 1}
+    assert text_config(BASE | OVERRIDES["gemma4_shapes"] | {"num_global_key_value_heads": 1}
                                  ).global_kv_heads == 2
     for family, cfg in (("gemma4_shapes", shapes), ("gemma4_keqv", keqv)):
         for sub, holders in HOLDERS[family].items():
@@ -80,7 +81,7 @@ def test_config_fields_holders_and_refusals():
     for bad, key in [({"per_layer_config": {"5": {"head_dim": 64}, "7": {"head_dim": 128}}}, "per_layer_config"),
                      ({"enable_moe_block": True}, "enable_moe_block")]:
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"] | bad)
+            text_config(BASE | OVERRIDES["gemma4_shapes"] | bad)
 
 
 def test_logits_and_counts_match_transformers(tiny, rng):
@@ -180,7 +181,7 @@ def test_contiguous_cache_refused_for_two_attention_shapes():
     from unsloth_jax.models.attention import KVCache
     from unsloth_jax.models.decoder import CausalLM, make_batch
 
-    model = CausalLM(ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"]), rngs=nnx.Rngs(0))
+    model = CausalLM(text_config(BASE | OVERRIDES["gemma4_shapes"]), rngs=nnx.Rngs(0))
     ids = jnp.ones((1, 3), jnp.int32)
     x = model.model.embed(ids, jnp.float32)
     (cos, sin), local = model.model.rope(make_batch(ids).positions)
@@ -194,7 +195,7 @@ def test_layer_stack_policies_equal_the_plain_stack(seed):
     """Loss and gradients under host offload and two-level checkpointing equal the plain stack's on the
     double-wide, global-shape config: each segment's groups take their rows of every kind's sub-stack. (The fast
     guards: the LoRA step above under gradient checkpointing; tests/test_layer_substacks.py's two-level test.)"""
-    assert_policies_equal_plain_stack(ModelConfig.from_dict(BASE | OVERRIDES["gemma4_shapes"]), seed)
+    assert_policies_equal_plain_stack(text_config(BASE | OVERRIDES["gemma4_shapes"]), seed)
 
 
 def test_kv_shared_tensors_in_a_checkpoint_are_skipped(tiny, tmp_path, rng):

@@ -27,6 +27,7 @@ from tests.hf_moe_models import make_hf_glm4_moe  # noqa: E402
 from tests.test_gguf import ASSET_TOKENIZER, _convert_with_llama_cpp, _read  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.hf import gguf_families, gguf_loading  # noqa: E402
 
@@ -289,7 +290,7 @@ def _config(model_type: str, **fields) -> ModelConfig:
         raw.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
     else:
         raw.update(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)
-    return ModelConfig.from_dict(raw | fields)
+    return text_config(raw | fields)
 
 
 def test_settings_llama_cpp_cannot_represent_are_refused():

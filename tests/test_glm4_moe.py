@@ -20,7 +20,7 @@ from tests.family_checks import load_f32, hf_f32, torch_logits  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_moe_models import GLM4_MOE, make_hf_glm4_moe  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import read_text_config, text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 from unsloth_jax.models.moe import EXPERT_PARAMETERS  # noqa: E402
 from unsloth_jax.train import make_train_step  # noqa: E402
@@ -51,7 +51,7 @@ def _right_padded(rng, b=3, s=24):
 
 def test_config_and_logits_match_transformers(glm, rng):
     path, hf = glm
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = read_text_config(path)
     assert cfg.layer_sparse == (False, True, True) and cfg.layer_period == 3
     assert (cfg.router, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == ("sigmoid_group", 4, 2, 2.5)
     assert cfg.shared_expert_size == 24 and cfg.rotary_dim == 8 and cfg.qk_norm and cfg.qkv_bias and not cfg.o_bias
@@ -79,9 +79,9 @@ def test_config_errors_name_the_key():
                         ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
                         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type")):
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(base | change)
+            text_config(base | change)
     # transformers 4's spelling (top-level rope_theta, no partial_rotary_factor: GLM's default 0.5)
-    cfg = ModelConfig.from_dict({k: v for k, v in base.items() if k != "partial_rotary_factor"} | {"rope_theta": 1e6})
+    cfg = text_config({k: v for k, v in base.items() if k != "partial_rotary_factor"} | {"rope_theta": 1e6})
     assert cfg.rotary_dim == 8 and cfg.rope_theta == 1e6
 
 
@@ -177,7 +177,7 @@ def test_refusals_and_mtp_layers(glm, tmp_path):
     tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)
     save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
     (mtp / "config.json").write_text((path / "config.json").read_text())
-    assert ModelConfig.from_pretrained(mtp).num_mtp_layers == 1
+    assert read_text_config(mtp).num_mtp_layers == 1
     load_f32(mtp)
     with pytest.raises(ConfigError, match="output_router_logits"):
         load_f32(path, output_router_logits=True)

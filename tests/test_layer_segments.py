@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from tests.helpers import rel_err
-from unsloth_jax.config import ModelConfig, periodic_segments
+from unsloth_jax.config import periodic_segments
+from unsloth_jax.families import text_config
 from unsloth_jax.models.decoder import CausalLM
 from unsloth_jax.models.layer_stack import LayerStackPolicy
 
@@ -67,7 +68,7 @@ def test_a_non_periodic_pattern_scans_and_equals_the_unrolled_stack(remat):
     """SmolLM3 with only layer 0 NoPE over 8 layers (period 8: before segments, one unrolled group of 8 layers):
     two scans, of 1 and 7 groups of one layer, whose bodies hold one layer's matmuls each; the logits equal
     those of the same stack with layer_loop=unrolled."""
-    cfg = ModelConfig.from_dict(dict(model_type="smollm3", vocab_size=64, hidden_size=32, intermediate_size=64,
+    cfg = text_config(dict(model_type="smollm3", vocab_size=64, hidden_size=32, intermediate_size=64,
                                      num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1,
                                      no_rope_layers=[0] + [1] * 7))
     assert cfg.layer_period == 8 and cfg.layer_segments == ((0, 1, 1), (1, 1, 7))

@@ -20,7 +20,8 @@ from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
 from unsloth_jax.backend import key_names  # noqa: E402
-from unsloth_jax.config import ModelConfig, layer_slot, stack_holders  # noqa: E402
+from unsloth_jax.config import layer_slot, stack_holders  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.lora import count  # noqa: E402
 
 TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 2 + ["full_attention"] * 2
@@ -34,7 +35,7 @@ BASE = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermedi
 
 def test_holders_and_slots():
     """The mixers' holders follow layer_types; the other submodules are held by every layer."""
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = text_config(BASE)
     assert cfg.layer_segments == ((0, 4, 2), (8, 1, 2))  # the tail segment has no linear-attention layer
     assert stack_holders(cfg, "self_attn") == (3, 7, 8, 9)
     assert stack_holders(cfg, "linear_attn.in_proj_qkv") == (0, 1, 2, 4, 5, 6)
@@ -74,7 +75,7 @@ def test_tail_without_linear_layers_under_offload_and_two_level(seed):
     """Loss and gradients under host offload (the prefetched offload scan) and two-level checkpointing equal
     the plain stack's on the pattern whose tail segment has no linear_attn rows (the bound of
     tests/test_qwen3_5.py's policy test)."""
-    assert_policies_equal_plain_stack(ModelConfig.from_dict(BASE), seed)
+    assert_policies_equal_plain_stack(text_config(BASE), seed)
 
 
 def test_engine_layouts_follow_the_plain_forward(seed):
@@ -86,7 +87,7 @@ def test_engine_layouts_follow_the_plain_forward(seed):
     from unsloth_jax.models.decoder import CausalLM
 
     rng = np.random.default_rng(seed)
-    model = CausalLM(ModelConfig.from_dict(BASE), rngs=nnx.Rngs(seed % (1 << 30)))
+    model = CausalLM(text_config(BASE), rngs=nnx.Rngs(seed % (1 << 30)))
     model = FastLanguageModel.get_peft_model(model, r=4, lora_alpha=8,
                                              target_modules=["q_proj", "v_proj", "in_proj_qkv", "out_proj"])
     for lin in model.projections().values():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from tests.helpers import inner_jaxprs, rel_err
 from unsloth_jax import FastLanguageModel, SFTTrainer, TrainingArguments, lora
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.families import text_config
 from unsloth_jax.errors import TrainingError
 from unsloth_jax.models import CausalLM
 from unsloth_jax.train import make_train_step
@@ -22,7 +22,7 @@ CFG = {"model_type": "llama", "vocab_size": 80, "hidden_size": 32, "intermediate
 
 
 def _lora_model(seed: int, cfg: dict = CFG, dtype=jnp.float32) -> CausalLM:
-    model = CausalLM(ModelConfig.from_dict(cfg), dtype=dtype, rngs=nnx.Rngs(seed))
+    model = CausalLM(text_config(cfg), dtype=dtype, rngs=nnx.Rngs(seed))
     lora.add_lora(model, lora.LoraSettings(r=4, lora_alpha=8, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(seed))
     for lin in model.projections().values():
@@ -225,7 +225,7 @@ def test_two_level_remat_matches_the_plain_step(family, rng, monkeypatch):
 
     monkeypatch.setattr(step_mod, "host_offload_supported", lambda: True)  # the offload policy compiles on CPU
     cfg = dict(CFG, num_hidden_layers=7) if family == "llama" else _gemma2_cfg(7)
-    assert ModelConfig.from_dict(cfg).layer_period == (1 if family == "llama" else 2)
+    assert text_config(cfg).layer_period == (1 if family == "llama" else 2)
     # llama, 7 layers: groups of 3 + 3 + 1 and 2 + 2 + 2 + 1 layers; gemma2: 2 + 1 scan groups of 2, then the tail
     # (and "offload": the prefetched scan over 3 groups of 2, then over the tail)
     modes = ["full_every_3", "offload_every_2"] if family == "llama" else ["offload_every_4", "offload"]

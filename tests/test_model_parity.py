@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 
 
@@ -106,11 +106,11 @@ GEMMA3_BASE = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, inte
 def test_gemma3_config_spellings_agree():
     """transformers 4's config.json (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern) and
     transformers 5's (rope_parameters per layer type, layer_types) give one ModelConfig; 26 layers group 4 x 6 + 2."""
-    old = ModelConfig.from_dict(dict(GEMMA3_BASE, num_hidden_layers=26, rope_theta=1e6, rope_local_base_freq=1e4,
+    old = text_config(dict(GEMMA3_BASE, num_hidden_layers=26, rope_theta=1e6, rope_local_base_freq=1e4,
                                      rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=6,
                                      query_pre_attn_scalar=256))
     types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(26)]
-    new = ModelConfig.from_dict(dict(GEMMA3_BASE, num_hidden_layers=26, layer_types=types, query_pre_attn_scalar=256,
+    new = text_config(dict(GEMMA3_BASE, num_hidden_layers=26, layer_types=types, query_pre_attn_scalar=256,
                                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                          "rope_theta": 1e6},
                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
@@ -121,11 +121,11 @@ def test_gemma3_config_spellings_agree():
     assert new.qk_norm and new.sandwich_norms and new.embed_scale and new.norm_offset == 1.0
     assert new.scale == pytest.approx(256 ** -0.5) and new.tie_word_embeddings
     # defaults of Gemma3TextConfig when the keys are absent: global base 1e6, local 1e4, every 6th layer global
-    bare = ModelConfig.from_dict(dict(GEMMA3_BASE, num_hidden_layers=12))
+    bare = text_config(dict(GEMMA3_BASE, num_hidden_layers=12))
     assert (bare.rope_theta, bare.rope_local_theta, bare.layer_windows[5], bare.layer_windows[11]) == (
         1e6, 1e4, None, None)
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
-        ModelConfig.from_dict(dict(GEMMA3_BASE, num_hidden_layers=2, use_bidirectional_attention=True))
+        text_config(dict(GEMMA3_BASE, num_hidden_layers=2, use_bidirectional_attention=True))
 
 
 PHI3_BASE = dict(model_type="phi3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -137,14 +137,14 @@ def test_phi3_rope_config():
     """"su" (the first Phi-3 128k configs) reads as longrope; factor and attention factor as transformers derives
     them; wrong factor lengths and odd partial rotary dims are refused naming the field."""
     factors = {"short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
-    cfg = ModelConfig.from_dict(dict(PHI3_BASE, partial_rotary_factor=0.75, rope_scaling={"type": "su", **factors}))
+    cfg = text_config(dict(PHI3_BASE, partial_rotary_factor=0.75, rope_scaling={"type": "su", **factors}))
     assert cfg.rope_type == "longrope" and cfg.rotary_dim == 12 and cfg.rope_dim == 12
     assert cfg.rope_factor == 4.0 and cfg.rope_attention_factor == pytest.approx((1 + np.log(4) / np.log(32)) ** 0.5)
     assert cfg.rope_long_factor == (2.0,) * 6 and cfg.rope_original_max_position == 32
-    plain = ModelConfig.from_dict(dict(PHI3_BASE, rope_theta=5e5))
+    plain = text_config(dict(PHI3_BASE, rope_theta=5e5))
     assert (plain.rope_type, plain.rope_theta, plain.rotary_dim, plain.rope_dim) == ("default", 5e5, 0, 16)
     with pytest.raises(ConfigError, match="long_factor"):
-        ModelConfig.from_dict(dict(PHI3_BASE, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+        text_config(dict(PHI3_BASE, rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
                                                             "long_factor": [1.0] * 7}))
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        ModelConfig.from_dict(dict(PHI3_BASE, partial_rotary_factor=0.5625))  # 9 dims
+        text_config(dict(PHI3_BASE, partial_rotary_factor=0.5625))  # 9 dims

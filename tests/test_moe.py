@@ -24,7 +24,7 @@ from tests.family_checks import load_f32, hf_f32, torch_logits  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_moe_models import MOE_FAMILIES, make_hf_moe_model, save_hf_moe_model  # noqa: E402
 from unsloth_jax import FastLanguageModel, lora, ops  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import read_text_config, text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
 from unsloth_jax.hf.safetensors_io import SafetensorsFile  # noqa: E402
 from unsloth_jax.models.moe import (EXPERT_PARAMETERS, Experts, expert_activation, expert_ffn,  # noqa: E402
@@ -65,13 +65,13 @@ def test_config_reads_each_family(checkpoints):
     for (family, layout), (path, hf) in checkpoints.items():
         if layout != "original":
             continue
-        cfg = ModelConfig.from_pretrained(path)
+        cfg = read_text_config(path)
         assert cfg.is_moe and cfg.num_experts == hf.config.num_local_experts
         blocks = [type(layer.mlp).__name__ for layer in hf.model.layers]
         assert cfg.layer_sparse == tuple(not n.endswith("MLP") or n == "GptOssMLP" for n in blocks), (family, blocks)
-    qwen = ModelConfig.from_pretrained(checkpoints["qwen3_moe", "original"][0])
+    qwen = read_text_config(checkpoints["qwen3_moe", "original"][0])
     assert qwen.layer_sparse == (False, True, False, True) and qwen.layer_period == 2 and qwen.norm_topk_prob
-    oss = ModelConfig.from_pretrained(checkpoints["gpt_oss", "original"][0])
+    oss = read_text_config(checkpoints["gpt_oss", "original"][0])
     assert oss.layer_windows == (8, None, 8, None) and oss.rope_type == "yarn" and oss.rope_attention_factor > 1
 
 
@@ -177,7 +177,7 @@ def _check_grouped_against_dense(family: str, seed: int, dtype, tol: float, clam
     """expert_ffn (sorted rows, grouped GEMMs, LoRA on both expert weights) against the dense reference
     (float32, on the same dtype-rounded inputs), forward and the gradients of x and every LoRA factor; some
     experts get no token. clamp=False lifts gpt-oss's SwiGLU clamp (limit = inf), so the function is smooth."""
-    cfg = ModelConfig.from_dict(make_hf_moe_model(family).config.to_dict())
+    cfg = text_config(make_hf_moe_model(family).config.to_dict())
     if not clamp:
         cfg = dataclasses.replace(cfg, swiglu_limit=float("inf"))
     key = jax.random.PRNGKey(seed)
@@ -237,7 +237,7 @@ def test_grouped_experts_pallas_kernel_equals_ragged_dot(seed):
     forward and the gradients of x and every LoRA factor (float32, so both paths round alike)."""
     from unsloth_jax import ops
 
-    cfg = ModelConfig.from_dict(make_hf_moe_model("qwen3_moe").config.to_dict())
+    cfg = text_config(make_hf_moe_model("qwen3_moe").config.to_dict())
     block = Experts(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
     for g in (block.gate_up_proj, block.down_proj):
@@ -295,7 +295,7 @@ def test_grouped_path_has_no_dense_expert_buffer():
     """The MoE block's forward and LoRA backward: no value of shape [T, E, ...] (no dense expert buffer, no
     per-expert loop), ragged_dots for the GEMMs, and none of them a ragged contraction (XLA's GPU compiler
     rewrites those to a dense dot over an [E, N, K] zero-padded copy): the LoRA weight gradients are tiled."""
-    cfg = ModelConfig.from_dict(make_hf_moe_model("mixtral").config.to_dict())
+    cfg = text_config(make_hf_moe_model("mixtral").config.to_dict())
     block = Experts(cfg, rngs=nnx.Rngs(0))
     for g in (block.gate_up_proj, block.down_proj):
         g.lora_a = nnx.LoRAParam(jnp.ones(g.kernel[...].shape[:-1] + (2,)))

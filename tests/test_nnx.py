@@ -15,7 +15,7 @@ from flax import nnx
 
 from tests.helpers import rel_err
 from unsloth_jax import FastLanguageModel, lora
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.families import text_config
 from unsloth_jax.hf.mapping import tensor_specs
 from unsloth_jax.models import CausalLM, NF4Param
 from unsloth_jax.models.state import variable_at
@@ -28,7 +28,7 @@ TINY = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediat
 
 
 def _model(seed: int, layers: int = 2, **extra) -> CausalLM:
-    cfg = ModelConfig.from_dict({**TINY, "num_hidden_layers": layers, **extra})
+    cfg = text_config({**TINY, "num_hidden_layers": layers, **extra})
     return CausalLM(cfg, rngs=nnx.Rngs(seed))
 
 

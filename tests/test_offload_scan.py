@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tests.helpers import inner_jaxprs, rel_err
 from unsloth_jax import lora, ops
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.families import text_config
 from unsloth_jax.models import CausalLM
 from unsloth_jax.models.offload import OFFLOAD_CHUNK_BYTES, OFFLOAD_COMPILER_OPTIONS, copy_chunks, offloaded_layer_scan
 from unsloth_jax.train.step import loss_and_count
@@ -156,7 +156,7 @@ CFG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate
 def _custom_vjp_calls(remat: str) -> int:
     """How many custom-VJP calls the jaxpr of a small LoRA model's loss holds under `remat`, besides the ones
     it holds under "full" (the kernels' own)."""
-    model = CausalLM(ModelConfig.from_dict(CFG), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = CausalLM(text_config(CFG), dtype=jnp.float32, rngs=nnx.Rngs(0))
     lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS), jax.random.key(0))
     graphdef, trainable, frozen = lora.split(model)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 9)), jnp.int32)

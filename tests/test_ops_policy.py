@@ -11,7 +11,7 @@ from flax import nnx
 
 from tests.helpers import rel_err
 from unsloth_jax import lora, ops
-from unsloth_jax.config import ModelConfig
+from unsloth_jax.families import text_config
 from unsloth_jax.models import CausalLM
 from unsloth_jax.train import make_train_step
 from unsloth_jax.train.step import loss_and_count
@@ -29,7 +29,7 @@ def clean_policy(monkeypatch):
 
 
 def test_set_impl_after_a_first_call_takes_effect(clean_policy, rng):
-    cfg = ModelConfig.from_dict(CFG)
+    cfg = text_config(CFG)
     model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(0))
@@ -116,7 +116,7 @@ def test_recording_choices_sees_only_the_calls_traced_in_its_block(clean_policy,
     its own linear=xla (chosen_impls, per policy, holds both)."""
     from unsloth_jax import quant
 
-    cfg = ModelConfig.from_dict(CFG)
+    cfg = text_config(CFG)
     ids = rng.integers(0, 64, size=(1, 8))
     fp8_model = quant.quantize_projections(CausalLM(cfg, rngs=nnx.Rngs(1)), "fp8")
     fp8_model(ids)
@@ -146,7 +146,7 @@ def test_layer_loop_unrolled_matches_the_scan(clean_policy, rng, remat):
     """The layer-stack setting layer_loop=unrolled: the same loss and LoRA gradients as the layer scan, and the
     lowered program has no while loop for the layers (the scan's forward and backward loops are gone; the loss's chunk loop stays);
     also for "offload", whose custom-VJP layer scan (models.offload) unrolls both of its scans."""
-    cfg = ModelConfig.from_dict(dict(CFG, num_hidden_layers=3))
+    cfg = text_config(dict(CFG, num_hidden_layers=3))
     model = CausalLM(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     lora.add_lora(model, lora.LoraSettings(r=2, lora_alpha=4, target_modules=lora.ALL_TARGETS),
                   jax.random.PRNGKey(1))

@@ -223,12 +223,12 @@ def test_8bit_train_step_temporaries_stay_near_sgd():
     temporaries exceed those of SGD (gradients, activations, no optimizer state) by less than half a float32
     copy of the weights; the tree.map 8-bit update exceeded them by more than one."""
     transformers = pytest.importorskip("transformers")
-    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.families import text_config
 
     hf = transformers.AutoConfig.for_model("llama", hidden_size=H, intermediate_size=I, num_hidden_layers=8,
                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
                                            tie_word_embeddings=False)
-    cfg = ModelConfig.from_dict(hf.to_dict(), "test")
+    cfg = text_config(hf.to_dict(), "test")
     sched = make_schedule("linear", 1e-3, 10, 0)
     f32_params = 4 * (8 * (3 * H * I + 2 * H * H + 2 * H * (H // 2)) + 2 * V * H)
     sgd = _step_temp_bytes(make_optimizer("sgd", sched), cfg)

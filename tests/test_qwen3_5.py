@@ -22,7 +22,7 @@ from tests.family_checks import (assert_policies_equal_plain_stack, hf_f32, load
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -52,15 +52,15 @@ def test_config_layer_pattern_and_refusals():
     """layer_types (default: every 4th layer full attention) gives the per-layer mixer switch, a layer kind the
     layer scan groups on (8 layers: one segment of 2 groups of 4); the (1 + w) norms, q/k norms, output gate and partial rotary are on; bad
     values raise ConfigError naming the config.json key, and the vision-language qwen3_5 is not a text config."""
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = text_config(BASE)
     assert cfg.layer_linear == (True, True, True, False, True, True) and cfg.layer_period == 4
-    assert ModelConfig.from_dict(BASE | {"num_hidden_layers": 8}).layer_segments == ((0, 4, 2),)
+    assert text_config(BASE | {"num_hidden_layers": 8}).layer_segments == ((0, 4, 2),)
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_offset == 1.0 and cfg.rope_dim == 4
     assert cfg.linear_conv_dim == 2 * 2 * 8 + 4 * 8 and cfg.linear_conv_kernel == 4 and not cfg.tie_word_embeddings
-    alt = ModelConfig.from_dict(BASE | {"layer_types": ["linear_attention", "full_attention"] * 3})
+    alt = text_config(BASE | {"layer_types": ["linear_attention", "full_attention"] * 3})
     assert alt.layer_period == 2 and alt.layer_segments == ((0, 2, 3),) and alt.layer_windows == (None,) * 6
-    assert ModelConfig.from_dict(BASE | {"full_attention_interval": 3}).layer_linear == (True, True, False) * 2
-    assert ModelConfig.from_dict(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+    assert text_config(BASE | {"full_attention_interval": 3}).layer_linear == (True, True, False) * 2
+    assert text_config(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
                                                              "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2],
                                                              "mrope_interleaved": True}}).rope_dim == 8
     for bad, key in [({"layer_types": ["linear_attention"] * 6}, "layer_types"),
@@ -72,9 +72,9 @@ def test_config_layer_pattern_and_refusals():
                      ({"hidden_act": "gelu"}, "hidden_act"),
                      ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type")]:
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(BASE | bad)
+            text_config(BASE | bad)
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):  # tests/test_vision_qwen3_5.py
-        ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": BASE})
+        text_config({"model_type": "qwen3_5", "text_config": BASE})
 
 
 # ------------------------------------------------------------------------------------------------ layer stack
@@ -83,7 +83,7 @@ def test_segment_scan_policies_equal_the_plain_stack(seed):
     loss and its gradients under host offload (the prefetched offload scan, checkpointed) and two-level
     checkpointing equal those of the plain scan. Gradient bound: per leaf, float32 rounding of another summation
     order on small gradients (max 1.6e-5 over 21 seeds)."""
-    cfg = ModelConfig.from_dict(BASE | {"num_hidden_layers": 8})
+    cfg = text_config(BASE | {"num_hidden_layers": 8})
     assert cfg.layer_segments == ((0, 4, 2),)
     assert_policies_equal_plain_stack(cfg, seed)
 

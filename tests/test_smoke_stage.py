@@ -118,11 +118,11 @@ def test_issue46_shapes_parse(shape):
     checkpoints are written from these); the real shapes keep their released layer pattern."""
     transformers = pytest.importorskip("transformers")
     from bench.shapes import SHAPES
-    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.families import text_config
 
     kw = dict(SHAPES[shape])
     raw = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw).to_dict()
-    cfg = ModelConfig.from_dict(json.loads(json.dumps(raw)))
+    cfg = text_config(json.loads(json.dumps(raw)))
     assert cfg.num_hidden_layers == kw["num_hidden_layers"] and cfg.vocab_size == kw["vocab_size"]
     if shape == "qwen3.5-9b":  # 8 x (3 gated DeltaNet + 1 gated attention), 64 rotary dims of 256
         assert cfg.layer_linear == (True, True, True, False) * 8 and cfg.rotary_dim == 64

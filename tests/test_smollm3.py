@@ -20,7 +20,7 @@ from tests.family_checks import assert_greedy_matches_transformers, load_f32, hf
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
-from unsloth_jax.config import ModelConfig  # noqa: E402
+from unsloth_jax.families import text_config  # noqa: E402
 from unsloth_jax.errors import ConfigError  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -57,20 +57,20 @@ def test_config_nope_pattern_and_windows():
     follows it (6 layers, NoPE at 3: period 4 and a tail of 2); a pattern that never repeats is one group of L;
     NoPE layers slide only with use_sliding_window and a sliding_window (SmolLM3Config's layer_types rule); bad
     values raise ConfigError naming the key."""
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = text_config(BASE)
     assert cfg.layer_rope == (True, True, True, False, True, True) and cfg.layer_period == 4
     assert cfg.has_nope_layers and cfg.tie_word_embeddings and cfg.layer_windows == (None,) * 6
-    assert ModelConfig.from_dict(BASE | {"no_rope_layer_interval": 2}).layer_period == 2
-    odd = ModelConfig.from_dict(BASE | {"no_rope_layers": [0, 1, 1, 1, 1, 1]})
+    assert text_config(BASE | {"no_rope_layer_interval": 2}).layer_period == 2
+    odd = text_config(BASE | {"no_rope_layers": [0, 1, 1, 1, 1, 1]})
     assert odd.layer_rope[0] is False and odd.layer_period == 6
-    all_rope = ModelConfig.from_dict(BASE | {"no_rope_layers": [1] * 6})
+    all_rope = text_config(BASE | {"no_rope_layers": [1] * 6})
     assert all_rope.layer_rope == () and not all_rope.has_nope_layers and all_rope.layer_period == 1
-    slide = ModelConfig.from_dict(BASE | {"use_sliding_window": True, "sliding_window": 8})
+    slide = text_config(BASE | {"use_sliding_window": True, "sliding_window": 8})
     assert slide.layer_windows == (None, None, None, 8, None, None)
     # layer_types is obeyed only with use_sliding_window (transformers' SmolLM3Attention)
     types = ["sliding_attention", "full_attention"] * 3
-    assert ModelConfig.from_dict(BASE | {"layer_types": types, "sliding_window": 8}).layer_windows == (None,) * 6
-    assert ModelConfig.from_dict(BASE | {"layer_types": types, "sliding_window": 8, "use_sliding_window": True}
+    assert text_config(BASE | {"layer_types": types, "sliding_window": 8}).layer_windows == (None,) * 6
+    assert text_config(BASE | {"layer_types": types, "sliding_window": 8, "use_sliding_window": True}
                                  ).layer_windows == (8, None) * 3
     for bad, key in [({"no_rope_layers": [1, 0]}, "no_rope_layers"), ({"no_rope_layers": [1, 2, 1, 1, 1, 1]},
                                                                         "no_rope_layers"),
@@ -78,7 +78,7 @@ def test_config_nope_pattern_and_windows():
                      ({"layer_types": ["sliding_attention"] * 6, "use_sliding_window": True}, "sliding_window"),
                      ({"layer_types": ["chunked_attention"] * 6}, "layer_types")]:
         with pytest.raises(ConfigError, match=key):
-            ModelConfig.from_dict(BASE | bad)
+            text_config(BASE | bad)
 
 
 # ------------------------------------------------------------------------------------------------ logits

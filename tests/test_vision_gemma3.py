@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.helpers import rel_err  # noqa: E402
-from unsloth_jax.config import VisionLanguageConfig  # noqa: E402
+from unsloth_jax.config import read_config_json  # noqa: E402
+from unsloth_jax.families import GEMMA3_VL  # noqa: E402
 from unsloth_jax.errors import MissingTensorError, UnexpectedTensorError  # noqa: E402
 from unsloth_jax.hf.vision_io import load_vision_language_model  # noqa: E402
 
@@ -165,12 +166,13 @@ def test_hub_key_spelling_loads_and_missing_keys_are_named(checkpoint, ours, tmp
 
 
 def test_config_parses_gemma3_vision_fields(checkpoint):
-    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.families import read_text_config
     from unsloth_jax.errors import UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):
-        ModelConfig.from_pretrained(checkpoint[0])
-    cfg = VisionLanguageConfig.from_pretrained(checkpoint[0])
+        read_text_config(checkpoint[0])
+    raw, path = read_config_json(checkpoint[0])
+    cfg = GEMMA3_VL.parse_config(raw, str(path))
     assert (cfg.mm_tokens_per_image, cfg.image_token_index, cfg.pool_kernel) == (MM_TOKENS, IMAGE, 2)
     assert cfg.vision.num_patches == 16 and cfg.text.model_type == "gemma3_text" and cfg.text.tie_word_embeddings
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from tests.helpers import rel_err  # noqa: E402
 from tests.vl_qwen_models import GRIDS, IMAGE, hf_qwen_vl, image_tokens, inputs  # noqa: E402
 from tests import vl_qwen_models as qm  # noqa: E402
-from unsloth_jax.config import QwenVLConfig  # noqa: E402
+from unsloth_jax.families import QWEN2_5_VL  # noqa: E402
 from unsloth_jax.errors import MissingTensorError  # noqa: E402
 from unsloth_jax.hf.vision_io import load_vision_language_model  # noqa: E402
 from unsloth_jax.models.vision_qwen2_5 import vision_layout  # noqa: E402
@@ -136,14 +136,14 @@ def test_text_only_training_loss_matches_transformers(checkpoint, ours, rng):
 
 def test_config_layouts(checkpoint):
     raw = json.loads((checkpoint[0] / "config.json").read_text())
-    new = QwenVLConfig.from_dict(raw)
+    new = QWEN2_5_VL.parse_config(raw)
     assert new.mrope_section == (2, 3, 3) and new.vision.fullatt_block_indexes == (1,)
     assert new.text.qkv_bias and not new.text.o_bias and new.text.head_dim == 16
     flat = {k: v for k, v in raw.items() if k != "text_config"} | {
         k: v for k, v in raw["text_config"].items() if k not in ("rope_parameters", "model_type")}
     flat["rope_theta"] = 10000.0
     flat["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
-    assert QwenVLConfig.from_dict(flat) == new  # transformers 4's flat layout
+    assert QWEN2_5_VL.parse_config(flat) == new  # transformers 4's flat layout
 
 
 # config.json of the Hub's Qwen2.5-VL-3B-Instruct (transformers 4's flat layout, tied embeddings)
@@ -163,13 +163,13 @@ HUB_3B = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dr
 
 
 def test_hub_config_and_refusals():
-    from unsloth_jax.config import ModelConfig
+    from unsloth_jax.families import text_config
     from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
 
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):  # not as a text model
-        ModelConfig.from_dict(HUB_3B)
+        text_config(HUB_3B)
 
-    cfg = QwenVLConfig.from_dict(HUB_3B)
+    cfg = QWEN2_5_VL.parse_config(HUB_3B)
     t, v = cfg.text, cfg.vision
     assert (t.hidden_size, t.num_hidden_layers, t.head_dim, t.num_key_value_heads) == (2048, 36, 128, 2)
     assert t.tie_word_embeddings and t.rope_theta == 1e6 and t.layer_windows == (None,) * 36 and t.qkv_bias
@@ -177,9 +177,9 @@ def test_hub_config_and_refusals():
     assert (v.depth, v.hidden_size, v.num_heads, v.patch_dim, v.window_size) == (32, 1280, 16, 1176, 112)
     assert v.fullatt_block_indexes == (7, 15, 23, 31) and v.tokens_per_second == 2
     with pytest.raises(ConfigError, match="mrope_section"):
-        QwenVLConfig.from_dict(HUB_3B | {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 20]}})
+        QWEN2_5_VL.parse_config(HUB_3B | {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 20]}})
     with pytest.raises(ConfigError, match="window_size"):
-        QwenVLConfig.from_dict(HUB_3B | {"vision_config": HUB_3B["vision_config"] | {"window_size": 100}})
+        QWEN2_5_VL.parse_config(HUB_3B | {"vision_config": HUB_3B["vision_config"] | {"window_size": 100}})
 
 
 def test_module_name_spelling_and_missing_tensor(checkpoint, ours, tmp_path):

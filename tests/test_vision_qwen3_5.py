@@ -84,13 +84,12 @@ def test_tower_and_logits_match_transformers(checkpoint, fast, rng):
 
 
 def test_config_and_refusals(checkpoint):
-    from unsloth_jax.config import ModelConfig, Qwen3_5Config
     from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
-    from unsloth_jax.families import QWEN3_5, family_for
+    from unsloth_jax.families import QWEN3_5, family_for, text_config
 
     raw = json.loads((checkpoint[0] / "config.json").read_text())
     assert family_for(raw) is QWEN3_5
-    cfg = Qwen3_5Config.from_dict(raw)
+    cfg = QWEN3_5.parse_config(raw)
     t = cfg.text
     assert t.model_type == "qwen3_5_text" and t.layer_linear == (True, True, True, False) and t.attn_output_gate
     assert t.rope_dim == 8 and cfg.mrope_section == (2, 1, 1) and cfg.mrope_interleaved
@@ -98,14 +97,14 @@ def test_config_and_refusals(checkpoint):
     assert (cfg.image_token_id, cfg.vision_start_token_id) == (qm.IMAGE, qm.VSTART)
     with_deepstack = copy.deepcopy(raw)  # transformers' Qwen3_5VisionModel has no DeepStack: the key is ignored
     with_deepstack["vision_config"]["deepstack_visual_indexes"] = [0, 2]
-    assert Qwen3_5Config.from_dict(with_deepstack).vision.deepstack_visual_indexes == ()
+    assert QWEN3_5.parse_config(with_deepstack).vision.deepstack_visual_indexes == ()
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):
-        ModelConfig.from_dict(raw)
+        text_config(raw)
 
     released = transformers.Qwen3_5Config().to_dict()  # transformers' defaults (Qwen3.5-9B's shapes) with the
     released["vision_config"]["out_hidden_size"] = 4096  # merger's width the text's (the class default is not)
     released["text_config"] |= {"attn_output_gate": True, "mtp_num_hidden_layers": 1}  # keys released files add
-    big = Qwen3_5Config.from_dict(released)
+    big = QWEN3_5.parse_config(released)
     assert (big.text.hidden_size, big.text.num_hidden_layers, big.text.rope_dim) == (4096, 32, 64)
     assert big.mrope_section == (11, 11, 10) and big.image_token_id == 248056 and big.vision.depth == 27
 
@@ -119,7 +118,7 @@ def test_config_and_refusals(checkpoint):
         target = bad["text_config"]["rope_parameters"] if where == "rope_parameters" else bad[where]
         target.update(change)
         with pytest.raises(ConfigError, match=match):
-            Qwen3_5Config.from_dict(bad)
+            QWEN3_5.parse_config(bad)
 
 
 def test_lora_step_peft_adapter_and_merged_export(checkpoint, fast, rng, tmp_path):

@@ -82,25 +82,25 @@ def _batch(ids, mask):
 
 
 def test_config_and_refusals(checkpoint):
-    from unsloth_jax.config import ModelConfig, Qwen3VLConfig
     from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+    from unsloth_jax.families import QWEN3_VL, text_config
     from unsloth_jax.models.rope import mrope_axes
 
     raw = json.loads((checkpoint[0] / "config.json").read_text())
-    cfg = Qwen3VLConfig.from_dict(raw)
+    cfg = QWEN3_VL.parse_config(raw)
     assert cfg.text.qk_norm and not cfg.text.qkv_bias and cfg.mrope_section == (4, 2, 2) and cfg.mrope_interleaved
     assert cfg.vision.deepstack_visual_indexes == (0, 2) and cfg.vision.grid_side == 4
     assert mrope_axes((4, 2, 2), interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
     with pytest.raises(UnsupportedArchitectureError, match="FastVisionModel"):
-        ModelConfig.from_dict(raw)
+        text_config(raw)
     bad = copy.deepcopy(raw)
     bad["vision_config"]["deepstack_visual_indexes"] = [0, 5]
     with pytest.raises(ConfigError, match="deepstack_visual_indexes"):
-        Qwen3VLConfig.from_dict(bad)
+        QWEN3_VL.parse_config(bad)
     bad = copy.deepcopy(raw)
     bad["vision_config"]["num_position_embeddings"] = 15
     with pytest.raises(ConfigError, match="num_position_embeddings"):
-        Qwen3VLConfig.from_dict(bad)
+        QWEN3_VL.parse_config(bad)
 
 
 def test_lora_step_peft_adapter_and_merged_export(checkpoint, fast, rng, tmp_path):

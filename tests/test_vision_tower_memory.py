@@ -27,7 +27,7 @@ def clean_policy(monkeypatch):
 
 
 def _qwen_tower(depth=4):
-    from unsloth_jax.config import QwenVLConfig
+    from unsloth_jax.families import QWEN2_5_VL
     from unsloth_jax.models.vision_qwen2_5 import QwenVisionTower
 
     hf = transformers.Qwen2_5_VLConfig(
@@ -38,7 +38,7 @@ def _qwen_tower(depth=4):
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2, window_size=16,
                            fullatt_block_indexes=[1], in_channels=3),
         image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
-    cfg = QwenVLConfig.from_dict(hf.to_dict())
+    cfg = QWEN2_5_VL.parse_config(hf.to_dict())
     assert cfg.vision.head_dim == 80
     return cfg.vision, QwenVisionTower(cfg.vision, rngs=nnx.Rngs(0))
 

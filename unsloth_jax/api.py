@@ -22,7 +22,7 @@ from unsloth_jax import lora as lora_lib
 from unsloth_jax.backend import device_memory_gib, is_bfloat16_supported, resolve_dtype
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
-from unsloth_jax.families import family_of, vision_family_for
+from unsloth_jax.families import family_of, read_text_config, vision_family_for
 from unsloth_jax.hf.loading import load_model
 from unsloth_jax.models.decoder import PROJ_PARENT, CausalLM
 from unsloth_jax.models.layer_stack import NO_REMAT
@@ -435,7 +435,7 @@ class FastLanguageModel:
             raise CheckpointNotFoundError(
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
-        cfg = _with_overrides(ModelConfig.from_pretrained(model_dir), kwargs)
+        cfg = _with_overrides(read_text_config(model_dir), kwargs)
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)

@@ -2,9 +2,10 @@
 
 One frozen dataclass for every supported family (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2,
 Gemma 3 text, Gemma 4 text, Phi-3, SmolLM3, Qwen3.5 text; the mixture-of-experts families Qwen3-MoE, Mixtral,
-gpt-oss and GLM-4.5 MoE).
-Reads both spellings of RoPE settings: transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's
-`rope_parameters`.
+gpt-oss and GLM-4.5 MoE). `parse_text_config(raw, source, family)` reads the fields every family reads alike and
+then asks the text family (a families.TextFamily, passed in: this module sits below families/ and never imports
+it) for its own; the family-specific parsers live in the family modules. Reads both spellings of RoPE settings:
+transformers 4's `rope_theta` + `rope_scaling`, and transformers 5's `rope_parameters`.
 """
 from __future__ import annotations
 
@@ -21,11 +22,6 @@ from unsloth_jax.errors import CheckpointNotFoundError, ConfigError, Unsupported
 
 log = logging.getLogger("unsloth_jax")
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")  # mixture-of-experts families (see _moe_fields)
-SUPPORTED_MODEL_TYPES += ("smollm3",)  # SmolLM3: Llama's layer with NoPE layers (_smollm3_fields, layer_rope)
-SUPPORTED_MODEL_TYPES += ("qwen3_5_text",)  # Qwen3.5: gated DeltaNet + gated attention layers (_qwen3_5_fields)
-SUPPORTED_MODEL_TYPES += ("gemma4_text",)  # Gemma 4 text: PLE, KV-shared layers (_gemma4_fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +116,7 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # the depthwise causal conv1d's kernel size
     # ---- end Qwen3.5 ----
-    # ---- Gemma 4 text (gemma4_text): see _gemma4_fields ----
+    # ---- Gemma 4 text (gemma4_text): see families/gemma4_text.py (_gemma4_fields) ----
     v_norm: bool = False  # values RMS-normed (no weight) before attention and the cache
     rope_proportion: float = 1.0  # rope_type "proportional": the first rope_proportion of the frequencies rotate
     # per layer: the layer whose keys/values it attends over (itself, or an earlier one: a KV-shared layer)
@@ -218,15 +214,6 @@ class ModelConfig:
         """Whether some decoder layer has a dense (gate/up/down) MLP."""
         return not all(self.layer_sparse or (False,))
 
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        return _parse(raw, source)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "ModelConfig":
-        raw, path = read_config_json(model_dir)
-        return _parse(raw, str(path))
-
 
 SEGMENT_COST = 2  # periodic_segments: one more scan costs as much compile as this many more unrolled layers
 
@@ -271,13 +258,13 @@ def read_config_json(model_dir: str | os.PathLike) -> tuple[dict, Path]:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
-def _need(raw: dict, key: str, source: str):
+def need(raw: dict, key: str, source: str):
     if key not in raw or raw[key] is None:
         raise ConfigError(f"{source}: required field '{key}' is missing")
     return raw[key]
 
 
-def _rope(raw: dict, source: str) -> dict:
+def rope_fields(raw: dict, source: str) -> dict:
     """Normalise RoPE settings from either transformers 4 or transformers 5 spelling."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
@@ -293,7 +280,7 @@ def _rope(raw: dict, source: str) -> dict:
     if rope_type not in ("linear", "llama3"):
         raise ConfigError(f"{source}: rope type '{rope_type}' is not supported (supported: default, linear, llama3, "
                           "yarn)")
-    out["rope_factor"] = float(_need(params, "factor", source + " rope_scaling"))
+    out["rope_factor"] = float(need(params, "factor", source + " rope_scaling"))
     if rope_type == "llama3":
         out["rope_low_freq_factor"] = float(params.get("low_freq_factor", 1.0))
         out["rope_high_freq_factor"] = float(params.get("high_freq_factor", 4.0))
@@ -301,16 +288,11 @@ def _rope(raw: dict, source: str) -> dict:
     return out
 
 
-def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[int | None, ...]:
-    if model_type in ("smollm3", "gemma4_text"):  # their family fields read their windows
-        return (None,) * n_layers
-    if model_type == "qwen3_5_text":  # layer_types names token mixers (_qwen3_5_fields); no sliding windows
-        return (None,) * n_layers
+def layer_windows(raw: dict, n_layers: int, source: str, untyped=None) -> tuple[int | None, ...]:
+    """Per layer, the sliding window or None (full attention): from `layer_types` (with `sliding_window`), else
+    from `sliding_window` alone: untyped(window, n_layers) where given (a family's rule), every layer otherwise."""
     window = raw.get("sliding_window")
     types = raw.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        if not raw.get("use_sliding_window", False):
-            return (None,) * n_layers
     if types:
         if len(types) != n_layers:
             raise ConfigError(f"{source}: layer_types has {len(types)} entries for {n_layers} layers")
@@ -327,16 +309,20 @@ def _layer_windows(raw: dict, model_type: str, n_layers: int, source: str) -> tu
         return tuple(out)
     if not window:
         return (None,) * n_layers
-    if model_type == "gemma2":  # even layers slide, odd layers are global
-        return tuple(int(window) if i % 2 == 0 else None for i in range(n_layers))
-    if model_type in ("qwen2", "qwen3"):
-        first = int(raw.get("max_window_layers", 0))
-        return tuple(int(window) if i >= first else None for i in range(n_layers))
+    if untyped is not None:
+        return untyped(int(window), n_layers)
     return (int(window),) * n_layers
 
 
-def _activation(raw: dict, model_type: str, source: str) -> str:
-    if model_type in ("gemma", "gemma2", "gemma3_text"):
+def no_layer_windows(raw: dict, n_layers: int, source: str) -> tuple[None, ...]:
+    """Every layer attends fully (a family whose config_fields read its windows, or that has none)."""
+    return (None,) * n_layers
+
+
+def activation(raw: dict, source: str, key: str = "hidden_act") -> str:
+    """The MLP activation named by config.json's `key`: "hidden_act" (default silu), or Gemma's
+    "hidden_activation" (default gelu_pytorch_tanh)."""
+    if key == "hidden_activation":
         name = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         name = raw.get("hidden_act", "silu")
@@ -346,69 +332,51 @@ def _activation(raw: dict, model_type: str, source: str) -> str:
     return table[name]
 
 
-def _parse(raw: dict, source: str) -> ModelConfig:
+def parse_text_config(raw: dict, source: str, family) -> ModelConfig:
+    """config.json's dict `raw` of a text decoder -> ModelConfig: the fields every family reads alike, then the
+    family's (`family`: a families.TextFamily, which config.py does not import; it supplies raw_defaults,
+    layer_windows, activation_key, config_fields and moe_fields). ConfigError naming `source` and the key."""
     model_type = raw.get("model_type")
-    if model_type in _RAW_DEFAULTS:
-        raw = _RAW_DEFAULTS[model_type] | raw
-    if model_type in VISION_LANGUAGE_MODEL_TYPES + QWEN_VL_MODEL_TYPES + QWEN3_VL_MODEL_TYPES + QWEN3_5_MODEL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source}: model_type {model_type!r} is a vision-language model; load it with "
-            "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
-    if model_type in GEMMA4_MULTIMODAL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source}: model_type {model_type!r} (Gemma4ForConditionalGeneration, text with vision/audio towers) is "
-            "not supported; the Gemma 4 text model is: a checkpoint of model_type 'gemma4_text' (Gemma4ForCausalLM)")
-    if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source}: model_type {model_type!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES)}"
-        )
-    hidden = int(_need(raw, "hidden_size", source))
-    heads = int(_need(raw, "num_attention_heads", source))
+    if family.raw_defaults:
+        raw = dict(family.raw_defaults) | raw
+    hidden = int(need(raw, "hidden_size", source))
+    heads = int(need(raw, "num_attention_heads", source))
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     head_dim = int(raw.get("head_dim") or hidden // heads)
-    n_layers = int(_need(raw, "num_hidden_layers", source))
+    n_layers = int(need(raw, "num_hidden_layers", source))
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    gemma = model_type in ("gemma", "gemma2")
-    default_tie = gemma
     fields = dict(
         model_type=model_type,
-        vocab_size=int(_need(raw, "vocab_size", source)),
+        vocab_size=int(need(raw, "vocab_size", source)),
         hidden_size=hidden,
-        intermediate_size=int(raw.get("intermediate_size") or 0) if model_type in MOE_MODEL_TYPES else
-        int(_need(raw, "intermediate_size", source)),
+        intermediate_size=int(raw.get("intermediate_size") or 0) if family.moe_fields else
+        int(need(raw, "intermediate_size", source)),
         num_hidden_layers=n_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", default_tie)),
-        qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        activation=_activation(raw, model_type, source),
-        norm_offset=1.0 if gemma else 0.0,
-        embed_scale=gemma,
-        sandwich_norms=model_type == "gemma2",
+        activation=activation(raw, source, family.activation_key),
         attn_softcap=(float(raw["attn_logit_softcapping"]) if raw.get("attn_logit_softcapping") else None),
         final_softcap=(float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None),
-        query_scale=(float(raw["query_pre_attn_scalar"]) ** -0.5 if model_type == "gemma2" and raw.get("query_pre_attn_scalar") else 0.0),
-        layer_windows=_layer_windows(raw, model_type, n_layers, source),
+        layer_windows=family.layer_windows(raw, n_layers, source),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=tuple(raw["eos_token_id"]) if isinstance(raw.get("eos_token_id"), list) else raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
-    fields.update(_rope(raw, source) if model_type not in _FAMILY_FIELDS else _FAMILY_FIELDS[model_type](raw, source))
-    if model_type in MOE_MODEL_TYPES:
-        fields.update(_moe_fields(raw, model_type, n_layers, source))
+    fields.update(family.config_fields(raw, source))
+    if family.moe_fields:
+        fields.update(family.moe_fields(raw, n_layers, source))
     if not math.isfinite(fields["rope_theta"]) or fields["rope_theta"] <= 0:
         raise ConfigError(f"{source}: rope_theta must be positive")
     return ModelConfig(**fields)
-
 
 # ------------------------------------------------------------------------------------- YaRN RoPE (gpt-oss)
 def _yarn(raw: dict, params: dict, source: str) -> dict:
@@ -416,9 +384,9 @@ def _yarn(raw: dict, params: dict, source: str) -> dict:
     original_max_position_embeddings, and the cos/sin attention factor: given, or from mscale/mscale_all_dim,
     or 0.1 * ln(factor) + 1)."""
     where = source + " rope_parameters"
-    original = int(_need(params, "original_max_position_embeddings", where))
+    original = int(need(params, "original_max_position_embeddings", where))
     factor = params.get("factor")
-    factor = float(factor) if factor is not None else int(_need(raw, "max_position_embeddings", source)) / original
+    factor = float(factor) if factor is not None else int(need(raw, "max_position_embeddings", source)) / original
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -435,481 +403,12 @@ def _yarn(raw: dict, params: dict, source: str) -> dict:
             "rope_truncate": bool(params.get("truncate", True)), "rope_attention_factor": float(attention)}
 
 
-# ------------------------------------------------------------------------------- mixture-of-experts families
-def _moe_layer_sparse(raw: dict, model_type: str, n_layers: int, source: str) -> tuple[bool, ...]:
-    """Which layers route to experts: every layer for Mixtral and gpt-oss; for Qwen3-MoE the layers not in
-    mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step (transformers' rule)."""
-    if model_type == "glm4_moe":
-        return _glm4_moe_sparse(raw, n_layers, source)
-    if model_type != "qwen3_moe":
-        return (True,) * n_layers
-    dense = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < n_layers]
-    if bad:
-        raise ConfigError(f"{source}: mlp_only_layers {bad} are not layer indices below num_hidden_layers={n_layers}")
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
-
-
-def _moe_fields(raw: dict, model_type: str, n_layers: int, source: str) -> dict:
-    """The ModelConfig fields of a MoE family, from its config.json (Qwen3MoeConfig, MixtralConfig, GptOssConfig)."""
-    experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
-    if not experts or int(experts) <= 0:
-        raise ConfigError(f"{source}: num_experts / num_local_experts / n_routed_experts is missing or not positive")
-    experts = int(experts)
-    top_k = int(_need(raw, "num_experts_per_tok", source))
-    if not 0 < top_k <= experts:
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts")
-    sparse = _moe_layer_sparse(raw, model_type, n_layers, source)
-    if model_type in ("qwen3_moe", "glm4_moe"):
-        expert_size = int(_need(raw, "moe_intermediate_size", source))
-        if not all(sparse):
-            _need(raw, "intermediate_size", source)  # the dense MLP layers use it
-    else:
-        expert_size = int(_need(raw, "intermediate_size", source))
-    gpt_oss = model_type == "gpt_oss"
-    if not gpt_oss and _activation(raw, model_type, source) != "silu":
-        raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported for {model_type} experts "
-                          "(only silu)")
-    if model_type == "mixtral" and float(raw.get("router_jitter_noise") or 0.0) > 0:
-        raise ConfigError(f"{source}: router_jitter_noise > 0 (random router noise in training) is not supported")
-    out = dict(
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=expert_size,
-        layer_sparse=sparse,
-        router="topk_softmax" if gpt_oss else "softmax_topk",
-        norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", False)),
-        router_bias=gpt_oss,
-        router_name="router" if gpt_oss else "gate",
-        expert_bias=gpt_oss,
-        expert_activation="swiglu_clamp" if gpt_oss else "silu",
-        gate_up_interleaved=gpt_oss,
-        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-        output_router_logits=bool(raw.get("output_router_logits", False)),
-        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
-        attn_sinks=gpt_oss,
-    )
-    if model_type == "glm4_moe":
-        out.update(_glm4_moe_router_fields(raw, experts, top_k, source))
-    return out
-
-
-# ---- GLM-4.5 MoE (glm4_moe, Glm4MoeForCausalLM) ----
-def _glm4_moe_sparse(raw: dict, n_layers: int, source: str) -> tuple[bool, ...]:
-    """GLM-4.5: the first `first_k_dense_replace` layers are dense (default 1), the others MoE."""
-    first = raw.get("first_k_dense_replace", 1)
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise ConfigError(f"{source}: first_k_dense_replace={first!r} must be a non-negative integer")
-    if first >= n_layers:
-        raise ConfigError(f"{source}: first_k_dense_replace={first} leaves no MoE layer of the {n_layers} "
-                          "(num_hidden_layers); a model without experts is not supported as glm4_moe")
-    return tuple(i >= first for i in range(n_layers))
-
-
-def _glm4_moe_router_fields(raw: dict, experts: int, top_k: int, source: str) -> dict:
-    """GLM-4.5's router (transformers' Glm4MoeTopkRouter): sigmoid scores; for the choice the scores plus
-    e_score_correction_bias, the experts in n_group groups, a group scored by the sum of its 2 best, the
-    topk_group best groups kept, top-k among their experts; weights are the chosen experts' sigmoid scores,
-    renormalised when norm_topk_prob (default true), times routed_scaling_factor. Shared experts: one MLP of
-    moe_intermediate_size * n_shared_experts beside the routed ones."""
-    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
-    if n_group <= 0 or experts % n_group:
-        raise ConfigError(f"{source}: n_group={n_group} must be positive and divide the {experts} experts "
-                          "(n_routed_experts)")
-    if n_group > 1 and experts // n_group < 2:
-        raise ConfigError(f"{source}: n_group={n_group} leaves {experts // n_group} expert per group; a group is "
-                          "scored by its 2 best experts, so each needs at least 2")
-    if not 0 < topk_group <= n_group:
-        raise ConfigError(f"{source}: topk_group={topk_group} must be between 1 and n_group={n_group}")
-    if top_k > topk_group * (experts // n_group):
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} "
-                          f"experts of the topk_group={topk_group} groups a token may use")
-    shared = int(raw.get("n_shared_experts", 1) or 0)
-    if shared < 0:
-        raise ConfigError(f"{source}: n_shared_experts={shared} must be non-negative")
-    mtp = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0))
-    return dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group,
-                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", True)), router_score_bias=True,
-                shared_expert_size=shared * int(_need(raw, "moe_intermediate_size", source)), router_fp32=True,
-                num_mtp_layers=int(mtp or 0),
-                output_router_logits=False)  # transformers computes no load-balancing loss for GLM
-
-
-def _glm4_moe_fields(raw: dict, source: str) -> dict:
-    """GLM-4.5's attention and RoPE: q/k/v biases by attention_bias (o_proj never has one), q/k RMSNorm by
-    use_qk_norm, RoPE on the first partial_rotary_factor (default 0.5) of each head's dims (rope_parameters or
-    the top level), default / linear / llama3 scaling."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
-    head_dim = int(raw.get("head_dim") or int(_need(raw, "hidden_size", source)) // int(
-        _need(raw, "num_attention_heads", source)))
-    rotary = int(head_dim * float(0.5 if partial is None else partial))
-    if rotary <= 0 or rotary > head_dim or rotary % 2:
-        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
-                          "head; it must be even and between 2 and head_dim")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported for glm4_moe "
-                          "(supported: default, linear, llama3)")
-    out = _rope({"rope_parameters": params}, source)
-    bias = bool(raw.get("attention_bias", False))
-    out.update(rotary_dim=0 if rotary == head_dim else rotary, qkv_bias=bias, o_bias=False,
-               qk_norm=bool(raw.get("use_qk_norm", False)))
-    return out
-# ---- end GLM-4.5 MoE ----
-
-
-# ------------------------------------------------------------------------------------ Gemma 3 text, Phi-3
-def _gemma3_fields(raw: dict, source: str) -> dict:
-    """Gemma 3 text (Gemma3ForCausalLM): Gemma 2's layer shape (sandwich norms, (1 + w) norms, scaled
-    embeddings) plus q/k norms, every `sliding_window_pattern`-th layer global (or `layer_types`), and two RoPEs:
-    plain RoPE with base `rope_local_base_freq` on sliding layers, `rope_theta` + `rope_scaling` on global ones.
-    `final_logit_softcapping` applies; `attn_logit_softcapping` is ignored, as transformers' Gemma 3 does.
-    Reads transformers 4 (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) and 5 (`rope_parameters` keyed
-    by layer type) spellings; defaults are Gemma3TextConfig's."""
-    if raw.get("use_bidirectional_attention"):
-        raise ConfigError(f"{source}: use_bidirectional_attention=true (an embedding model) is not supported")
-    n = int(_need(raw, "num_hidden_layers", source))
-    params = raw.get("rope_parameters") or {}
-    nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
-    if nested:
-        full = dict(params.get("full_attention") or {})
-        local = dict(params.get("sliding_attention") or {})
-    else:
-        full = dict(params or raw.get("rope_scaling") or {})
-        local = {}
-    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
-    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
-    if (local.get("rope_type") or local.get("type") or "default") != "default":
-        raise ConfigError(f"{source}: sliding_attention rope type {local.get('rope_type') or local.get('type')!r} "
-                          "is not supported (only default RoPE on Gemma 3's sliding layers)")
-    out = _rope({"rope_parameters": full}, source)
-    out["rope_local_theta"] = float(local["rope_theta"])
-    if not math.isfinite(out["rope_local_theta"]) or out["rope_local_theta"] <= 0:
-        raise ConfigError(f"{source}: rope_local_base_freq must be positive")
-    if not raw.get("layer_types"):
-        pattern = int(raw.get("sliding_window_pattern") or 6)
-        raw = dict(raw, sliding_window=raw.get("sliding_window", 4096),
-                   layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
-    out["layer_windows"] = _layer_windows(raw, "gemma3_text", n, source)
-    if not any(out["layer_windows"]):
-        out["rope_local_theta"] = 0.0  # no sliding layer: one RoPE
-    if raw.get("attn_logit_softcapping"):
-        log.warning("unsloth_jax: %s sets attn_logit_softcapping, which transformers' Gemma 3 never applies; "
-                    "ignored here too, so the logits match transformers'", source)
-    out.update(qk_norm=True, norm_offset=1.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
-               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-               query_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5)
-    return out
-
-
-def _phi3_fields(raw: dict, source: str) -> dict:
-    """Phi-3 (Phi3ForCausalLM): Llama's layer (the checkpoint fuses qkv_proj and gate_up_proj; hf/mapping.py
-    splits them), partial RoPE (`partial_rotary_factor`) and LongRoPE (`rope_scaling` type "longrope", or the
-    older "su" / "yarn" that transformers reads as longrope): inverse frequencies divided by `short_factor` while
-    the largest position of a call is below `original_max_position_embeddings`, by `long_factor` beyond, and
-    cos/sin times `attention_factor` (default sqrt(1 + ln(factor) / ln(original)), factor = max_position /
-    original)."""
-    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    head_dim = int(raw.get("head_dim") or int(_need(raw, "hidden_size", source)) // int(
-        _need(raw, "num_attention_heads", source)))
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0)
-    rotary = int(head_dim * partial)
-    if rotary <= 0 or rotary > head_dim or rotary % 2:
-        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
-                          "head; it must be even and between 2 and head_dim")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    out: dict = {"rotary_dim": 0 if rotary == head_dim else rotary}
-    if rope_type not in ("longrope", "su", "yarn"):
-        out.update(_rope({"rope_parameters": params}, source))
-        return out
-    short, long = params.get("short_factor"), params.get("long_factor")
-    for key, value in (("short_factor", short), ("long_factor", long)):
-        if not isinstance(value, list) or len(value) != rotary // 2 or not all(
-                isinstance(x, (int, float)) and x > 0 for x in value):
-            raise ConfigError(f"{source}: rope_scaling.{key} must be a list of {rotary // 2} positive numbers "
-                              f"(one per rotary frequency) for rope type {rope_type!r}")
-    original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    if not original:
-        raise ConfigError(f"{source}: LongRoPE needs original_max_position_embeddings")
-    original = int(original)
-    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
-    attention = params.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    out.update(rope_theta=float(params["rope_theta"]), rope_type="longrope", rope_factor=float(factor),
-               rope_original_max_position=original, rope_short_factor=tuple(float(x) for x in short),
-               rope_long_factor=tuple(float(x) for x in long), rope_attention_factor=float(attention))
-    return out
-
-
-# model_type -> parser of its RoPE and family switches (fields that override the generic ones in _parse)
-_FAMILY_FIELDS = {"gemma3_text": _gemma3_fields, "phi3": _phi3_fields}
-_FAMILY_FIELDS["glm4_moe"] = _glm4_moe_fields  # GLM-4.5 MoE
-
-
-# ------------------------------------------------------------------------------------------------ SmolLM3
-def _smollm3_fields(raw: dict, source: str) -> dict:
-    """SmolLM3 (SmolLM3ForCausalLM): Llama's layer, but the layers whose `no_rope_layers` entry is 0 apply no
-    RoPE at all (NoPE); without the list, every `no_rope_layer_interval`-th layer (default 4: layers 3, 7, ...)
-    is NoPE, as SmolLM3Config does. Sliding windows as transformers' SmolLM3Attention: a layer attends within
-    `sliding_window` only when `use_sliding_window` is true and its `layer_types` entry is "sliding_attention";
-    without `layer_types`, the NoPE layers slide (when use_sliding_window and sliding_window are set). Embeddings
-    are tied unless tie_word_embeddings is false (SmolLM3Config's default is true)."""
-    n = int(_need(raw, "num_hidden_layers", source))
-    flags = raw.get("no_rope_layers")
-    if flags is None:
-        interval = raw.get("no_rope_layer_interval", 4)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"{source}: no_rope_layer_interval must be a positive integer, got {interval!r}")
-        flags = [int((i + 1) % interval != 0) for i in range(n)]
-    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
-        raise ConfigError(f"{source}: no_rope_layers must be a list of {n} entries (num_hidden_layers), each 1 (RoPE) "
-                          f"or 0 (NoPE), got {flags!r}")
-    rope = tuple(bool(f) for f in flags)
-    use_sliding, window = bool(raw.get("use_sliding_window", False)), raw.get("sliding_window")
-    types = raw.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if use_sliding and window is not None and not r else "full_attention"
-                 for r in rope]
-    if not isinstance(types, list) or len(types) != n:
-        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if bad:
-        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, sliding_attention)")
-    windows = (None,) * n
-    if use_sliding and "sliding_attention" in types:
-        if not window or int(window) <= 0:
-            raise ConfigError(f"{source}: use_sliding_window is true and layer_types asks for sliding attention, but "
-                              f"sliding_window is {window!r} (it must be a positive integer)")
-        windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    out = _rope(raw, source)
-    out.update(layer_rope=rope if not all(rope) else (), layer_windows=windows,
-               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
-    return out
-
-
-_FAMILY_FIELDS["smollm3"] = _smollm3_fields
-
-
-# ------------------------------------------------------------------------------------------------ Qwen3.5
-# config.json fields a model_type's transformers config class defaults when they are absent (read before parsing)
-_RAW_DEFAULTS: dict[str, dict] = {
-    "qwen3_5_text": dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                         num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
-                         tie_word_embeddings=False),
-}
-_QWEN3_5_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-                       linear_num_key_heads=16, linear_num_value_heads=32)
-
-
-def _positive_int(raw: dict, key: str, default: int, source: str) -> int:
+def positive_int(raw: dict, key: str, default: int, source: str) -> int:
+    """raw[key] (default when absent), a positive int; ConfigError naming `source` and the key otherwise."""
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
     return value
-
-
-def _qwen3_5_fields(raw: dict, source: str) -> dict:
-    """Qwen3.5 text (Qwen3_5ForCausalLM, Qwen3_5TextConfig): `layer_types` (default: every
-    `full_attention_interval`-th layer, 4, "full_attention", the others "linear_attention") picks each layer's
-    token mixer: gated DeltaNet linear attention (linear_* sizes, a depthwise causal conv1d of
-    linear_conv_kernel_dim) or self-attention with q/k norms and an output gate (q_proj is twice as wide: each
-    head's query then its gate). Every RMSNorm but the linear attention's gated one is (1 + w); RoPE on the
-    first partial_rotary_factor (default 0.25) of each head's dims (the M-RoPE sections of the vision-language
-    model reduce to plain RoPE for text positions)."""
-    n = int(_need(raw, "num_hidden_layers", source))
-    types = raw.get("layer_types")
-    if types is None:
-        interval = _positive_int(raw, "full_attention_interval", 4, source)
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
-    bad = sorted({str(t) for t in types if t not in ("full_attention", "linear_attention")})
-    if bad:
-        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, linear_attention)")
-    if "full_attention" not in types:
-        raise ConfigError(f"{source}: layer_types has no full_attention layer; a model of linear-attention layers "
-                          "only is not supported")
-    if raw.get("attention_bias"):
-        raise ConfigError(f"{source}: attention_bias=true is not supported for qwen3_5_text")
-    if _activation(raw, "qwen3_5_text", source) != "silu":
-        raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported for qwen3_5_text (only "
-                          "silu: the linear attention's conv1d and gate use it too)")
-    sizes = {k: _positive_int(raw, k, d, source) for k, d in _QWEN3_5_LINEAR.items()}
-    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
-        raise ConfigError(f"{source}: linear_num_value_heads={sizes['linear_num_value_heads']} is not a multiple of "
-                          f"linear_num_key_heads={sizes['linear_num_key_heads']}")
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
-    for key in ("mrope_section", "mrope_interleaved"):  # text positions are equal on the M-RoPE axes
-        params.pop(key, None)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type != "default":
-        raise ConfigError(f"{source}: rope_parameters.rope_type {rope_type!r} is not supported for qwen3_5_text "
-                          "(only default)")
-    head_dim = int(raw["head_dim"])
-    rotary = int(head_dim * float(partial))
-    if rotary <= 0 or rotary > head_dim or rotary % 2:
-        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary dims of a {head_dim}-dim "
-                          "head; it must be even and between 2 and head_dim")
-    out = _rope({"rope_parameters": params}, source)
-    out.update(layer_linear=tuple(t == "linear_attention" for t in types), attn_output_gate=True, qk_norm=True,
-               norm_offset=1.0, rotary_dim=0 if rotary == head_dim else rotary,
-               linear_num_key_heads=sizes["linear_num_key_heads"],
-               linear_num_value_heads=sizes["linear_num_value_heads"],
-               linear_key_head_dim=sizes["linear_key_head_dim"], linear_value_head_dim=sizes["linear_value_head_dim"],
-               linear_conv_kernel=sizes["linear_conv_kernel_dim"])
-    return out
-
-
-_FAMILY_FIELDS["qwen3_5_text"] = _qwen3_5_fields
-
-
-# --------------------------------------------------------------------------------------- Gemma 4 text
-def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> dict:
-    """The full-attention layers' own attention shape: transformers gives them `global_head_dim` (default 512) and,
-    with attention_k_eq_v, `num_global_key_value_heads` keys/values heads, or per-layer overrides in
-    `per_layer_config` (what its save_pretrained writes). -> the ModelConfig fields global_head_dim / global_kv_heads
-    (0 where the full layers have the model's shape and no k_eq_v: one attention shape). Refused, naming the key:
-    overrides of other fields, of sliding layers, or that differ between full layers."""
-    hd, kv = raw.get("head_dim", 256), raw.get("num_key_value_heads", 4)
-    k_eq_v = bool(raw.get("attention_k_eq_v"))
-    per_layer = raw.get("per_layer_config")
-    if per_layer is None:  # transformers' __post_init__ spelling: global_head_dim for the full-attention layers
-        over = {"head_dim": raw.get("global_head_dim", 512)}
-        if k_eq_v and raw.get("num_global_key_value_heads") is not None:
-            over["num_key_value_heads"] = raw["num_global_key_value_heads"]
-        per_layer = {str(i): over for i, t in enumerate(types) if t == "full_attention"}
-    if not isinstance(per_layer, dict):
-        raise ConfigError(f"{source}: per_layer_config must be a mapping of layer index to overrides")
-    shapes = set()
-    for idx, over in per_layer.items():
-        over = over or {}
-        bad = sorted(set(over) - {"head_dim", "num_key_value_heads"})
-        if bad:
-            raise ConfigError(f"{source}: per_layer_config[{idx}] overrides {bad}: not supported (only head_dim and "
-                              "num_key_value_heads)")
-        if not str(idx).isdigit() or not int(idx) < len(types):
-            raise ConfigError(f"{source}: per_layer_config key {idx!r} is not a layer index below {len(types)}")
-        shape = (int(over.get("head_dim", hd)), int(over.get("num_key_value_heads", kv)))
-        if types[int(idx)] == "sliding_attention":
-            if shape != (hd, kv):
-                raise ConfigError(f"{source}: per_layer_config[{idx}] gives sliding-attention layer {idx} head_dim "
-                                  f"{shape[0]} / num_key_value_heads {shape[1]}: only full-attention layers may "
-                                  f"differ from the model's head_dim {hd} / num_key_value_heads {kv}")
-            continue
-        shapes.add(shape)
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    if any(str(i) not in {str(k) for k in per_layer} for i in full):
-        shapes.add((hd, kv))
-    if len(shapes) > 1:
-        raise ConfigError(f"{source}: per_layer_config gives the full-attention layers different attention shapes "
-                          f"{sorted(shapes)} (head_dim, num_key_value_heads): only one shape for all of them is "
-                          "supported")
-    ghd, gkv = shapes.pop() if shapes else (hd, kv)
-    if (ghd, gkv) == (hd, kv) and not k_eq_v:
-        return {}
-    if raw.get("num_attention_heads", 8) % gkv:
-        raise ConfigError(f"{source}: num_attention_heads {raw.get('num_attention_heads', 8)} is not a multiple of "
-                          f"the full-attention layers' {gkv} key/value heads (num_global_key_value_heads)")
-    return {"global_head_dim": ghd, "global_kv_heads": gkv, "attention_k_eq_v": k_eq_v}
-
-
-def _gemma4_fields(raw: dict, source: str) -> dict:
-    """Gemma 4 text (Gemma4ForCausalLM, Gemma4TextConfig): Gemma 3's sandwich-normed layer with plain-weight
-    RMSNorms (not 1 + w), q/k norms and a weightless value norm, attention scale 1, `layer_types` (default 5
-    sliding : 1 full, the last layer always full), RoPE per layer type (`rope_parameters.sliding_attention`:
-    default; `full_attention`: default or "proportional", which rotates the first partial_rotary_factor of the
-    frequencies), per-layer input embeddings (`hidden_size_per_layer_input`, `vocab_size_per_layer_input`), the
-    last `num_kv_shared_layers` layers attending over the keys/values of the last earlier layer of their type, and
-    each layer's `layer_scalar`; the full-attention layers' own attention shape (`global_head_dim`,
-    `num_global_key_value_heads` with `attention_k_eq_v`, whose full layers take their values from k_proj, or
-    `per_layer_config`: _gemma4_layer_shapes) and the KV-shared layers' MLP at twice intermediate_size
-    (`use_double_wide_mlp`). Refused, naming the key: MoE blocks, bidirectional attention, full layers of
-    different shapes."""
-    n = int(_need(raw, "num_hidden_layers", source))
-    if raw.get("enable_moe_block"):
-        raise ConfigError(f"{source}: enable_moe_block=true (Gemma 4's MoE block) is not supported")
-    if raw.get("use_bidirectional_attention") == "all":
-        raise ConfigError(f"{source}: use_bidirectional_attention='all' (bidirectional text attention) is not "
-                          "supported; only causal attention")
-    types = raw.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n:
-        raise ConfigError(f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), got {types!r}")
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if bad:
-        raise ConfigError(f"{source}: layer_types entries {bad} are not supported (full_attention, sliding_attention)")
-    if types[-1] != "full_attention":  # transformers forces it, with a warning
-        log.warning("unsloth_jax: %s: the last layer of a Gemma 4 model is always full_attention (as transformers "
-                    "forces it); layer_types[-1] %r ignored", source, types[-1])
-        types = types[:-1] + ["full_attention"]
-    out = _gemma4_layer_shapes(raw, types, source)
-    window = raw.get("sliding_window", 512)
-    if "sliding_attention" in types and (not isinstance(window, int) or window <= 0):
-        raise ConfigError(f"{source}: sliding_window must be a positive integer, got {window!r}")
-    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-
-    params = raw.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
-                                                               "partial_rotary_factor": 0.25}}
-    if not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in set(types)):
-        raise ConfigError(f"{source}: rope_parameters must hold a dict for each layer type in layer_types "
-                          f"({sorted(set(types))}), got {params!r}")
-    local = params.get("sliding_attention")
-    if local is not None:
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"{source}: rope_parameters.sliding_attention.rope_type {local.get('rope_type')!r} is "
-                              "not supported (only default)")
-        out["rope_local_theta"] = float(_need(local, "rope_theta", source + " rope_parameters.sliding_attention"))
-    full = params.get("full_attention")
-    full_type = full.get("rope_type", "default")
-    if full_type == "proportional":
-        prop = float(full.get("partial_rotary_factor", 1.0))
-        if not 0.0 <= prop <= 1.0:
-            raise ConfigError(f"{source}: rope_parameters.full_attention.partial_rotary_factor must be in [0, 1], "
-                              f"got {prop}")
-        out.update(rope_theta=float(_need(full, "rope_theta", source + " rope_parameters.full_attention")),
-                   rope_type="proportional", rope_proportion=prop, rope_factor=float(full.get("factor", 1.0)))
-    elif full_type == "default":
-        out["rope_theta"] = float(_need(full, "rope_theta", source + " rope_parameters.full_attention"))
-    else:
-        raise ConfigError(f"{source}: rope_parameters.full_attention.rope_type {full_type!r} is not supported "
-                          "(default, proportional)")
-    if "sliding_attention" not in types:
-        out.pop("rope_local_theta", None)
-
-    shared = int(raw.get("num_kv_shared_layers") or 0)
-    if not 0 <= shared < n:
-        raise ConfigError(f"{source}: num_kv_shared_layers={shared} must be below num_hidden_layers={n}")
-    first = n - shared
-    sources = list(range(n))
-    for i in range(first, n):
-        own = [j for j in range(first) if types[j] == types[i]]
-        if not own:
-            raise ConfigError(f"{source}: KV-shared layer {i} ({types[i]}, num_kv_shared_layers={shared}) has no "
-                              f"earlier {types[i]} layer to share keys/values with")
-        sources[i] = own[-1]
-    ple = int(raw.get("hidden_size_per_layer_input", 256) or 0)
-    out.update(layer_windows=windows, layer_kv_source=tuple(sources) if shared else (),
-               per_layer_input_size=ple, double_wide_mlp=bool(raw.get("use_double_wide_mlp")) and shared > 0,
-               per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if ple else 0,
-               activation=_activation(dict(raw, model_type="gemma"), "gemma", source),
-               qk_norm=True, v_norm=True, norm_offset=0.0, embed_scale=True, sandwich_norms=True, attn_softcap=None,
-               query_scale=1.0, layer_scalar=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
-    return out
-
-
-_FAMILY_FIELDS["gemma4_text"] = _gemma4_fields
-GEMMA4_MULTIMODAL_TYPES = ("gemma4",)  # Gemma4ForConditionalGeneration: refused (only its text model type loads)
 
 
 # --------------------------------------------------------------------------- vision-language (Gemma 3 + SigLIP)
@@ -965,29 +464,25 @@ class VisionLanguageConfig:
         return self.vision.patches_per_side // self.tokens_per_side
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "VisionLanguageConfig":
-        return _parse_vision_language(raw, source)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "VisionLanguageConfig":
-        raw, path = read_config_json(model_dir)
-        return _parse_vision_language(raw, str(path))
+    def from_dict(cls, raw: dict, source: str = "config.json", *, text) -> "VisionLanguageConfig":
+        """`text`: the text family (families.GEMMA3_TEXT) text_config is parsed by."""
+        return _parse_vision_language(raw, source, text)
 
 
 VISION_LANGUAGE_MODEL_TYPES = ("gemma3",)
 
 
-def _parse_vision_language(raw: dict, source: str) -> VisionLanguageConfig:
+def _parse_vision_language(raw: dict, source: str, text_family) -> VisionLanguageConfig:
     if raw.get("model_type") not in VISION_LANGUAGE_MODEL_TYPES:
         raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not a supported "
                                            f"vision-language model ({', '.join(VISION_LANGUAGE_MODEL_TYPES)})")
-    text_raw = dict(_need(raw, "text_config", source))
+    text_raw = dict(need(raw, "text_config", source))
     text_raw.setdefault("model_type", "gemma3_text")
     if text_raw["model_type"] != "gemma3_text":
         raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected 'gemma3_text'")
     if "tie_word_embeddings" in raw:  # the top-level flag is the one Gemma3ForConditionalGeneration ties by
         text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
-    text = _parse(text_raw, source + " text_config")
+    text = parse_text_config(text_raw, source + " text_config", text_family)
     if text.final_softcap is not None:
         log.warning("unsloth_jax: %s sets text_config.final_logit_softcapping, which transformers' "
                     "Gemma3ForConditionalGeneration never applies; ignored here too", source)
@@ -1079,13 +574,9 @@ class QwenVLConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: True (rope.mrope_axes)
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "QwenVLConfig":
-        return _parse_qwen_vl(raw, source)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "QwenVLConfig":
-        raw, path = read_config_json(model_dir)
-        return _parse_qwen_vl(raw, str(path))
+    def from_dict(cls, raw: dict, source: str = "config.json", *, text) -> "QwenVLConfig":
+        """`text`: the text family (families.QWEN2) text_config is parsed by."""
+        return _parse_qwen_vl(raw, source, text)
 
 
 QWEN_VL_MODEL_TYPES = ("qwen2_5_vl",)
@@ -1095,10 +586,10 @@ _QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id"
                      "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
 
 
-def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_type: str,
+def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_type: str, text_family,
                 default_section: tuple, default_theta: float) -> tuple[ModelConfig, tuple, dict]:
     """The text decoder of a Qwen vision-language config: text_raw (its text fields) parsed as `text_type` with the
-    dtype from the top level where transformers 5 writes it, and its M-RoPE checked -> (the text ModelConfig,
+    dtype from the top level where transformers 5 writes it, and its M-RoPE checked (parsed by `text_family`, a families.TextFamily) -> (the text ModelConfig,
     mrope_section, the rope parameters as read)."""
     if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
         text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
@@ -1112,14 +603,14 @@ def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_typ
     text_raw.update(model_type=text_type, rope_theta=theta)
     if "partial_rotary_factor" in params:  # Qwen3.5: RoPE (and so M-RoPE) on part of each head
         text_raw.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
-    text = _parse(text_raw, source + " text_config")
+    text = parse_text_config(text_raw, source + " text_config", text_family)
     if len(section) != 3 or 2 * sum(int(s) for s in section) != text.rope_dim:
         raise ConfigError(f"{source}: mrope_section {list(section)} must have 3 entries summing to the rotary dims "
                           f"/ 2 = {text.rope_dim // 2}")
     return text, section, params
 
 
-def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
+def _parse_qwen_vl(raw: dict, source: str, text_family) -> QwenVLConfig:
     """transformers 5's layout (text_config + vision_config) or transformers 4's flat one (the text fields at the
     top level, rope_scaling {"type": "mrope", "mrope_section": ...})."""
     if raw.get("model_type") not in QWEN_VL_MODEL_TYPES:
@@ -1136,7 +627,7 @@ def _parse_qwen_vl(raw: dict, source: str) -> QwenVLConfig:
         text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
     text_raw.setdefault("tie_word_embeddings", False)
     text, section, _ = _mrope_text(raw, text_raw, source, family="Qwen2.5-VL", text_type="qwen2",
-                                   default_section=(16, 24, 24), default_theta=1000000.0)
+                                   text_family=text_family, default_section=(16, 24, 24), default_theta=1000000.0)
     v = dict(raw.get("vision_config") or {})
     if v.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only silu)")
@@ -1219,16 +710,12 @@ class Qwen3VLConfig(QwenVLConfig):
     DEEPSTACK: ClassVar[bool] = True
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "Qwen3VLConfig":
-        return _parse_qwen3_vl(cls, raw, source)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Qwen3VLConfig":
-        raw, path = read_config_json(model_dir)
-        return _parse_qwen3_vl(cls, raw, str(path))
+    def from_dict(cls, raw: dict, source: str = "config.json", *, text) -> "Qwen3VLConfig":
+        """`text`: the text family (families.QWEN3; Qwen3.5: QWEN3_5_TEXT) text_config is parsed by."""
+        return _parse_qwen3_vl(cls, raw, source, text)
 
 
-def _parse_qwen3_vl(cls: type, raw: dict, source: str) -> Qwen3VLConfig:
+def _parse_qwen3_vl(cls: type, raw: dict, source: str, text_family) -> Qwen3VLConfig:
     """transformers' layout of a Qwen3-VL-style checkpoint (`cls`: Qwen3VLConfig or Qwen3_5Config): text_config
     (rope_parameters with mrope_section; Qwen3.5: partial_rotary_factor) + vision_config + the token ids at the top
     level (defaults: cls's)."""
@@ -1244,7 +731,7 @@ def _parse_qwen3_vl(cls: type, raw: dict, source: str) -> Qwen3VLConfig:
         raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected '{text_type}'")
     text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
     text, section, params = _mrope_text(raw, text_raw, source, family=cls.FAMILY, text_type=parse_as,
-                                        default_section=cls.mrope_section, default_theta=cls.DEFAULT_THETA)
+                                        text_family=text_family, default_section=cls.mrope_section, default_theta=cls.DEFAULT_THETA)
     if params.get("mrope_interleaved") is False:
         raise ConfigError(f"{source}: text_config.rope_parameters.mrope_interleaved=false is not {cls.FAMILY}'s "
                           "M-RoPE")
@@ -1293,9 +780,9 @@ def _qwen3_vision(raw: dict, source: str, text: ModelConfig, *, deepstack: bool)
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Config(Qwen3VLConfig):
     """A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration): the qwen3_5_text decoder (gated
-    DeltaNet and gated attention layers, _qwen3_5_fields) rotating its partial RoPE dims by interleaved M-RoPE, and
-    Qwen3-VL's vision tower without DeepStack (vision.deepstack_visual_indexes is empty). Token ids default to
-    transformers' Qwen3_5Config's. Checkpoints may also hold the multi-token-prediction head (mtp.*), which
+    DeltaNet and gated attention layers, families/qwen3_5_text.py) rotating its partial RoPE dims by interleaved
+    M-RoPE, and Qwen3-VL's vision tower without DeepStack (vision.deepstack_visual_indexes is empty). Token ids
+    default to transformers' Qwen3_5Config's. Checkpoints may also hold the multi-token-prediction head (mtp.*), which
     transformers never runs."""
 
     mrope_section: tuple[int, int, int] = (11, 11, 10)

@@ -4,9 +4,10 @@
     inputs = family.prepare_inputs(batch)                    # a batch dict -> ModelInputs (a pytree)
     h = family.hidden_states(model, inputs, remat=policy)    # [B, S, D]
 
-A text family is `TextFamily`: its config is today's `ModelConfig` (config.py's parsers) and its tensor names
-hf/mapping.py's tables. A vision-language family (`VisionFamily`) is a text family plus a tower: the text decoder's
-`ModelConfig` inside its config, the tower's HF tensor rows and name spellings as data, its PEFT adapter layout
+A text family is a `TextFamily` (one module of families/ each): its config is a `ModelConfig` read by config.py's
+generic parser with the family's fields, and its HF tensor table is data hf/mapping.py builds the specs from.
+A vision-language family (`VisionFamily`) is a text family plus a tower: the text decoder's `ModelConfig` inside
+its config, the tower's HF tensor rows and name spellings as data, its PEFT adapter layout
 (`AdapterLayout`), and the image fields of its `ModelInputs`.
 """
 from __future__ import annotations
@@ -19,8 +20,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from unsloth_jax.config import ModelConfig
-from unsloth_jax.models.decoder import PROJ_PARENT, make_batch
+from unsloth_jax.config import ModelConfig, layer_windows, parse_text_config, rope_fields
+from unsloth_jax.errors import UnsupportedArchitectureError
+from unsloth_jax.families.tensors import LLAMA_TENSORS, LayerTensor
+from unsloth_jax.models.decoder import PROJ_PARENT, CausalLM, make_batch
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 
 
@@ -144,10 +147,62 @@ class Family:
 
 @dataclasses.dataclass(frozen=True)
 class TextFamily(Family):
-    """A text decoder (models.decoder.CausalLM): config.py's ModelConfig parsers and hf/mapping.py's tables."""
+    """A text decoder (models.decoder.CausalLM), one module of families/ each, registered in TEXT_FAMILIES
+    (families/__init__.py). What shared code asks of it, as data and functions:
+
+    config.json, read by config.parse_text_config (the generic fields; these the family's):
+      raw_defaults      (key, value) pairs its transformers config class defaults when config.json lacks them
+      config_fields     (raw, source) -> its RoPE and switches, overriding the generic fields
+      layer_windows     (raw, n_layers, source) -> per-layer sliding window or None
+      activation_key    config.json's key of the MLP activation: "hidden_act", or Gemma's "hidden_activation"
+      moe_fields        (raw, n_layers, source) -> its mixture-of-experts fields; None for a dense family
+    HF tensors, read by hf/mapping.py (entries: families.tensors):
+      layer_tensors     per-layer entries every checkpoint of the family holds (config switches add the optional
+                        q/k norms and biases)
+      switched_tensors  (ModelConfig field, entries): per-layer entries present where that field is set
+      fused_projs       (fused HF suffix, parent module, projections in row order): Phi-3's qkv_proj, gate_up_proj
+      model_tensors     cfg -> {HF name: TensorSpec} of the tensors outside the layers beyond embeddings, final
+                        norm and head
+      ignored_prefixes  checkpoint tensor name prefixes transformers skips on load (read, never mapped)
+      expert_layouts    MoE: the expert layouts its checkpoints come in ("per_expert", "fused"), the first the one
+                        transformers' save_pretrained writes
+      per_expert_names  MoE per-expert layout: (checkpoint module of the MoE block, gate, up, down)
+      sparse_specs      MoE: (cfg, layer, add) -> a sparse layer's router and expert specs in place of the
+                        generic ones (gpt-oss); add(name, path, layer, kind, shape, **kw) records one
+      sparse_extra_specs MoE: (cfg, layer, add) -> more specs of a sparse layer (GLM-4.5's score bias, shared
+                        experts)
+    PEFT adapters, read by hf/moe_io.py:
+      peft_remaps_mlp_targets  MoE: PEFT 0.21 on transformers 5 maps MLP target_modules onto the expert weights
+                        (an adapter with LoRA on the dense MLP layers would not load as trained)
+    GGUF, read by hf/gguf_*.py:
+      gguf_arch         the gguf.MODEL_ARCH member llama.cpp's converter writes it as; None: no GGUF export
+      gguf_read         (llama.cpp arch name, transformers class) of a GGUF file read as this family, or None
+    """
+
+    raw_defaults: tuple[tuple[str, object], ...] = ()
+    config_fields: Callable[[dict, str], dict] = rope_fields
+    layer_windows: Callable[[dict, int, str], tuple] = layer_windows
+    activation_key: str = "hidden_act"
+    moe_fields: Callable[[dict, int, str], dict] | None = None
+    layer_tensors: tuple[LayerTensor, ...] = LLAMA_TENSORS
+    switched_tensors: tuple[tuple[str, tuple[LayerTensor, ...]], ...] = ()
+    fused_projs: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    model_tensors: Callable | None = None
+    ignored_prefixes: tuple[str, ...] = ()
+    expert_layouts: tuple[str, ...] = ()
+    per_expert_names: tuple[str, str, str, str] | None = None
+    sparse_specs: Callable | None = None
+    sparse_extra_specs: Callable | None = None
+    peft_remaps_mlp_targets: bool = False
+    gguf_arch: str | None = None
+    gguf_read: tuple[str, str] | None = None
+    module_class: type = CausalLM
 
     def parse_config(self, raw: dict, source: str = "config.json") -> ModelConfig:
-        return ModelConfig.from_dict(raw, source)
+        if raw.get("model_type") not in self.model_types:
+            raise UnsupportedArchitectureError(f"{source}: model_type {raw.get('model_type')!r} is not "
+                                               f"{self.name} ({', '.join(self.model_types)})")
+        return parse_text_config(raw, source, self)
 
     def prepare_inputs(self, batch: dict) -> ModelInputs:
         if "pixel_values" in batch:

@@ -12,6 +12,7 @@ import numpy as np
 from unsloth_jax.config import VisionLanguageConfig
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.data.vision_loader import pad_images
+from unsloth_jax.families.gemma3_text import GEMMA3_TEXT
 from unsloth_jax.families.base import (AdapterLayout, ImageInputs, ModelInputs, TowerTensor, VisionFamily, as_id_rows,
                                        as_numpy, check_no_image_tokens, checked_pixels)
 from unsloth_jax.models.vision import Gemma3ForConditionalGeneration, image_block_ids
@@ -34,7 +35,7 @@ def gemma_vision_module(proj: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Gemma3VisionFamily(VisionFamily):
     def parse_config(self, raw: dict, source: str = "config.json") -> VisionLanguageConfig:
-        return VisionLanguageConfig.from_dict(raw, source)
+        return VisionLanguageConfig.from_dict(raw, source, text=GEMMA3_TEXT)
 
     def tower_tensors(self, cfg: VisionLanguageConfig) -> list[TowerTensor]:
         v = cfg.vision

@@ -12,6 +12,7 @@ import numpy as np
 from unsloth_jax.config import QwenVLConfig
 from unsloth_jax.models.layer_stack import NO_REMAT, LayerStackPolicy
 from unsloth_jax.data.vision_loader import pad_patches, patch_bucket
+from unsloth_jax.families.qwen import QWEN2
 from unsloth_jax.families.base import (AdapterLayout, ImageInputs, ModelInputs, TowerTensor, VisionFamily, as_numpy,
                                        check_no_image_tokens, checked_pixels)
 from unsloth_jax.models.vision_qwen2_5 import Qwen2_5_VLForConditionalGeneration, mrope_positions
@@ -34,7 +35,7 @@ def qwen_vision_module(proj: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class QwenVisionFamily(VisionFamily):
     def parse_config(self, raw: dict, source: str = "config.json") -> QwenVLConfig:
-        return QwenVLConfig.from_dict(raw, source)
+        return QwenVLConfig.from_dict(raw, source, text=QWEN2)
 
     def tower_tensors(self, cfg: QwenVLConfig) -> list[TowerTensor]:
         v = cfg.vision

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 from unsloth_jax.config import Qwen3_5Config
+from unsloth_jax.families.qwen3_5_text import QWEN3_5_TEXT
 from unsloth_jax.families.qwen3_vl import QWEN3_VL, Qwen3VisionFamily
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Family(Qwen3VisionFamily):
     def parse_config(self, raw: dict, source: str = "config.json") -> Qwen3_5Config:
-        return Qwen3_5Config.from_dict(raw, source)
+        return Qwen3_5Config.from_dict(raw, source, text=QWEN3_5_TEXT)
 
     def describe(self, model) -> str:
         c, v = model.config, model.vl_config.vision

@@ -8,6 +8,7 @@ import dataclasses
 
 from unsloth_jax.config import Qwen3VLConfig
 from unsloth_jax.families.base import AdapterLayout, TowerTensor
+from unsloth_jax.families.qwen import QWEN3
 from unsloth_jax.families.qwen2_5_vl import QwenVisionFamily
 from unsloth_jax.models.vision_qwen3 import Qwen3VLForConditionalGeneration
 
@@ -30,7 +31,7 @@ def _merger_rows(hf: str, path: tuple[str, ...], norm_dim: int, wide: int, out: 
 @dataclasses.dataclass(frozen=True)
 class Qwen3VisionFamily(QwenVisionFamily):
     def parse_config(self, raw: dict, source: str = "config.json") -> Qwen3VLConfig:
-        return Qwen3VLConfig.from_dict(raw, source)
+        return Qwen3VLConfig.from_dict(raw, source, text=QWEN3)
 
     def tower_tensors(self, cfg: Qwen3VLConfig) -> list[TowerTensor]:
         v = cfg.vision

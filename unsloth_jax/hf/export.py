@@ -47,7 +47,8 @@ import numpy as np
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
-from unsloth_jax.hf.mapping import PROJ_MODULE, fused_groups, tensor_specs
+from unsloth_jax.hf.mapping import fused_groups, tensor_specs
+from unsloth_jax.models.decoder import PROJ_PARENT as PROJ_MODULE
 from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.layers import value_of

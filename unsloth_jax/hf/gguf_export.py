@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.families import TEXT_FAMILIES
 from unsloth_jax.hf import export, gguf_families
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.hf.gguf_common import add_shape, llama3_rope_factors
@@ -72,14 +73,12 @@ _METHODS = {
 _ALIASES = {"not_quantized": "f16", "fast_quantized": "q8_0", "fp16": "f16", "float16": "f16", "bfloat16": "bf16",
             "float32": "f32", "fp32": "f32"}
 _LOW_BIT = ("q4_0", "q4_1", "q5_0", "q5_1")
-_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma": "GEMMA",
-         "gemma2": "GEMMA2", "phi3": "PHI3"}
+# model_type -> the gguf.MODEL_ARCH member its family writes (TextFamily.gguf_arch)
+_ARCH = {t: f.gguf_arch for f in TEXT_FAMILIES if f.gguf_arch for t in f.model_types}
 # SmolLM3: convert_hf_to_gguf.py's SmolLM3Model is LlamaModel with its own arch (q/k rows permuted as llama's);
 # llama.cpp has no GGUF key for the NoPE layers: it hard-codes NoPE on every 4th layer (n_no_rope_layer_step = 4)
-_ARCH["smollm3"] = "SMOLLM3"
 _LLAMA_LAYOUT = ("LLAMA", "SMOLLM3")  # archs whose q/k rows take llama.cpp's interleaved RoPE layout
 SMOLLM3_GGUF_NOPE_STEP = 4
-_ARCH.update(gguf_families.ARCHS)  # qwen35, glm4moe: their tensors and keys in gguf_families.py
 # tensors the converter keeps in F32 whatever the file type (name suffixes): routers, conv kernels
 _F32_TENSORS = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 

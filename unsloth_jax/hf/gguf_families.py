@@ -46,8 +46,8 @@ from unsloth_jax.hf.gguf_common import add_shape
 
 log = logging.getLogger("unsloth_jax")
 
-# our model_type -> gguf.MODEL_ARCH member name
-ARCHS = {"qwen3_5_text": "QWEN35", "glm4_moe": "GLM4_MOE"}
+# the model_types (their families' gguf_arch: QWEN35, GLM4_MOE) whose tensors and keys this module writes
+ARCHS = ("qwen3_5_text", "glm4_moe")
 QWEN35_DEFAULT_SECTIONS = [11, 11, 10, 0]  # llama.cpp's qwen35 loader needs rope.dimension_sections
 
 
@@ -229,8 +229,8 @@ def add_hparams(w, model, raw: dict, ftype) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-# llama.cpp arch name -> (our model_type, transformers class), for gguf_loading
-READ_ARCHS = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM")}
+# the llama.cpp archs (their families' gguf_read) whose config fields and tensor layouts this module reads
+READ_ARCHS = ("qwen35", "glm4moe")
 _PLUS_ONE = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 
 

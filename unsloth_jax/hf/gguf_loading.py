@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError, UnsupportedArchitectureError)
+from unsloth_jax.families import TEXT_FAMILIES, text_config
 from unsloth_jax.hf import gguf_families
 from unsloth_jax.hf.gguf_common import llama3_rope_factors
 from unsloth_jax.hf.loading import Placer, default_placer, model_from_params, place
@@ -49,12 +50,8 @@ from unsloth_jax.models.decoder import CausalLM
 
 log = logging.getLogger("unsloth_jax")
 
-# GGUF architecture -> (config.json model_type, transformers class)
-ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-         "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma": ("gemma", "GemmaForCausalLM"),
-         "gemma2": ("gemma2", "Gemma2ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
-ARCHS["smollm3"] = ("smollm3", "SmolLM3ForCausalLM")  # llama's layout; NoPE on every 4th layer (llama.cpp's rule)
-ARCHS.update(gguf_families.READ_ARCHS)  # qwen35, glm4moe: their fields and tensor layouts in gguf_families.py
+# GGUF architecture -> (config.json model_type, transformers class), from the families' gguf_read
+ARCHS = {f.gguf_read[0]: (f.model_types[0], f.gguf_read[1]) for f in TEXT_FAMILIES if f.gguf_read}
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
 # tokenizer.ggml.pre -> the split regex its merges were learned with (llama.cpp's names; others: GPT-2's)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -343,7 +340,7 @@ def load_gguf_model(path: str | os.PathLike, dtype, *, model_class=CausalLM, pla
     """A `model_class` computing in `dtype` holding the GGUF file's weights; its model_dir is the file's path
     (exports rebuild config.json and the tokenizer from it)."""
     f = GGUFFile(path)
-    cfg = ModelConfig.from_dict(hf_config(f), source=f"{f.path} (GGUF metadata)")
+    cfg = text_config(hf_config(f), source=f"{f.path} (GGUF metadata)")
     values = load_gguf_params(f, cfg, dtype, placer=placer, progress=progress)
     return model_from_params(values, cfg, dtype, model_class, f.path)
 

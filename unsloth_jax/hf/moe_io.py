@@ -1,6 +1,6 @@
 """Checkpoint and adapter I/O of the mixture-of-experts families (Qwen3-MoE, Mixtral, gpt-oss).
 
-Merged export writes the layout transformers 5's save_pretrained writes (`mapping.DEFAULT_EXPERT_LAYOUT`):
+Merged export writes the layout transformers 5's save_pretrained writes (the family's first `expert_layouts`):
 one tensor per expert for Qwen3-MoE (`mlp.experts.{e}.{gate,up,down}_proj.weight`) and Mixtral
 (`block_sparse_moe.experts.{e}.w1/w3/w2.weight`), fused 3-D tensors for gpt-oss.
 
@@ -31,13 +31,13 @@ import re
 import numpy as np
 
 from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError
-from unsloth_jax.hf.mapping import MLP_PROJS, TensorSpec
+from unsloth_jax.families import text_family
+from unsloth_jax.hf.mapping import TensorSpec
 from unsloth_jax.lora import merged_expert_kernel
+from unsloth_jax.models.decoder import MLP_PROJS
 from unsloth_jax.models.moe import EXPERT_PARAMETERS
 from unsloth_jax.models.state import variable_at
 
-# Model types whose MLP target_modules PEFT 0.21 remaps onto expert weights under transformers 5.
-_PEFT_REMAPS_MLP_TARGETS = ("qwen3_moe", "mixtral", "glm4_moe")
 _EXPERT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.(base_layer\.)?"
                          r"(lora_A|lora_B)(?:\.[\w-]+)?\.weight$")
 
@@ -97,7 +97,7 @@ def check_adapter_expressible(model) -> None:
     transformers 5's model with the same function (see the module docstring)."""
     cfg, lo = model.config, model.lora
     dense = [t for t in lo.target_modules if t in MLP_PROJS]
-    if cfg.is_moe and dense and cfg.model_type in _PEFT_REMAPS_MLP_TARGETS:
+    if cfg.is_moe and dense and text_family(cfg.model_type).peft_remaps_mlp_targets:
         raise ConfigError(
             f"cannot save a PEFT adapter with LoRA on the dense MLP projections {dense} of {cfg.model_type}: PEFT "
             f"on transformers 5 maps target_modules {dense} onto the experts' fused weights when loading, so the "

@@ -31,7 +31,8 @@ import numpy as np
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
 from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
-from unsloth_jax.hf.mapping import ATTN_PROJS, MLP_PROJS, PROJ_MODULE, fused_groups, kv_shared_tensor
+from unsloth_jax.hf.mapping import fused_groups, kv_shared_tensor
+from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
 from unsloth_jax.lora import LoraSettings, add_lora
 from unsloth_jax.models.state import variable_at
