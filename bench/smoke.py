@@ -91,7 +91,8 @@ def _self(*args) -> list[str]:
 # written (torch holds the bf16 model on the GPU), disk GiB of its bf16 files).
 TEXT_CHECKPOINTS = {"qwen2-1.5b": ("qwen2-tiny", 4, 3), "llama3-8b": ("llama3-tiny", 17, 15),
                     "llama-0.5b-tok2k": (None, 2, 1), "qwen3.5-9b": ("qwen3.5-tiny", 18, 17),
-                    "smollm3-3b": ("smollm3-tiny", 7, 6), "glm4.5-air-3l": ("glm4.5-tiny", 13, 12)}
+                    "smollm3-3b": ("smollm3-tiny", 7, 6), "glm4.5-air-3l": ("glm4.5-tiny", 13, 12),
+                    "gemma4-e2b": ("gemma4-tiny", 11, 10)}
 VISION_CHECKPOINTS = {("qwen2_5_vl", "7b"): ("tiny", 18, 16), ("gemma3", "4b"): ("tiny", 10, 8),
                       ("qwen3_vl", "8b"): ("tiny", 18, 17)}
 # issue 46's checkpoints, written after the others (their rows come last)
@@ -197,6 +198,12 @@ def items(tiny: bool, ck: str) -> list[Item]:
                     f"about 13 GB of bf16 weights: the cut aims the row at about 20 GB), {batch} x {seq}, remat unsloth: "
                     "tokens/s", _bench("train_bench.py", glm, "--batch", batch, "--seq", seq, "--remat", "unsloth",
                                        *steps), timeout=300, gib=2 if tiny else 22, needs=(need[glm],)))
+    g4 = text["gemma4-e2b"]
+    out.append(Item("lora_gemma4_e2b", f"LoRA r=16 train step, Gemma 4 E2B text shape (global_head_dim 512 on the full "
+                    f"layers, 20 KV-shared layers with the double-wide MLP, per-layer inputs), {batch} x {seq}, remat "
+                    "unsloth: tokens/s",
+                    _bench("train_bench.py", g4, "--batch", batch, "--seq", seq, "--remat", "unsloth", *steps),
+                    timeout=300, gib=2 if tiny else 30, needs=(need[g4],)))
     s, path = vision["qwen3_vl"]
     vb, vs = (1, 128) if tiny else (2, 2048)
     out.append(Item("vision_qwen3_vl_8b", f"vision-language LoRA step with images (qwen3_vl {s}, {vb} x {vs}, 2 "

@@ -13,7 +13,7 @@ from tests.helpers import ROOT, quick_codegen_flags, subprocess_env
 
 ROWS = {"lora_qwen2_1.5b", "qlora_qwen2_1.5b", "qlora_llama3_8b", "vision_qwen2_5_vl_7b", "vision_gemma3_4b",
         "grpo_qwen2_1.5b", "fast_generate_16", "export_merged_gguf", "long_context_32k", "dpo_qwen2_1.5b",
-        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l", "vision_qwen3_vl_8b"}
+        "lora_qwen3_5_9b", "lora_smollm3_3b", "lora_glm4_5_air_3l", "vision_qwen3_vl_8b", "lora_gemma4_e2b"}
 FIELDS = {"name", "ran", "error", "tokens_per_s", "peak_gib", "seconds", "measures", "command"}
 
 
@@ -33,7 +33,7 @@ def test_table(tiny):
         assert "/ck/llama3-8b" in cmd["qlora_llama3_8b"] and "--seq 32768" in cmd["long_context_32k"]
         assert "--shape 7b" in cmd["vision_qwen2_5_vl_7b"] and "--shape 4b" in cmd["vision_gemma3_4b"]
         for row, ckpt in (("lora_qwen3_5_9b", "qwen3.5-9b"), ("lora_smollm3_3b", "smollm3-3b"),
-                          ("lora_glm4_5_air_3l", "glm4.5-air-3l")):
+                          ("lora_glm4_5_air_3l", "glm4.5-air-3l"), ("lora_gemma4_e2b", "gemma4-e2b")):
             assert f"/ck/{ckpt} --batch 4 --seq 2048" in cmd[row], row
         assert "--family qwen3_vl --shape 8b --checkpoint /ck/qwen3_vl-8b" in cmd["vision_qwen3_vl_8b"]
 
@@ -112,7 +112,7 @@ def test_every_row_runs_at_tiny_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["qwen3.5-9b", "qwen3.5-tiny", "smollm3-3b", "smollm3-tiny", "glm4.5-air-3l",
-                                   "glm4.5-tiny"])
+                                   "glm4.5-tiny", "gemma4-e2b", "gemma4-tiny"])
 def test_issue46_shapes_parse(shape):
     """transformers builds each issue-46 shape's config and unsloth_jax reads its config.json form (the rows'
     checkpoints are written from these); the real shapes keep their released layer pattern."""
@@ -126,6 +126,9 @@ def test_issue46_shapes_parse(shape):
     assert cfg.num_hidden_layers == kw["num_hidden_layers"] and cfg.vocab_size == kw["vocab_size"]
     if shape == "qwen3.5-9b":  # 8 x (3 gated DeltaNet + 1 gated attention), 64 rotary dims of 256
         assert cfg.layer_linear == (True, True, True, False) * 8 and cfg.rotary_dim == 64
+    if shape == "gemma4-e2b":  # transformers writes its per_layer_config keys zero-padded ("04", ..., "34")
+        assert "04" in raw["per_layer_config"] and (cfg.global_head_dim, cfg.global_kv_heads) == (512, 1)
+        assert cfg.double_wide_mlp and cfg.layer_kv_source[15:] == (13, 13, 13, 13, 14) * 4
 
 
 def test_checkpoints_wait_for_disk_and_unneeded_ones_are_removed(tmp_path):

@@ -48,7 +48,7 @@ def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> dict:
             continue
         shapes.add(shape)
     full = [i for i, t in enumerate(types) if t == "full_attention"]
-    if any(str(i) not in {str(k) for k in per_layer} for i in full):
+    if any(i not in {int(k) for k in per_layer} for i in full):  # keys: "4", or "04" as transformers writes 10+ layers
         shapes.add((hd, kv))
     if len(shapes) > 1:
         raise ConfigError(f"{source}: per_layer_config gives the full-attention layers different attention shapes "
