@@ -128,3 +128,19 @@ def test_safetensors_roundtrip_matches_reference_library(tmp_path, rng):
     safetensors_io.save_file({"w": bf}, tmp_path / "y.safetensors")
     with safetensors_io.SafetensorsFile(tmp_path / "y.safetensors") as f:
         np.testing.assert_array_equal(np.array(f.get("w")), bf)
+
+
+def test_a_row_outside_its_stack_is_refused_not_clamped():
+    """A tensor spec whose row lies outside its stack (a table bug) raises naming the tensor, instead of jax's
+    dynamic update clamping it onto the last row of another layer."""
+    import jax.numpy as jnp
+
+    from unsloth_jax.families.tensors import TensorSpec
+    from unsloth_jax.hf.loading import _into_stack
+
+    params = {}
+    first = TensorSpec("model.layers.0.mlp.up_proj.weight", ("up",), 0, "kernel", (3, 2), slot=0)
+    params["up"] = _into_stack(params, first, jnp.ones((2, 3)), 2, "ckpt/model.safetensors: " + first.hf_name)
+    bad = TensorSpec("model.layers.5.mlp.up_proj.weight", ("up",), 5, "kernel", (3, 2), slot=5)
+    with pytest.raises(errors.ShapeMismatchError, match=r"layers\.5\.mlp\.up_proj.*row 5 of a 2-row stack"):
+        _into_stack(params, bad, jnp.ones((2, 3)), 2, "ckpt/model.safetensors: " + bad.hf_name)

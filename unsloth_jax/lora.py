@@ -5,10 +5,11 @@
     graphdef, trainable, frozen = split(model)                 # nnx.split(model, trainable_filter(...), ...)
     model = nnx.merge(graphdef, trainable, frozen)
 
-`add_lora` gives every targeted projection (a `Linear`) `lora_a` [L, in, r] and `lora_b` [L, r, out] as
-`nnx.LoRAParam`s, and, for MoE families, every expert weight named in `target_parameters` (PEFT's names
-"mlp.experts.gate_up_proj", "mlp.experts.down_proj"; a `GroupedLinear`) `lora_a` [L, E, in, r] and
-`lora_b` [L, E, r, out]: one rank-r pair per expert, as PEFT's ParamWrapper trains on a fused 3-D weight. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
+`add_lora` gives every targeted projection (a `Linear`) `lora_a` [R, in, r] and `lora_b` [R, r, out] (R: the rows of
+its stack, the layers holding it) as `nnx.LoRAParam`s, and, for MoE families, every expert weight named in
+`target_parameters` (PEFT's names "mlp.experts.gate_up_proj", "mlp.experts.down_proj"; a `GroupedLinear`) `lora_a`
+[L, E, in, r] and `lora_b` [L, E, r, out]: one rank-r pair per expert, as PEFT's ParamWrapper trains on a fused 3-D
+weight. Differentiating a loss with respect to the trainable state alone (`nnx.LoRAParam`, plus any
 `modules_to_save` weights and biases the settings train) means frozen weights never get a gradient buffer or
 optimizer state. `nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)` selects the same leaves the NNX way.
 
@@ -109,8 +110,8 @@ def _lora_pair(key, stack: tuple[int, ...], in_features: int, out_features: int,
 
 def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalLM:
     """Give every targeted projection a LoRA pair, in place, initialised as PEFT does: A ~ kaiming_uniform(a=sqrt(5))
-    = U(-1/sqrt(in), 1/sqrt(in)), B = 0, both float32 [L, in, r] / [L, r, out] ([L, E, ...] for the expert
-    weights of settings.target_parameters). Existing pairs are replaced, and the pairs of projections not
+    = U(-1/sqrt(in), 1/sqrt(in)), B = 0, both float32 [R, in, r] / [R, r, out] (R: the stack's rows; [L, E, ...]
+    for the expert weights of settings.target_parameters). Existing pairs are replaced, and the pairs of projections not
     targeted any more are removed. A MoE model without dense MLP layers skips gate/up/down_proj (with a
     warning). Returns the model."""
     if settings.bias not in BIAS_MODES:

@@ -80,13 +80,6 @@ _MERGED_ARTIFACTS = re.compile(r"^(config\.json|generation_config\.json|model\.s
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _layer(x, i: int):
-    """Layer i of a stacked param (array or stacked 4-bit weight)."""
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return x[i]
-    return jax.tree.map(lambda a: a[i], x)
-
-
 def parse_size(size) -> int:
     """Bytes from an int or a size string as transformers accepts them: "5GB" (10^9), "500MB", "10KB", "2GiB",
     "100MiB", "1KiB", a trailing lower-case "b" meaning bits ("8Gb"), or plain digits."""

@@ -81,6 +81,9 @@ def _into_stack(params: dict, spec: TensorSpec, value, num_layers: int, where: s
                 f"{where}: layer {spec.layer} loads as {_describe(value)}, but the layers before it as "
                 f"{_describe(stack, leading=1)}; every layer of one projection must share shape, dtype and "
                 "quantization settings")
+    rows = jax.tree.leaves(stack)[0].shape[0]
+    if not 0 <= spec.slot < rows:  # dynamic_update_index_in_dim would clamp it onto another layer's row
+        raise ShapeMismatchError(f"{where}: layer {spec.layer} is row {spec.slot} of a {rows}-row stack")
     return jax.tree.map(lambda buf, x: _set_layer(buf, x, spec.slot), stack, value)
 
 
@@ -119,6 +122,9 @@ def _into_expert_stack(params: dict, spec: TensorSpec, value: jax.Array, cfg: Mo
         stack = get_path(params, spec.path)
     except KeyError:
         stack = jnp.zeros(stack_shape(cfg, spec), value.dtype)
+    if not 0 <= spec.slot < stack.shape[0]:  # dynamic_update_slice would clamp it onto another layer's row
+        raise ShapeMismatchError(f"{spec.hf_name}: layer {spec.layer} is row {spec.slot} of a "
+                                 f"{stack.shape[0]}-row expert stack")
     return _set_expert_part(stack, value, spec.slot, spec.expert, spec.column)
 
 

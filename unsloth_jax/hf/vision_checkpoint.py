@@ -39,7 +39,7 @@ def layer_holds(text_cfg, tower: str, parent: str, proj: str, layer: int) -> boo
     return tower == "vision" or layer_has(text_cfg, layer, f"{parent}.{proj}.")
 
 
-def layer_row(text_cfg, tower: str, parent: str, layer: int) -> int:
+def tower_row(text_cfg, tower: str, parent: str, layer: int) -> int:
     """The row of layer `layer` of `tower` in the stacked module `parent` (a vision block's its index; a language
     layer's config.layer_slot of the text decoder's config `text_cfg`)."""
     return layer if tower == "vision" else layer_slot(text_cfg, parent, layer)

@@ -27,7 +27,7 @@ import numpy as np
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.hf import export
 from unsloth_jax.families import family_of
-from unsloth_jax.hf.vision_checkpoint import layer_holds, layer_row, skipped_tensors, vision_language_specs
+from unsloth_jax.hf.vision_checkpoint import layer_holds, tower_row, skipped_tensors, vision_language_specs
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.state import variable_at
 
@@ -39,7 +39,7 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     """(module path with {i}, Linear, (layer, its row in the stack) of the layers holding it) of every projection
     carrying a LoRA pair, under transformers 5's module names (the family's AdapterLayout); the layers by
-    vision_checkpoint.layer_holds, the rows by its layer_row."""
+    vision_checkpoint.layer_holds, the rows by its tower_row."""
     layout, lo = family_of(model).adapter, model.lora
     towers = (("language", lo.target_modules, model.projections(), model.config.num_hidden_layers),
               ("vision", lo.vision_target_modules or (), model.vision_projections(),
@@ -48,7 +48,7 @@ def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     for tower, names, lins, layers in towers:
         for name in names:
             module = layout.module(tower, name)
-            held = [(i, layer_row(model.config, tower, module, i)) for i in range(layers)
+            held = [(i, tower_row(model.config, tower, module, i)) for i in range(layers)
                     if layer_holds(model.config, tower, module, name, i)]
             out.append((f"{layout.paths(tower)[0]}.{{i}}.{module}.{name}", lins[name], held))
     return out

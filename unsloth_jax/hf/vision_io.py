@@ -30,7 +30,7 @@ from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, f
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
-from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, layer_row, read_vl_checkpoint,
+from unsloth_jax.hf.vision_checkpoint import (first_names, layer_holds, tower_row, read_vl_checkpoint,
                                              vision_language_specs, vl_tensor_placer)
 from unsloth_jax.lora import LoraSettings, add_lora, stack_of
 
@@ -142,7 +142,7 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
                        text_cfg) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
     """(tower, projection) -> (lora_a [n, in, r], lora_b [n, r, out]) float32 for every Linear of `lins` (keyed the
     same way; n its stacked rows), from the adapter file `weights` (lora_A [r, in] / lora_B [out, r] per layer, in
-    the layer's row: vision_checkpoint.layer_row; a layer's projection that vision_checkpoint.layer_holds of the
+    the layer's row: vision_checkpoint.tower_row; a layer's projection that vision_checkpoint.layer_holds of the
     text config `text_cfg` says it lacks (Gemma 4's KV-shared layers) has no pair and keeps zeros). Raises
     UnexpectedTensorError (keys that fit no target), ShapeMismatchError,
     MissingTensorError, naming key and file."""
@@ -165,7 +165,7 @@ def _read_lora_factors(weights: Path, layout: AdapterLayout, lins: dict, layers:
             if tuple(f.shape(key)) != want:
                 raise ShapeMismatchError(f"{weights}: tensor '{key}' has shape {list(f.shape(key))}, expected "
                                          f"{list(want)} (r={r} from {peft_io.CONFIG_NAME})")
-            row = layer_row(text_cfg, tower, m["module"], i)
+            row = tower_row(text_cfg, tower, m["module"], i)
             factors[(tower, m["proj"])][0 if which == "A" else 1][row] = np.asarray(f.get(key), np.float32).T
             seen.add((tower, m["proj"], i, which))
     if unexpected:
@@ -187,9 +187,9 @@ def load_vision_adapter(model, adapter_dir):
     Qwen2_5_VLForConditionalGeneration without LoRA (as hf.vision_export writes it, or PEFT on transformers'
     model of that name, in any transformers spelling of the family's AdapterLayout), and set `model.lora`
     from adapter_config.json (r, lora_alpha, use_rslora, target_modules for each tower). lora_A [r, in] / lora_B
-    [out, r] become lora_a [L, in, r] / lora_b [L, r, out] float32. Raises ConfigError (unsupported settings:
-    trained biases, modules_to_save, PEFT features peft_io rejects), UnexpectedTensorError / MissingTensorError /
-    ShapeMismatchError naming the key and file. Returns the model."""
+    [out, r] become float32 lora_a [R, in, r] / lora_b [R, r, out] (R: the stack's rows). Raises ConfigError
+    (unsupported settings: trained biases, modules_to_save, PEFT features peft_io rejects), UnexpectedTensorError /
+    MissingTensorError / ShapeMismatchError naming the key and file. Returns the model."""
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / peft_io.CONFIG_NAME
     raw = peft_io.read_adapter_config(adapter_dir)

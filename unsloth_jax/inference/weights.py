@@ -204,8 +204,7 @@ def _prepare_merged(graphdef, state, layers, cfg, dtype):
         raise ValueError("weights='merged' needs a 16-bit base; this model's projections are 4-bit or FP8 "
                          "(use weights='shared')")
     # A module of the same structure with every LoRA pair folded into its kernel and dropped.
-    layer_graphdef, layer_state = nnx.split(layers)
-    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables: the model's kernels stay as they are
+    clone = nnx.merge(*nnx.split(layers), copy=True)  # own Variables: the model's kernels stay as they are
     merged = {}
     for lin in _projections(clone):
         if lin.lora_a is not None:
@@ -236,8 +235,7 @@ def _prepare_merged_buffer(graphdef, state, layers, cfg, dtype, buffers: MergeBu
     if _quantized_base(layers):
         raise ValueError("weights='merged_buffer' needs a 16-bit base; this model's projections are 4-bit or FP8 "
                          "(use weights='shared')")
-    layer_graphdef, layer_state = nnx.split(layers)
-    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables (same arrays): the model's stay
+    clone = nnx.merge(*nnx.split(layers), copy=True)  # own Variables (same arrays): the model's stay
     lora = [lin for lin in _projections(clone) if lin.lora_a is not None]
     old = buffers.kernels
     fresh = []
@@ -266,8 +264,7 @@ def _prepare_fp8(graphdef, state, layers, cfg, dtype, copies: FP8Copies):
     if _quantized_base(layers):
         raise ValueError("weights='fp8' needs a 16-bit base; this model's projections are already 4-bit or FP8 "
                          "(use weights='shared')")
-    layer_graphdef, layer_state = nnx.split(layers)
-    clone = nnx.merge(layer_graphdef, layer_state, copy=True)  # own Variables: the model keeps its kernels
+    clone = nnx.merge(*nnx.split(layers), copy=True)  # own Variables: the model keeps its kernels
     old = copies.copies
     fresh = []
     for k, lin in enumerate(_projections(clone)):

@@ -280,6 +280,8 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         if residuals is None:
             return self.model.run_layers(x, cos, sin, batch, remat_mode=remat_mode)[0]
         cfg, policy = self.config, require_policy(remat_mode, "remat_mode")
+        if len(set(cfg.layer_kinds)) > 1:  # the one-layer slices below re-read the per-layer tuples from layer 0
+            raise NotImplementedError(f"{cfg.model_type}: DeepStack over a decoder whose layers differ in kind")
         k = residuals.shape[0]
         for i in range(k):
             one = layer_slice(self.model.layers, cfg, i, i + 1)
