@@ -436,6 +436,14 @@ class FastLanguageModel:
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
         cfg = _with_overrides(read_text_config(model_dir), kwargs)
+        if cfg.source_layout:
+            from unsloth_jax.families import source_layout
+            from unsloth_jax.hf.export import announce
+
+            layout = source_layout(cfg)
+            announce("unsloth_jax: %s is a %s checkpoint: loading its %s text decoder for text fine-tuning; the "
+                     "tower tensors (%s) stay on disk, not loaded, and are copied into merged exports", model_dir.name,
+                     layout.architecture, cfg.model_type, ", ".join(p.rstrip(".") + ".*" for p in layout.kept_prefixes))
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)
