@@ -45,11 +45,12 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.families import source_layout
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
 from unsloth_jax.hf.mapping import fused_groups, tensor_specs
 from unsloth_jax.models.decoder import PROJ_PARENT as PROJ_MODULE
-from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
+from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES, SafetensorsFile, checkpoint_files
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.layers import value_of
 from unsloth_jax.models.state import variable_at
@@ -220,7 +221,8 @@ def write_safetensors_stream(path: Path, entries: list[_Entry], metadata: dict |
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for e in entries:
-            arr = np.ascontiguousarray(e.make())
+            arr = e.make()
+            arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a 0-d array 1-d
             if arr.shape != e.shape or arr.dtype != e.dtype:
                 raise AssertionError(f"export bug: '{e.name}' produced {arr.dtype}{list(arr.shape)}, planned "
                                      f"{e.dtype}{list(e.shape)}")
@@ -523,6 +525,36 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
                 x = leaf if i is None else leaf[i]
                 return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
         entries.append(_Entry(name, spec.hf_shape, np.float32 if spec.keep_fp32 else out_dtype, make))
+    layout = source_layout(model.config)
+    if layout is not None:  # a multimodal source: its spelling of the text names, then its towers as they are
+        for e in entries:
+            e.name = layout.stored_name(e.name)
+        entries += _kept_entries(model, layout)
+    return entries
+
+
+def _kept_entries(model, layout) -> list[_Entry]:
+    """The source checkpoint's tensors under layout.kept_prefixes (a multimodal model's towers, never loaded), as
+    entries copying each one's bytes unchanged (its own dtype). CheckpointNotFoundError when the source
+    directory is gone."""
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    if src is None or not src.is_dir():
+        raise CheckpointNotFoundError(
+            f"cannot write the merged {layout.architecture} checkpoint: its tower tensors are copied from the source "
+            f"directory {model.model_dir!r}, which does not exist")
+
+    def reader(path, name):
+        def read() -> np.ndarray:
+            with SafetensorsFile(path) as f:
+                return np.array(f.get(name))  # a copy: the file's map closes after
+        return read
+
+    entries = []
+    for path in checkpoint_files(src):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                if name.startswith(layout.kept_prefixes):
+                    entries.append(_Entry(name, f.shape(name), f.dtype(name), reader(path, name)))
     return entries
 
 
@@ -556,7 +588,8 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
             f"cannot write config.json for the merged model: the source directory {model.model_dir!r} has no "
             "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
     raw.pop("quantization_config", None)  # the merged weights are dense
-    raw["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
+    text = raw["text_config"] if model.config.source_layout else raw  # a multimodal source: its text_config
+    text["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
     name = _dtype_name(out_dtype)
     raw["dtype"] = name
     if "torch_dtype" in raw:
