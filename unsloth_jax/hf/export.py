@@ -362,6 +362,10 @@ def _adapter_entries(model) -> list[_Entry]:
         if mod == "embed_tokens" and _ties_saved_embedding(model):  # the tied head, saved as PEFT saves it
             entries.append(_Entry(SAVED_MODULE_KEYS["lm_head"], value.shape, _np_dtype(value.dtype),
                                   lambda v=value: np.asarray(v)))
+    layout = source_layout(model.config)
+    if layout is not None:  # PEFT on the multimodal model: its module names (base_model.model.model.language_model.*)
+        for e in entries:
+            e.name = layout.adapter_key(e.name)
     return entries
 
 
@@ -392,6 +396,11 @@ def _peft_targets(model) -> tuple[list[str], dict, dict]:
         rank_pattern[name] = n * lo.r
         alpha = lo.lora_alpha * (n ** 0.5 if lo.use_rslora else n)
         alpha_pattern[name] = int(alpha) if float(alpha).is_integer() else float(alpha)
+    layout = source_layout(model.config)
+    if layout is not None:  # a multimodal model: a bare name would also catch the towers' modules of that name
+        parents = sorted({PROJ_MODULE[t] for t in targets})
+        targets = (rf"{re.escape(layout.text_prefix)}layers\.\d+\.(?:{'|'.join(parents)})\."
+                   rf"(?:{'|'.join(targets)})")
     return targets, rank_pattern, alpha_pattern
 
 
