@@ -381,7 +381,9 @@ class FastLanguageModel:
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         A vision-language checkpoint (e.g. Qwen3.5 as released, model_type "qwen3_5") loads whole, as
         FastVisionModel.from_pretrained does, with its tokenizer: it trains on text batches, and its saves load in
-        transformers' model class of the checkpoint (_vision_checkpoint_as_text_model).
+        transformers' model class of the checkpoint (_vision_checkpoint_as_text_model). Gemma 4 as released (model_type
+        "gemma4", Gemma4ForConditionalGeneration) loads its text decoder only, the vision/audio towers left on disk;
+        its adapters and merged checkpoints are for Gemma4ForConditionalGeneration (the towers copied through).
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         gradient_checkpointing = None
