@@ -79,6 +79,7 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma4mm")
     hf = _hf_model(fresh_seed("gemma4 multimodal model") % (1 << 31))
     hf.save_pretrained(str(path))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}))  # copied on export
     return path, hf
 
 
@@ -104,7 +105,7 @@ def test_config_notice_logits_and_refusals(tiny, rng, capsys):
     # 2e-4 as tests/test_gemma4.py's logits bound (float32 rounding over 8 layers)
     assert rel_err(np.asarray(model(ids, mask))[real], torch_logits(hf, ids, mask)[real]) < 2e-4
     assert rel_err(np.asarray(model(ids[:1, :20])), torch_logits(hf, ids[:1, :20])) < 2e-4  # input_ids alone
-    with pytest.raises(UnsupportedArchitectureError, match="'gemma4'"):
+    with pytest.raises(UnsupportedArchitectureError, match="FastLanguageModel.from_pretrained loads its text decoder"):
         FastVisionModel.from_pretrained(path, load_processor=False)
     with pytest.raises(UnsupportedArchitectureError, match="GGUF export of the text decoder of a 'gemma4'"):
         model.save_pretrained_gguf(path.parent / "gguf", None, quantization_method="f32")
@@ -115,7 +116,7 @@ def test_lora_step_adapter_and_merged_export(tiny, tmp_path, rng):
     base_model.model.model.language_model.layers, adapter_config.json naming the source) loads in PEFT on
     transformers' Gemma4ForConditionalGeneration with our logits and back here; the merged checkpoint is a
     Gemma4ForConditionalGeneration (config.json the source's) that transformers loads with no missing /
-    unexpected keys, its tower tensors bit-equal to the source's, with our logits."""
+    unexpected keys, its tower tensors bit-equal to the source's, with our logits; the processor file copied."""
     path, _ = tiny
     model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
                                              random_state=int(rng.integers(1 << 30)))
@@ -145,6 +146,7 @@ def test_lora_step_adapter_and_merged_export(tiny, tmp_path, rng):
     source_cfg = json.loads((path / "config.json").read_text())
     assert json.loads((tmp_path / "merged" / "config.json").read_text()) == source_cfg | {"dtype": "float32"}
     assert _tensors(tmp_path / "merged", TOWERS) == _tensors(path, TOWERS) != {}
+    assert (tmp_path / "merged" / "processor_config.json").read_text() == (path / "processor_config.json").read_text()
     merged, info = transformers.Gemma4ForConditionalGeneration.from_pretrained(
         str(tmp_path / "merged"), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -159,7 +161,7 @@ def test_peft_made_adapter_loads(tiny, tmp_path, rng):
 
     path, _ = tiny
     torch.manual_seed(int(rng.integers(1 << 30)))
-    targets = r".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    targets = rf".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(ALL)})"
     pm = peft.get_peft_model(_hf_f32(path), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                                                           init_lora_weights=False))
     pm.save_pretrained(str(tmp_path / "adapter"))

@@ -149,7 +149,7 @@ def family_of(model_or_config) -> Family:
 
 __all__ = ["AdapterLayout", "Family", "GEMMA", "GEMMA2", "GEMMA3_TEXT", "GEMMA3_VL", "GEMMA4_TEXT", "GLM4_MOE",
            "GPT_OSS", "LLAMA", "MISTRAL", "MIXTRAL", "MULTIMODAL_TEXT_LAYOUTS", "ModelInputs", "MultimodalTextLayout",
-           "PHI3", "QWEN2", "QWEN2_5_VL", "QWEN3", "QWEN3_5", "QWEN3_5_TEXT", "QWEN3_MOE", "QWEN3_VL", "SMOLLM3", "TEXT",
-           "TEXT_BY_TYPE", "TEXT_FAMILIES", "TEXT_MODEL_TYPES", "TextFamily", "VISION_FAMILIES", "VisionFamily",
+           "PHI3", "QWEN2", "QWEN2_5_VL", "QWEN3", "QWEN3_5", "QWEN3_5_TEXT", "QWEN3_MOE", "QWEN3_VL", "SMOLLM3",
+           "TEXT", "TEXT_BY_TYPE", "TEXT_FAMILIES", "TEXT_MODEL_TYPES", "TextFamily", "VISION_FAMILIES", "VisionFamily",
            "family_for", "family_of", "read_text_config", "source_layout", "text_config", "text_family",
            "vision_family_for"]

@@ -384,5 +384,5 @@ class VisionFamily(Family):
         return ModelInputs(**{k: batch.get(k) for k in TEXT_FIELDS}, **images)
 
 
-__all__ = ["AdapterLayout", "Family", "ImageInputs", "ModelInputs", "MultimodalTextLayout", "as_id_rows", "as_numpy", "check_no_image_tokens",
-           "checked_pixels", "TextFamily", "TowerTensor", "VisionFamily"]
+__all__ = ["AdapterLayout", "Family", "ImageInputs", "ModelInputs", "MultimodalTextLayout", "as_id_rows", "as_numpy",
+           "check_no_image_tokens", "checked_pixels", "TextFamily", "TowerTensor", "VisionFamily"]

@@ -71,6 +71,7 @@ INDEX_NAME = "model.safetensors.index.json"
 PEFT_SCHEMA_VERSION = "0.21.2"  # the PEFT release whose adapter_config.json fields we write
 SAVE_METHODS = ("merged_16bit", "lora")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # a multimodal model's processor
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
 # Files an export owns: a stale copy in the previous out_dir is dropped rather than carried over.
@@ -639,6 +640,10 @@ def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: 
     write_shards(directory, merged_entries(model, out_dtype, fold_lora), limit)
     _write_json(directory / "config.json", config)
     copy_generation_config(model, directory)
+    if model.config.source_layout:  # a multimodal checkpoint of the source's type: its processor too
+        for fname in PROCESSOR_FILES:
+            if (Path(model.model_dir) / fname).is_file():
+                shutil.copyfile(Path(model.model_dir) / fname, directory / fname)
     if tokenizer is not None or copy_tokenizer:
         _write_tokenizer(model, directory, tokenizer)
 
