@@ -76,8 +76,11 @@ def test_config_layer_types_kv_sharing_rope_and_refusals():
                       "rope_parameters.sliding_attention")]:
         with pytest.raises(ConfigError, match=key):
             text_config(BASE | bad)
-    with pytest.raises(UnsupportedArchitectureError, match="gemma4_text"):
-        text_config({"model_type": "gemma4", "text_config": BASE})
+    # the multimodal model_type reads its text_config (tests/test_gemma4_multimodal.py); a text_config of another
+    # model type is refused naming it
+    assert text_config({"model_type": "gemma4", "text_config": BASE}).source_layout == "gemma4"
+    with pytest.raises(UnsupportedArchitectureError, match="text_config.model_type 'gemma3'"):
+        text_config({"model_type": "gemma4", "text_config": BASE | {"model_type": "gemma3"}})
 
 
 # ------------------------------------------------------------------------------------------------ logits

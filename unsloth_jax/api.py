@@ -381,7 +381,9 @@ class FastLanguageModel:
         router_aux_loss_coef * the load-balancing loss to the training loss) and router_aux_loss_coef.
         A vision-language checkpoint (e.g. Qwen3.5 as released, model_type "qwen3_5") loads whole, as
         FastVisionModel.from_pretrained does, with its tokenizer: it trains on text batches, and its saves load in
-        transformers' model class of the checkpoint (_vision_checkpoint_as_text_model).
+        transformers' model class of the checkpoint (_vision_checkpoint_as_text_model). Gemma 4 as released (model_type
+        "gemma4", Gemma4ForConditionalGeneration) loads its text decoder only, the vision/audio towers left on disk;
+        its adapters and merged checkpoints are for Gemma4ForConditionalGeneration (the towers copied through).
         """
         full_finetuning = _check_full_finetuning(full_finetuning, load_in_4bit, load_in_fp8, kwargs, model_name)
         gradient_checkpointing = None
@@ -436,6 +438,14 @@ class FastLanguageModel:
                 f"model directory not found: {model_dir} (unsloth_jax loads local Hugging Face directories; "
                 "download the model first, e.g. with `huggingface-cli download`)")
         cfg = _with_overrides(read_text_config(model_dir), kwargs)
+        if cfg.source_layout:
+            from unsloth_jax.families import source_layout
+            from unsloth_jax.hf.export import announce
+
+            layout = source_layout(cfg)
+            announce("unsloth_jax: %s is a %s checkpoint: loading its %s text decoder for text fine-tuning; the "
+                     "tower tensors (%s) stay on disk, not loaded, and are copied into merged exports", model_dir.name,
+                     layout.architecture, cfg.model_type, ", ".join(p.rstrip(".") + ".*" for p in layout.kept_prefixes))
         start = time.perf_counter()
         placer = None
         prequantized = _bnb_4bit_checkpoint(model_dir)

@@ -131,6 +131,9 @@ class ModelConfig:
     attention_k_eq_v: bool = False  # global_attn has no v_proj: its values are k_proj's output (v-normed, no RoPE)
     double_wide_mlp: bool = False  # the KV-shared layers' MLP (`wide_mlp`) at 2 x intermediate_size
     # ---- end Gemma 4 ----
+    # the checkpoint is a multimodal one whose text decoder this is (families.MULTIMODAL_TEXT_LAYOUTS' key: its
+    # tensor names, the towers the merged export copies through); "" for a text checkpoint
+    source_layout: str = ""
 
     @property
     def scale(self) -> float:

@@ -2,7 +2,8 @@
 
     family = family_for(raw)        # config.json's dict -> its Family (UnsupportedArchitectureError if none)
     family = family_of(model)       # a loaded module (or its config) -> its Family
-    cfg = text_config(raw)          # config.json's dict of a text checkpoint -> ModelConfig
+    cfg = text_config(raw)          # config.json's dict of a text checkpoint -> ModelConfig (or of a multimodal
+                                    # one whose text decoder loads alone, Gemma 4: cfg.source_layout names it)
     inputs = family.prepare_inputs(batch)
 
 A text family is a `TextFamily`, one module each (llama, qwen, gemma, gemma3_text, phi3, smollm3, qwen3_5_text,
@@ -11,15 +12,17 @@ gemma4_text, moe, glm4_moe), registered by one entry in TEXT_FAMILIES; a vision-
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from unsloth_jax.config import ModelConfig, read_config_json
-from unsloth_jax.errors import UnsupportedArchitectureError
-from unsloth_jax.families.base import AdapterLayout, Family, ModelInputs, TextFamily, VisionFamily
+from unsloth_jax.errors import ConfigError, UnsupportedArchitectureError
+from unsloth_jax.families.base import (AdapterLayout, Family, ModelInputs, MultimodalTextLayout, TextFamily,
+                                      VisionFamily)
 from unsloth_jax.families.gemma import GEMMA, GEMMA2
 from unsloth_jax.families.gemma3_text import GEMMA3_TEXT
 from unsloth_jax.families.gemma3_vl import GEMMA3_VL
-from unsloth_jax.families.gemma4_text import GEMMA4_MULTIMODAL_TYPES, GEMMA4_TEXT
+from unsloth_jax.families.gemma4_text import GEMMA4_MULTIMODAL, GEMMA4_TEXT
 from unsloth_jax.families.glm4_moe import GLM4_MOE
 from unsloth_jax.families.llama import LLAMA, MISTRAL
 from unsloth_jax.families.moe import GPT_OSS, MIXTRAL, QWEN3_MOE
@@ -38,6 +41,8 @@ TEXT_FAMILIES: tuple[TextFamily, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GE
 TEXT = TextFamily("text decoder", ())
 VISION_FAMILIES: dict[str, VisionFamily] = {t: f for f in (GEMMA3_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5)
                                          for t in f.model_types}
+# model_type of a multimodal checkpoint whose text decoder FastLanguageModel loads alone -> its layout
+MULTIMODAL_TEXT_LAYOUTS: dict[str, MultimodalTextLayout] = {GEMMA4_MULTIMODAL.model_type: GEMMA4_MULTIMODAL}
 
 
 def text_families() -> dict[str, TextFamily]:
@@ -93,16 +98,36 @@ def text_config(raw: dict, source: str = "config.json") -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is a vision-language model; load it with "
             "FastVisionModel.from_pretrained (unsloth_jax.config.VisionLanguageConfig / QwenVLConfig)")
-    if model_type in GEMMA4_MULTIMODAL_TYPES:
-        raise UnsupportedArchitectureError(
-            f"{source}: model_type {model_type!r} (Gemma4ForConditionalGeneration, text with vision/audio towers) is "
-            "not supported; the Gemma 4 text model is: a checkpoint of model_type 'gemma4_text' (Gemma4ForCausalLM)")
+    if model_type in MULTIMODAL_TEXT_LAYOUTS:
+        return _multimodal_text_config(MULTIMODAL_TEXT_LAYOUTS[model_type], raw, source)
     if model_type not in TEXT_BY_TYPE:
         raise UnsupportedArchitectureError(
             f"{source}: model_type {model_type!r} is not supported; supported model types: "
             f"{', '.join(TEXT_MODEL_TYPES)}"
         )
     return TEXT_BY_TYPE[model_type].parse_config(raw, source)
+
+
+def _multimodal_text_config(layout: MultimodalTextLayout, raw: dict, source: str) -> ModelConfig:
+    """The text decoder's ModelConfig of a multimodal checkpoint (its text_config, parsed by the text family; the
+    head tied as the whole model's tie_word_embeddings says, transformers' default True), recording the layout."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: model_type {layout.model_type!r} ({layout.architecture}) needs a text_config "
+                          "mapping")
+    text_type = text.get("model_type")
+    family = TEXT_BY_TYPE.get(text_type)
+    if family is None:
+        raise UnsupportedArchitectureError(f"{source}: text_config.model_type {text_type!r} is not a supported "
+                                           f"text model (model_type {layout.model_type!r})")
+    cfg = family.parse_config(text, f"{source} text_config")
+    return dataclasses.replace(cfg, source_layout=layout.model_type,
+                               tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)))
+
+
+def source_layout(cfg: ModelConfig) -> MultimodalTextLayout | None:
+    """The multimodal checkpoint layout a text decoder's config was read from (None: a text checkpoint)."""
+    return MULTIMODAL_TEXT_LAYOUTS[cfg.source_layout] if cfg.source_layout else None
 
 
 def read_text_config(model_dir: str | os.PathLike) -> ModelConfig:
@@ -123,7 +148,8 @@ def family_of(model_or_config) -> Family:
 
 
 __all__ = ["AdapterLayout", "Family", "GEMMA", "GEMMA2", "GEMMA3_TEXT", "GEMMA3_VL", "GEMMA4_TEXT", "GLM4_MOE",
-           "GPT_OSS", "LLAMA", "MISTRAL", "MIXTRAL", "ModelInputs", "PHI3", "QWEN2", "QWEN2_5_VL", "QWEN3", "QWEN3_5",
-           "QWEN3_5_TEXT", "QWEN3_MOE", "QWEN3_VL", "SMOLLM3", "TEXT", "TEXT_BY_TYPE", "TEXT_FAMILIES",
-           "TEXT_MODEL_TYPES", "TextFamily", "VISION_FAMILIES", "VisionFamily", "family_for", "family_of",
-           "read_text_config", "text_config", "text_family", "vision_family_for"]
+           "GPT_OSS", "LLAMA", "MISTRAL", "MIXTRAL", "MULTIMODAL_TEXT_LAYOUTS", "ModelInputs", "MultimodalTextLayout",
+           "PHI3", "QWEN2", "QWEN2_5_VL", "QWEN3", "QWEN3_5", "QWEN3_5_TEXT", "QWEN3_MOE", "QWEN3_VL", "SMOLLM3",
+           "TEXT", "TEXT_BY_TYPE", "TEXT_FAMILIES", "TEXT_MODEL_TYPES", "TextFamily", "VISION_FAMILIES", "VisionFamily",
+           "family_for", "family_of", "read_text_config", "source_layout", "text_config", "text_family",
+           "vision_family_for"]

@@ -247,6 +247,43 @@ class AdapterLayout:
                           r"(?P<module>\w+)\.(?P<proj>\w+?)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
 
 
+@dataclasses.dataclass(frozen=True)
+class MultimodalTextLayout:
+    """A multimodal checkpoint whose text decoder loads alone (ModelConfig.source_layout names it): its text
+    tensors are the text family's canonical names (hf/mapping.py's model.*, lm_head.*) with "model." spelled
+    `text_prefix` (as a VisionFamily's text_prefix respells them); tensors under `kept_prefixes` (the towers and
+    their embedders) are never loaded and are copied through byte for byte by the merged export. PEFT wraps
+    `architecture`, so an adapter's keys carry the same spelling under base_model.model."""
+
+    model_type: str  # config.json's model_type (the text decoder's config is its text_config)
+    architecture: str  # transformers' class of the whole checkpoint
+    text_prefix: str  # what the checkpoint writes for the text decoder's "model."
+    kept_prefixes: tuple[str, ...]
+
+    def stored_name(self, name: str) -> str:
+        """A canonical text tensor name (or a module name) in the checkpoint's spelling."""
+        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
+
+    def text_name(self, stored: str) -> str | None:
+        """A checkpoint tensor's canonical text name; None for a tensor under kept_prefixes."""
+        if stored.startswith(self.text_prefix):
+            return "model." + stored[len(self.text_prefix):]
+        return None if stored.startswith(self.kept_prefixes) else stored
+
+    def adapter_key(self, key: str) -> str:
+        """A PEFT key of the text decoder (base_model.model.model.layers...) in the checkpoint's spelling."""
+        head = "base_model.model."
+        return head + self.stored_name(key[len(head):]) if key.startswith(head) else key
+
+    def text_adapter_key(self, key: str) -> str:
+        """The inverse of adapter_key (keys outside the text prefix come back unchanged)."""
+        head = "base_model.model."
+        if key.startswith(head):
+            name = self.text_name(key[len(head):])
+            return key if name is None else head + name
+        return key
+
+
 # One row of a tower's checkpoint tensors: (HF name, module path, layer index or None, kind, HF shape). Kinds:
 # "patch" (a conv weight [Dv, C, (T,) p, p] <-> kernel [C*(T*)p*p, Dv]), "kernel" ([out, in] <-> [in, out]),
 # "norm" / "bias" / "embed" / "copy" (as stored).
@@ -347,5 +384,5 @@ class VisionFamily(Family):
         return ModelInputs(**{k: batch.get(k) for k in TEXT_FIELDS}, **images)
 
 
-__all__ = ["AdapterLayout", "Family", "ImageInputs", "ModelInputs", "as_id_rows", "as_numpy", "check_no_image_tokens",
-           "checked_pixels", "TextFamily", "TowerTensor", "VisionFamily"]
+__all__ = ["AdapterLayout", "Family", "ImageInputs", "ModelInputs", "MultimodalTextLayout", "as_id_rows", "as_numpy",
+           "check_no_image_tokens", "checked_pixels", "TextFamily", "TowerTensor", "VisionFamily"]

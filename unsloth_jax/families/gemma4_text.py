@@ -6,12 +6,16 @@ import logging
 
 from unsloth_jax.config import ModelConfig, activation, need, no_layer_windows
 from unsloth_jax.errors import ConfigError
-from unsloth_jax.families.base import TextFamily
+from unsloth_jax.families.base import MultimodalTextLayout, TextFamily
 from unsloth_jax.families.tensors import LLAMA_TENSORS, QK_NORM, SANDWICH, TensorSpec
 
 log = logging.getLogger("unsloth_jax")
 
-GEMMA4_MULTIMODAL_TYPES = ("gemma4",)  # Gemma4ForConditionalGeneration: refused (only its text model type loads)
+# Gemma4ForConditionalGeneration (every released google/gemma-4-* checkpoint): its text decoder loads for text
+# fine-tuning; the vision and audio towers and their embedders stay on disk and are copied through on export
+GEMMA4_MULTIMODAL = MultimodalTextLayout(
+    "gemma4", "Gemma4ForConditionalGeneration", "model.language_model.",
+    ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."))
 
 
 def _gemma4_layer_shapes(raw: dict, types: list, source: str) -> dict:
@@ -179,4 +183,4 @@ GEMMA4_TEXT = TextFamily("Gemma 4 text", ("gemma4_text",), config_fields=_gemma4
                          switched_tensors=(("per_layer_input_size", _GEMMA4_PLE),),
                          model_tensors=_gemma4_model_specs)
 
-__all__ = ["GEMMA4_MULTIMODAL_TYPES", "GEMMA4_TEXT"]
+__all__ = ["GEMMA4_MULTIMODAL", "GEMMA4_TEXT"]

@@ -45,11 +45,12 @@ import ml_dtypes
 import numpy as np
 
 from unsloth_jax.errors import CheckpointNotFoundError, ConfigError
+from unsloth_jax.families import source_layout
 from unsloth_jax.hf.file_modes import chmod_like_new
 from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
 from unsloth_jax.hf.mapping import fused_groups, tensor_specs
 from unsloth_jax.models.decoder import PROJ_PARENT as PROJ_MODULE
-from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES
+from unsloth_jax.hf.safetensors_io import DTYPES as _ST_DTYPES, SafetensorsFile, checkpoint_files
 from unsloth_jax.lora import merged_kernel
 from unsloth_jax.models.layers import value_of
 from unsloth_jax.models.state import variable_at
@@ -70,6 +71,7 @@ INDEX_NAME = "model.safetensors.index.json"
 PEFT_SCHEMA_VERSION = "0.21.2"  # the PEFT release whose adapter_config.json fields we write
 SAVE_METHODS = ("merged_16bit", "lora")
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # a multimodal model's processor
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
 # Files an export owns: a stale copy in the previous out_dir is dropped rather than carried over.
@@ -213,7 +215,8 @@ def write_safetensors_stream(path: Path, entries: list[_Entry], metadata: dict |
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for e in entries:
-            arr = np.ascontiguousarray(e.make())
+            arr = e.make()
+            arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a 0-d array 1-d
             if arr.shape != e.shape or arr.dtype != e.dtype:
                 raise AssertionError(f"export bug: '{e.name}' produced {arr.dtype}{list(arr.shape)}, planned "
                                      f"{e.dtype}{list(e.shape)}")
@@ -353,6 +356,10 @@ def _adapter_entries(model) -> list[_Entry]:
         if mod == "embed_tokens" and _ties_saved_embedding(model):  # the tied head, saved as PEFT saves it
             entries.append(_Entry(SAVED_MODULE_KEYS["lm_head"], value.shape, _np_dtype(value.dtype),
                                   lambda v=value: np.asarray(v)))
+    layout = source_layout(model.config)
+    if layout is not None:  # PEFT on the multimodal model: its module names (base_model.model.model.language_model.*)
+        for e in entries:
+            e.name = layout.adapter_key(e.name)
     return entries
 
 
@@ -383,6 +390,11 @@ def _peft_targets(model) -> tuple[list[str], dict, dict]:
         rank_pattern[name] = n * lo.r
         alpha = lo.lora_alpha * (n ** 0.5 if lo.use_rslora else n)
         alpha_pattern[name] = int(alpha) if float(alpha).is_integer() else float(alpha)
+    layout = source_layout(model.config)
+    if layout is not None:  # a multimodal model: a bare name would also catch the towers' modules of that name
+        parents = sorted({PROJ_MODULE[t] for t in targets})
+        targets = (rf"{re.escape(layout.text_prefix)}layers\.\d+\.(?:{'|'.join(parents)})\."
+                   rf"(?:{'|'.join(targets)})")
     return targets, rank_pattern, alpha_pattern
 
 
@@ -516,6 +528,36 @@ def merged_entries(model, out_dtype: np.dtype, fold_lora: bool = True) -> list[_
                 x = leaf if i is None else leaf[i]
                 return np.asarray(np.asarray(x, np.float32).astype(out_dtype))
         entries.append(_Entry(name, spec.hf_shape, np.float32 if spec.keep_fp32 else out_dtype, make))
+    layout = source_layout(model.config)
+    if layout is not None:  # a multimodal source: its spelling of the text names, then its towers as they are
+        for e in entries:
+            e.name = layout.stored_name(e.name)
+        entries += _kept_entries(model, layout)
+    return entries
+
+
+def _kept_entries(model, layout) -> list[_Entry]:
+    """The source checkpoint's tensors under layout.kept_prefixes (a multimodal model's towers, never loaded), as
+    entries copying each one's bytes unchanged (its own dtype). CheckpointNotFoundError when the source
+    directory is gone."""
+    src = Path(model.model_dir) if model.model_dir is not None else None
+    if src is None or not src.is_dir():
+        raise CheckpointNotFoundError(
+            f"cannot write the merged {layout.architecture} checkpoint: its tower tensors are copied from the source "
+            f"directory {model.model_dir!r}, which does not exist")
+
+    def reader(path, name):
+        def read() -> np.ndarray:
+            with SafetensorsFile(path) as f:
+                return np.array(f.get(name))  # a copy: the file's map closes after
+        return read
+
+    entries = []
+    for path in checkpoint_files(src):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                if name.startswith(layout.kept_prefixes):
+                    entries.append(_Entry(name, f.shape(name), f.dtype(name), reader(path, name)))
     return entries
 
 
@@ -549,7 +591,8 @@ def _merged_config(model, out_dtype: np.dtype) -> dict:
             f"cannot write config.json for the merged model: the source directory {model.model_dir!r} has no "
             "config.json (save_pretrained_merged copies it from the directory the model was loaded from)")
     raw.pop("quantization_config", None)  # the merged weights are dense
-    raw["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
+    text = raw["text_config"] if model.config.source_layout else raw  # a multimodal source: its text_config
+    text["vocab_size"] = int(model.config.vocab_size)  # add_new_tokens may have grown it
     name = _dtype_name(out_dtype)
     raw["dtype"] = name
     if "torch_dtype" in raw:
@@ -590,6 +633,10 @@ def _write_merged(model, directory: Path, tokenizer, max_shard_size, out_dtype: 
     write_shards(directory, merged_entries(model, out_dtype, fold_lora), limit)
     _write_json(directory / "config.json", config)
     copy_generation_config(model, directory)
+    if model.config.source_layout:  # a multimodal checkpoint of the source's type: its processor too
+        for fname in PROCESSOR_FILES:
+            if (Path(model.model_dir) / fname).is_file():
+                shutil.copyfile(Path(model.model_dir) / fname, directory / fname)
     if tokenizer is not None or copy_tokenizer:
         _write_tokenizer(model, directory, tokenizer)
 

@@ -587,6 +587,11 @@ def save_gguf(model, out_dir, tokenizer, *, quantization_method: str = "f16") ->
     return its path. quantization_method: f16 (default), bf16, q8_0, f32, q4_0, q4_1, q5_0, q5_1, or Unsloth's
     aliases "not_quantized" (f16) and "fast_quantized" (q8_0)."""
     cfg = model.config
+    if cfg.source_layout:  # llama.cpp writes such a model as a text GGUF plus an mmproj file of its towers
+        raise UnsupportedArchitectureError(
+            f"GGUF export of the text decoder of a {cfg.source_layout!r} checkpoint (its vision/audio towers kept "
+            "aside) is not supported; save the merged checkpoint with save_pretrained_merged and convert it with "
+            "llama.cpp's convert_hf_to_gguf.py")
     if cfg.model_type not in _ARCH:
         what = "GGUF export of {} is not supported (mixture-of-experts)" if cfg.is_moe else \
             "GGUF export does not support model_type {!r}"

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from unsloth_jax.config import ModelConfig
 from unsloth_jax.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from unsloth_jax.families import source_layout
 from unsloth_jax.hf.mapping import (TensorSpec, detect_expert_layout, fused_parts, ignored_tensor, mtp_layer_tensor,
                                      stack_shape, tensor_specs)
 from unsloth_jax.hf.safetensors_io import SafetensorsFile, checkpoint_files
@@ -205,6 +206,7 @@ def load_params(
     unexpected: list[str] = []
     handles = {path: SafetensorsFile(path) for path in files}
     where = {name: path for path, f in handles.items() for name in f.keys()}
+    layout = source_layout(cfg)  # a multimodal checkpoint: its text names respelled, its towers left on disk
     specs = tensor_specs(cfg, detect_expert_layout(cfg, where) if cfg.is_moe else None)
     fused = [name for name, spec in specs.items() if spec.kind == "fused"]
     if bnb_4bit and fused:
@@ -216,8 +218,11 @@ def load_params(
     bar = tqdm(total=len(where), desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=not progress, leave=False)
     try:
         for path, f in handles.items():
-            for name in f.keys():
+            for stored in f.keys():
                 bar.update(1)
+                name = layout.text_name(stored) if layout is not None else stored
+                if name is None:
+                    continue  # a tower tensor: not part of the text decoder (the merged export copies it)
                 spec = specs.get(name)
                 if bnb_4bit and spec is None and name.endswith(BNB_SUFFIXES):
                     continue  # read together with its weight
@@ -231,22 +236,22 @@ def load_params(
                         continue  # GLM-4.5's multi-token-prediction layers: not part of the causal LM
                     if ignored_tensor(cfg, name):
                         continue  # Qwen3.5's mtp.* / model.visual.*, which transformers' causal LM skips too
-                    unexpected.append(f"{name} (in {path.name})")
+                    unexpected.append(f"{stored} (in {path.name})")
                     continue
                 if name in seen:
                     raise UnexpectedTensorError(f"{path}: tensor '{name}' appears in more than one file")
                 seen.add(name)
                 if bnb_4bit and spec.kind == "kernel":
-                    value = _bnb_weight(name, spec, handles, where)
+                    value = _bnb_weight(stored, spec, handles, where)
                     set_path(params, spec.path, _into_stack(params, spec, value, stack_shape(cfg, spec)[0],
-                                                            f"{path}: tensor '{name}'"))
+                                                            f"{path}: tensor '{stored}'"))
                     continue
-                if tuple(f.shape(name)) != spec.hf_shape:
+                if tuple(f.shape(stored)) != spec.hf_shape:
                     raise ShapeMismatchError(
-                        f"{path}: tensor '{name}' has shape {list(f.shape(name))}, but config.json implies "
+                        f"{path}: tensor '{stored}' has shape {list(f.shape(stored))}, but config.json implies "
                         f"{list(spec.hf_shape)}"
                     )
-                place(params, spec, f.get(name), dtype, placer, cfg, f"{path}: tensor '{name}'")
+                place(params, spec, f.get(stored), dtype, placer, cfg, f"{path}: tensor '{stored}'")
     finally:
         bar.close()
         for f in handles.values():
@@ -256,7 +261,7 @@ def load_params(
         raise UnexpectedTensorError(
             f"{model_dir}: checkpoint has tensors that a {cfg.model_type} model with this config.json does not use: {shown}"
         )
-    missing = [n for n in specs if n not in seen]
+    missing = [n if layout is None else layout.stored_name(n) for n in specs if n not in seen]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise MissingTensorError(f"{model_dir}: checkpoint is missing {len(missing)} tensor(s): {shown}")

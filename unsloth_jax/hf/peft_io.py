@@ -31,6 +31,7 @@ import numpy as np
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError)
 from unsloth_jax.config import layer_has, layer_module, layer_slot, stack_holders
+from unsloth_jax.families import source_layout
 from unsloth_jax.hf.mapping import fused_groups, kv_shared_tensor
 from unsloth_jax.models.decoder import ATTN_PROJS, MLP_PROJS, PROJ_PARENT as PROJ_MODULE
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
@@ -143,8 +144,15 @@ def _module_names(num_layers: int, cfg=None) -> list[str]:
     mixer only; without, the seven projections of every layer)."""
     if cfg is None:
         return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS]
-    return [f"model.layers.{i}.{PROJ_MODULE[p]}.{p}" for i in range(num_layers) for p in ALL_TARGETS + LINEAR_TARGETS
-            if layer_has(cfg, i, f"{PROJ_MODULE[p]}.{p}.")]
+    layout = source_layout(cfg)  # a multimodal checkpoint's text decoder: PEFT sees its module names
+    spell = layout.stored_name if layout is not None else str
+    return [spell(f"model.layers.{i}.{PROJ_MODULE[p]}.{p}") for i in range(num_layers)
+            for p in ALL_TARGETS + LINEAR_TARGETS if layer_has(cfg, i, f"{PROJ_MODULE[p]}.{p}.")]
+
+
+def _layer_index(module: str) -> int:
+    """The layer number of a _module_names entry (model.layers.{i}.*, model.language_model.layers.{i}.*)."""
+    return int(re.search(r"(?:^|\.)layers\.(\d+)\.", module).group(1))
 
 
 def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, present=None,
@@ -177,8 +185,8 @@ def resolve_targets(target_modules, num_layers: int, source: str = CONFIG_NAME, 
         raise ConfigError(f"{source}: target_modules {target_modules!r} match no projection of this model")
     projs = {n.rsplit(".", 1)[1] for n in hit}
     for p in projs:
-        layers = {int(n.split(".")[2]) for n in hit if n.endswith("." + p)}
-        having = {int(n.split(".")[2]) for n in names if n.endswith("." + p)}
+        layers = {_layer_index(n) for n in hit if n.endswith("." + p)}
+        having = {_layer_index(n) for n in names if n.endswith("." + p)}
         if layers != having:
             missing = sorted(having - layers)
             raise ConfigError(f"{source}: target_modules {target_modules!r} adapt {p} in only some layers "
@@ -301,6 +309,9 @@ def load_adapter(model, adapter_dir):
         expert_factors = moe_io.read_expert_adapter(model, f, expert_targets, r, weights) if expert_targets else {}
         if split is not None:
             f = _SplitTensors(f, split)
+        layout = source_layout(cfg)
+        if layout is not None:  # PEFT on a multimodal model: keys under base_model.model.model.language_model.
+            f = _TextKeys(f, layout)
         for key in f.keys():
             if expert_targets and moe_io.is_expert_key(key):
                 continue  # read above
@@ -406,6 +417,21 @@ def load_adapter(model, adapter_dir):
     for mod, value in saved_values.items():
         variable_at(model, SAVED_MODULE_PATHS[mod])[...] = value
     return model
+
+
+class _TextKeys:
+    """An adapter file of a multimodal model (MultimodalTextLayout) seen with its text decoder's keys in the text
+    spelling (base_model.model.model.layers.*); other keys as they are."""
+
+    def __init__(self, f, layout):
+        self._f = f
+        self._stored = {layout.text_adapter_key(k): k for k in f.keys()}
+
+    def keys(self):
+        return list(self._stored)
+
+    def get(self, key):
+        return self._f.get(self._stored[key])
 
 
 # ------------------------------------------------------------------- adapters of fused modules (Phi-3)

@@ -33,7 +33,7 @@ from unsloth_jax.models.state import variable_at
 
 log = logging.getLogger("unsloth_jax")
 
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+_PROCESSOR_FILES = export.PROCESSOR_FILES
 
 
 def _lora_modules(model) -> list[tuple[str, object, list[int]]]:

@@ -26,7 +26,8 @@ import numpy as np
 from unsloth_jax.config import read_config_json
 from unsloth_jax.errors import (CheckpointNotFoundError, ConfigError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError, UnsupportedArchitectureError)
-from unsloth_jax.families import VISION_FAMILIES, AdapterLayout, VisionFamily, family_of, vision_family_for
+from unsloth_jax.families import (MULTIMODAL_TEXT_LAYOUTS, VISION_FAMILIES, AdapterLayout, VisionFamily, family_of,
+                                  vision_family_for)
 from unsloth_jax.hf import peft_io
 from unsloth_jax.hf.loading import Params, model_from_params
 from unsloth_jax.hf.safetensors_io import SafetensorsFile
@@ -40,6 +41,11 @@ def checkpoint_family(model_dir: str | os.PathLike) -> tuple[VisionFamily, objec
     naming the config.json when no vision-language family reads it."""
     raw, path = read_config_json(model_dir)
     family = vision_family_for(raw)
+    if family is None and raw.get("model_type") in MULTIMODAL_TEXT_LAYOUTS:
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type {raw['model_type']!r} ({MULTIMODAL_TEXT_LAYOUTS[raw['model_type']].architecture}): "
+            "its image and audio inputs are not supported; FastLanguageModel.from_pretrained loads its text decoder "
+            "for text fine-tuning")
     if family is None:
         raise UnsupportedArchitectureError(f"{path}: model_type {raw.get('model_type')!r} is not a supported "
                                            f"vision-language model ({', '.join(VISION_FAMILIES)}; Gemma 3 with a "
