@@ -62,6 +62,18 @@ def lora_steps_lower_the_loss(model, rng, vocab=256, lr=1e-3):
     return g, t1, f
 
 
+def trained_with_random_b(model, rng, lr=1e-3):
+    """lora_steps_lower_the_loss on `model`, then every lora_b drawn at random (0.05 N(0, 1)) so that an adapter's
+    every factor matters in what follows. -> (the trained model, ids [2, 18] right-padded, mask, real (bool mask),
+    our float32 logits on them)."""
+    g, t1, f = lora_steps_lower_the_loss(model, rng, lr=lr)
+    model = nnx.merge(g, t1, f)
+    for lin in model.projection_stacks().values():
+        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
+    ids, mask = right_padded(rng, [18, 11])
+    return model, ids, mask, mask.astype(bool), np.asarray(model(ids, mask))
+
+
 def assert_greedy_matches_transformers(hf, model, rng, lengths, *, new: int, eos: int) -> None:
     """A left-padded batch of random prompts of `lengths` tokens: our engine's greedy tokens (generation.generate,
     `new` tokens, eos id `eos`, pad 0) equal transformers' generate on the same batch."""

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
 from tests.family_checks import (assert_greedy_matches_transformers, assert_lora_gradients_match_peft,  # noqa: E402
-                                 assert_policies_equal_plain_stack, hf_f32, load_f32, lora_steps_lower_the_loss,
+                                 assert_policies_equal_plain_stack, hf_f32, load_f32, trained_with_random_b,
                                  right_padded, torch_logits)
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import FAMILIES, save_hf_model  # noqa: E402
@@ -110,13 +110,7 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     pm = peft.get_peft_model(hf_f32(path), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL))
     assert model.get_nb_trainable_parameters() == pm.get_nb_trainable_parameters()
     # lr 1e-4 as in test_gemma4.py (a random model's first Adam step can overshoot at 1e-3)
-    g, t1, f = lora_steps_lower_the_loss(model, rng, lr=1e-4)
-    model = nnx.merge(g, t1, f)
-    for lin in model.projection_stacks().values():
-        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
-    ids, mask = right_padded(rng, [18, 11])
-    real = mask.astype(bool)
-    ours = np.asarray(model(ids, mask))
+    model, ids, mask, real, ours = trained_with_random_b(model, rng, lr=1e-4)
     model.save_pretrained(tmp_path / "adapter")
     pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
     # 5e-4 as in test_gemma4.py (float32 rounding through 8 layers with random LoRA pairs has a heavy tail)

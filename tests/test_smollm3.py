@@ -9,14 +9,13 @@ import json
 
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import fresh_seed  # noqa: E402
-from tests.family_checks import assert_greedy_matches_transformers, load_f32, hf_f32, torch_logits, right_padded, lora_steps_lower_the_loss  # noqa: E402
+from tests.family_checks import assert_greedy_matches_transformers, load_f32, hf_f32, torch_logits, right_padded, trained_with_random_b  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.hf_models import save_hf_model  # noqa: E402
 from unsloth_jax import FastLanguageModel  # noqa: E402
@@ -103,13 +102,7 @@ def test_lora_step_peft_adapter_and_merged_export(tiny, tmp_path, rng):
     path, _, _ = tiny("smollm3")
     model = FastLanguageModel.get_peft_model(load_f32(path), r=4, lora_alpha=8, target_modules=ALL,
                                              use_gradient_checkpointing=True, random_state=int(rng.integers(1 << 30)))
-    g, t1, f = lora_steps_lower_the_loss(model, rng)
-    model = nnx.merge(g, t1, f)
-    for lin in model.projections().values():
-        lin.lora_b[...] = np.asarray(0.05 * rng.standard_normal(lin.lora_b[...].shape), np.float32)
-    ids, mask = right_padded(rng, [18, 11])
-    real = mask.astype(bool)
-    ours = np.asarray(model(ids, mask))
+    model, ids, mask, real, ours = trained_with_random_b(model, rng)
     model.save_pretrained(tmp_path / "adapter")
     pm = peft.PeftModel.from_pretrained(hf_f32(path), str(tmp_path / "adapter"))
     assert rel_err(ours[real], torch_logits(pm, ids, mask)[real]) < 1e-5
