@@ -1,10 +1,11 @@
 """The gated delta rule (Qwen3.5's linear attention) with the chunk-local work in XLA and the sequential
 inter-chunk state pass, forward and backward, as Pallas kernels for the Triton lowering.
 
-Wins: not measured on a GPU yet (bench/gated_delta_bench.py, the `gateddelta` stage of bench/gpu_session.sh, times it
-against the chunked XLA path with its (chunk, block_v) sweep). Default: off (ops.PALLAS_WINS["gated_delta"] is False:
-XLA's chunked form, pallas_kernels.gated_delta_chunked); tested in interpret mode, and run when asked
-(`ops.set_impl("gated_delta", "pallas")` or UNSLOTH_JAX_IMPL=gated_delta=pallas).
+Wins: with bf16 inputs at head dim 128 (Qwen3.5's), forward + backward, against the chunked XLA form
+(pallas_kernels.gated_delta_chunked) and in the Qwen3.5-9B LoRA step (BENCHMARKS.md, "Qwen3.5's per-kind layer
+stacks and the gated delta kernel, 2026-12-06 (one H100 80GB)"). Default: there only (ops.PALLAS_WINS["gated_delta"]: bf16 v with
+Dv = 128); float16, float32 and other head dims run the chunked XLA form unless asked (`ops.set_impl("gated_delta",
+"pallas")` or UNSLOTH_JAX_IMPL=gated_delta=pallas).
 
 `gated_delta_rule(q, k, v, g, beta, initial_state, *, scale, chunk, block_v, interpret)`: the interface and result
 of pallas_kernels.reference.gated_delta_rule (q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv];

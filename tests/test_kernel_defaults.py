@@ -32,6 +32,7 @@ WHERE_PICKED = {
     "paged_attention": ([(BF16, 64), (BF16, 128), (F16, 256)], [(F32, 128), (BF16, 96), (BF16, 512)]),
     "decode_linear": ([(BF16, 1536), (F16, 4096)], [(F32, 1536)]),
     "nf4_decode": ([(BF16, 1536), (F16, 4096)], [(F32, 1536)]),
+    "gated_delta": ([(BF16, 128)], [(F16, 128), (F32, 128), (BF16, 64), (BF16, 256)]),
 }
 HEADINGS = {line[3:].strip() for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("## ")}
 UNMEASURED = "Wins: not measured on a GPU yet"

@@ -319,9 +319,9 @@ PALLAS_WINS = {
     # MoE expert GEMMs: XLA's GPU lowering of ragged_dot is a dense product against every expert (E times the
     # work, and an E-times padded copy that does not fit at Qwen3-30B-A3B's shape).
     "grouped_matmul": lambda x: x.dtype in (_BF16, jnp.float16),
-    # The gated delta rule (Qwen3.5's linear attention) has not been timed on a GPU yet: XLA's chunked form until
-    # bench/gated_delta_bench.py says otherwise.
-    "gated_delta": lambda v: False,
+    # The gated delta rule (Qwen3.5's linear attention): the Pallas state pass beside XLA's chunk-local terms,
+    # faster than the chunked XLA form alone and in the Qwen3.5-9B step; timed with bf16 inputs at head dim 128.
+    "gated_delta": lambda v: v.dtype == _BF16 and v.shape[-1] == 128,
 }
 
 
