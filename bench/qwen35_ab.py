@@ -10,8 +10,8 @@ layers, gate/up/down_proj of every layer; the DeltaNet projections are not targe
 gradient clipping at 1.0, gradient checkpointing, bf16 weights.
 
 - side "ours": bench/train_bench.py (FastLanguageModel + SFTTrainer, --remat unsloth: Unsloth's
-  use_gradient_checkpointing="unsloth"), its JSON line with "side": "ours". Its trainable_params counts the layer
-  stacks' factors, the attention projections' slots of the DeltaNet layers (unused) included, so it exceeds PEFT's.
+  use_gradient_checkpointing="unsloth"), its JSON line with "side": "ours" (its trainable_params equals PEFT's: each
+  token mixer's projections are stacked over its own layers only).
 - side "hf": transformers Qwen3_5ForCausalLM bf16 (sdpa attention) + peft.get_peft_model, gradient checkpointing
   (use_reentrant=False, as Unsloth's "unsloth" setting is for PEFT), torch.optim.AdamW; forward(labels) + backward
   + clip + step, each step synchronised. Which gated-delta / conv1d path transformers ran is recorded: the
