@@ -561,6 +561,11 @@ def run_batch(seed: int, cases: dict[str, list]) -> None:
 
 
 if __name__ == "__main__":
+    # Programs run one at a time: with async dispatch, XLA's CPU runtime can start the next program's partitions
+    # (a reshard's all-gather) while the last step's all-reduce still waits for a partition that has no thread yet
+    # on a 2-core machine; the two rendezvous then wait on each other until XLA aborts (seen once in CI, a resumed
+    # 4-device trainer). GPUs run collectives in stream order and are not affected.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     name, seed = sys.argv[1], int(sys.argv[2])
     kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     if name == "batch":

@@ -261,7 +261,8 @@ def test_grouped_experts_pallas_kernel_equals_ragged_dot(seed):
             results[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, lora_state)
         assert ops.chosen_impls(policy)["grouped_matmul"] == impl
     (v_x, g_x), (v_p, g_p) = results["xla"], results["pallas"]
-    assert rel_err(v_p, v_x) < 1e-5
+    # the loss is a sum of terms of both signs: their rounding over |sum| (a CI seed gave 1.5e-5); a wrong path is O(1)
+    assert rel_err(v_p, v_x) < 1e-4
     for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_x)):
         assert rel_err(a, b) < 1e-5
 
