@@ -1,5 +1,11 @@
-"""The ANCHORS.md model shapes (and the Gemma 3 / Phi-3 ones of issue 18, issue 46's Qwen3.5 / SmolLM3 / GLM-4.5)
-as transformers config kwargs."""
+"""The ANCHORS.md model shapes (and the Gemma 3 / Phi-3 ones of issue 18, issue 46's Qwen3.5 / SmolLM3 / GLM-4.5 /
+Gemma 4) as transformers config kwargs."""
+# What Gemma 4 E2B and its tiny twin share: one kv head, the KV-shared layers' double-wide MLP, tied, softcap 30,
+# and the period of 4 sliding layers then 1 full
+_GEMMA4 = dict(model_type="gemma4_text", num_key_value_heads=1, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+               tie_word_embeddings=True, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
+_GEMMA4_PERIOD = ["sliding_attention"] * 4 + ["full_attention"]
+
 SHAPES = {
     "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -81,20 +87,14 @@ SHAPES = {
     # 35 layers, 4 sliding : 1 full, head_dim 256 / global_head_dim 512 on the full layers, 1 kv head, the last 20
     # layers KV-shared with a double-wide MLP, per-layer inputs of 256, vocabulary 262144, tied, final softcap 30).
     # As a gemma4_text (Gemma4ForCausalLM) checkpoint: the released repository is the multimodal gemma4 type.
-    "gemma4-e2b": dict(model_type="gemma4_text", hidden_size=1536, intermediate_size=6144, num_hidden_layers=35,
-                       num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
-                       vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
-                       num_kv_shared_layers=20, use_double_wide_mlp=True, sliding_window=512,
-                       layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
-                       final_logit_softcapping=30.0, max_position_embeddings=131072, tie_word_embeddings=True,
-                       rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh"),
-    "gemma4-tiny": dict(model_type="gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=10,
-                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
-                        vocab_size=512, vocab_size_per_layer_input=512, hidden_size_per_layer_input=8,
-                        num_kv_shared_layers=5, use_double_wide_mlp=True, sliding_window=16,
-                        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
-                        final_logit_softcapping=30.0, max_position_embeddings=4096, tie_word_embeddings=True,
-                        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh"),
+    "gemma4-e2b": dict(_GEMMA4, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                       head_dim=256, global_head_dim=512, vocab_size=262144, vocab_size_per_layer_input=262144,
+                       hidden_size_per_layer_input=256, num_kv_shared_layers=20, sliding_window=512,
+                       layer_types=_GEMMA4_PERIOD * 7, max_position_embeddings=131072),
+    "gemma4-tiny": dict(_GEMMA4, hidden_size=64, intermediate_size=128, num_hidden_layers=10, num_attention_heads=4,
+                        head_dim=16, global_head_dim=32, vocab_size=512, vocab_size_per_layer_input=512,
+                        hidden_size_per_layer_input=8, num_kv_shared_layers=5, sliding_window=16,
+                        layer_types=_GEMMA4_PERIOD * 2, max_position_embeddings=4096),
     # GLM-4.5-Air cut to 3 of its 46 layers (the first dense, two MoE), about 13 GB of bf16 weights: its
     # config.json values (as in PrimeIntellect/INTELLECT-3-Base, a GLM-4.5-Air continuation with the same
     # architecture): hidden 4096, dense FFN 10944, 128 routed experts of 1408 + 1 shared, top 8 of 1 group
