@@ -168,7 +168,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale, chu
     check_inputs(q, k, v, g, beta, initial_state)
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunked_gated_delta_rule: chunk must be a power of two; got {chunk}")
-    b, t, hk, dk = q.shape
+    b, t, _, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     chunk = min(chunk, 1 << max(t - 1, 0).bit_length())
     # float32 inputs get full-precision float32 products (the GPU's default would be TF32); 16-bit inputs the default

@@ -76,8 +76,7 @@ def default_tiles(t: int, dk: int, dv: int, ieee: bool = False) -> tuple[int, in
     dots, `ieee`; at most the power of two >= T) with a block_v dividing dv whose smem_bytes fit SMEM_LIMIT, the
     widest such block_v."""
     cap = min(32 if ieee else 64, max(16, next_pow2(t)))
-    for chunk in (64, 32, 16):
-        chunk = min(chunk, cap)
+    for chunk in sorted({min(c, cap) for c in (64, 32, 16)}, reverse=True):
         block_v = dv
         while block_v > 16 and smem_bytes(chunk, dk, block_v) > SMEM_LIMIT:
             block_v //= 2

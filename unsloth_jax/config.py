@@ -589,11 +589,11 @@ _QWEN_VL_TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id"
                      "vision_config", "model_type", "architectures", "text_config", "tie_word_embeddings")
 
 
-def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_type: str, text_family,
+def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_family,
                 default_section: tuple, default_theta: float) -> tuple[ModelConfig, tuple, dict]:
-    """The text decoder of a Qwen vision-language config: text_raw (its text fields) parsed as `text_type` with the
-    dtype from the top level where transformers 5 writes it, and its M-RoPE checked (parsed by `text_family`, a families.TextFamily) -> (the text ModelConfig,
-    mrope_section, the rope parameters as read)."""
+    """The text decoder of a Qwen vision-language config: text_raw (its text fields) parsed by `text_family` (a
+    families.TextFamily, as its first model type) with the dtype from the top level where transformers 5 writes
+    it, and its M-RoPE checked -> (the text ModelConfig, mrope_section, the rope parameters as read)."""
     if not (text_raw.get("torch_dtype") or text_raw.get("dtype")):  # transformers 5 writes it at the top level
         text_raw["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype")
     params = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
@@ -603,7 +603,7 @@ def _mrope_text(raw: dict, text_raw: dict, source: str, *, family: str, text_typ
         raise ConfigError(f"{source}: {family} rope type {rope_type!r} is not supported (only default / mrope)")
     theta = params.get("rope_theta", text_raw.get("rope_theta", default_theta))
     text_raw = {k: v for k, v in text_raw.items() if k not in ("rope_parameters", "rope_scaling")}
-    text_raw.update(model_type=text_type, rope_theta=theta)
+    text_raw.update(model_type=text_family.model_types[0], rope_theta=theta)
     if "partial_rotary_factor" in params:  # Qwen3.5: RoPE (and so M-RoPE) on part of each head
         text_raw.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
     text = parse_text_config(text_raw, source + " text_config", text_family)
@@ -629,8 +629,8 @@ def _parse_qwen_vl(raw: dict, source: str, text_family) -> QwenVLConfig:
     if "tie_word_embeddings" in raw:
         text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
     text_raw.setdefault("tie_word_embeddings", False)
-    text, section, _ = _mrope_text(raw, text_raw, source, family="Qwen2.5-VL", text_type="qwen2",
-                                   text_family=text_family, default_section=(16, 24, 24), default_theta=1000000.0)
+    text, section, _ = _mrope_text(raw, text_raw, source, family="Qwen2.5-VL", text_family=text_family,
+                                   default_section=(16, 24, 24), default_theta=1000000.0)
     v = dict(raw.get("vision_config") or {})
     if v.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: vision_config.hidden_act {v.get('hidden_act')!r} is not supported (only silu)")
@@ -708,7 +708,7 @@ class Qwen3VLConfig(QwenVLConfig):
     # messages, text_config's model_type and the text family it is parsed as, the default rope_theta, and whether
     # the tower has DeepStack
     FAMILY: ClassVar[str] = "Qwen3-VL"
-    TEXT_TYPES: ClassVar[tuple[str, str]] = ("qwen3_vl_text", "qwen3")
+    TEXT_TYPE: ClassVar[str] = "qwen3_vl_text"  # text_config's model_type (parsed by the text family given)
     DEFAULT_THETA: ClassVar[float] = 5000000.0
     DEEPSTACK: ClassVar[bool] = True
 
@@ -729,12 +729,12 @@ def _parse_qwen3_vl(cls: type, raw: dict, source: str, text_family) -> Qwen3VLCo
     if not isinstance(text_raw, dict):
         raise ConfigError(f"{source}: text_config must be an object, got {type(text_raw).__name__}")
     text_raw = dict(text_raw)
-    text_type, parse_as = cls.TEXT_TYPES
+    text_type = cls.TEXT_TYPE
     if text_raw.get("model_type", text_type) != text_type:
         raise ConfigError(f"{source}: text_config.model_type is {text_raw['model_type']!r}, expected '{text_type}'")
     text_raw["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
-    text, section, params = _mrope_text(raw, text_raw, source, family=cls.FAMILY, text_type=parse_as,
-                                        text_family=text_family, default_section=cls.mrope_section, default_theta=cls.DEFAULT_THETA)
+    text, section, params = _mrope_text(raw, text_raw, source, family=cls.FAMILY, text_family=text_family,
+                                        default_section=cls.mrope_section, default_theta=cls.DEFAULT_THETA)
     if params.get("mrope_interleaved") is False:
         raise ConfigError(f"{source}: text_config.rope_parameters.mrope_interleaved=false is not {cls.FAMILY}'s "
                           "M-RoPE")
@@ -795,7 +795,7 @@ class Qwen3_5Config(Qwen3VLConfig):
     vision_end_token_id: int = 248054
     model_type: str = "qwen3_5"
     FAMILY: ClassVar[str] = "Qwen3.5"
-    TEXT_TYPES: ClassVar[tuple[str, str]] = ("qwen3_5_text", "qwen3_5_text")
+    TEXT_TYPE: ClassVar[str] = "qwen3_5_text"
     DEFAULT_THETA: ClassVar[float] = 10000.0
     DEEPSTACK: ClassVar[bool] = False  # Qwen3_5VisionModel deletes DeepStack
 

@@ -126,7 +126,8 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
     if settings.bias != "none" and model.config.expert_bias:
         raise ValueError(f"bias={settings.bias!r} is not supported for {model.config.model_type}: its router and "
                          "expert biases have no PEFT adapter form; use bias='none'")
-    projs = model.projections()
+    stacks = model.projection_stacks()  # (submodule, name) -> Linear
+    projs = {name for _, name in stacks}
     no_linear = [t for t in targets if t in LINEAR_PROJS and t not in projs]
     if no_linear:  # Qwen3.5's linear-attention projections ("all-linear" names them for every model)
         log.debug("unsloth_jax: target_modules %s: this model has no linear-attention layers", no_linear)
@@ -141,13 +142,13 @@ def add_lora(model: CausalLM, settings: LoraSettings, key: jax.Array) -> CausalL
         raise ValueError(f"nothing to adapt: target_modules {list(settings.target_modules)} and target_parameters "
                          f"{list(settings.target_parameters or [])} match nothing in this model")
     keys = jax.random.split(key, len(targets)) if targets else []
-    for (_, name), lin in model.projection_stacks().items():
+    for (_, name), lin in stacks.items():
         if name not in targets:
             lin.lora_a = lin.lora_b = None
             lin.lora_scale = None
     for name, k in zip(targets, keys):
         # every submodule holding the projection (Gemma 4's global_attn, ...: config.KIND_MODULES), its own key
-        for j, lin in enumerate(lin for (_, n), lin in model.projection_stacks().items() if n == name):
+        for j, lin in enumerate(lin for (_, n), lin in stacks.items() if n == name):
             lin.lora_a, lin.lora_b = _lora_pair(k if j == 0 else jax.random.fold_in(k, j), stack_of(lin),
                                                 lin.in_features, lin.out_features, settings.r)
             lin.lora_scale = float(settings.scale)
@@ -272,7 +273,7 @@ def count(tree) -> int:
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     total = 0
-    for _, var in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    for var in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         if isinstance(var, Buffer):
             continue
         value = value_of(var) if isinstance(var, nnx.Variable) else var

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 
-from unsloth_jax.config import layer_windows, need, rope_fields
+from unsloth_jax.config import layer_windows, need, no_layer_windows, rope_fields
 from unsloth_jax.errors import ConfigError
 from unsloth_jax.families.base import TextFamily
 from unsloth_jax.families.tensors import LLAMA_TENSORS, QK_NORM, SANDWICH
@@ -57,7 +57,8 @@ def _gemma3_fields(raw: dict, source: str) -> dict:
     return out
 
 
-GEMMA3_TEXT = TextFamily("Gemma 3", ("gemma3_text",), config_fields=_gemma3_fields,
+# its windows come from _gemma3_fields
+GEMMA3_TEXT = TextFamily("Gemma 3", ("gemma3_text",), config_fields=_gemma3_fields, layer_windows=no_layer_windows,
                          activation_key="hidden_activation", layer_tensors=LLAMA_TENSORS + SANDWICH + QK_NORM)
 
 __all__ = ["GEMMA3_TEXT"]

@@ -546,10 +546,16 @@ def _kept_entries(model, layout) -> list[_Entry]:
             f"cannot write the merged {layout.architecture} checkpoint: its tower tensors are copied from the source "
             f"directory {model.model_dir!r}, which does not exist")
 
+    opened: dict = {}  # the shard read last, kept open: the entries are written in file order
+
     def reader(path, name):
         def read() -> np.ndarray:
-            with SafetensorsFile(path) as f:
-                return np.array(f.get(name))  # a copy: the file's map closes after
+            if path not in opened:
+                for f in opened.values():
+                    f.close()
+                opened.clear()
+                opened[path] = SafetensorsFile(path)
+            return np.array(opened[path].get(name))  # a copy; the last shard closes with the entries
         return read
 
     entries = []

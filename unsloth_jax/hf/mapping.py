@@ -107,11 +107,12 @@ def tensor_specs(cfg: ModelConfig, expert_layout: str | None = None) -> dict[str
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", ("lm_head", "weight"), None, "embed", (cfg.vocab_size, d))
+    entries = layer_entries(cfg)
     for i in range(cfg.num_hidden_layers):
         attn, mlp = layer_module(cfg, "self_attn", i), layer_module(cfg, "mlp", i)
         shapes = _proj_shapes(cfg, attn, mlp)
         hd = attention_dims(cfg, attn)[0]
-        for suffix, sub, kind in layer_entries(cfg):
+        for suffix, sub, kind in entries:
             if not layer_has(cfg, i, suffix):
                 continue
             if sub[0] in HF_MODULE:  # the layer's own submodule for HF's self_attn / mlp (Gemma 4's kinds)

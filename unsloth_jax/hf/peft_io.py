@@ -292,11 +292,12 @@ def load_adapter(model, adapter_dir):
         raise CheckpointNotFoundError(f"{adapter_dir}: no {WEIGHTS_NAME}{hint}")
 
     projs = model.projections()
+    all_stacks = model.projection_stacks()  # (our submodule, projection) -> Linear
     for p in targets:
         if p not in projs:
             raise ConfigError(f"{cfg_path}: target {p} does not exist in this {cfg.model_type} model")
     # by (our submodule, projection): Gemma 4's global_attn etc. beside self_attn (config.KIND_MODULES)
-    stacks = {key: lin for key, lin in model.projection_stacks().items() if key[1] in targets}
+    stacks = {key: lin for key, lin in all_stacks.items() if key[1] in targets}
     dims = {key: (lin.in_features, lin.out_features) for key, lin in stacks.items()}
     lora_a = {key: np.zeros((len(stack_holders(cfg, key[0])), dims[key][0], r), np.float32) for key in stacks}
     lora_b = {key: np.zeros((len(stack_holders(cfg, key[0])), r, dims[key][1]), np.float32) for key in stacks}
@@ -371,7 +372,6 @@ def load_adapter(model, adapter_dir):
         raise MissingTensorError(f"{weights}: adapter is missing {len(missing)} LoRA tensor(s): {shown}")
 
     new_biases = {}
-    all_stacks = model.projection_stacks()
     for sub, proj in {(s, p) for s, p, _ in biases}:
         current = all_stacks[(sub, proj)].bias[...]
         b = np.array(current, dtype=np.float32)

@@ -33,8 +33,6 @@ from unsloth_jax.models.state import variable_at
 
 log = logging.getLogger("unsloth_jax")
 
-_PROCESSOR_FILES = export.PROCESSOR_FILES
-
 
 def _lora_modules(model) -> list[tuple[str, object, list[int]]]:
     """(module path with {i}, Linear, (layer, its row in the stack) of the layers holding it) of every projection
@@ -94,7 +92,7 @@ def _save_processor(model, directory: Path, processor) -> None:
     src = Path(model.model_dir) if model.model_dir is not None else None
     if src is None or not src.is_dir():
         return
-    for fname in export._TOKENIZER_FILES + _PROCESSOR_FILES:
+    for fname in export._TOKENIZER_FILES + export.PROCESSOR_FILES:
         if (src / fname).is_file():
             shutil.copyfile(src / fname, directory / fname)
 

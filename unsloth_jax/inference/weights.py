@@ -37,7 +37,8 @@ from flax import nnx
 
 from unsloth_jax import ops
 from unsloth_jax.backend import commit_to_devices
-from unsloth_jax.models.layer_stack import layer_graphdef, layer_row, layer_rows, missing_subs
+from unsloth_jax.config import layer_slot, stack_holders
+from unsloth_jax.models.layer_stack import layer_graphdefs, layer_rows
 from pallas_kernels.fp8 import FP8Weight, quantize_fp8_weight
 from pallas_kernels.nf4_format import NF4Weight
 
@@ -60,13 +61,11 @@ class LayerPlan(NamedTuple):
 
 def _plan(graphdef, layers, cfg, sliced: bool) -> LayerPlan:
     """The LayerPlan of the stacked layer module `layers` (its graphdef, or a clone's of the same structure)."""
+    graphdefs, kind = layer_graphdefs(layers, cfg)
     subs = tuple(nnx.state(layers).keys())
-    missing = [missing_subs(cfg, subs, i) for i in range(cfg.num_hidden_layers)]
-    distinct = list(dict.fromkeys(missing))
-    rows = tuple(tuple((sub, layer_row(cfg, sub, i)) for sub in subs if sub not in gone)
-                 for i, gone in enumerate(missing))
-    return LayerPlan(graphdef, tuple(layer_graphdef(layers, m) for m in distinct),
-                     tuple(distinct.index(m) for m in missing), rows, sliced)
+    rows = tuple(tuple((sub, layer_slot(cfg, sub, i)) for sub in subs if i in stack_holders(cfg, sub))
+                 for i in range(cfg.num_hidden_layers))
+    return LayerPlan(graphdef, graphdefs, kind, rows, sliced)
 
 
 class DecodeWeights(NamedTuple):
@@ -101,16 +100,10 @@ _copy_layers = jax.jit(_copy_layers, static_argnums=(2, 3))
 
 
 def _projections(layer_module):
-    """Every Linear of a (stacked) decoder layer, of each submodule standing for its HF parent
-    (config.KIND_MODULES: Gemma 4's global_attn, wide_mlp, ...)."""
-    from unsloth_jax.config import KIND_MODULES
-    from unsloth_jax.models.decoder import PROJ_PARENT
+    """Every Linear of a (stacked) decoder layer (decoder.layer_projections: Gemma 4's global_attn, wide_mlp, ...)."""
+    from unsloth_jax.models.decoder import layer_projections
 
-    for name, parent in PROJ_PARENT.items():
-        for sub in KIND_MODULES.get(parent, (parent,)):
-            lin = getattr(getattr(layer_module, sub, None), name, None)
-            if lin is not None:
-                yield lin
+    return iter(layer_projections(layer_module).values())
 
 
 class MergeBuffers:
@@ -253,6 +246,8 @@ def _prepare_merged_buffer(graphdef, state, layers, cfg, dtype, buffers: MergeBu
     buffers.kernels = fresh
     return (_plan(graphdef, clone, cfg, True),
             DecodeWeights(state, nnx.state(clone), tuple(() for _ in range(cfg.num_hidden_layers))))
+
+
 _unstack_jit = jax.jit(_unstack, static_argnums=(1,))
 
 

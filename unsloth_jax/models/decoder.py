@@ -55,6 +55,18 @@ PROJ_PARENT = {p: "self_attn" for p in ATTN_PROJS} | {p: "mlp" for p in MLP_PROJ
 PROJ_PARENT |= {p: "linear_attn" for p in LINEAR_PROJS}  # Qwen3.5's linear-attention layers
 
 
+def layer_projections(layers) -> dict:
+    """Every projection (`Linear`) of a (stacked) decoder layer module: (submodule, HF name) -> Linear, each
+    submodule of config.KIND_MODULES standing for the HF parent (PROJ_PARENT) of the name, in PROJ_PARENT order."""
+    found = {}
+    for name, parent in PROJ_PARENT.items():
+        for sub in KIND_MODULES.get(parent, (parent,)):
+            lin = getattr(getattr(layers, sub, None), name, None)
+            if lin is not None:
+                found[(sub, name)] = lin
+    return found
+
+
 class DecoderLayer(nnx.Module):
     """One pre-norm decoder layer (Gemma 2, 3, 4: with sandwich norms around attention and the MLP; Gemma 4: then
     the per-layer input block and the layer's scalar)."""
@@ -299,14 +311,7 @@ class CausalLM(nnx.Module):
         Linear, e.g. ("self_attn", "q_proj"), and for Gemma 4 ("global_attn", "q_proj"), ("wide_mlp",
         "up_proj"): each submodule of config.KIND_MODULES standing for the HF parent (PROJ_PARENT) of the name,
         stacked over the layers holding it (config.stack_holders)."""
-        layers = self.model.layers
-        found = {}
-        for name, parent in PROJ_PARENT.items():
-            for sub in KIND_MODULES.get(parent, (parent,)):
-                lin = getattr(getattr(layers, sub, None), name, None)
-                if lin is not None:
-                    found[(sub, name)] = lin
-        return found
+        return layer_projections(self.model.layers)
 
     def expert_projections(self) -> dict:
         """The stacked expert projections (`GroupedLinear`s) of a MoE model by PEFT parameter name

@@ -398,6 +398,15 @@ def layer_graphdef(layers: nnx.Module, missing: frozenset[str]) -> nnx.GraphDef:
     return nnx.graphdef(clone)
 
 
+def layer_graphdefs(layers: nnx.Module, cfg: ModelConfig) -> tuple[tuple[nnx.GraphDef, ...], tuple[int, ...]]:
+    """(one graphdef per distinct set of submodules the layers of `layers` lack (layer_graphdef), and for each of
+    the L layers the index of its graphdef): Qwen3.5's two mixers give two, a uniform stack one."""
+    subs = tuple(nnx.state(layers).keys())
+    missing = [missing_subs(cfg, subs, i) for i in range(cfg.num_hidden_layers)]
+    distinct = list(dict.fromkeys(missing))
+    return tuple(layer_graphdef(layers, m) for m in distinct), tuple(distinct.index(m) for m in missing)
+
+
 def layer_row(cfg: ModelConfig, sub: str, layer: int, first: int = 0) -> int:
     """The row of layer `layer` in submodule `sub`'s stack counted from layer `first` (the holders in between)."""
     return sum(first <= h < layer for h in stack_holders(cfg, sub))
@@ -460,13 +469,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
     shared: dict = {}  # source layer -> ((k, v), its updated cache arrays or None), filled segment by segment
     ropes = layer_ropes(cfg, cos, sin, local_rope)
     state = nnx.state(layers)
-    graphdefs: dict = {}  # a layer's missing submodules -> its graphdef (layer_graphdef), built once per kind
-
-    def graphdef_of(layer: int) -> nnx.GraphDef:
-        missing = missing_subs(cfg, state.keys(), layer)
-        if missing not in graphdefs:
-            graphdefs[missing] = layer_graphdef(layers, missing)
-        return graphdefs[missing]
+    graphdefs, kind = layer_graphdefs(layers, cfg)
 
     unroll = policy.layer_loop is LayerLoop.UNROLLED  # True: no while loop, every layer's weights a static slice
     keep = attention_residuals_saveable if policy.offload is Offload.INPUTS_AND_ATTENTION else None
@@ -480,7 +483,7 @@ def run_layers(layers: nnx.Module, cfg: ModelConfig, x: jax.Array, cos, sin, bat
         for j in range(len(group_ropes)):
             i = first + j
             one = layer_rows(layer_states, cfg, i, first)
-            layer = nnx.merge(graphdef_of(i), gathered(one))
+            layer = nnx.merge(graphdefs[kind[i]], gathered(one))
             layer_cache = None
             if cache is not None:
                 layer_cache = cache._replace(k=xs_group["k"][j], v=xs_group["v"][j])  # KVCache or a variant

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from unsloth_jax.config import Qwen3VisionConfig, Qwen3VLConfig
-from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, checkpointed, layer_graphdef, layer_row,
+from unsloth_jax.models.layer_stack import (NO_REMAT, LayerStackPolicy, checkpointed, layer_graphdef, stack_rows,
                                             require_policy, run_layers)
 from unsloth_jax.models.layers import Embedding, Linear
 from unsloth_jax.models.rope import mrope_tables
@@ -213,11 +213,8 @@ def layer_slice(layers: nnx.Module, cfg, start: int, stop: int) -> nnx.Module:
     """Layers start .. stop-1 of a stacked layer module (text config `cfg`), as a stacked module of their own:
     each submodule's rows of those layers (config.stack_holders), one no layer of them holds left out (None)."""
     state = nnx.state(layers)
-    rows = {sub: (layer_row(cfg, sub, start), layer_row(cfg, sub, stop)) for sub in state.keys()}
-    missing = frozenset(sub for sub, (a, b) in rows.items() if a == b)
-    kept = nnx.State({sub: jax.tree.map(lambda x, a=a, b=b: x[a:b], state[sub])
-                      for sub, (a, b) in rows.items() if sub not in missing})
-    return nnx.merge(layer_graphdef(layers, missing), kept)
+    kept = stack_rows(state, cfg, start, (stop - start,))  # one group of stop - start layers
+    return nnx.merge(layer_graphdef(layers, frozenset(state.keys()) - frozenset(kept.keys())), kept)
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
